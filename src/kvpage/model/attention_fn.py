@@ -1,0 +1,31 @@
+"""The contract between the model and the paged KV cache.
+
+The model never sees cache tensors, block tables or KV formats. For every
+attention layer it calls an :data:`AttentionFn` with the current step's
+queries, keys and values (after RoPE); the engine builds that callable over the
+paged cache (:mod:`kvpage.ops.attention`) for one forward pass.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionFn(Protocol):
+    """Attention over the paged KV cache for one layer of one forward pass.
+
+    Args:
+        layer_index: global layer index (0-based; draft/MTP layers follow main layers).
+        q: ``[num_tokens, num_heads, head_dim]`` queries of this step's tokens, RoPE applied.
+        k: ``[num_tokens, num_kv_heads, head_dim]`` keys of this step's tokens, RoPE applied.
+        v: ``[num_tokens, num_kv_heads, head_dim]`` values of this step's tokens.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` attention output, dtype of ``q``.
+
+    The tokens of all requests in the batch are concatenated along dim 0
+    (varlen layout); the callable knows which request each token belongs to.
+    """
+
+    def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
