@@ -1,0 +1,111 @@
+"""Decode speed per KV format: kvpage batch 1 and 8 against transformers ``generate()`` batch 1, in one run.
+
+Usage::
+
+    python benchmarks/decode.py [--tokens 64] [--threads 1] [--dtypes float32,bfloat16]
+                                [--formats float32,bfloat16,int8,fp8]
+
+Decode tokens/s excludes prefill: for kvpage it is ``(output_tokens - 1) /
+(finish time - first token time)`` of each request; for transformers it is
+``(N - 1) / (t(N tokens) - t(1 token))`` of two greedy ``generate()`` calls on
+the same prompt (DynamicCache). Both run greedy with EOS ignored, on the same
+weights (the bundled SmolLM2 GGUF) and the same thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from kvpage import LLM, SamplingParams  # noqa: E402
+from kvpage.model.loader import default_model_path  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France, and what is it famous for?",
+    "Explain how a hash table works in two sentences.",
+    "Write a short poem about the sea.",
+    "List three uses of copper.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "What is photosynthesis?",
+    "Describe the rules of chess briefly.",
+]
+
+
+def bench_kvpage(llm: LLM, batch: int, tokens: int) -> float:
+    """Decode tokens/s of ``batch`` chat prompts generating ``tokens`` tokens each (greedy, EOS ignored)."""
+    prompts = [llm.chat_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    outs = llm.generate(prompts, params)
+    first = min(o.metrics.time_to_first_token_s for o in outs)
+    last = max(o.metrics.total_time_s for o in outs)
+    produced = sum(o.metrics.output_tokens - 1 for o in outs)
+    return produced / (last - first)
+
+
+def bench_transformers(dtype: torch.dtype, tokens: int) -> float:
+    """Decode tokens/s of transformers ``generate()`` batch 1 (DynamicCache), same prompt and weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t
+
+    run(4)  # warm-up
+    t1 = min(run(1) for _ in range(2))
+    tn = run(tokens)
+    return (tokens - 1) / (tn - t1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="model compute dtypes for kvpage and transformers")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,fp8")
+    ap.add_argument("--batches", default="1,8")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtypes = args.dtypes.split(",")
+    rows: list[tuple[str, str, str, int, float]] = []
+    for dt in dtypes:
+        hf = bench_transformers(getattr(torch, dt), args.tokens)
+        rows.append(("transformers generate", dt, "DynamicCache", 1, hf))
+        print(f"transformers {dt} batch 1: {hf:.1f} tokens/s", file=sys.stderr, flush=True)
+    for dt in dtypes:
+        for fmt in args.formats.split(","):
+            llm = LLM(kv_cache_dtype=fmt, dtype=dt, progress=False, kv_cache_memory_bytes=64 * 2**20)
+            for b in (int(x) for x in args.batches.split(",")):
+                r = bench_kvpage(llm, b, args.tokens)
+                rows.append(("kvpage", dt, fmt, b, r))
+                print(f"kvpage {dt} {fmt} batch {b}: {r:.1f} tokens/s", file=sys.stderr, flush=True)
+            del llm
+    base = {dt: next(r[4] for r in rows if r[0] == "transformers generate" and r[1] == dt) for dt in dtypes}
+    base32 = base.get("float32", next(iter(base.values())))
+    print(f"\nDecode throughput, SmolLM2-135M-Instruct, {args.tokens} tokens/request, {args.threads} thread(s), "
+          f"torch {torch.__version__}")
+    head = f"| {'engine':<22} | {'weights':<8} | {'KV cache':<12} | batch | {'tokens/s':>8} | vs HF same dtype | vs HF float32 |"
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for eng, dt, fmt, b, r in rows:
+        print(f"| {eng:<22} | {dt:<8} | {fmt:<12} | {b:>5} | {r:>8.1f} | {r / base[dt]:>15.2f}x | {r / base32:>12.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Cache management: tensor allocation and copies (controller) and tensor-free block bookkeeping."""

@@ -1,0 +1,278 @@
+"""``CacheController``: allocates the per-layer cache tensors a :class:`~kvpage.spec.CacheSpec` describes and moves blocks between tiers.
+
+This is the worker side of FastDeploy's cache manager v1 (``CacheController``:
+``initialize_kv_cache``, ``initialize_host_cache``, swaps addressed by block
+id), with one difference that matters: every dtype and shape comes from the
+spec's layer groups, for main layers, draft/MTP layers and host blocks alike,
+so a quantized cache is never allocated in the model dtype (FastDeploy PR
+7757) and scale tensors always exist where the format has them and move with
+their block (FastDeploy PRs 5125, 5390).
+
+A layer's cache is a ``dict`` name -> ``[num_blocks, *per_block_shape]``
+tensor (see :mod:`kvpage.formats.base` for the per-block layout).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.errors import KVPageError
+from kvpage.formats import TensorSpec
+from kvpage.spec import CacheSpec, LayerGroupSpec
+
+#: One layer's cache: tensor name -> ``[num_blocks, *per_block_shape]``.
+LayerCache = dict[str, torch.Tensor]
+
+
+class CacheAllocationError(KVPageError, RuntimeError):
+    """A cache tier could not allocate a layer group's tensors (FastDeploy PR 7787: never run on without them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockBudget:
+    """How a memory budget is split into blocks (:meth:`CacheController.num_blocks_for_budget`).
+
+    All groups share one block table, so they get the same number of blocks and
+    the budget splits between groups in proportion to their bytes per block
+    (e.g. 32 main + 4 draft layers of equal size: 32/36 and 4/36).
+
+    Attributes:
+        num_blocks: blocks every layer group gets.
+        bytes_per_block: bytes of one block across all groups.
+        group_bytes: group name -> bytes that group's tensors take (``num_blocks * group bytes_per_block``).
+        budget_bytes: the budget asked for.
+    """
+
+    num_blocks: int
+    bytes_per_block: int
+    group_bytes: dict[str, int]
+    budget_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the allocation will take; never more than ``budget_bytes``."""
+        return sum(self.group_bytes.values())
+
+
+def _check_ids(name: str, ids: Sequence[int], num_blocks: int) -> torch.Tensor:
+    idx = torch.as_tensor(list(ids), dtype=torch.long)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_blocks):
+        raise IndexError(f"{name} {idx.tolist()} out of range for a tier of {num_blocks} blocks")
+    return idx
+
+
+class CacheController:
+    """Owns the KV tensors of one engine: device (main + draft/MTP) and host tiers.
+
+    Args:
+        spec: the layout; every allocation follows it.
+        device: torch device of the device tier (``"cpu"`` or ``"cuda"``). The
+            host tier is always on the CPU, pinned when ``device`` is CUDA.
+        fill_value: value new device tensors are filled with (tests use NaN
+            to catch reads of unwritten slots); ``None`` zero-fills.
+
+    Attributes:
+        device_caches: global layer index -> :data:`LayerCache` on ``device``.
+        host_caches: global layer index -> :data:`LayerCache` on the CPU.
+    """
+
+    def __init__(self, spec: CacheSpec, device: str | torch.device = "cpu", fill_value: float | None = None) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        self.fill_value = fill_value
+        self.device_caches: dict[int, LayerCache] = {}
+        self.host_caches: dict[int, LayerCache] = {}
+        self.num_device_blocks = 0
+        self.num_host_blocks = 0
+
+    # -- sizing ------------------------------------------------------------------------------
+    def num_blocks_for_budget(self, budget_bytes: int, groups: Iterable[str] | None = None) -> BlockBudget:
+        """Largest block count whose tensors fit in ``budget_bytes``.
+
+        Uses exactly the bytes :meth:`initialize_kv_cache` and
+        :meth:`initialize_draft_kv_cache` then allocate (scales and packing
+        included), so allocating the result never exceeds the budget.
+
+        Args:
+            budget_bytes: bytes available for KV tensors (all groups together).
+            groups: group names to size for; default every group of the spec.
+
+        Raises:
+            ValueError: negative budget.
+        """
+        if budget_bytes < 0:
+            raise ValueError(f"budget must be >= 0 bytes, got {budget_bytes}")
+        chosen = [g for g in self.spec.groups if groups is None or g.name in set(groups)]
+        per_block = sum(g.bytes_per_block for g in chosen)
+        n = budget_bytes // per_block
+        return BlockBudget(n, per_block, {g.name: n * g.bytes_per_block for g in chosen}, budget_bytes)
+
+    # -- allocation --------------------------------------------------------------------------
+    def _allocate(self, t: TensorSpec, num_blocks: int, device: torch.device, pin: bool) -> torch.Tensor:
+        """One ``[num_blocks, *t.shape]`` tensor of ``t.dtype``. Overridden in tests to inject failures."""
+        shape = (num_blocks, *t.shape)
+        if device.type == "cpu":
+            x = torch.zeros(shape, dtype=t.dtype, pin_memory=pin)
+        else:
+            x = torch.zeros(shape, dtype=t.dtype, device=device)
+        if self.fill_value is not None and t.dtype.is_floating_point:
+            x.fill_(self.fill_value)
+        return x
+
+    def _allocate_group(
+        self, group: LayerGroupSpec, num_blocks: int, device: torch.device, pin: bool, tier: str
+    ) -> dict[int, LayerCache]:
+        out: dict[int, LayerCache] = {}
+        for i in group.layer_indices:
+            layer: LayerCache = {}
+            for t in group.layer.tensors:
+                try:
+                    layer[t.name] = self._allocate(t, num_blocks, device, pin)
+                except (RuntimeError, MemoryError) as e:
+                    raise CacheAllocationError(
+                        f"{tier} tier: could not allocate {t.name!r} of layer {i} ({group.name} group, "
+                        f"{num_blocks} blocks x {t.nbytes} bytes, {t.dtype}): {e}. Lower the block count "
+                        f"(swap space / memory budget) or free memory; refusing to run with missing {tier} buffers."
+                    ) from e
+            group.layer.validate(layer, layer_index=i, num_blocks=num_blocks)
+            out[i] = layer
+        return out
+
+    def initialize_kv_cache(self, num_blocks: int) -> dict[int, LayerCache]:
+        """Allocate the main layers' device cache.
+
+        Args:
+            num_blocks: blocks per layer (``num_gpu_blocks``).
+
+        Returns:
+            global layer index -> tensors, for the main group.
+
+        Raises:
+            ValueError: ``num_blocks <= 0``.
+            CacheAllocationError: a tensor could not be allocated.
+        """
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        caches = self._allocate_group(self.spec.main, num_blocks, self.device, False, "device")
+        self.device_caches.update(caches)
+        self.num_device_blocks = num_blocks
+        return caches
+
+    def initialize_draft_kv_cache(
+        self, num_blocks: int, num_draft_layers: int | None = None, layer_offset: int | None = None
+    ) -> dict[int, LayerCache]:
+        """Allocate the draft/MTP layers' device cache, from the spec's ``draft`` group.
+
+        Draft layers share the request's block table, so they have the main
+        cache's block count. ``num_draft_layers`` and ``layer_offset``
+        (FastDeploy's arguments) are checked against the spec, never used to
+        decide a layout.
+
+        Raises:
+            KeyError: the spec has no draft group.
+            ValueError: the arguments disagree with the spec, or with the main block count.
+            CacheAllocationError: a tensor could not be allocated.
+        """
+        group = self.spec.group("draft")
+        if num_draft_layers is not None and num_draft_layers != group.num_layers:
+            raise ValueError(f"spec has {group.num_layers} draft layers, got num_draft_layers={num_draft_layers}")
+        if layer_offset is not None and layer_offset != group.first_layer:
+            raise ValueError(f"spec's draft layers start at layer {group.first_layer}, got layer_offset={layer_offset}")
+        if self.num_device_blocks and num_blocks != self.num_device_blocks:
+            raise ValueError(
+                f"draft layers share the main block table: need {self.num_device_blocks} blocks, got {num_blocks}"
+            )
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        caches = self._allocate_group(group, num_blocks, self.device, False, "device")
+        self.device_caches.update(caches)
+        self.num_device_blocks = num_blocks
+        return caches
+
+    def initialize_host_cache(self, num_host_blocks: int) -> dict[int, LayerCache]:
+        """Allocate host (CPU) blocks for every layer of every group, pinned when the device is CUDA.
+
+        Args:
+            num_host_blocks: host blocks per layer; 0 means no host tier.
+
+        Raises:
+            ValueError: negative count.
+            CacheAllocationError: some layer group could not be allocated (the
+                engine must not start with missing host buffers, case C08).
+        """
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.host_caches = {}
+        self.num_host_blocks = num_host_blocks
+        if num_host_blocks == 0:
+            return self.host_caches
+        pin = self.device.type == "cuda"
+        for g in self.spec.groups:
+            self.host_caches.update(self._allocate_group(g, num_host_blocks, torch.device("cpu"), pin, "host"))
+        missing = [i for i in range(self.spec.num_layers) if i not in self.host_caches]
+        if missing:
+            raise CacheAllocationError(f"host tier has no buffers for layers {missing}")
+        return self.host_caches
+
+    # -- transfers ---------------------------------------------------------------------------
+    def _copy(
+        self,
+        src: dict[int, LayerCache],
+        dst: dict[int, LayerCache],
+        src_ids: Sequence[int],
+        dst_ids: Sequence[int],
+        src_blocks: int,
+        dst_blocks: int,
+        layers: Iterable[int] | None,
+    ) -> None:
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"block id lists differ in length: {len(src_ids)} vs {len(dst_ids)}")
+        if len(set(dst_ids)) != len(dst_ids):
+            raise ValueError(f"destination block ids repeat: {list(dst_ids)}")
+        si = _check_ids("source block ids", src_ids, src_blocks)
+        di = _check_ids("destination block ids", dst_ids, dst_blocks)
+        todo = list(range(self.spec.num_layers)) if layers is None else list(layers)
+        for i in todo:
+            if i not in src or i not in dst:
+                raise KVPageError(f"layer {i} has no allocated cache in both tiers of this copy")
+        if not len(si):
+            return
+        for i in todo:
+            for name, s in src[i].items():
+                d = dst[i][name]
+                rows = s.index_select(0, si.to(s.device))
+                d.index_copy_(0, di.to(d.device), rows.to(d.device, non_blocking=d.device.type == "cpu" and rows.is_cuda))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], layers: Iterable[int] | None = None) -> None:
+        """Copy device blocks to host blocks: K, V and every scale, for every (or the given) layer.
+
+        Args:
+            device_ids: source device block ids.
+            host_ids: destination host block ids, same length, no repeats.
+            layers: global layer indices to copy (per-layer path); default all, main and draft.
+
+        Raises:
+            ValueError / IndexError: mismatched lengths, repeated destinations, ids out of range.
+            KVPageError: a layer lacks host or device tensors.
+        """
+        self._copy(self.device_caches, self.host_caches, device_ids, host_ids,
+                   self.num_device_blocks, self.num_host_blocks, layers)
+
+    def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int], layers: Iterable[int] | None = None) -> None:
+        """Copy host blocks back to device blocks (the reverse of :meth:`swap_out`); same arguments and errors."""
+        self._copy(self.host_caches, self.device_caches, host_ids, device_ids,
+                   self.num_host_blocks, self.num_device_blocks, layers)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes held by the device tier's tensors."""
+        return sum(t.numel() * t.element_size() for c in self.device_caches.values() for t in c.values())
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes held by the host tier's tensors."""
+        return sum(t.numel() * t.element_size() for c in self.host_caches.values() for t in c.values())

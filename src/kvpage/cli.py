@@ -1,0 +1,126 @@
+"""The ``kvpage`` command line: ``kvpage generate`` and ``kvpage formats``.
+
+``kvpage generate "PROMPT" --kv-cache-dtype int8`` loads the bundled model (or
+``--model PATH``), answers the prompt from a paged cache in that format and
+prints the answer, the speed, the KV bytes per token and the saving against a
+cache in the model's dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from kvpage.errors import KVPageError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV format: auto, float32, bfloat16, float16, int8, fp8 (and aliases; see `kvpage formats`)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes (default 512 MiB)")
+    p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
+    p.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvpage.engine.llm import LLM
+    from kvpage.engine.sampling import SamplingParams
+
+    llm = LLM(
+        args.model,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        num_threads=args.threads,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    prompt = llm.chat_prompt(args.prompt) if args.chat else args.prompt
+    out = llm.generate([prompt], params)[0]
+    comp, m = out.outputs[0], out.metrics
+    print(comp.text.strip())
+    print()
+    decode_s = (m.total_time_s or 0.0) - (m.time_to_first_token_s or 0.0)
+    rate = (m.output_tokens - 1) / decode_s if m.output_tokens > 1 and decode_s > 0 else float("nan")
+    spec = llm.spec
+    ref = llm.model_dtype_kv_bytes_per_token
+    saving = 1 - llm.kv_bytes_per_token / ref
+    layer = spec.main.layer
+    print(f"[kvpage] {m.prompt_tokens} prompt tokens, {m.output_tokens} output tokens ({comp.finish_reason}); "
+          f"time to first token {m.time_to_first_token_s:.3f} s; decode {rate:.1f} tokens/s")
+    print(f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
+          f"{llm.kv_bytes_per_token:,.0f} bytes/token = {spec.main.num_layers} layers x 2 x {layer.kv_heads} kv heads "
+          f"x {layer.head_dim} x {layer.bits_per_value / 8:g} bytes; {llm.num_blocks} blocks x {spec.block_size} tokens "
+          f"= {llm.controller.device_bytes / 2**20:.1f} MiB")
+    print(f"[kvpage] vs a {str(llm.dtype).removeprefix('torch.')} cache ({ref:,.0f} bytes/token): "
+          f"{saving:.1%} less KV memory ({ref / llm.kv_bytes_per_token:.2f}x more tokens per byte)")
+    return 0
+
+
+def _cmd_formats(args: argparse.Namespace) -> int:
+    from kvpage.formats import available_formats, format_aliases, get_format
+
+    aliases: dict[str, list[str]] = {}
+    for a, c in format_aliases().items():
+        aliases.setdefault(c, []).append(a)
+    print(f"{'format':<10} {'bits/value':>10}  {'storage':<9} aliases   (head_dim {args.head_dim}, block {args.block_size})")
+    for name in available_formats():
+        if name == "auto":
+            print(f"{'auto':<10} {'16/32':>10}  {'model':<9} the model's dtype")
+            continue
+        f = get_format(name)
+        specs = f.tensor_specs(block_size=args.block_size, kv_heads=1, head_dim=args.head_dim)
+        bits = f.bits_per_value(block_size=args.block_size, kv_heads=1, head_dim=args.head_dim)
+        storage = str(specs[0].dtype).removeprefix("torch.")
+        print(f"{name:<10} {bits:>10.3g}  {storage:<9} {', '.join(sorted(aliases.get(name, [])))}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpage`` argument parser (sub-commands ``generate`` and ``formats``)."""
+    parser = argparse.ArgumentParser(prog="kvpage", description="Paged, quantized KV cache and a small LLM engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer a prompt from a paged KV cache")
+    g.add_argument("prompt", help="the prompt (a user message with --chat)")
+    _add_engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=64, help="output tokens at most (default 64)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the model's chat template (default on)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.set_defaults(func=_cmd_generate)
+    f = sub.add_parser("formats", help="list KV formats, their aliases and bits per value")
+    f.add_argument("--head-dim", type=int, default=64)
+    f.add_argument("--block-size", type=int, default=16)
+    f.set_defaults(func=_cmd_formats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvpage`` console script; returns the exit status (2 on a kvpage error)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (KVPageError, FileNotFoundError, ValueError) as e:
+        print(f"kvpage: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

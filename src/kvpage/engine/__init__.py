@@ -1,0 +1,1 @@
+"""The engine: requests, sampling, the model runner and the ``LLM`` API."""

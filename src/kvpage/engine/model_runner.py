@@ -1,0 +1,94 @@
+"""``ModelRunner``: one forward pass of the model over the paged cache for a batch of scheduled requests.
+
+It turns the scheduler's view (each request's new tokens, how many of its
+tokens are already cached, its block table) into the model's inputs
+(concatenated ``input_ids`` and ``positions``) and the attention op's
+:class:`~kvpage.ops.attention.AttentionMetadata`, and hands the model an
+:class:`~kvpage.model.attention_fn.AttentionFn` that runs
+:func:`~kvpage.ops.attention.paged_attention` on each layer's cache.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.cache.controller import LayerCache
+from kvpage.ops.attention import AttentionMetadata, paged_attention
+from kvpage.spec import CacheSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a forward pass.
+
+    Attributes:
+        token_ids: the new tokens to run (prefill chunk, or the last sampled token in decode).
+        num_computed: tokens of the request already in the cache (they precede ``token_ids``).
+        block_ids: the request's block table; must cover ``num_computed + len(token_ids)`` tokens.
+    """
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_ids: Sequence[int]
+
+
+class ModelRunner:
+    """Runs a Llama-family model on the paged cache.
+
+    Args:
+        model: has ``forward(input_ids [T], positions [T], attn) -> hidden [T, hidden]``
+            and ``compute_logits(hidden [N, hidden]) -> float32 [N, vocab]``.
+        spec: the cache layout.
+        caches: global layer index -> that layer's cache tensors (from the controller).
+        device: where inputs are built.
+    """
+
+    def __init__(self, model: torch.nn.Module, spec: CacheSpec, caches: dict[int, LayerCache], device: torch.device) -> None:
+        self.model = model
+        self.spec = spec
+        self.caches = caches
+        self.device = device
+
+    def build_metadata(self, batch: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``input_ids`` ``[T]`` int64, ``positions`` ``[T]`` int64 and the attention metadata for ``batch``."""
+        bs = self.spec.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for r in batch:
+            n = len(r.token_ids)
+            ids.extend(r.token_ids)
+            rng = range(r.num_computed, r.num_computed + n)
+            pos.extend(rng)
+            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in rng)
+        meta = AttentionMetadata.build(
+            block_tables=[r.block_ids for r in batch],
+            seq_lens=[r.num_computed + len(r.token_ids) for r in batch],
+            query_lens=[len(r.token_ids) for r in batch],
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.device,
+        )
+        as_long = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_long(ids), as_long(pos), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Run ``batch``, writing every new token's K/V to the cache.
+
+        Returns:
+            ``[len(batch), vocab]`` float32 logits of each request's last new token.
+        """
+        input_ids, positions, meta = self.build_metadata(batch)
+        caches, spec = self.caches, self.spec
+
+        def attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return paged_attention(
+                q, k, v, caches[layer_index], spec.layer(layer_index), meta, layer_index=layer_index
+            )
+
+        hidden = self.model(input_ids, positions, attn)                      # [T, hidden]
+        last = torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1
+        return self.model.compute_logits(hidden[last])                       # [B, vocab]

@@ -1,0 +1,60 @@
+"""Result dataclasses of :meth:`kvpage.LLM.generate` (shaped like vLLM's ``RequestOutput``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    Attributes:
+        index: position among the request's outputs (always 0: ``n == 1``).
+        text: decoded output, special tokens skipped, cut before a stop string.
+        token_ids: generated token ids (a stop token included, as in vLLM).
+        finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"``
+            (``max_tokens`` or the context limit) or ``None`` while running.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings and counts.
+
+    Attributes:
+        prompt_tokens: tokens in the prompt.
+        output_tokens: tokens generated.
+        time_to_first_token_s: seconds from submission to the first output token.
+        total_time_s: seconds from submission to finish.
+    """
+
+    prompt_tokens: int
+    output_tokens: int = 0
+    time_to_first_token_s: float | None = None
+    total_time_s: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """Everything one request produced.
+
+    Attributes:
+        request_id: engine-assigned id.
+        prompt: the prompt text (the chat-templated text for chat requests), or ``None`` for token prompts.
+        prompt_token_ids: the tokens the model saw.
+        outputs: one :class:`CompletionOutput` (``n == 1``).
+        finished: whether generation ended.
+        metrics: timings and counts.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0))

@@ -1,0 +1,117 @@
+"""Registry of KV-cache formats (the values ``kv_cache_dtype`` takes).
+
+====================  ==========================================  ============================
+name                  aliases                                     bits/value (head_dim 64)
+====================  ==========================================  ============================
+``auto``              model dtype                                 16 or 32
+``float32``           ``fp32``, ``float``                         32
+``bfloat16``          ``bf16``                                    16
+``float16``           ``fp16``, ``half``                          16
+``int8``              ``int8_per_token_head``                     8.25
+``fp8``               ``fp8_e4m3``, ``float8_e4m3fn``,            8.25
+                      ``block_wise_fp8``
+====================  ==========================================  ============================
+
+:func:`get_format` resolves any accepted spelling (case-insensitive) to a
+format instance; an unknown name raises
+:class:`~kvpage.errors.UnknownKVFormatError` listing the valid names.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvpage.errors import UnknownKVFormatError
+from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
+from kvpage.formats.per_token import Fp8Format, Int8Format
+
+#: Quantized formats by canonical name; :func:`register_format` adds more.
+_QUANTIZED: dict[str, type[KVFormat]] = {}
+#: alias -> canonical name, for quantized formats.
+_ALIASES: dict[str, str] = {}
+
+
+def register_format(cls: type[KVFormat]) -> type[KVFormat]:
+    """Register a quantized format class under its ``name`` and ``aliases`` (usable as a decorator).
+
+    Raises:
+        ValueError: the name or an alias is already taken.
+    """
+    for key in (cls.name, *cls.aliases):
+        key = key.lower()
+        if key in _QUANTIZED or key in _ALIASES or key in FLOAT_DTYPES or key in FLOAT_ALIASES or key == "auto":
+            raise ValueError(f"KV format name {key!r} is already registered")
+    _QUANTIZED[cls.name.lower()] = cls
+    for alias in cls.aliases:
+        _ALIASES[alias.lower()] = cls.name.lower()
+    return cls
+
+
+register_format(Int8Format)
+register_format(Fp8Format)
+
+
+def available_formats() -> list[str]:
+    """Canonical format names, ``auto`` first, then unquantized, then quantized."""
+    return ["auto", *FLOAT_DTYPES, *_QUANTIZED]
+
+
+def format_aliases() -> dict[str, str]:
+    """Every accepted alias mapped to its canonical name."""
+    return {**FLOAT_ALIASES, **_ALIASES}
+
+
+def canonical_format_name(name: str, model_dtype: torch.dtype) -> str:
+    """Resolve a ``kv_cache_dtype`` spelling to its canonical name.
+
+    ``auto`` resolves to the model dtype's name (``float32``, ``bfloat16`` or
+    ``float16``). Matching is case-insensitive.
+
+    Raises:
+        UnknownKVFormatError: no format or alias has that name; the message lists them.
+    """
+    key = str(name).strip().lower()
+    if key == "auto":
+        for canon, dt in FLOAT_DTYPES.items():
+            if dt == model_dtype:
+                return canon
+        raise UnknownKVFormatError(f"kv_cache_dtype 'auto' needs a float model dtype, got {model_dtype}")
+    key = FLOAT_ALIASES.get(key, _ALIASES.get(key, key))
+    if key in FLOAT_DTYPES or key in _QUANTIZED:
+        return key
+    aliases = ", ".join(f"{a} -> {c}" for a, c in sorted(format_aliases().items()))
+    raise UnknownKVFormatError(
+        f"unknown kv_cache_dtype {name!r}; valid names: {', '.join(available_formats())} "
+        f"(aliases: {aliases})"
+    )
+
+
+def get_format(name: str, model_dtype: torch.dtype = torch.float32) -> KVFormat:
+    """The format instance for a ``kv_cache_dtype`` spelling (see :func:`canonical_format_name`).
+
+    Raises:
+        UnknownKVFormatError: unknown name.
+    """
+    canon = canonical_format_name(name, model_dtype)
+    if canon in FLOAT_DTYPES:
+        return FloatFormat(FLOAT_DTYPES[canon])
+    return _QUANTIZED[canon]()
+
+
+__all__ = [
+    "KEY",
+    "KEY_SCALE",
+    "VALUE",
+    "VALUE_SCALE",
+    "Fp8Format",
+    "FloatFormat",
+    "Int8Format",
+    "KVFormat",
+    "QuantizedRows",
+    "TensorSpec",
+    "available_formats",
+    "canonical_format_name",
+    "format_aliases",
+    "get_format",
+    "register_format",
+]

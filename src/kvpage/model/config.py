@@ -1,0 +1,200 @@
+"""The model facts kvpage needs, read once from a transformers config.
+
+:class:`ModelConfig` is the single place the engine, the cache spec and the
+model read shapes from (layers, heads, head_dim, vocab). It is built from a
+transformers ``PretrainedConfig`` (from a GGUF file or a ``config.json``) and
+keeps that config for the one thing it does not flatten: RoPE initialisation,
+which is delegated to transformers' ``ROPE_INIT_FUNCTIONS`` so every scaling
+variant matches the library exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: ``model_type`` values whose checkpoints this Llama forward computes exactly.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama",)
+
+#: RoPE types whose frequencies do not depend on the sequence length, so a
+#: per-position table is exact. ("dynamic" and "longrope" rescale with the
+#: current length, which differs per request in a varlen batch.)
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, as the runtime needs it.
+
+    Invariants (checked in :meth:`__post_init__`): ``num_heads`` is a multiple of
+    ``num_kv_heads`` (GQA group size ``num_heads // num_kv_heads``); all sizes
+    are positive.
+
+    Attributes:
+        vocab_size: rows of the token embedding (and of the LM head).
+        hidden_size: residual stream width.
+        intermediate_size: SwiGLU inner width (gate and up projections).
+        num_layers: decoder layers (no draft/MTP layers in this family).
+        num_heads: query heads per layer.
+        num_kv_heads: key/value heads per layer (GQA when < ``num_heads``).
+        head_dim: width of one head; may differ from ``hidden_size // num_heads``.
+        rms_norm_eps: epsilon inside RMSNorm's ``rsqrt``.
+        rope_theta: RoPE base wavelength.
+        rope_scaling: transformers' ``rope_parameters`` dict (with ``rope_type``)
+            when the type is not ``"default"``, else ``None``.
+        max_position_embeddings: context length the checkpoint was trained for;
+            the model's RoPE table covers positions ``[0, max_position_embeddings)``.
+        tie_word_embeddings: the LM head reuses the token-embedding matrix.
+        bos_token_id: beginning-of-sequence id, or ``None``.
+        eos_token_ids: ids that end generation (may be empty).
+        torch_dtype: dtype of the weights as loaded from the checkpoint
+            (``float32`` for dequantized GGUF tensors).
+        hf_config: the transformers config this was built from (not compared,
+            not hashed); used for RoPE initialisation.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: torch.dtype = torch.float32
+    hf_config: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        """The RoPE variant: ``"default"`` or ``rope_scaling["rope_type"]``."""
+        return "default" if self.rope_scaling is None else str(self.rope_scaling.get("rope_type", "default"))
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """GQA group size: query heads sharing one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, torch_dtype: torch.dtype | None = None) -> ModelConfig:
+        """Build from a transformers ``PretrainedConfig`` of a Llama-family model.
+
+        Reads both the transformers-5 layout (``rope_parameters`` holding
+        ``rope_theta``/``rope_type``) and the older one (``rope_theta`` +
+        ``rope_scaling`` attributes).
+
+        Args:
+            hf_config: e.g. ``LlamaConfig`` from ``AutoConfig.from_pretrained``.
+            torch_dtype: overrides the config's ``dtype``/``torch_dtype`` (the
+                GGUF loader passes ``float32``: it dequantizes to float32).
+
+        Returns:
+            The flattened config; ``hf_config`` is kept on it.
+
+        Raises:
+            ValueError: unsupported ``model_type`` (named), activation other than
+                SiLU, attention/MLP biases, partial rotary embeddings, or a RoPE
+                type whose frequencies depend on sequence length.
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r} "
+                f"(architectures={getattr(hf_config, 'architectures', None)}); "
+                f"kvpage's model supports model_type in {SUPPORTED_MODEL_TYPES}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported activation {act!r} for {model_type}; only 'silu' (SwiGLU) is implemented")
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(hf_config, flag, False):
+                raise ValueError(f"unsupported {flag}=True: kvpage's Llama forward has no bias terms")
+
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        legacy_scaling = getattr(hf_config, "rope_scaling", None)
+        if not rope and legacy_scaling:
+            rope = dict(legacy_scaling)
+        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        if theta is None:
+            raise ValueError("config has no rope_theta (neither in rope_parameters nor as an attribute)")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES} "
+                "(length-dependent variants cannot use one table for a varlen batch)"
+            )
+        if float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+            raise ValueError("unsupported partial_rotary_factor != 1.0")
+
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids: tuple[int, ...] = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+        if torch_dtype is None:
+            torch_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+            if isinstance(torch_dtype, str):
+                torch_dtype = getattr(torch, torch_dtype)
+        bos = getattr(hf_config, "bos_token_id", None)
+        return cls(
+            vocab_size=int(hf_config.vocab_size),
+            hidden_size=int(hf_config.hidden_size),
+            intermediate_size=int(hf_config.intermediate_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=int(hf_config.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            torch_dtype=torch_dtype,
+            hf_config=hf_config,
+        )
+
+    def to_hf(self) -> Any:
+        """The transformers config: the stored ``hf_config``, or a ``LlamaConfig`` rebuilt from the fields.
+
+        Returns:
+            A ``transformers.PretrainedConfig`` describing the same architecture
+            (used for RoPE initialisation and to build reference models in tests).
+        """
+        if self.hf_config is not None:
+            return self.hf_config
+        from transformers import LlamaConfig
+
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope_parameters,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_ids) or None,
+        )

@@ -1,0 +1,1 @@
+"""Tensor ops over the paged KV cache."""

@@ -1,0 +1,230 @@
+"""Paged attention: write this step's K/V into their slots, then attend over each request's block table.
+
+Reference implementation in PyTorch (SDPA), the behaviour other paths must
+match. It follows vLLM's varlen interface: the tokens of all requests in a
+batch are concatenated, ``query_start_loc`` marks where each request's tokens
+start, ``seq_lens`` gives each request's context length after this step, and
+``slot_mapping`` says where each new token's K/V go.
+
+Both prefill (including chunked prefill over tokens already cached, i.e.
+prefix hits) and decode read the *stored* keys and values back through the
+layer's format, so every path dequantizes identically (case C22) and the
+newest token sees exactly what later steps will see.
+
+The cache tensors are checked against the layer's
+:class:`~kvpage.spec.LayerSpec` before any data is touched; a mismatch raises
+:class:`~kvpage.errors.KVCacheLayoutError` naming the layer (case C02).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpage.errors import KVCacheLayoutError
+from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE
+from kvpage.spec import LayerSpec
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a batch's tokens come from and go to; shared by all layers of one forward pass.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 slot (``block * block_size + offset``) of each new token.
+        query_start_loc: ``batch + 1`` offsets; request ``i``'s tokens are
+            ``query_start_loc[i]:query_start_loc[i+1]``.
+        seq_lens: ``batch`` context lengths in tokens after this step (cached + new).
+        block_tables: ``[batch, max_blocks]`` int64 block ids, padded with 0.
+        block_size: tokens per block.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_tables: torch.Tensor
+    block_size: int
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        slot_mapping: Sequence[int],
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata from plain lists.
+
+        Raises:
+            ValueError: inconsistent lengths, a query longer than its context,
+                or a block table too short for its context.
+        """
+        if not (len(block_tables) == len(seq_lens) == len(query_lens)):
+            raise ValueError("block_tables, seq_lens and query_lens need one entry per request")
+        starts = [0]
+        for q, s, bt in zip(query_lens, seq_lens, block_tables):
+            if not 0 < q <= s:
+                raise ValueError(f"query length {q} must be in [1, context length {s}]")
+            if len(bt) * block_size < s:
+                raise ValueError(f"block table of {len(bt)} blocks cannot hold {s} tokens at block_size {block_size}")
+            starts.append(starts[-1] + q)
+        if len(slot_mapping) != starts[-1]:
+            raise ValueError(f"slot_mapping has {len(slot_mapping)} entries for {starts[-1]} new tokens")
+        width = max((math.ceil(s / block_size) for s in seq_lens), default=0)
+        table = torch.zeros((len(seq_lens), width), dtype=torch.long)
+        for i, (bt, s) in enumerate(zip(block_tables, seq_lens)):
+            n = math.ceil(s / block_size)
+            table[i, :n] = torch.as_tensor(list(bt[:n]), dtype=torch.long)
+        return cls(
+            slot_mapping=torch.as_tensor(list(slot_mapping), dtype=torch.long, device=device),
+            query_start_loc=tuple(starts),
+            seq_lens=tuple(int(s) for s in seq_lens),
+            block_tables=table.to(device),
+            block_size=block_size,
+        )
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the batch."""
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        """New tokens per request."""
+        return tuple(b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:]))
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request adds exactly one token (the batched decode path applies)."""
+        return self.query_start_loc[-1] == self.num_requests
+
+
+def write_kv(
+    cache: Mapping[str, torch.Tensor], spec: LayerSpec, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor
+) -> None:
+    """Quantize ``k``/``v`` ``[num_tokens, kv_heads, head_dim]`` per the layer's format and store them at their slots.
+
+    Codes and scales of a token are written together. ``v`` is ``None`` for key-only layers.
+    """
+    fmt = spec.format
+    rows = [(KEY, KEY_SCALE, k)] + ([(VALUE, VALUE_SCALE, v)] if spec.has_value else [])
+    for name, scale_name, x in rows:
+        assert x is not None
+        q = fmt.quantize(x)
+        t = cache[name]
+        t.view(-1, *t.shape[2:]).index_copy_(0, slot_mapping, q.codes)
+        if q.scale is not None:
+            s = cache[scale_name]
+            s.view(-1, *s.shape[2:]).index_copy_(0, slot_mapping, q.scale)
+
+
+def read_kv(
+    cache: Mapping[str, torch.Tensor], spec: LayerSpec, name: str, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dequantize the blocks ``block_ids`` (any shape ``[...]``) of tensor ``name`` (``key``/``value``).
+
+    Returns:
+        ``[..., block_size, kv_heads, head_dim]`` in ``dtype``.
+    """
+    codes = cache[name][block_ids]
+    scale_name = KEY_SCALE if name == KEY else VALUE_SCALE
+    scale = cache[scale_name][block_ids] if scale_name in cache else None
+    return spec.format.dequantize(codes, scale, dtype)
+
+
+def _check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    want = (spec.kv_heads, spec.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        if x is None:
+            continue
+        if x.dim() != 3 or tuple(x.shape[1:]) != want:
+            raise KVCacheLayoutError(
+                f"layer {layer_index}: new {name} must be [num_tokens, {want[0]}, {want[1]}] per the cache spec, "
+                f"got {list(x.shape)}"
+            )
+    if q.dim() != 3 or q.shape[2] != spec.head_dim or q.shape[1] % spec.kv_heads or q.shape[0] != k.shape[0]:
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: q must be [{k.shape[0]}, a multiple of {spec.kv_heads} heads, {spec.head_dim}], "
+            f"got {list(q.shape)}"
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    cache: Mapping[str, torch.Tensor],
+    spec: LayerSpec,
+    meta: AttentionMetadata,
+    *,
+    layer_index: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of this step's tokens over the paged cache, after writing their K/V.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` queries (RoPE applied), compute dtype.
+        k: ``[num_tokens, kv_heads, head_dim]`` new keys (RoPE applied).
+        v: ``[num_tokens, kv_heads, head_dim]`` new values; ``None`` for a
+            key-only (MLA-style latent) layer, whose keys then serve as values.
+        cache: the layer's tensors, name -> ``[num_blocks, *per_block_shape]``.
+        spec: the layer's layout.
+        meta: batch layout (see :class:`AttentionMetadata`).
+        layer_index: global layer index, for error messages.
+        scale: softmax scale; default ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Query ``j`` of a
+        request whose context is ``s`` tokens with ``n`` new ones attends to
+        keys ``0 .. s - n + j`` (GQA: each kv head serves ``num_heads / kv_heads`` query heads).
+
+    Raises:
+        KVCacheLayoutError: the cache tensors or q/k/v disagree with ``spec``
+            (checked before anything is written).
+    """
+    spec.validate(cache, layer_index=layer_index)
+    _check_inputs(spec, layer_index, q, k, v)
+    write_kv(cache, spec, k, v, meta.slot_mapping)
+    value_name = VALUE if spec.has_value else KEY
+    dtype = q.dtype
+    bs = spec.block_size
+    out = torch.empty_like(q)
+    if meta.is_decode_only:
+        # Batched decode: gather every request's blocks, pad to the longest, mask the padding.
+        tables = meta.block_tables                                            # [B, nb]
+        keys = read_kv(cache, spec, KEY, tables, dtype).flatten(1, 2)        # [B, nb*bs, Hkv, D]
+        vals = read_kv(cache, spec, value_name, tables, dtype).flatten(1, 2)      # [B, nb*bs, Hkv, D]
+        lens = torch.as_tensor(meta.seq_lens, device=q.device)
+        mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),                                                    # [B, H, 1, D]
+            keys.transpose(1, 2), vals.transpose(1, 2),                        # [B, Hkv, L, D]
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )                                                                      # [B, H, 1, D]
+        return o.squeeze(2)
+    for i in range(meta.num_requests):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        s = meta.seq_lens[i]
+        ids = meta.block_tables[i, : math.ceil(s / bs)]
+        keys = read_kv(cache, spec, KEY, ids, dtype).flatten(0, 1)[:s]       # [s, Hkv, D]
+        vals = read_kv(cache, spec, value_name, ids, dtype).flatten(0, 1)[:s]     # [s, Hkv, D]
+        n = b - a
+        qi = q[a:b].transpose(0, 1)                                            # [H, n, D]
+        if n == s:
+            o = F.scaled_dot_product_attention(
+                qi, keys.transpose(0, 1), vals.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            # Query j (position s - n + j) sees keys 0 .. s - n + j.
+            mask = torch.arange(s, device=q.device)[None, :] <= (s - n + torch.arange(n, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(
+                qi, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[a:b] = o.transpose(0, 1)                                           # [n, H, D]
+    return out
