@@ -57,7 +57,13 @@ class BlockPool:
         return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
     def ref_count(self, block_id: int) -> int:
-        """Current ref count of ``block_id``."""
+        """Current ref count of ``block_id``.
+
+        Raises:
+            ValueError: ``block_id`` out of range.
+        """
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
         return self._ref[block_id]
 
     def allocate(self, n: int) -> list[int]:
@@ -82,10 +88,12 @@ class BlockPool:
         """Add a reference to blocks already in use (sharing).
 
         Raises:
-            ValueError: a block is free (ref count 0).
+            ValueError: a block is free (ref count 0) or out of range; nothing is changed.
         """
         ids = list(block_ids)
         for b in ids:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
             if self._ref[b] <= 0:
                 raise ValueError(f"block {b} is free; cannot add a reference")
         for b in ids:

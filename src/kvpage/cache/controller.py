@@ -100,11 +100,14 @@ class CacheController:
             groups: group names to size for; default every group of the spec.
 
         Raises:
-            ValueError: negative budget.
+            ValueError: negative budget, or ``groups`` names no group of the spec.
         """
         if budget_bytes < 0:
             raise ValueError(f"budget must be >= 0 bytes, got {budget_bytes}")
-        chosen = [g for g in self.spec.groups if groups is None or g.name in set(groups)]
+        names = None if groups is None else set(groups)
+        chosen = [g for g in self.spec.groups if names is None or g.name in names]
+        if not chosen:
+            raise ValueError(f"no layer group among {sorted(names or [])}; spec groups: {[g.name for g in self.spec.groups]}")
         per_block = sum(g.bytes_per_block for g in chosen)
         n = budget_bytes // per_block
         return BlockBudget(n, per_block, {g.name: n * g.bytes_per_block for g in chosen}, budget_bytes)
@@ -209,8 +212,12 @@ class CacheController:
         if num_host_blocks == 0:
             return self.host_caches
         pin = self.device.type == "cuda"
-        for g in self.spec.groups:
-            self.host_caches.update(self._allocate_group(g, num_host_blocks, torch.device("cpu"), pin, "host"))
+        try:
+            for g in self.spec.groups:
+                self.host_caches.update(self._allocate_group(g, num_host_blocks, torch.device("cpu"), pin, "host"))
+        except CacheAllocationError:
+            self.host_caches, self.num_host_blocks = {}, 0  # no half-allocated host tier survives the error
+            raise
         missing = [i for i in range(self.spec.num_layers) if i not in self.host_caches]
         if missing:
             raise CacheAllocationError(f"host tier has no buffers for layers {missing}")

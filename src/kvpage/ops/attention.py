@@ -140,6 +140,11 @@ def read_kv(
 
 def _check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
     want = (spec.kv_heads, spec.head_dim)
+    if (v is not None) != spec.has_value:
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: the cache spec {'has' if spec.has_value else 'has no'} value tensor, "
+            f"but v is {'None' if v is None else 'given'}"
+        )
     for name, x in (("k", k), ("v", v)):
         if x is None:
             continue
@@ -202,6 +207,9 @@ def paged_attention(
         vals = read_kv(cache, spec, value_name, tables, dtype).flatten(1, 2)      # [B, nb*bs, Hkv, D]
         lens = torch.as_tensor(meta.seq_lens, device=q.device)
         mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
+        # Zero the padding and unwritten tail slots: a masked weight of 0 times a stale NaN/inf is still NaN.
+        keys = keys.masked_fill(~mask[:, :, None, None], 0)                    # [B, L, Hkv, D]
+        vals = vals.masked_fill(~mask[:, :, None, None], 0)                    # [B, L, Hkv, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),                                                    # [B, H, 1, D]
             keys.transpose(1, 2), vals.transpose(1, 2),                        # [B, Hkv, L, D]
