@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -28,6 +28,9 @@ from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, sample
 from kvpage.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.model.loader import LoadedModel
 
 #: A prompt: text, or a dict ``{"prompt_token_ids": [...]}`` (vLLM's ``TokensPrompt``).
 PromptType = Union[str, dict[str, Any]]
@@ -83,7 +86,9 @@ class LLM:
 
     Args:
         model: path to a ``.gguf`` file or a Hugging Face folder (config.json +
-            safetensors); ``None`` loads the bundled SmolLM2-135M-Instruct GGUF.
+            safetensors); ``None`` loads the bundled SmolLM2-135M-Instruct GGUF;
+            a :class:`~kvpage.model.loader.LoadedModel` is used as is (several
+            engines can share one set of weights; its dtype must match ``dtype``).
         kv_cache_dtype: KV format name or alias (see :mod:`kvpage.formats`).
         block_size: tokens per block.
         kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
@@ -103,7 +108,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | LoadedModel | None = None,
         *,
         kv_cache_dtype: str = "auto",
         block_size: int = 16,
@@ -115,7 +120,7 @@ class LLM:
         device: str = "cpu",
         progress: bool = True,
     ) -> None:
-        from kvpage.model.loader import load_model
+        from kvpage.model.loader import LoadedModel, load_model
 
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
@@ -124,7 +129,13 @@ class LLM:
         # Build the spec first: an unknown kv_cache_dtype fails before the model loads.
         self._spec_args = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
         CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=1, model_dtype=self.dtype, **self._spec_args)
-        loaded = load_model(model, dtype=self.dtype, progress=progress)
+        if isinstance(model, LoadedModel):
+            loaded = model
+            weight_dtype = next(loaded.model.parameters()).dtype
+            if weight_dtype != self.dtype:
+                raise ValueError(f"the loaded model is {weight_dtype}, but dtype={self.dtype} was asked for")
+        else:
+            loaded = load_model(model, dtype=self.dtype, progress=progress)
         self.model = loaded.model.to(self.device).eval()
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer

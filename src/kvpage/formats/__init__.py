@@ -7,9 +7,11 @@ name                  aliases                                     bits/value (he
 ``float32``           ``fp32``, ``float``                         32
 ``bfloat16``          ``bf16``                                    16
 ``float16``           ``fp16``, ``half``                          16
-``int8``              ``int8_per_token_head``                     8.25
+``int8``              (Hadamard-rotated rows)                     8.25
 ``fp8``               ``fp8_e4m3``, ``float8_e4m3fn``,            8.25
-                      ``block_wise_fp8``
+                      ``block_wise_fp8`` (rotated rows)
+``int8_per_token_head``  plain int8 (vLLM semantics)              8.25
+``fp8_per_token_head``   plain e4m3 (vLLM semantics)              8.25
 ====================  ==========================================  ============================
 
 :func:`get_format` resolves any accepted spelling (case-insensitive) to a
@@ -23,7 +25,7 @@ import torch
 from kvpage.errors import UnknownKVFormatError
 from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
-from kvpage.formats.per_token import Fp8Format, Int8Format
+from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8PerTokenHeadFormat
 
 #: Quantized formats by canonical name; :func:`register_format` adds more.
 _QUANTIZED: dict[str, type[KVFormat]] = {}
@@ -49,6 +51,8 @@ def register_format(cls: type[KVFormat]) -> type[KVFormat]:
 
 register_format(Int8Format)
 register_format(Fp8Format)
+register_format(Int8PerTokenHeadFormat)
+register_format(Fp8PerTokenHeadFormat)
 
 
 def available_formats() -> list[str]:
@@ -104,6 +108,8 @@ __all__ = [
     "VALUE",
     "VALUE_SCALE",
     "Fp8Format",
+    "Fp8PerTokenHeadFormat",
+    "Int8PerTokenHeadFormat",
     "FloatFormat",
     "Int8Format",
     "KVFormat",

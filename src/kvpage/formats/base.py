@@ -120,6 +120,22 @@ class KVFormat(ABC):
             ``[..., kv_heads, head_dim]`` in ``dtype``.
         """
 
+    def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+        """The orthonormal ``[head_dim, head_dim]`` matrix stored rows are rotated by, or ``None``.
+
+        When not ``None``, :meth:`dequantize_rotated` returns ``x @ R`` rather
+        than ``x``; attention rotates its queries by the same ``R`` and its
+        output back by ``R.T`` (see :mod:`kvpage.formats.rotation`).
+        """
+        return None
+
+    def dequantize_rotated(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Decode stored rows in the format's rotated basis (``x @ R``; ``x`` itself when :meth:`rotation` is ``None``).
+
+        Same arguments and shapes as :meth:`dequantize`; the attention op's fast path.
+        """
+        return self.dequantize(codes, scale, dtype)
+
     def bits_per_value(self, *, block_size: int, kv_heads: int, head_dim: int) -> float:
         """Stored bits per cached value, everything counted (codes, scales, packing).
 

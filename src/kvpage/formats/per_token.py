@@ -1,4 +1,4 @@
-"""Dynamic per-token, per-head 8-bit formats: ``int8`` and ``fp8`` (e4m3).
+"""Dynamic per-token, per-head 8-bit formats: ``int8`` and ``fp8`` (e4m3), rotated and plain.
 
 One float16 scale per (token, kv head) is computed when the token is written
 and stored beside its codes in the same block, so a block is self-contained
@@ -7,15 +7,29 @@ needed. Sources: vLLM's ``int8_per_token_head``/``fp8_per_token_head`` caches,
 FastDeploy's ``block_wise_fp8`` (scale caches ``[num_blocks, kv_heads,
 block_size]``), QServe's in-page scales.
 
-Bytes per block (one layer, K and V):
-``2 * block_size * kv_heads * (head_dim * 1 + 2)``; at head_dim 64 that is
-8.25 bits per value.
+``int8`` and ``fp8`` first rotate each head's vector by an orthonormal
+Hadamard matrix ``R`` (:mod:`kvpage.formats.rotation`), which spreads outlier
+channels before the row is coded; ``int8_per_token_head`` and
+``fp8_per_token_head`` are the plain variants (vLLM's semantics). Measured on
+SmolLM2 (20 chat prompts, 32 greedy tokens, same tokens as the float32 cache):
+int8 plain 13/20, rotated 16/20; fp8 plain 4/20, rotated 9/20.
 
-The scale is ``s = max(amax / qmax, 2**-14)`` rounded to float16, where
-``amax`` is the row's largest magnitude and ``qmax`` 127 (int8) or 448 (e4m3).
-The floor keeps ``s`` a normal float16 number, so an all-zero row gets a
-finite scale and decodes to exact zeros. Codes are computed with the
+Bytes per block (one layer, K and V): ``2 * block_size * kv_heads * (head_dim + 2)``;
+at head_dim 64 that is 8.25 bits per value.
+
+Scales: ``s = max(amax / qmax, 2**-14)`` rounded to float16, where ``amax`` is
+the largest magnitude of the (rotated) row and ``qmax`` 127 (int8) or 448
+(e4m3). The floor keeps ``s`` a normal float16 number, so an all-zero row gets
+a finite scale and decodes to exact zeros. Codes are computed with the
 *rounded* scale, so the stored pair is self-consistent.
+
+Error bounds, with ``y = x R`` the row in the stored basis (``R = I`` for the
+plain variants) and ``y_hat`` its decoded value:
+
+* int8: ``|y - y_hat| <= s / 2`` per element;
+* fp8: ``|y - y_hat| <= 2**-4 * |y| + 2**-10 * s`` per element;
+
+and since ``R`` is orthonormal, ``||x - x_hat||_2 = ||y - y_hat||_2``.
 """
 from __future__ import annotations
 
@@ -24,18 +38,25 @@ from typing import ClassVar
 import torch
 
 from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.rotation import hadamard_rotation
 
 #: Smallest normal float16; floor of every dynamic scale.
 SCALE_FLOOR = 2.0**-14
-#: Largest float16; inputs are clamped to ``qmax * FP16_MAX`` so inf saturates instead of making inf/NaN scales.
+#: Largest float16. Rows are clamped to ``qmax * FP16_MAX`` (before and after rotation), so an
+#: inf saturates instead of making an inf or NaN scale.
 FP16_MAX = 65504.0
 
 
 class PerTokenFormat(KVFormat):
-    """Shared layout and scale arithmetic of the dynamic per-(token, head) 8-bit formats."""
+    """Shared layout, rotation and scale arithmetic of the dynamic per-(token, head) 8-bit formats.
+
+    Subclasses set ``qmax``, ``rotate`` and implement :meth:`encode` / :meth:`decode`
+    (the per-element code of a row already divided by its scale).
+    """
 
     quantized: ClassVar[bool] = True
     qmax: ClassVar[float]
+    rotate: ClassVar[bool] = True
 
     def tensor_specs(
         self, *, block_size: int, kv_heads: int, head_dim: int, has_value: bool = True
@@ -51,75 +72,102 @@ class PerTokenFormat(KVFormat):
             specs.append(TensorSpec(VALUE_SCALE, scales, torch.float16))
         return tuple(specs)
 
-    def scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input clamped to the representable range, and its float16 scales.
+    def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+        """The Hadamard matrix ``[head_dim, head_dim]`` for rotated variants, else ``None``."""
+        return hadamard_rotation(head_dim, dtype, str(device)) if self.rotate else None
 
-        Args:
-            x: ``[N, H, D]`` any float dtype.
+    def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, H, D]`` -> float32 rows as they are quantized: clamped, rotated (if the format rotates), clamped.
 
-        Returns:
-            ``(x32, s16)``: ``x32`` ``[N, H, D]`` float32 clamped to
-            ``+-qmax * 65504`` (NaN stays NaN); ``s16`` ``[N, H]`` float16.
+        NaN stays NaN; +-inf saturates to the representable limit.
         """
         limit = self.qmax * FP16_MAX
-        x32 = x.float().clamp(-limit, limit)
-        amax = x32.abs().amax(dim=-1)
-        s16 = (amax / self.qmax).clamp(min=SCALE_FLOOR).to(torch.float16)
-        return x32, s16
+        y = x.float().clamp(-limit, limit)
+        if self.rotate:
+            y = (y @ hadamard_rotation(y.shape[-1], torch.float32, str(y.device))).clamp_(-limit, limit)
+        return y
+
+    def quantize(self, x: torch.Tensor) -> QuantizedRows:
+        """``x`` ``[N, H, D]`` (any float dtype) -> uint8 codes ``[N, H, D]`` and float16 scales ``[N, H]``."""
+        y = self.to_stored_basis(x)
+        s16 = (y.abs().amax(dim=-1) / self.qmax).clamp(min=SCALE_FLOOR).to(torch.float16)
+        return QuantizedRows(self.encode(y / s16.float().unsqueeze(-1)), s16)
+
+    def dequantize_rotated(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Codes ``[..., H, D]`` and scales ``[..., H]`` -> ``y_hat = decode(codes) * scale`` in ``dtype`` (stored basis)."""
+        assert scale is not None
+        return self.decode(codes, dtype) * scale.to(dtype).unsqueeze(-1)
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Codes ``[..., H, D]`` and scales ``[..., H]`` -> ``x_hat = y_hat @ R.T`` in ``dtype`` (the original basis)."""
+        y = self.dequantize_rotated(codes, scale, dtype)
+        if not self.rotate:
+            return y
+        return y @ hadamard_rotation(y.shape[-1], dtype, str(y.device)).T
+
+    def encode(self, y: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        """Scaled rows ``[N, H, D]`` float32 (``|y| <= ~qmax``) -> uint8 codes."""
+        raise NotImplementedError
+
+    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # pragma: no cover - abstract
+        """uint8 codes -> code values in ``dtype`` (not yet multiplied by the scale)."""
+        raise NotImplementedError
 
 
 class Int8Format(PerTokenFormat):
-    """Symmetric int8, one dynamic float16 scale per (token, kv head).
+    """Symmetric int8 of Hadamard-rotated rows, one dynamic float16 scale per (token, kv head).
 
     Stored as uint8 holding the int8 bit pattern (two's complement), codes in
-    [-127, 127]. Error bound per element: ``|x - x_hat| <= s / 2`` with ``s``
-    the stored scale, i.e. about ``amax / 254`` of the row.
+    [-127, 127]. Error: ``|y - y_hat| <= s / 2`` in the rotated basis (about
+    ``amax / 254`` of the rotated row).
     """
 
     name: ClassVar[str] = "int8"
-    aliases: ClassVar[tuple[str, ...]] = ("int8_per_token_head",)
     qmax: ClassVar[float] = 127.0
 
-    def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """``x`` ``[N, H, D]`` -> uint8 codes ``[N, H, D]`` and float16 scales ``[N, H]``."""
-        x32, s16 = self.scales(x)
-        q = torch.round(x32 / s16.float().unsqueeze(-1)).clamp_(-127, 127)
-        return QuantizedRows(q.to(torch.int8).view(torch.uint8), s16)
+    def encode(self, y: torch.Tensor) -> torch.Tensor:
+        """Round to nearest, clamp to [-127, 127], store the int8 bits as uint8."""
+        return torch.round(y).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
 
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """``codes.view(int8) * scale`` in ``dtype``; codes ``[..., H, D]``, scale ``[..., H]``."""
-        assert scale is not None
-        return (codes.view(torch.int8).to(dtype) * scale.to(dtype).unsqueeze(-1))
+    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The int8 values of the stored bits, in ``dtype``."""
+        return codes.view(torch.int8).to(dtype)
 
 
 class Fp8Format(PerTokenFormat):
-    """FP8 e4m3 (``float8_e4m3fn`` bits in uint8), one dynamic float16 scale per (token, kv head).
+    """FP8 e4m3 (``float8_e4m3fn`` bits in uint8) of Hadamard-rotated rows, one dynamic float16 scale per (token, kv head).
 
-    Saturating: values are clamped to ``+-448 * s`` before the cast, so a
-    value beyond the range (or an inf) stores as the largest e4m3 magnitude,
-    never inf or NaN; a NaN input stays NaN. Error bound per element:
-    ``|x - x_hat| <= 2**-4 * |x| + 2**-10 * s`` (3 mantissa bits give a
-    relative half-step of 2^-4; e4m3 subnormals are spaced 2^-9 * s).
+    Saturating: scaled values are clamped to +-448 before the cast, so a value
+    beyond the range (or an inf) stores as the largest e4m3 magnitude, never
+    inf or NaN; a NaN input stays NaN. Error: ``|y - y_hat| <= 2**-4 * |y| +
+    2**-10 * s`` in the rotated basis (3 mantissa bits give a relative
+    half-step of 2^-4; e4m3 subnormals are spaced 2^-9 * s).
     """
 
     name: ClassVar[str] = "fp8"
-    aliases: ClassVar[tuple[str, ...]] = (
-        "fp8_e4m3",
-        "float8_e4m3fn",
-        "float8_e4m3",
-        "e4m3",
-        "block_wise_fp8",
-        "fp8_per_token_head",
-    )
+    aliases: ClassVar[tuple[str, ...]] = ("fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3", "block_wise_fp8")
     qmax: ClassVar[float] = 448.0
 
-    def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """``x`` ``[N, H, D]`` -> uint8 (e4m3 bits) codes ``[N, H, D]`` and float16 scales ``[N, H]``."""
-        x32, s16 = self.scales(x)
-        y = (x32 / s16.float().unsqueeze(-1)).clamp_(-448.0, 448.0)
-        return QuantizedRows(y.to(torch.float8_e4m3fn).view(torch.uint8), s16)
+    def encode(self, y: torch.Tensor) -> torch.Tensor:
+        """Clamp to +-448 (saturate), cast to float8_e4m3fn (round to nearest even), store the bits as uint8."""
+        return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """``codes.view(float8_e4m3fn) * scale`` in ``dtype``; codes ``[..., H, D]``, scale ``[..., H]``."""
-        assert scale is not None
-        return codes.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype).unsqueeze(-1)
+    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The e4m3 values of the stored bits, in ``dtype``."""
+        return codes.view(torch.float8_e4m3fn).to(dtype)
+
+
+class Int8PerTokenHeadFormat(Int8Format):
+    """Plain (unrotated) per-(token, head) int8: vLLM's ``int8_per_token_head``. Error ``|x - x_hat| <= s / 2``."""
+
+    name: ClassVar[str] = "int8_per_token_head"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    rotate: ClassVar[bool] = False
+
+
+class Fp8PerTokenHeadFormat(Fp8Format):
+    """Plain (unrotated) per-(token, head) e4m3: vLLM's ``fp8_per_token_head``. Error ``|x - x_hat| <= 2**-4 |x| + 2**-10 s``."""
+
+    name: ClassVar[str] = "fp8_per_token_head"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    rotate: ClassVar[bool] = False

@@ -1,1 +1,26 @@
-"""Llama-family model runner: config, weight loading (GGUF, safetensors) and forward."""
+"""Llama-family model runner: config, weight loading (GGUF, safetensors) and forward.
+
+Importing this package does not import transformers or gguf; the loader does so
+when it is called.
+"""
+from kvpage.model.attention_fn import AttentionFn
+from kvpage.model.config import ModelConfig
+from kvpage.model.llama import LlamaForCausalLM
+from kvpage.model.loader import (
+    LoadedModel,
+    ModelNotFoundError,
+    apply_chat_template,
+    default_model_path,
+    load_model,
+)
+
+__all__ = [
+    "AttentionFn",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelNotFoundError",
+    "apply_chat_template",
+    "default_model_path",
+    "load_model",
+]

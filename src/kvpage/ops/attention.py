@@ -125,9 +125,20 @@ def write_kv(
 
 
 def read_kv(
-    cache: Mapping[str, torch.Tensor], spec: LayerSpec, name: str, block_ids: torch.Tensor, dtype: torch.dtype
+    cache: Mapping[str, torch.Tensor],
+    spec: LayerSpec,
+    name: str,
+    block_ids: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    rotated: bool = False,
 ) -> torch.Tensor:
     """Dequantize the blocks ``block_ids`` (any shape ``[...]``) of tensor ``name`` (``key``/``value``).
+
+    Args:
+        rotated: return values in the format's stored (rotated) basis ``x @ R``
+            instead of ``x`` (see :meth:`~kvpage.formats.KVFormat.rotation`);
+            the attention op reads this way and rotates its queries instead.
 
     Returns:
         ``[..., block_size, kv_heads, head_dim]`` in ``dtype``.
@@ -135,7 +146,8 @@ def read_kv(
     codes = cache[name][block_ids]
     scale_name = KEY_SCALE if name == KEY else VALUE_SCALE
     scale = cache[scale_name][block_ids] if scale_name in cache else None
-    return spec.format.dequantize(codes, scale, dtype)
+    decode = spec.format.dequantize_rotated if rotated else spec.format.dequantize
+    return decode(codes, scale, dtype)
 
 
 def _check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
@@ -198,13 +210,17 @@ def paged_attention(
     write_kv(cache, spec, k, v, meta.slot_mapping)
     value_name = VALUE if spec.has_value else KEY
     dtype = q.dtype
+    # Rotated formats store x @ R (R orthonormal): attend with q @ R, rotate the output back by R.T.
+    rot = spec.format.rotation(spec.head_dim, dtype, q.device)
+    if rot is not None:
+        q = q @ rot                                                            # [T, H, D]
     bs = spec.block_size
     out = torch.empty_like(q)
     if meta.is_decode_only:
         # Batched decode: gather every request's blocks, pad to the longest, mask the padding.
         tables = meta.block_tables                                            # [B, nb]
-        keys = read_kv(cache, spec, KEY, tables, dtype).flatten(1, 2)        # [B, nb*bs, Hkv, D]
-        vals = read_kv(cache, spec, value_name, tables, dtype).flatten(1, 2)      # [B, nb*bs, Hkv, D]
+        keys = read_kv(cache, spec, KEY, tables, dtype, rotated=True).flatten(1, 2)        # [B, nb*bs, Hkv, D]
+        vals = read_kv(cache, spec, value_name, tables, dtype, rotated=True).flatten(1, 2)      # [B, nb*bs, Hkv, D]
         lens = torch.as_tensor(meta.seq_lens, device=q.device)
         mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
         # Zero the padding and unwritten tail slots: a masked weight of 0 times a stale NaN/inf is still NaN.
@@ -215,13 +231,14 @@ def paged_attention(
             keys.transpose(1, 2), vals.transpose(1, 2),                        # [B, Hkv, L, D]
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
         )                                                                      # [B, H, 1, D]
-        return o.squeeze(2)
+        o = o.squeeze(2)                                                       # [B, H, D]
+        return o if rot is None else o @ rot.T
     for i in range(meta.num_requests):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         s = meta.seq_lens[i]
         ids = meta.block_tables[i, : math.ceil(s / bs)]
-        keys = read_kv(cache, spec, KEY, ids, dtype).flatten(0, 1)[:s]       # [s, Hkv, D]
-        vals = read_kv(cache, spec, value_name, ids, dtype).flatten(0, 1)[:s]     # [s, Hkv, D]
+        keys = read_kv(cache, spec, KEY, ids, dtype, rotated=True).flatten(0, 1)[:s]       # [s, Hkv, D]
+        vals = read_kv(cache, spec, value_name, ids, dtype, rotated=True).flatten(0, 1)[:s]     # [s, Hkv, D]
         n = b - a
         qi = q[a:b].transpose(0, 1)                                            # [H, n, D]
         if n == s:
@@ -235,4 +252,4 @@ def paged_attention(
                 qi, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[a:b] = o.transpose(0, 1)                                           # [n, H, D]
-    return out
+    return out if rot is None else out @ rot.T

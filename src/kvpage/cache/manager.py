@@ -1,0 +1,557 @@
+"""``KVCacheManager``: the scheduler's only interface to the KV cache (prefix matching, slots, freeing).
+
+Modelled on vLLM v1's ``KVCacheManager`` (``get_computed_blocks`` /
+``allocate_slots`` / ``cache_blocks`` / ``free``) over the tensor-free
+:class:`~kvpage.cache.prefix_cache.PrefixBlockPool`; block ids index the
+tensors the :class:`~kvpage.cache.controller.CacheController` allocated.
+
+One request's life (``bs`` = block size)::
+
+    m = mgr.match_prefix(req)                          # cached full blocks, at most len-1 tokens
+    blocks = mgr.allocate_slots(req, n_new, m)         # None: not enough blocks (preempt someone, retry)
+    ... forward pass writes KV for tokens [m.num_cached_tokens, m.num_cached_tokens + n_new) ...
+    mgr.cache_blocks(req, num_computed_tokens)         # newly full, written blocks enter the index
+    req.all_token_ids.append(next_token)               # decode step:
+    mgr.allocate_slots(req, 1); forward; mgr.cache_blocks(req, len(req.all_token_ids))
+    mgr.free(req)                                      # finished or aborted (mgr.preempt(req) to recompute later)
+
+Invariants (tested after every operation by the state-machine test):
+
+* ``num_free_blocks + num_evictable_blocks + num_in_use_blocks == num_blocks``;
+* a block is indexed only after :meth:`KVCacheManager.cache_blocks` reports
+  its KV written, and only full blocks are hashed (cases C15, C18);
+* a match never returns a block whose tokens (or any earlier token of the
+  chain, salt or extra keys) differ from the request's, even under a hash
+  collision;
+* :meth:`KVCacheManager.allocate_slots` is atomic: it returns ``None`` and
+  changes nothing when the blocks don't fit;
+* once every request is freed, ``num_in_use_blocks == 0``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from kvpage.cache.block_pool import BlockTable
+from kvpage.cache.hashing import BlockHashFn, hash_block_tokens, root_hash
+from kvpage.cache.prefix_cache import ROOT, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
+
+__all__ = [
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheBlocks",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "KVCacheStats",
+    "KVRequest",
+    "MatchResult",
+    "SupportsKVCache",
+]
+
+
+@runtime_checkable
+class SupportsKVCache(Protocol):
+    """What the manager reads from a request (the engine's sequence type can implement it).
+
+    Attributes:
+        request_id: unique id.
+        all_token_ids: prompt then output tokens so far; append-only.
+        cache_salt: per-tenant salt or ``None``; requests with different salts never share blocks.
+        extra_keys: values mixed into every block hash and key (adapter id, multimodal digests, ...).
+        block_hashes: chained hashes of the request's full blocks, filled in and
+            extended by the manager (like vLLM's ``Request.block_hashes``); they
+            survive preemption. Never edit it.
+    """
+
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None
+    extra_keys: tuple
+    block_hashes: list[bytes]
+
+
+@dataclass(slots=True)
+class KVRequest:
+    """A request as the KV-cache manager sees it (tensor-free). See :class:`SupportsKVCache`."""
+
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+    extra_keys: tuple = ()
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The longest cached prefix of a request (from :meth:`KVCacheManager.match_prefix`).
+
+    Attributes:
+        block_ids: cached blocks holding the prefix, in order.
+        num_cached_tokens: ``len(block_ids) * block_size`` tokens whose KV need not be computed.
+    """
+
+    block_ids: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """A request's blocks after :meth:`KVCacheManager.allocate_slots`.
+
+    Attributes:
+        block_ids: the request's whole block table, in order (token ``t`` lives
+            in ``block_ids[t // block_size]``).
+        new_block_ids: blocks this call took from the pool (already-cached
+            prefix blocks it referenced are not included).
+        num_tokens: slots reserved for the request, in tokens.
+    """
+
+    block_ids: tuple[int, ...]
+    new_block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """Counters of :meth:`KVCacheManager.stats` (vLLM's ``PrefixCacheStats`` + block counts).
+
+    Attributes:
+        num_blocks, num_free, num_evictable, num_in_use: block counts now.
+        usage: ``num_in_use / num_blocks``.
+        requests: requests admitted (a preempted request counts again when readmitted).
+        prefix_queries: tokens of admitted requests, in tokens (vLLM's ``queries``).
+        prefix_hits: of those, tokens served from the prefix cache.
+        hit_rate: ``prefix_hits / prefix_queries`` (0.0 without queries).
+        blocks_stored: blocks that entered the index.
+        evictions: cached blocks evicted.
+        preemptions: requests preempted.
+    """
+
+    num_blocks: int
+    num_free: int
+    num_evictable: int
+    num_in_use: int
+    usage: float
+    requests: int
+    prefix_queries: int
+    prefix_hits: int
+    hit_rate: float
+    blocks_stored: int
+    evictions: int
+    preemptions: int
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """Per-request bookkeeping: the block table and how far it is indexed."""
+
+    block_ids: list[int]
+    num_tokens: int  # slots reserved
+    num_cached_blocks: int  # block_ids[:num_cached_blocks] are indexed (or deduplicated / given up on)
+    parent: int  # block that holds the prefix up to num_cached_blocks (ROOT at 0)
+    extra: tuple  # (cache_salt, extra_keys)
+    anchors: list[int] = field(default_factory=list)  # extra refs on indexed twins of our duplicate blocks
+    stop_caching: bool = False  # a hash collision stopped this request's chain
+
+
+class KVCacheManager:
+    """Prefix-cached paged KV bookkeeping for a scheduler: match, allocate, cache, free.
+
+    Args:
+        num_blocks: device blocks in the pool.
+        block_size: tokens per block.
+        enable_caching: prefix caching on (default) or off (then nothing is hashed or indexed).
+        hash_fn: block hash function (:func:`~kvpage.cache.hashing.hash_block_tokens`,
+            SHA-256); tests pass colliding ones.
+        enable_events: buffer :class:`BlockStored`/:class:`BlockRemoved` events for
+            :meth:`drain_events` (subscribers of :meth:`subscribe` are called either way).
+        max_buffered_events: the buffer keeps the newest this many events.
+
+    Raises:
+        ValueError: ``num_blocks < 0`` or ``block_size <= 0``.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_fn: BlockHashFn = hash_block_tokens,
+        enable_events: bool = False,
+        max_buffered_events: int = 1_000_000,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = hash_fn
+        self.pool = PrefixBlockPool(num_blocks, on_event=self._emit)
+        self._reqs: dict[str, _ReqState] = {}
+        self._events: deque[KVCacheEvent] | None = deque(maxlen=max_buffered_events) if enable_events else None
+        self._subscribers: list[Callable[[KVCacheEvent], None]] = []
+        self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
+
+    # -- counts ----------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free list (not cached, not referenced)."""
+        return self.pool.num_free
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no request references (reusable on a hit, reclaimed on demand)."""
+        return self.pool.num_evictable
+
+    @property
+    def num_in_use_blocks(self) -> int:
+        """Blocks some request references."""
+        return self.pool.num_in_use
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1] (vLLM's ``kv_cache_usage``; evictable blocks are not in use)."""
+        return self.pool.usage
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed for ``num_tokens`` tokens.
+
+        Raises:
+            ValueError: ``num_tokens < 0``.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> KVCacheStats:
+        """Counters since construction (see :class:`KVCacheStats`)."""
+        p = self.pool
+        return KVCacheStats(
+            num_blocks=p.num_blocks,
+            num_free=p.num_free,
+            num_evictable=p.num_evictable,
+            num_in_use=p.num_in_use,
+            usage=p.usage,
+            requests=self._requests,
+            prefix_queries=self._queries,
+            prefix_hits=self._hits,
+            hit_rate=self._hits / self._queries if self._queries else 0.0,
+            blocks_stored=self._stored,
+            evictions=p.num_evictions,
+            preemptions=self._preemptions,
+        )
+
+    # -- per-request views -----------------------------------------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request holds blocks (was allocated and not freed)."""
+        return request_id in self._reqs
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table.
+
+        Raises:
+            KeyError: unknown (or freed) request.
+        """
+        return tuple(self._reqs[request_id].block_ids)
+
+    def block_table(self, request_id: str) -> BlockTable:
+        """A copy of the request's table as a :class:`~kvpage.cache.block_pool.BlockTable` (for slot mappings).
+
+        Raises:
+            KeyError: unknown (or freed) request.
+        """
+        st = self._reqs[request_id]
+        return BlockTable(self.block_size, list(st.block_ids), st.num_tokens)
+
+    # -- hashing ---------------------------------------------------------------------------------
+
+    def _hashes(self, request: SupportsKVCache, num_blocks: int) -> list[bytes]:
+        """``request.block_hashes``, extended to at least ``num_blocks`` full blocks (never a partial one)."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        if len(hashes) > len(tokens) // bs:
+            raise ValueError(
+                f"request {request.request_id!r} has {len(hashes)} block hashes but only {len(tokens)} tokens; "
+                "all_token_ids must be append-only"
+            )
+        if len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            for i in range(len(hashes), num_blocks):
+                parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], request.extra_keys)
+                hashes.append(parent)
+        return hashes
+
+    def _key(self, request: SupportsKVCache, i: int, parent: int, extra: tuple):
+        bs = self.block_size
+        return (parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), extra)
+
+    # -- the scheduler's verbs -------------------------------------------------------------------
+
+    def match_prefix(self, request: SupportsKVCache) -> MatchResult:
+        """The longest chain of cached full blocks whose tokens equal the request's (vLLM's ``get_computed_blocks``).
+
+        At most ``len(all_token_ids) - 1`` tokens, block aligned: the last token
+        is always computed so that the step yields logits. Each hit is checked
+        against the stored tokens, parent block, salt and extra keys, so a hash
+        collision is a miss. Takes no reference (side-effect free apart from
+        extending ``request.block_hashes``); pass the result straight to
+        :meth:`allocate_slots`. Stats are counted when the request is admitted.
+
+        Returns:
+            The matched blocks (empty with caching off).
+        """
+        if not self.enable_caching:
+            return MatchResult()
+        n = len(request.all_token_ids)
+        max_blocks = max(n - 1, 0) // self.block_size
+        if max_blocks == 0:
+            return MatchResult()
+        hashes = self._hashes(request, max_blocks)
+        extra = (request.cache_salt, request.extra_keys)
+        parent = ROOT
+        out: list[int] = []
+        for i in range(max_blocks):
+            b = self.pool.lookup(hashes[i], self._key(request, i, parent, extra))
+            if b is None:
+                break
+            out.append(b)
+            parent = b
+        return MatchResult(tuple(out), len(out) * self.block_size)
+
+    def _check_match(self, request: SupportsKVCache, match: MatchResult) -> None:
+        """Raise if ``match`` is no longer what the index holds (a block was evicted since)."""
+        if match.num_cached_tokens != len(match.block_ids) * self.block_size:
+            raise ValueError("match.num_cached_tokens must be len(match.block_ids) * block_size")
+        if not match.block_ids:
+            return
+        if not self.enable_caching or match.num_cached_tokens > len(request.all_token_ids) - 1:
+            raise ValueError(f"match of {match.num_cached_tokens} tokens is not valid for this request")
+        hashes = self._hashes(request, len(match.block_ids))
+        extra = (request.cache_salt, request.extra_keys)
+        parent = ROOT
+        for i, b in enumerate(match.block_ids):
+            if self.pool.lookup(hashes[i], self._key(request, i, parent, extra)) != b:
+                raise ValueError(
+                    f"stale match for request {request.request_id!r}: block {b} was evicted since "
+                    "match_prefix; call match_prefix again right before allocate_slots"
+                )
+            parent = b
+
+    def _plan(self, request: SupportsKVCache, num_new_tokens: int, match: MatchResult | None) -> tuple[int, int]:
+        """``(blocks to take from the pool, blocks available to take)``; validates the arguments."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        st = self._reqs.get(request.request_id)
+        available = self.pool.num_free + self.pool.num_evictable
+        if st is not None:
+            if match is not None and match.block_ids:
+                raise ValueError(f"request {request.request_id!r} already holds blocks; a prefix match is for admission")
+            return self.blocks_for(st.num_tokens + num_new_tokens) - len(st.block_ids), available
+        m = match or MatchResult()
+        self._check_match(request, m)
+        need = self.blocks_for(m.num_cached_tokens + num_new_tokens) - len(m.block_ids)
+        # matched blocks that are evictable now stop being evictable once referenced
+        available -= sum(1 for b in m.block_ids if self.pool.ref_count(b) == 0)
+        return need, available
+
+    def can_allocate(self, request: SupportsKVCache, num_new_tokens: int, match: MatchResult | None = None) -> bool:
+        """Whether :meth:`allocate_slots` with the same arguments would succeed now. No side effects.
+
+        Raises:
+            ValueError: as :meth:`allocate_slots`.
+        """
+        need, available = self._plan(request, num_new_tokens, match)
+        return need <= available
+
+    def allocate_slots(
+        self, request: SupportsKVCache, num_new_tokens: int, match: MatchResult | None = None
+    ) -> KVCacheBlocks | None:
+        """Reserve slots for ``num_new_tokens`` more tokens of the request; admit it on its first call.
+
+        On the first call (the request holds no blocks) the matched prefix
+        blocks are referenced (leaving the evictable set) and the request's
+        slots start after them: it then holds ``match.num_cached_tokens +
+        num_new_tokens`` slots. Later calls (decode steps, prefill chunks) add
+        ``num_new_tokens`` slots after the reserved ones. New blocks come from
+        the free list first, then by evicting cached unreferenced blocks, leaves
+        first, least recently used first (vLLM v1 ``allocate_slots``).
+
+        Args:
+            request: the request.
+            num_new_tokens: tokens to reserve slots for (>= 0; 0 takes no block, case C20).
+            match: the result of :meth:`match_prefix` just before, on the first call only.
+
+        Returns:
+            The request's blocks, or ``None`` when they don't fit in free +
+            evictable blocks (not counting matched ones); then nothing changed
+            and the scheduler may preempt a request and retry.
+
+        Raises:
+            ValueError: ``num_new_tokens < 0``; a match given for a request that
+                already holds blocks; a stale match (a matched block was evicted
+                after :meth:`match_prefix`).
+        """
+        need, available = self._plan(request, num_new_tokens, match)
+        if need > available:
+            return None
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            m = match or MatchResult()
+            self.pool.touch(m.block_ids)
+            st = _ReqState(
+                block_ids=list(m.block_ids),
+                num_tokens=m.num_cached_tokens,
+                num_cached_blocks=len(m.block_ids),
+                parent=m.block_ids[-1] if m.block_ids else ROOT,
+                extra=(request.cache_salt, request.extra_keys),
+            )
+            self._reqs[request.request_id] = st
+            self._requests += 1
+            self._queries += len(request.all_token_ids)
+            self._hits += m.num_cached_tokens
+        new = self.pool.allocate(max(need, 0))
+        st.block_ids.extend(new)
+        st.num_tokens += num_new_tokens
+        return KVCacheBlocks(tuple(st.block_ids), tuple(new), st.num_tokens)
+
+    def cache_blocks(self, request: SupportsKVCache, num_computed_tokens: int) -> int:
+        """Index the request's blocks that became full now that KV is written for ``num_computed_tokens`` tokens.
+
+        Call after each forward pass. Only blocks lying entirely within the
+        first ``num_computed_tokens`` tokens are hashed and indexed (a partial
+        block never is, C15; a block still being prefilled never is, C18).
+        When another block with the same tokens and prefix is already indexed
+        (two requests computed it concurrently), that entry stays and the
+        request's copy is not indexed (vLLM); the request then references the
+        indexed twin until it is freed, so its later blocks can chain onto it.
+        A hash collision (same hash, other contents) stops indexing this
+        request's chain.
+
+        Args:
+            request: an allocated request.
+            num_computed_tokens: tokens of ``all_token_ids`` whose KV is now written.
+
+        Returns:
+            Blocks newly indexed by this call.
+
+        Raises:
+            KeyError: the request holds no blocks.
+            ValueError: ``num_computed_tokens`` is negative, exceeds the reserved
+                slots or ``len(all_token_ids)``.
+        """
+        st = self._reqs[request.request_id]
+        if not 0 <= num_computed_tokens <= min(st.num_tokens, len(request.all_token_ids)):
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} must be in [0, min(reserved slots {st.num_tokens}, "
+                f"tokens {len(request.all_token_ids)})]"
+            )
+        if not self.enable_caching or st.stop_caching:
+            return 0
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= st.num_cached_blocks:
+            return 0
+        hashes = self._hashes(request, num_full)
+        stored = 0
+        for i in range(st.num_cached_blocks, num_full):
+            b = st.block_ids[i]
+            holder = self.pool.insert(b, hashes[i], self._key(request, i, st.parent, st.extra))
+            if holder is None:  # collision: another prefix owns this hash
+                st.stop_caching = True
+                break
+            if holder == b:
+                stored += 1
+            else:  # an equal block is indexed already: chain onto it
+                self.pool.touch([holder])
+                st.anchors.append(holder)
+            st.parent = holder
+            st.num_cached_blocks = i + 1
+        self._stored += stored
+        return stored
+
+    def free(self, request: SupportsKVCache | str) -> bool:
+        """Release the request's blocks (finished or aborted); unknown requests are ignored.
+
+        Blocks are released tail first (then the indexed twins it referenced),
+        so a request's deepest cached blocks are the first evicted; cached
+        blocks become evictable, others return to the free list. The request's
+        ``block_hashes`` are kept (a preempted request re-hits its prefix).
+
+        Returns:
+            Whether the request held blocks.
+        """
+        rid = request if isinstance(request, str) else request.request_id
+        st = self._reqs.pop(rid, None)
+        if st is None:
+            return False
+        # one call: an indexed twin can be a parent of our blocks or a child of them
+        self.pool.release([*reversed(st.block_ids)])
+        return True
+
+    def preempt(self, request: SupportsKVCache | str) -> bool:
+        """Free a running request to recompute it later (vLLM v1's recompute preemption); counts a preemption.
+
+        Its written full blocks stay cached (if :meth:`cache_blocks` saw them),
+        so its next :meth:`match_prefix` hits them unless they were evicted.
+
+        Returns:
+            Whether the request held blocks (only then is a preemption counted).
+        """
+        if self.free(request):
+            self._preemptions += 1
+            return True
+        return False
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` evictable cached blocks (leaves first, LRU) to the free list.
+
+        Returns:
+            Blocks evicted.
+
+        Raises:
+            ValueError: ``num_blocks < 0``.
+        """
+        return len(self.pool.evict(num_blocks))
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every evictable cached block (vLLM's ``reset_prefix_cache``); blocks in use stay cached.
+
+        Returns:
+            Blocks evicted.
+        """
+        return len(self.pool.evict_all())
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def _emit(self, event: KVCacheEvent) -> None:
+        if self._events is not None:
+            self._events.append(event)
+        for cb in self._subscribers:
+            cb(event)
+
+    def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` with every future :class:`BlockStored` / :class:`BlockRemoved`, in order.
+
+        Returns:
+            A function that unsubscribes it.
+        """
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def drain_events(self) -> Iterator[KVCacheEvent]:
+        """Buffered events since the last drain, oldest first (empty unless ``enable_events=True``).
+
+        The buffer is emptied as the iterator is consumed.
+        """
+        buf = self._events
+        while buf:
+            yield buf.popleft()

@@ -1,0 +1,436 @@
+"""Tensor-free block pool with a prefix index: ref counts, hash -> block map, leaves-first LRU eviction.
+
+Every block is in exactly one of three states:
+
+* **free** — ref count 0, not in the index; in the free list;
+* **cached, evictable** — ref count 0, in the index (its KV is written and
+  shareable); kept for reuse until evicted;
+* **in use** — ref count > 0 (cached or not).
+
+Invariants (checked by :meth:`PrefixBlockPool.validate`, which the tests call
+after every operation):
+
+* ``num_free + num_evictable + num_in_use == num_blocks``; a block is never
+  freed twice and a ref count never goes negative;
+* a block is in the index iff ``index[block.hash] is block``; a block enters
+  the index only through :meth:`PrefixBlockPool.insert`, which the manager
+  calls after the block's KV was written, and leaves it only by eviction, so a
+  block that is free, being written or reallocated is never returned by a lookup;
+* every cached block's parent (``key[0]``) is cached too (the index is a tree);
+* a cached block in use has its cached parent in use too (:meth:`~PrefixBlockPool.touch`
+  takes a chain root first, :meth:`~PrefixBlockPool.release` refuses to make a
+  block evictable while a cached child is in use). So every evictable block's
+  cached descendants are evictable and were released before it;
+* evictable blocks are kept in release order and evicted least recently
+  released first (LRU, like vLLM's free queue), which by the point above is
+  always a leaf: a block is never evicted while one of its descendants is
+  cached (**leaves first**, like SGLang's radix cache and TensorRT-LLM), and
+  all ``num_evictable`` blocks can be reclaimed.
+
+A lookup compares the stored :data:`BlockKey` — parent block id, token ids,
+extra keys — not just the hash, and a parent block cannot be evicted (and
+reused) while a child is cached. By induction over the chain, a hit's whole
+token prefix equals the request's, so a hash collision can cost a hit but never
+returns another prefix's KV (vLLM trusts the digest alone; SGLang compares
+tokens in its radix tree — we do the latter with the former as the key).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvpage.errors import OutOfBlocksError
+
+#: Parent id of a request's first block.
+ROOT = -1
+
+#: What a cached block holds: ``(parent block id or ROOT, token ids, extra)``,
+#: where ``extra`` is ``(cache_salt, extra_keys)``. Two blocks with equal keys
+#: (and, recursively, equal parents) hold the same KV.
+BlockKey = tuple[int, tuple[int, ...], tuple]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A block entered the prefix index (vLLM/SGLang ``BlockStored`` event).
+
+    Attributes:
+        block_hash: the block's chained hash.
+        parent_block_hash: the parent's hash, ``None`` for a first block.
+        token_ids: the block's tokens.
+        block_id: the device block that holds the KV.
+    """
+
+    block_hash: bytes
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A block left the prefix index (it was evicted; its id may be reused for other KV).
+
+    Attributes:
+        block_hash: the hash it was indexed under.
+        block_id: the device block.
+    """
+
+    block_hash: bytes
+    block_id: int
+
+
+#: An event of the prefix index.
+KVCacheEvent = BlockStored | BlockRemoved
+
+
+class PrefixBlockPool:
+    """``num_blocks`` block ids with ref counts, a free list and a prefix index with leaves-first LRU eviction.
+
+    Nothing here touches a tensor. :meth:`allocate` takes free blocks first and
+    evicts cached, unreferenced blocks only when the free list runs short, so
+    cached KV stays as long as possible (vLLM v1's ``BlockPool`` keeps both in
+    one queue; we keep them apart so a never-cached block always goes first).
+
+    Args:
+        num_blocks: blocks in the pool.
+        on_event: called with every :class:`BlockStored` / :class:`BlockRemoved`.
+
+    Raises:
+        ValueError: ``num_blocks < 0``.
+    """
+
+    def __init__(self, num_blocks: int, on_event: Callable[[KVCacheEvent], None] | None = None) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.on_event = on_event
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._key: list[BlockKey | None] = [None] * num_blocks
+        self._children = [0] * num_blocks  # cached children per block
+        self._children_in_use = [0] * num_blocks  # cached children with ref > 0
+        self._index: dict[bytes, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached, ref 0 (evictable), least recent first
+        self.num_evictions = 0
+
+    # -- counts ----------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks in the free list (ref 0, not cached)."""
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks with ref count 0 (reusable by a hit, reclaimable by eviction)."""
+        return len(self._idle)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks with ref count > 0."""
+        return self.num_blocks - len(self._free) - len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks in the prefix index (in use or evictable)."""
+        return len(self._index)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1] (evictable blocks count as not in use, as in vLLM)."""
+        return self.num_in_use / self.num_blocks if self.num_blocks else 0.0
+
+    def ref_count(self, block_id: int) -> int:
+        """Current ref count of ``block_id``.
+
+        Raises:
+            ValueError: ``block_id`` out of range.
+        """
+        self._check_id(block_id)
+        return self._ref[block_id]
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        """The hash ``block_id`` is indexed under, or ``None`` if it is not cached.
+
+        Raises:
+            ValueError: ``block_id`` out of range.
+        """
+        self._check_id(block_id)
+        return self._hash[block_id]
+
+    def block_key(self, block_id: int) -> BlockKey | None:
+        """The stored :data:`BlockKey` of a cached block, ``None`` if it is not cached.
+
+        Raises:
+            ValueError: ``block_id`` out of range.
+        """
+        self._check_id(block_id)
+        return self._key[block_id]
+
+    def _check_id(self, b: int) -> None:
+        if not 0 <= b < self.num_blocks:
+            raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
+
+    # -- prefix index ----------------------------------------------------------------------------
+
+    def lookup(self, block_hash: bytes, key: BlockKey) -> int | None:
+        """The cached block indexed under ``block_hash`` whose stored key equals ``key``, else ``None``.
+
+        A hash hit whose tokens, extra keys or parent block differ (a collision)
+        is a miss. Side-effect free: the caller takes a reference with :meth:`touch`.
+        """
+        b = self._index.get(block_hash)
+        if b is None or self._key[b] != key:
+            return None
+        return b
+
+    def insert(self, block_id: int, block_hash: bytes, key: BlockKey) -> int | None:
+        """Index a block whose KV has just been written; returns the block that now holds this prefix.
+
+        Args:
+            block_id: an in-use, not yet cached block.
+            block_hash: its chained hash.
+            key: ``(parent, token_ids, extra)``; ``parent`` is :data:`ROOT` or a
+                cached, in-use block (the chain's previous block).
+
+        Returns:
+            ``block_id`` if it was indexed (a :class:`BlockStored` event is
+            emitted); the already indexed block if another block with an equal
+            key holds ``block_hash`` (two requests computed the same block; the
+            existing entry stays and ``block_id`` is not indexed, as in vLLM);
+            ``None`` if ``block_hash`` is indexed with a different key (a hash
+            collision: nothing is indexed).
+
+        Raises:
+            ValueError: ``block_id`` is out of range, free or already cached; or
+                the parent is not a cached, in-use block.
+        """
+        self._check_id(block_id)
+        if self._ref[block_id] <= 0:
+            raise ValueError(f"block {block_id} is free; only an in-use block with written KV can be cached")
+        if self._hash[block_id] is not None:
+            raise ValueError(f"block {block_id} is already cached")
+        parent = key[0]
+        if parent != ROOT:
+            self._check_id(parent)
+            if self._hash[parent] is None or self._ref[parent] <= 0:
+                raise ValueError(f"parent block {parent} of block {block_id} must be cached and in use")
+        existing = self._index.get(block_hash)
+        if existing is not None:
+            return existing if self._key[existing] == key else None
+        self._index[block_hash] = block_id
+        self._hash[block_id] = block_hash
+        self._key[block_id] = key
+        if parent != ROOT:
+            self._children[parent] += 1
+            self._children_in_use[parent] += 1
+        if self.on_event is not None:
+            self.on_event(
+                BlockStored(block_hash, self._hash[parent] if parent != ROOT else None, key[1], block_id)
+            )
+        return block_id
+
+    # -- references ------------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks (ref count 1 each): free blocks first, then evicted ones (leaves first, LRU).
+
+        ``allocate(0)`` returns ``[]`` (case C20).
+
+        Raises:
+            ValueError: ``n < 0``.
+            OutOfBlocksError: ``n > num_free + num_evictable``; nothing is taken or evicted.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free) + len(self._idle):
+            raise OutOfBlocksError(
+                f"need {n} blocks, only {len(self._free)} free + {len(self._idle)} evictable of {self.num_blocks}"
+            )
+        k = min(n, len(self._free))
+        out = [self._free.popleft() for _ in range(k)]
+        if n > k:
+            out.extend(self._evict_leaves(n - k))
+        for b in out:
+            self._ref[b] = 1
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block: in-use blocks, or cached evictable ones (a prefix hit).
+
+        A cached block with ref 0 leaves the evictable set. Take a chain root
+        first: an evictable block can be touched only when its parent is in
+        use (or touched earlier in the same call), which keeps every evictable
+        block's subtree evictable.
+
+        Raises:
+            ValueError: a block is out of range or free (not cached, ref 0), or
+                an evictable block's parent is not in use; nothing is changed.
+        """
+        ids = list(block_ids)
+        pending: dict[int, int] = {}
+        for b in ids:
+            self._check_id(b)
+            if self._ref[b] + pending.get(b, 0) == 0:
+                if self._hash[b] is None:
+                    raise ValueError(f"block {b} is free; cannot add a reference")
+                p = self._key[b][0]  # type: ignore[index]
+                if p != ROOT and self._ref[p] + pending.get(p, 0) == 0:
+                    raise ValueError(f"cannot reference block {b} before its evictable parent {p}")
+            pending[b] = pending.get(b, 0) + 1
+        for b in ids:
+            if self._ref[b] == 0:
+                del self._idle[b]
+                p = self._key[b][0]  # type: ignore[index]
+                if p != ROOT:
+                    self._children_in_use[p] += 1
+            self._ref[b] += 1
+
+    def release(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one reference from each block, in the order given.
+
+        A block reaching ref 0 becomes evictable if it is cached (the most
+        recent in LRU order, with any ancestors released earlier in the same
+        call moved after it; release a request's blocks tail first, which is
+        also the cheap order) and returns to the free list otherwise.
+
+        Returns:
+            The blocks that reached ref 0.
+
+        Raises:
+            ValueError: a block is out of range or dropped more often than it is
+                referenced (double free); or a cached block would become
+                evictable while one of its cached children stays in use
+                (release a chain tail first); nothing is changed.
+        """
+        ids = list(block_ids)
+        drops: dict[int, int] = {}
+        for b in ids:
+            self._check_id(b)
+            drops[b] = drops.get(b, 0) + 1
+            if drops[b] > self._ref[b]:
+                raise ValueError(f"block {b} freed more times than it is referenced (double free)")
+        idle_now = [b for b, d in drops.items() if d == self._ref[b] and self._hash[b] is not None]
+        if idle_now:
+            in_use_children = {b: self._children_in_use[b] for b in idle_now}
+            for b in idle_now:
+                p = self._key[b][0]  # type: ignore[index]
+                if p in in_use_children:
+                    in_use_children[p] -= 1
+            pinned = [b for b, c in in_use_children.items() if c > 0]
+            if pinned:
+                raise ValueError(f"blocks {pinned} still have cached children in use; release a chain tail first")
+        released = []
+        for b in ids:
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                released.append(b)
+                if self._hash[b] is None:
+                    self._free.append(b)
+                else:
+                    p = self._key[b][0]  # type: ignore[index]
+                    if p != ROOT:
+                        self._children_in_use[p] -= 1
+                    self._idle[b] = None  # most recent
+                    # a parent released earlier in this same call must stay after its child
+                    # (an idle parent of a just-released block can only come from this call)
+                    while p != ROOT and p in self._idle:
+                        self._idle.move_to_end(p)
+                        p = self._key[p][0]  # type: ignore[index]
+        return released
+
+    # -- eviction --------------------------------------------------------------------------------
+
+    def evict(self, n: int) -> list[int]:
+        """Evict up to ``n`` evictable blocks (leaves first, least recently released first) to the free list.
+
+        Evicting 0 blocks is always safe. Each evicted block leaves the index
+        (a :class:`BlockRemoved` event) before it can be reused.
+
+        Returns:
+            The evicted block ids, in eviction order.
+
+        Raises:
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError(f"cannot evict a negative number of blocks ({n})")
+        out = self._evict_leaves(min(n, len(self._idle)))
+        self._free.extend(out)
+        return out
+
+    def evict_all(self) -> list[int]:
+        """Evict every evictable block (vLLM's ``reset_prefix_cache`` for unreferenced blocks)."""
+        return self.evict(len(self._idle))
+
+    def _evict_leaves(self, n: int) -> list[int]:
+        """Evict exactly ``n`` idle blocks, least recently released first; the caller checked ``n <= num_evictable``.
+
+        The least recent idle block is always a leaf: a block becomes idle only
+        once none of its cached children is in use (:meth:`release`), and a child
+        can be referenced again only while its parent is in use (:meth:`touch`,
+        :meth:`insert`), so every idle block's cached children are idle and were
+        released before it. The check below makes that a hard guarantee.
+        """
+        out: list[int] = []
+        while len(out) < n:
+            b, _ = self._idle.popitem(last=False)
+            if self._children[b]:
+                self._idle[b] = None
+                self._idle.move_to_end(b, last=False)
+                raise RuntimeError(f"leaves-first eviction broken: block {b} has {self._children[b]} cached children")
+            h = self._hash[b]
+            key = self._key[b]
+            assert h is not None and key is not None
+            del self._index[h]
+            self._hash[b] = None
+            self._key[b] = None
+            parent = key[0]
+            if parent != ROOT:
+                self._children[parent] -= 1
+            self.num_evictions += 1
+            if self.on_event is not None:
+                self.on_event(BlockRemoved(h, b))
+            out.append(b)
+        return out
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Check every invariant of the module docstring (O(num_blocks); for tests and debugging).
+
+        Raises:
+            AssertionError: an invariant is broken; the message says which.
+        """
+        free = list(self._free)
+        free_set = set(free)
+        assert len(free) == len(free_set), "a block is in the free list twice"
+        assert self.num_free + self.num_evictable + self.num_in_use == self.num_blocks
+        children = [0] * self.num_blocks
+        children_in_use = [0] * self.num_blocks
+        for b in range(self.num_blocks):
+            r, h, k = self._ref[b], self._hash[b], self._key[b]
+            assert r >= 0, f"block {b}: negative ref count {r}"
+            assert (h is None) == (k is None), f"block {b}: hash and key disagree"
+            assert (b in free_set) == (r == 0 and h is None), f"block {b}: ref {r}, cached {h is not None}, free list"
+            assert (b in self._idle) == (r == 0 and h is not None), f"block {b}: ref {r}, evictable set"
+            if h is not None:
+                assert self._index.get(h) == b, f"block {b} is cached but the index points elsewhere"
+                parent = k[0]
+                if parent != ROOT:
+                    assert self._hash[parent] is not None, f"cached block {b} has an uncached parent {parent}"
+                    children[parent] += 1
+                    children_in_use[parent] += r > 0
+                    if r > 0:
+                        assert self._ref[parent] > 0, f"block {b} is in use but its parent {parent} is evictable"
+        assert len(self._index) == sum(h is not None for h in self._hash), "index holds a block that is not cached"
+        assert children == self._children, "cached-children counts are off"
+        assert children_in_use == self._children_in_use, "in-use cached-children counts are off"
+        order = {b: i for i, b in enumerate(self._idle)}
+        for b in self._idle:  # leaves first: every idle block's cached parent is idle and later in LRU order
+            parent = self._key[b][0]  # type: ignore[index]
+            if parent != ROOT and parent in order:
+                assert order[parent] > order[b], f"evictable block {b} would be evicted after its parent {parent}"

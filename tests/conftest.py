@@ -1,0 +1,49 @@
+"""Shared fixtures for the bundled model (SmolLM2-135M-Instruct Q4_1 GGUF).
+
+Both load once per session; tests that use them are marked ``slow``.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+# Never reach for the Hugging Face hub: a missing local path would otherwise hang ~40 s.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread for the whole suite: on these 2-core machines a second intra-op thread
+    made small ops up to 100x slower whenever anything else ran (see shared/research/model.md)."""
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """kvpage's load of the bundled GGUF: ``LoadedModel`` in float32 (≈2 s)."""
+    from kvpage.model.loader import load_model
+
+    return load_model(None, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> SimpleNamespace:
+    """transformers' own reading of the bundled GGUF (≈15 s), independent of kvpage's loader.
+
+    Attributes: ``config`` (``AutoConfig.from_pretrained(..., gguf_file=...)``) and
+    ``tensors`` (``{hf_name: float32 tensor}`` from ``load_gguf_checkpoint``: the
+    dequantization and Q/K un-permutation ``from_pretrained`` uses).
+    """
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kvpage.model.loader import default_model_path
+
+    path = default_model_path()
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    return SimpleNamespace(config=config, tensors=tensors)
