@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 #: Bytes in a block hash (a SHA-256 digest).
@@ -100,6 +101,9 @@ def _encode(obj: Any, out: bytearray) -> None:
         )
 
 
+_EMPTY_EXTRA = encode_key(())
+
+
 def root_hash(cache_salt: str | None = None) -> bytes:
     """The parent hash of a request's first block, derived from its ``cache_salt``.
 
@@ -142,14 +146,17 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra_keys: 
         raise ValueError(f"parent_hash must be {HASH_SIZE} bytes, got {len(parent_hash)}")
     n = len(token_ids)
     try:
-        packed = struct.pack(f"<I{n}q", n, *token_ids)
+        packed = _packer(n).pack(n, *token_ids)
     except struct.error as e:
         raise ValueError(f"token ids must be integers in [{_I64_MIN}, {_I64_MAX}]: {e}") from None
-    h = hashlib.sha256(_BLOCK_DOMAIN)
-    h.update(parent_hash)
-    h.update(packed)
-    h.update(encode_key(tuple(extra_keys)))
-    return h.digest()
+    extra = _EMPTY_EXTRA if not extra_keys else encode_key(tuple(extra_keys))
+    return hashlib.sha256(_BLOCK_DOMAIN + parent_hash + packed + extra).digest()
+
+
+@lru_cache(maxsize=256)
+def _packer(n: int) -> struct.Struct:
+    """``u32(n)`` then ``n`` little-endian int64s (cached per block length)."""
+    return struct.Struct(f"<I{n}q")
 
 
 def hash_block_chain(

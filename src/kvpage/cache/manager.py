@@ -36,7 +36,7 @@ from typing import Protocol, runtime_checkable
 
 from kvpage.cache.block_pool import BlockTable
 from kvpage.cache.hashing import BlockHashFn, hash_block_tokens, root_hash
-from kvpage.cache.prefix_cache import ROOT, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
+from kvpage.cache.prefix_cache import ROOT, BlockKey, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
 
 __all__ = [
     "BlockRemoved",
@@ -188,10 +188,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
-        self.pool = PrefixBlockPool(num_blocks, on_event=self._emit)
-        self._reqs: dict[str, _ReqState] = {}
         self._events: deque[KVCacheEvent] | None = deque(maxlen=max_buffered_events) if enable_events else None
         self._subscribers: list[Callable[[KVCacheEvent], None]] = []
+        self.pool = PrefixBlockPool(num_blocks)
+        self._wire_events()
+        self._reqs: dict[str, _ReqState] = {}
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
 
     # -- counts ----------------------------------------------------------------------------------
@@ -291,7 +292,8 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes
 
-    def _key(self, request: SupportsKVCache, i: int, parent: int, extra: tuple):
+    def _key(self, request: SupportsKVCache, i: int, parent: int, extra: tuple) -> BlockKey:
+        """Block ``i``'s index key: ``(parent block, its tokens, (salt, extra keys))``."""
         bs = self.block_size
         return (parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), extra)
 
@@ -494,7 +496,7 @@ class KVCacheManager:
         if st is None:
             return False
         # one call: an indexed twin can be a parent of our blocks or a child of them
-        self.pool.release([*reversed(st.block_ids)])
+        self.pool.release([*reversed(st.block_ids), *reversed(st.anchors)])
         return True
 
     def preempt(self, request: SupportsKVCache | str) -> bool:
@@ -532,6 +534,10 @@ class KVCacheManager:
 
     # -- events ----------------------------------------------------------------------------------
 
+    def _wire_events(self) -> None:
+        """Build events only when someone listens (the pool skips them otherwise)."""
+        self.pool.on_event = self._emit if (self._events is not None or self._subscribers) else None
+
     def _emit(self, event: KVCacheEvent) -> None:
         if self._events is not None:
             self._events.append(event)
@@ -545,7 +551,14 @@ class KVCacheManager:
             A function that unsubscribes it.
         """
         self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+        self._wire_events()
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+            self._wire_events()
+
+        return unsubscribe
 
     def drain_events(self) -> Iterator[KVCacheEvent]:
         """Buffered events since the last drain, oldest first (empty unless ``enable_events=True``).

@@ -1,0 +1,338 @@
+"""Random operation sequences against KVCacheManager, checked against simulated KV memory.
+
+The machine plays a scheduler on a small pool (7 blocks, block_size 2, a
+3-token vocabulary so prefixes are shared and collide often): add requests,
+admit them (match + allocate), schedule more tokens (chunked prefill and
+decode), run forward passes that *write* simulated KV into the slots, cache
+blocks, finish, abort, preempt, match and evict. Simulated KV of a slot is the
+identity of what a real forward pass would have written there: ``(cache_salt,
+extra_keys, token prefix up to and including that position)``.
+
+After every step: ``free + evictable + in_use == total``; every pool invariant
+(:meth:`PrefixBlockPool.validate`: no double free, no negative ref count,
+leaves-first order, ...); each block's ref count equals the references the
+requests hold; every running request's computed slots still hold its own KV
+(nobody overwrote a block it uses); every cached block holds the KV its index
+key claims. Every match is checked slot by slot against the request's tokens,
+and every write goes to a block that is neither cached nor shared. After all
+requests finish or abort, no block is in use. At least 10,000 steps run with
+SHA-256, and 5,000 more with a hash that collides all the time.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from kvpage.cache.hashing import hash_block_tokens
+from kvpage.cache.manager import BlockRemoved, BlockStored, KVCacheManager, KVRequest
+from kvpage.cache.prefix_cache import ROOT
+
+NUM_BLOCKS = 7
+BS = 2
+PREFIXES = [(), (0, 1), (0, 1, 2, 0), (0, 1, 2, 0), (0, 1, 2, 0, 1), (2, 2, 2), (1,)]
+TENANTS = [(None, ()), (None, ()), ("t1", ()), (None, ("lora-a",))]
+
+STEPS = {"count": 0}
+OPS: Counter[str] = Counter()
+
+
+@dataclass
+class Running:
+    """The scheduler's view of an admitted request."""
+
+    req: KVRequest
+    reserved: int  # slots reserved (tokens)
+    computed: int  # tokens whose KV is written
+
+
+def weak_hash(parent: bytes, tokens, extra: tuple) -> bytes:
+    """Hashes a block's own tokens only (no parent, salt or extra keys): 9 possible values, collisions everywhere."""
+    return hashlib.sha256(bytes(tokens)).digest()
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    hash_fn = staticmethod(hash_block_tokens)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = KVCacheManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn)
+        self.m.subscribe(self._on_event)
+        self.kv: dict[int, tuple] = {}  # slot -> identity of the KV written there
+        self.waiting: dict[str, KVRequest] = {}
+        self.running: dict[str, Running] = {}
+        self.counter = 0
+        self.event_state: dict[tuple[int, bytes], str] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        STEPS["count"] += 1
+
+    @staticmethod
+    def _ident(req: KVRequest, pos: int) -> tuple:
+        return (req.cache_salt, req.extra_keys, tuple(req.all_token_ids[: pos + 1]))
+
+    def _on_event(self, e: BlockStored | BlockRemoved) -> None:
+        k = (e.block_id, e.block_hash)
+        if isinstance(e, BlockStored):
+            assert self.event_state.get(k) != "stored", "stored twice without a removal"
+            self.event_state[k] = "stored"
+            # stored only once its KV is written: every slot holds the claimed tokens
+            for j, t in enumerate(e.token_ids):
+                assert self.kv[e.block_id * BS + j][2][-1] == t
+        else:
+            assert self.event_state.get(k) == "stored", "removed while not stored"
+            self.event_state[k] = "removed"
+            pool = self.m.pool
+            # leaves first: nothing cached still names the evicted block as its parent
+            for b in range(NUM_BLOCKS):
+                key = pool.block_key(b)
+                assert key is None or key[0] != e.block_id, f"evicted {e.block_id} before its child {b}"
+
+    def _check_match(self, req: KVRequest) -> tuple:
+        match = self.m.match_prefix(req)
+        assert match.num_cached_tokens == len(match.block_ids) * BS
+        assert match.num_cached_tokens <= max(len(req.all_token_ids) - 1, 0)
+        for i, b in enumerate(match.block_ids):
+            for j in range(BS):
+                pos = i * BS + j
+                assert self.kv.get(b * BS + j) == self._ident(req, pos), f"block {b} holds foreign KV"
+        return match
+
+    def _refs_expected(self) -> list[int]:
+        exp = [0] * NUM_BLOCKS
+        for rid in self.running:
+            st = self.m._reqs[rid]
+            for b in st.block_ids + st.anchors:
+                exp[b] += 1
+        return exp
+
+    def _pick(self, data: st.DataObject, pool: dict) -> str:
+        return data.draw(st.sampled_from(sorted(pool)))
+
+    # -- operations (each draws what it needs) ---------------------------------------------------
+
+    def add_request(self, data: st.DataObject) -> None:
+        self._step()
+        prefix = data.draw(st.sampled_from(PREFIXES), label="prefix")
+        suffix = data.draw(st.lists(st.integers(0, 2), max_size=5), label="suffix")
+        tenant = data.draw(st.sampled_from(TENANTS), label="tenant")
+        tokens = list(prefix) + suffix or [0]
+        rid = f"r{self.counter}"
+        self.counter += 1
+        self.waiting[rid] = KVRequest(rid, tokens, cache_salt=tenant[0], extra_keys=tenant[1])
+
+    def admit(self, data: st.DataObject) -> None:
+        self._step()
+        rid = self._pick(data, self.waiting)
+        req = self.waiting[rid]
+        match = self._check_match(req)
+        remaining = len(req.all_token_ids) - match.num_cached_tokens
+        n = remaining if data.draw(st.booleans(), label="whole prompt") else data.draw(st.integers(0, remaining))
+        before = (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks, self.m.stats())
+        fits = self.m.can_allocate(req, n, match)
+        blocks = self.m.allocate_slots(req, n, match)
+        assert (blocks is not None) == fits
+        OPS["admit refused" if blocks is None else "admit ok"] += 1
+        if blocks is None:
+            after = (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks, self.m.stats())
+            assert after == before and not self.m.has_request(rid)
+            return
+        assert blocks.block_ids[: len(match.block_ids)] == match.block_ids
+        assert blocks.num_tokens == match.num_cached_tokens + n
+        assert len(blocks.block_ids) == self.m.blocks_for(blocks.num_tokens)
+        del self.waiting[rid]
+        self.running[rid] = Running(req, blocks.num_tokens, match.num_cached_tokens)
+
+    def schedule(self, data: st.DataObject) -> None:
+        """Reserve slots for more known tokens (next prefill chunk, or the sampled token)."""
+        self._step()
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.running.items() if r.reserved < len(r.req.all_token_ids))))
+        run = self.running[rid]
+        todo = len(run.req.all_token_ids) - run.reserved
+        n = todo if data.draw(st.booleans(), label="all known") else data.draw(st.integers(1, todo), label="tokens")
+        free_before = (self.m.num_free_blocks, self.m.num_evictable_blocks)
+        fits = self.m.can_allocate(run.req, n)
+        blocks = self.m.allocate_slots(run.req, n)
+        assert (blocks is not None) == fits
+        if blocks is None:
+            assert (self.m.num_free_blocks, self.m.num_evictable_blocks) == free_before
+            assert self.m.block_table(rid).num_tokens == run.reserved
+            return
+        run.reserved += n
+        assert blocks.num_tokens == run.reserved and len(blocks.block_ids) == self.m.blocks_for(run.reserved)
+
+    def forward(self, data: st.DataObject) -> None:
+        """Write KV for (some of) the reserved tokens, cache the newly full blocks, maybe sample a token."""
+        self._step()
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.running.items() if r.computed < r.reserved)))
+        run = self.running[rid]
+        todo = run.reserved - run.computed
+        k = todo if data.draw(st.booleans(), label="all reserved") else data.draw(st.integers(1, todo), label="written")
+        table = self.m.block_ids(rid)
+        for pos in range(run.computed, run.computed + k):
+            b = table[pos // BS]
+            # never write into a cached (shareable) or shared block
+            assert self.m.pool.block_hash(b) is None and self.m.pool.ref_count(b) == 1
+            self.kv[b * BS + pos % BS] = self._ident(run.req, pos)
+        run.computed += k
+        state = self.m._reqs[rid]
+        anchors, stopped = len(state.anchors), state.stop_caching
+        self.m.cache_blocks(run.req, run.computed)
+        OPS["duplicate block chained onto the indexed one"] += len(state.anchors) - anchors
+        OPS["chain stopped by a hash collision"] += state.stop_caching and not stopped
+        if run.computed == len(run.req.all_token_ids) and data.draw(st.booleans(), label="sample"):
+            run.req.all_token_ids.append(data.draw(st.integers(0, 2), label="token"))
+
+    def finish(self, data: st.DataObject) -> None:
+        """Finish or abort a running request (mid-prefill included)."""
+        self._step()
+        rid = self._pick(data, self.running)
+        before = self.m.num_in_use_blocks
+        assert self.m.free(self.running.pop(rid).req)
+        assert self.m.num_in_use_blocks <= before
+        assert not self.m.free(rid)  # a second free is a no-op
+
+    def abort_waiting(self, data: st.DataObject) -> None:
+        self._step()
+        rid = self._pick(data, self.waiting)
+        assert not self.m.free(self.waiting.pop(rid))
+
+    def preempt(self, data: st.DataObject) -> None:
+        """Recompute preemption: free now, back to waiting with its tokens; its cached prefix should re-hit."""
+        self._step()
+        rid = self._pick(data, self.running)
+        run = self.running.pop(rid)
+        n_before = self.m.stats().preemptions
+        assert self.m.preempt(run.req)
+        assert self.m.stats().preemptions == n_before + 1
+        self.waiting[rid] = run.req
+
+    def match_only(self, data: st.DataObject) -> None:
+        self._step()
+        reqs = [*self.waiting.values(), *(r.req for r in self.running.values())]
+        self._check_match(data.draw(st.sampled_from(reqs)))
+
+    def evict(self, data: st.DataObject) -> None:
+        self._step()
+        n = data.draw(st.integers(0, 4), label="evict")
+        evictable = self.m.num_evictable_blocks
+        assert self.m.evict(n) == min(n, evictable)
+        assert self.m.num_evictable_blocks == evictable - min(n, evictable)
+
+    def finish_all(self, data: st.DataObject) -> None:
+        self._step()
+        for run in self.running.values():
+            self.m.free(run.req)
+        self.running.clear()
+        assert self.m.num_in_use_blocks == 0 and self.m.usage == 0.0
+
+    # -- the one rule: a weighted choice among the operations that apply now -----------------------
+
+    def _applicable(self) -> list[tuple[str, int]]:
+        runs = self.running.values()
+        ops = [
+            ("add_request", 0 if len(self.waiting) >= 6 else 1 if self.waiting else 3),
+            ("admit", 3 if self.waiting else 0),
+            ("schedule", 3 if any(r.reserved < len(r.req.all_token_ids) for r in runs) else 0),
+            ("forward", 6 if any(r.computed < r.reserved for r in runs) else 0),
+            ("finish", 2 if self.running else 0),
+            ("abort_waiting", 1 if self.waiting else 0),
+            ("preempt", 1 if self.running and len(self.waiting) < 6 else 0),
+            ("match_only", 1 if self.waiting or self.running else 0),
+            ("evict", 1),
+            ("finish_all", 1 if self.running else 0),
+        ]
+        return [(name, w) for name, w in ops if w]
+
+    @rule(data=st.data())
+    def operation(self, data: st.DataObject) -> None:
+        choices = [name for name, w in self._applicable() for _ in range(w)]
+        name = data.draw(st.sampled_from(choices), label="op")
+        OPS[name] += 1
+        getattr(self, name)(data)
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    @invariant()
+    def accounting(self) -> None:
+        m = self.m
+        assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == NUM_BLOCKS
+        m.pool.validate()
+        assert [m.pool.ref_count(b) for b in range(NUM_BLOCKS)] == self._refs_expected()
+
+    @invariant()
+    def running_requests_keep_their_kv(self) -> None:
+        for rid, run in self.running.items():
+            table = self.m.block_table(rid)
+            assert table.num_tokens == run.reserved
+            assert len(table.block_ids) == self.m.blocks_for(run.reserved)
+            for pos in range(run.computed):
+                assert self.kv.get(table.slot(pos)) == self._ident(run.req, pos), f"{rid}'s KV was overwritten"
+
+    @invariant()
+    def cached_blocks_hold_what_their_key_says(self) -> None:
+        pool = self.m.pool
+        for b in range(NUM_BLOCKS):
+            key = pool.block_key(b)
+            if key is None:
+                continue
+            parent, tokens, (salt, extra) = key
+            first = self.kv[b * BS]
+            prev = () if parent == ROOT else self.kv[parent * BS + BS - 1][2]
+            for j, t in enumerate(tokens):
+                assert self.kv[b * BS + j] == (salt, extra, prev + tokens[: j + 1])
+            assert first[2][:-1] == prev
+
+    def teardown(self) -> None:
+        st = self.m.stats()
+        OPS["evicted blocks"] += st.evictions
+        OPS["prefix-hit tokens"] += st.prefix_hits
+        for run in self.running.values():
+            self.m.free(run.req)
+        assert self.m.num_in_use_blocks == 0
+        self.m.reset_prefix_cache()
+        assert self.m.num_free_blocks == NUM_BLOCKS
+        self.m.pool.validate()
+
+
+class WeakHashMachine(ManagerMachine):
+    """The same machine with a colliding hash: the index must fall back on its token/parent/salt checks."""
+
+    hash_fn = staticmethod(weak_hash)
+
+
+def _run(machine: type[ManagerMachine], examples: int) -> int:
+    STEPS["count"] = 0
+    OPS.clear()
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=60,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+    print(f"{machine.__name__}: {STEPS['count']} operations; {dict(sorted(OPS.items()))}")
+    # the interesting paths really ran
+    for what in ("admit ok", "admit refused", "forward", "preempt", "evicted blocks", "prefix-hit tokens"):
+        assert OPS[what] > 0, what
+    return STEPS["count"]
+
+
+def test_manager_state_machine_10k_operations() -> None:
+    n = _run(ManagerMachine, 300)
+    assert n >= 10_000, n
+
+
+def test_manager_state_machine_under_forced_collisions() -> None:
+    n = _run(WeakHashMachine, 150)
+    assert n >= 5_000, n
+    assert OPS["chain stopped by a hash collision"] > 0
