@@ -34,14 +34,22 @@ def greedy_outputs(engines):
 
 
 def _teacher_forced_logits(llm: LLM, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:
-    """``[len(answer), vocab]`` logits predicting each answer token, fed the reference answer step by step."""
+    """``[len(answer), vocab]`` logits predicting each answer token, fed the reference answer step by step.
+
+    Blocks come from the engine's manager (never indexed, freed after), so the prefix cache stays intact.
+    """
+    from kvpage.cache.manager import KVRequest
     from kvpage.engine.model_runner import ScheduledRequest
 
     ids = prompt_ids + answer
-    blocks = list(range(llm.block_manager.blocks_for(len(ids))))
-    rows = [llm.runner.execute([ScheduledRequest(prompt_ids, 0, blocks)])[0]]
-    for t in range(len(prompt_ids), len(ids) - 1):
-        rows.append(llm.runner.execute([ScheduledRequest([ids[t]], t, blocks)])[0])
+    req = KVRequest("teacher-forced", list(ids))
+    blocks = llm.engine.manager.allocate_slots(req, len(ids)).block_ids
+    try:
+        rows = [llm.runner.execute([ScheduledRequest(prompt_ids, 0, blocks)])[0]]
+        for t in range(len(prompt_ids), len(ids) - 1):
+            rows.append(llm.runner.execute([ScheduledRequest([ids[t]], t, blocks)])[0])
+    finally:
+        llm.engine.manager.free(req)
     return torch.stack(rows)
 
 
@@ -97,23 +105,21 @@ def test_batched_equals_one_at_a_time(engines):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     single = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == single
-    assert llm.block_manager.pool.num_used == 0
+    assert llm.engine.manager.num_in_use_blocks == 0
 
 
 @pytest.mark.slow
-def test_waves_when_cache_is_small(smollm2):
-    """More requests than the cache holds at once run in waves, with the same outputs."""
-    small = LLM(smollm2, kv_cache_dtype="int8", num_blocks=5, progress=False)
-    big = LLM(smollm2, kv_cache_dtype="int8", num_blocks=64, progress=False)
+def test_small_cache_preempts_and_recomputes_with_same_outputs(smollm2):
+    """More requests than the cache holds at once: the scheduler preempts (recompute) and outputs stay the same."""
+    small = LLM(smollm2, kv_cache_dtype="float32", num_blocks=6, progress=False)
+    big = LLM(smollm2, kv_cache_dtype="float32", num_blocks=64, progress=False)
     prompts = [small.chat_prompt(p) for p in CHAT_PROMPTS[:4]]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    # Each request needs ceil((~40 + 8) / 16) = 3-4 blocks, so at most one fits at a time: the
-    # waves are batches of one, compared with one-at-a-time runs (same batch shapes, so even a
-    # quantized cache must give identical tokens).
-    assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == [
-        big.generate([p], params)[0].outputs[0].token_ids for p in prompts
-    ]
-    assert small.block_manager.pool.num_used == 0
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # Each request needs ceil((~40 + 24) / 16) = 4 blocks at the end: two start together, then run out.
+    got = small.generate(prompts, params)
+    assert small.engine.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in big.generate(prompts, params)]
+    assert small.engine.manager.num_in_use_blocks == 0
 
 
 @pytest.mark.slow
@@ -136,7 +142,7 @@ def test_prompt_longer_than_cache_is_a_clear_error(smollm2):
     llm = LLM(smollm2, kv_cache_dtype="int8", num_blocks=4, block_size=16, progress=False)
     with pytest.raises(PromptTooLongError, match="kv_cache_memory_bytes"):
         llm.generate({"prompt_token_ids": list(range(100, 160))}, SamplingParams(max_tokens=8))
-    assert llm.block_manager.pool.num_used == 0
+    assert llm.engine.manager.num_in_use_blocks == 0
     with pytest.raises(PromptTooLongError, match="max_model_len"):
         LLM(smollm2, num_blocks=4, max_model_len=32, progress=False).generate(
             {"prompt_token_ids": list(range(100, 140))}

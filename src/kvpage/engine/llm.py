@@ -2,31 +2,24 @@
 
 The API mirrors vLLM's offline ``LLM``: ``LLM(model, kv_cache_dtype=...,
 block_size=..., kv_cache_memory_bytes=...)`` then ``generate(prompts,
-SamplingParams(...))`` or ``chat(messages, ...)``.
-
-Batching here is *static*: requests are admitted in waves whose whole
-prompt + ``max_tokens`` fits in the free blocks, each wave is prefilled in one
-forward pass (prompts concatenated, varlen) and decoded together, one forward
-per step, until every request in it finishes. Blocks are reserved at admission,
-so a running request can never run out of cache.
+SamplingParams(...))``, ``chat(messages, ...)`` or ``generate_stream(...)``.
+Generation runs on the continuous-batching :class:`~kvpage.engine.engine.LLMEngine`
+(scheduler, prefix cache, chunked prefill, preemption by recompute).
 """
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
-from kvpage.cache.block_pool import BlockManager, BlockTable
 from kvpage.cache.controller import CacheController
-from kvpage.errors import PromptTooLongError
-from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
-from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvpage.engine.sampling import SamplingParams, sample
+from kvpage.engine.engine import LLMEngine
+from kvpage.engine.model_runner import ModelRunner
+from kvpage.engine.outputs import RequestOutput
+from kvpage.engine.sampling import SamplingParams
+from kvpage.engine.scheduler import SchedulerConfig
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -59,28 +52,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass
-class _Request:
-    """Engine-side state of one request."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival: float
-    output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    generator: torch.Generator | None = None
-    max_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-
 class LLM:
     """A model served on a paged KV cache.
 
@@ -99,6 +70,10 @@ class LLM:
         num_threads: torch CPU threads; ``None`` leaves torch's setting.
         device: ``"cpu"`` or ``"cuda"``.
         progress: show a progress bar while loading the model.
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per forward pass (the scheduler's per-step budget).
+        enable_chunked_prefill: split long prompts across steps.
+        enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
 
     Raises:
         ModelNotFoundError: the model path does not exist (or the bundled model is not installed).
@@ -119,6 +94,10 @@ class LLM:
         num_threads: int | None = None,
         device: str = "cpu",
         progress: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
     ) -> None:
         from kvpage.model.loader import LoadedModel, load_model
 
@@ -158,11 +137,18 @@ class LLM:
                 )
         self.num_blocks = int(num_blocks)
         caches = self.controller.initialize_kv_cache(self.num_blocks)
-        self.block_manager = BlockManager(self.num_blocks, self.spec.block_size)
         self.runner = ModelRunner(self.model, self.spec, caches, self.device)
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
-        self.eos_token_ids = set(self.config.eos_token_ids)
-        self._counter = 0
+        self.engine = LLMEngine(
+            self.runner,
+            self.tokenizer,
+            num_blocks=self.num_blocks,
+            block_size=self.spec.block_size,
+            eos_token_ids=set(self.config.eos_token_ids),
+            max_model_len=self.max_model_len,
+            scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            enable_prefix_caching=enable_prefix_caching,
+        )
 
     # -- facts ---------------------------------------------------------------------------------
     @property
@@ -217,49 +203,8 @@ class LLM:
             convs = list(messages)
         return self.generate([self.chat_prompt(c) for c in convs], sampling_params)
 
-    def _new_request(self, prompt: PromptType, params: SamplingParams) -> _Request:
-        text, ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the model's context (max_model_len) is {self.max_model_len}. "
-                f"Shorten the prompt."
-            )
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        need = self.block_manager.blocks_for(len(ids) + max_tokens)
-        if need > self.num_blocks:
-            raise PromptTooLongError(
-                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} needs {need} blocks of "
-                f"{self.spec.block_size} tokens, but the KV cache holds only {self.num_blocks} blocks "
-                f"({self.max_cache_tokens} tokens). Raise kv_cache_memory_bytes/num_blocks, pick a smaller "
-                f"kv_cache_dtype, or lower max_tokens."
-            )
-        self._counter += 1
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator().manual_seed(int(params.seed))
-        return _Request(str(self._counter - 1), text, ids, params, time.perf_counter(), generator=gen,
-                        max_tokens=max_tokens)
-
-    def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate completions for ``prompts``, batched, in input order.
-
-        Args:
-            prompts: one prompt or a list (text, or ``{"prompt_token_ids": [...]}``).
-            sampling_params: one for all, or one per prompt; default ``SamplingParams()``.
-
-        Returns:
-            One :class:`RequestOutput` per prompt.
-
-        Raises:
-            PromptTooLongError: a prompt exceeds the context or cannot fit in the whole cache.
-            ValueError: empty prompt, or a params list of the wrong length.
-        """
+    def _add(self, prompts: PromptType | Sequence[PromptType],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -271,74 +216,72 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        requests = [self._new_request(p, sp) for p, sp in zip(prompts, params_list)]
-        pending = list(requests)
-        while pending:
-            wave: list[_Request] = []
-            free = self.block_manager.pool.num_free
-            while pending and self.block_manager.blocks_for(len(pending[0].prompt_token_ids) + pending[0].max_tokens) <= free:
-                r = pending.pop(0)
-                free -= self.block_manager.blocks_for(len(r.prompt_token_ids) + r.max_tokens)
-                wave.append(r)
-            self._run_wave(wave)
-        return [self._output(r) for r in requests]
-
-    def _run_wave(self, wave: list[_Request]) -> None:
-        tables: dict[str, BlockTable] = {}
+        encoded = [self.encode(p) for p in prompts]  # all validation before any request is queued
+        for text, ids in encoded:
+            if not ids:
+                raise ValueError("empty prompt: give at least one token")
+        ids_out: list[str] = []
         try:
-            for r in wave:
-                tables[r.request_id] = self.block_manager.allocate(r.request_id, len(r.prompt_token_ids) + r.max_tokens)
-            batch = [ScheduledRequest(r.prompt_token_ids, 0, tables[r.request_id].block_ids) for r in wave]
-            logits = self.runner.execute(batch)
-            active = list(wave)
-            for r, row in zip(wave, logits):
-                self._append_token(r, sample(row, r.params, r.generator))
-            active = [r for r in active if r.finish_reason is None]
-            while active:
-                batch = [
-                    ScheduledRequest([r.output_token_ids[-1]], r.num_tokens - 1, tables[r.request_id].block_ids)
-                    for r in active
-                ]
-                logits = self.runner.execute(batch)
-                for r, row in zip(active, logits):
-                    self._append_token(r, sample(row, r.params, r.generator))
-                active = [r for r in active if r.finish_reason is None]
+            for (text, ids), sp in zip(encoded, params_list):
+                ids_out.append(self.engine.add_request(text, ids, sp).request_id)
+        except Exception:
+            for rid in ids_out:
+                self.engine.abort_request(rid)
+            raise
+        return ids_out
+
+    def generate_stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Like :meth:`generate`, but yield each request's incremental output as soon as a step produces it.
+
+        Every yielded :class:`RequestOutput` carries the cumulative text and
+        tokens plus ``delta_text``/``delta_token_ids`` since that request's
+        previous output; the last one of a request has ``finished=True``.
+        Closing the iterator early aborts the requests still running.
+        """
+        pending = set(self._add(prompts, sampling_params))
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
         finally:
-            for r in wave:
-                self.block_manager.free(r.request_id)
+            for rid in pending:
+                self.engine.abort_request(rid)
 
-    def _append_token(self, r: _Request, token: int) -> None:
-        now = time.perf_counter()
-        if r.first_token_time is None:
-            r.first_token_time = now
-        r.output_token_ids.append(token)
-        p = r.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            r.finish_reason = "stop"
-        text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
-        for s in p.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-                r.finish_reason = "stop"
-        r.text = text
-        if r.finish_reason is None and len(r.output_token_ids) >= r.max_tokens:
-            r.finish_reason = "length"
-        if r.finish_reason is not None:
-            r.finish_time = now
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts`` with continuous batching; results in input order.
 
-    def _output(self, r: _Request) -> RequestOutput:
-        metrics = RequestMetrics(
-            prompt_tokens=len(r.prompt_token_ids),
-            output_tokens=len(r.output_token_ids),
-            time_to_first_token_s=None if r.first_token_time is None else r.first_token_time - r.arrival,
-            total_time_s=None if r.finish_time is None else r.finish_time - r.arrival,
-        )
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt=r.prompt,
-            prompt_token_ids=r.prompt_token_ids,
-            outputs=[CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason)],
-            finished=r.finish_reason is not None,
-            metrics=metrics,
-        )
+        Args:
+            prompts: one prompt or a list (text, or ``{"prompt_token_ids": [...]}``).
+            sampling_params: one for all, or one per prompt; default ``SamplingParams()``.
+
+        Returns:
+            One finished :class:`RequestOutput` per prompt.
+
+        Raises:
+            PromptTooLongError: a prompt exceeds the context or cannot fit in the whole cache
+                (nothing is queued then).
+            ValueError: empty prompt, or a params list of the wrong length.
+        """
+        final: dict[str, RequestOutput] = {}
+        ids = self._add(prompts, sampling_params)
+        wanted = set(ids)
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+        finally:
+            for rid in wanted - set(final):
+                self.engine.abort_request(rid)
+        return [final[i] for i in ids]

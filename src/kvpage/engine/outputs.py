@@ -1,4 +1,4 @@
-"""Result dataclasses of :meth:`kvpage.LLM.generate` (shaped like vLLM's ``RequestOutput``)."""
+"""Result dataclasses of the engine (shaped like vLLM's ``RequestOutput``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,20 +6,24 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence.
+    """One generated sequence (cumulative), plus what is new since the previous output of the same request.
 
     Attributes:
         index: position among the request's outputs (always 0: ``n == 1``).
-        text: decoded output, special tokens skipped, cut before a stop string.
-        token_ids: generated token ids (a stop token included, as in vLLM).
+        text: decoded output so far, special tokens skipped, cut before a stop string.
+        token_ids: generated token ids so far (a stop token included, as in vLLM).
         finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"``
-            (``max_tokens`` or the context limit) or ``None`` while running.
+            (``max_tokens`` or the context limit), ``"abort"``, or ``None`` while running.
+        delta_text: text added since the previous output of this request (streaming).
+        delta_token_ids: tokens added since the previous output of this request.
     """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -29,22 +33,26 @@ class RequestMetrics:
     Attributes:
         prompt_tokens: tokens in the prompt.
         output_tokens: tokens generated.
+        cached_tokens: prompt tokens served from the prefix cache at admission.
         time_to_first_token_s: seconds from submission to the first output token.
         total_time_s: seconds from submission to finish.
+        num_preemptions: times the request was preempted (recomputed).
     """
 
     prompt_tokens: int
     output_tokens: int = 0
+    cached_tokens: int = 0
     time_to_first_token_s: float | None = None
     total_time_s: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclass
 class RequestOutput:
-    """Everything one request produced.
+    """Everything one request produced so far.
 
     Attributes:
-        request_id: engine-assigned id.
+        request_id: the request's id.
         prompt: the prompt text (the chat-templated text for chat requests), or ``None`` for token prompts.
         prompt_token_ids: the tokens the model saw.
         outputs: one :class:`CompletionOutput` (``n == 1``).

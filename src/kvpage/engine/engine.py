@@ -1,0 +1,239 @@
+"""``LLMEngine``: requests in, one scheduled forward pass per :meth:`LLMEngine.step`, incremental outputs out.
+
+The loop of vLLM's engine core, on one process: the
+:class:`~kvpage.engine.scheduler.Scheduler` picks the step's tokens, the
+:class:`~kvpage.engine.model_runner.ModelRunner` runs them over the paged cache,
+the sampler picks each finished sequence's next token, and the detokenizer and
+stop checks turn tokens into text. ``LLM.generate`` and the HTTP server both
+drive this class.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvpage.cache.manager import KVCacheManager, KVCacheStats
+from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
+from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpage.engine.sampling import SamplingParams, sample
+from kvpage.engine.scheduler import Scheduler, SchedulerConfig
+from kvpage.engine.sequence import Request
+from kvpage.errors import PromptTooLongError
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics.
+
+    Attributes:
+        num_running: requests in the running batch.
+        num_waiting: requests queued (new or preempted).
+        kv_usage: fraction of KV blocks in use, in [0, 1].
+        kv: the KV-cache manager's counters (prefix queries/hits, evictions, ...).
+        num_preemptions: requests preempted since start.
+        prompt_tokens: prompt tokens computed since start (cache hits excluded).
+        generation_tokens: tokens sampled since start.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    kv: KVCacheStats
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged, prefix-cached KV cache.
+
+    Args:
+        runner: runs forward passes over the cache tensors.
+        tokenizer: a transformers tokenizer (encode/decode).
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        eos_token_ids: tokens that end a sequence (unless ``ignore_eos``).
+        max_model_len: longest prompt + output, in tokens.
+        scheduler_config: batching limits.
+        enable_prefix_caching: share full blocks between requests with equal prefixes.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        *,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        scheduler_config: SchedulerConfig | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.manager, scheduler_config)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request.
+
+        Raises:
+            ValueError: empty prompt or a duplicate ``request_id``.
+            PromptTooLongError: the prompt reaches ``max_model_len``, or prompt + ``max_tokens``
+                cannot fit in the whole cache (it could never finish, even alone).
+        """
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the model's context (max_model_len) is {self.max_model_len}. "
+                f"Shorten the prompt."
+            )
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        need = self.manager.blocks_for(len(ids) + max_tokens)
+        if need > self.num_blocks:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} needs {need} blocks of "
+                f"{self.block_size} tokens, but the KV cache holds only {self.num_blocks} blocks "
+                f"({self.num_blocks * self.block_size} tokens). Raise kv_cache_memory_bytes/num_blocks, pick a "
+                f"smaller kv_cache_dtype, or lower max_tokens."
+            )
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, prompt, ids, params, time.perf_counter(), max_tokens, cache_salt=cache_salt)
+        self.requests[rid] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now (finish reason ``abort``) and free its blocks; unknown or finished ids return ``None``."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        req.finish_time = time.perf_counter()
+        out = self._output(req)
+        self.requests.pop(request_id, None)
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request waits or runs."""
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; return an output for every request that got a token or finished.
+
+        Raises:
+            RuntimeError: requests wait but none can be scheduled (cannot happen
+                for requests admitted by :meth:`add_request`; guards against a hang).
+        """
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.num_unfinished:
+                raise RuntimeError(
+                    f"{len(self.scheduler.waiting)} waiting requests cannot be scheduled with "
+                    f"{self.manager.num_free_blocks} free blocks"
+                )
+            return []
+        batch = [ScheduledRequest(c.token_ids, c.num_computed, c.block_ids) for c in sched.scheduled]
+        logits = self.runner.execute(batch)                                    # [B, vocab] float32
+        self.scheduler.update_after_step(sched)
+        outputs: list[RequestOutput] = []
+        now = time.perf_counter()
+        for chunk, row in zip(sched.scheduled, logits):
+            req = chunk.request
+            self.prompt_tokens_computed += max(
+                0, min(chunk.num_computed + chunk.num_new_tokens, req.num_prompt_tokens) - chunk.num_computed
+            )
+            if not chunk.completes_sequence:
+                continue  # a prefill chunk: its logits are not needed
+            token = sample(row, req.params, req.generator)
+            self.generation_tokens += 1
+            self._append_token(req, token, now)
+            outputs.append(self._output(req))
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.all_token_ids.append(token)
+        p = req.params
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        for s in p.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        req.text = text
+        if reason is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            req.finish_time = now
+
+    def _output(self, req: Request) -> RequestOutput:
+        out_ids = req.output_token_ids
+        # While running, hold back text that may still become a stop string or an incomplete UTF-8 character.
+        visible = req.text if req.is_finished else req.text.rstrip("\ufffd")
+        if not req.is_finished and req.params.stop:
+            hold = max(len(s) for s in req.params.stop) - 1
+            visible = visible[: max(len(visible) - hold, req._emitted_text)]
+        delta_text = visible[req._emitted_text:] if len(visible) >= req._emitted_text else ""
+        delta_ids = out_ids[req._emitted_tokens:]
+        req._emitted_text = max(req._emitted_text, len(visible))
+        req._emitted_tokens = len(out_ids)
+        metrics = RequestMetrics(
+            prompt_tokens=req.num_prompt_tokens,
+            output_tokens=len(out_ids),
+            cached_tokens=max(req.num_cached_tokens, 0),
+            time_to_first_token_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            total_time_s=None if req.finish_time is None else req.finish_time - req.arrival_time,
+            num_preemptions=req.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, req.text, list(out_ids), req.finish_reason, delta_text, delta_ids)],
+            finished=req.is_finished,
+            metrics=metrics,
+        )
+
+    # -- metrics -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Counters and gauges for metrics and benchmarks."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.manager.usage,
+            kv=self.manager.stats(),
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_computed,
+            generation_tokens=self.generation_tokens,
+        )

@@ -1,0 +1,218 @@
+"""Continuous-batching scheduler: per-step token budget, chunked prefill, decodes first, FCFS, preemption by recompute.
+
+Each :meth:`Scheduler.schedule` call builds one forward pass (vLLM v1's
+scheduler, reduced to one KV-cache group):
+
+1. **Running requests**, decodes first, then unfinished (chunked) prefills:
+   each gets the tokens it still needs, capped by the step's
+   ``max_num_batched_tokens`` budget. When the cache cannot supply a block,
+   the most recently admitted running request is **preempted by recompute**:
+   its blocks are freed (full blocks stay in the prefix cache), its progress
+   reset, and it goes back to the front of the queue; on readmission it
+   re-hits its own cached prefix.
+2. **Waiting requests**, first come first served, while the budget, the
+   ``max_num_seqs`` limit and the free blocks allow (none when this step
+   preempted someone). Each is first matched against the prefix cache; only
+   the uncached tokens are computed. With chunked prefill a long prompt is
+   split across steps.
+
+Tensor-free: the scheduler sees requests and block ids through the
+:class:`~kvpage.cache.manager.KVCacheManager`, never tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpage.cache.manager import KVCacheManager
+from kvpage.engine.sequence import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits.
+
+    Attributes:
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per forward pass (the per-step budget).
+        enable_chunked_prefill: split long prefills across steps; when off, a
+            prefill runs whole (alone if it exceeds the budget).
+
+    Raises:
+        ValueError: non-positive limits.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be positive, got {self.max_num_seqs}, "
+                f"{self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequestChunk:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request.
+        num_new_tokens: tokens to compute this step, starting at ``num_computed``.
+        num_computed: tokens already in the cache before this step.
+        block_ids: the request's block table, covering ``num_computed + num_new_tokens`` tokens.
+    """
+
+    request: Request
+    num_new_tokens: int
+    num_computed: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens to run."""
+        return self.request.all_token_ids[self.num_computed : self.num_computed + self.num_new_tokens]
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step every known token is computed, so the step's last logits sample a new token."""
+        return self.num_computed + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What :meth:`Scheduler.schedule` decided for one step.
+
+    Attributes:
+        scheduled: the chunks of the forward pass, in batch order.
+        preempted: requests preempted this step (back in the waiting queue).
+    """
+
+    scheduled: list[ScheduledRequestChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the forward pass."""
+        return sum(c.num_new_tokens for c in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run."""
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous batching over a :class:`~kvpage.cache.manager.KVCacheManager`.
+
+    Args:
+        manager: the KV-cache manager (the only way the scheduler touches the cache).
+        config: batching limits.
+    """
+
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None) -> None:
+        self.manager = manager
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (FCFS)."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark ``request`` finished with ``reason`` and release its blocks (idempotent)."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self.waiting) + len(self.running)
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.manager.preempt(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose the next forward pass (see the module docstring for the policy)."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # 1. running: decodes first, then unfinished prefills, each in admission order.
+        order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in order:
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            blocks = self.manager.allocate_slots(req, n)
+            while blocks is None:
+                # Preempt the most recently admitted request; if it was already scheduled
+                # this step (a decode ahead of this prefill), take its chunk back too.
+                victim = self.running[-1]
+                for i, chunk in enumerate(out.scheduled):
+                    if chunk.request is victim:
+                        budget += chunk.num_new_tokens
+                        del out.scheduled[i]
+                        break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+                blocks = self.manager.allocate_slots(req, n)
+            if blocks is None:
+                continue
+            out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
+            budget -= n
+        # 2. waiting: FCFS admission, unless this step had to preempt.
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            match = self.manager.match_prefix(req)
+            n = req.num_tokens - match.num_cached_tokens
+            if n > budget:
+                if self.config.enable_chunked_prefill:
+                    n = budget
+                elif out.scheduled:
+                    break  # a whole prefill runs alone when it exceeds the budget
+            blocks = self.manager.allocate_slots(req, n, match)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = match.num_cached_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = match.num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
+            budget -= n
+        return out
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Record that the step's KV was written: advance progress and index newly full blocks.
+
+        Call after the forward pass and before appending sampled tokens.
+        """
+        for chunk in output.scheduled:
+            req = chunk.request
+            req.num_computed_tokens = chunk.num_computed + chunk.num_new_tokens
+            self.manager.cache_blocks(req, req.num_computed_tokens)
