@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 
 from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
-from kvpage.formats.rotation import hadamard_rotation
+from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 
 #: Smallest normal float16; floor of every dynamic scale.
 SCALE_FLOOR = 2.0**-14
@@ -84,7 +84,8 @@ class PerTokenFormat(KVFormat):
         limit = self.qmax * FP16_MAX
         y = x.float().clamp(-limit, limit)
         if self.rotate:
-            y = (y @ hadamard_rotation(y.shape[-1], torch.float32, str(y.device))).clamp_(-limit, limit)
+            # butterflies, not a matmul: a token's codes must not depend on the rows it is written with
+            y = hadamard_transform(y).clamp_(-limit, limit)
         return y
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
@@ -123,6 +124,8 @@ class Int8Format(PerTokenFormat):
     """
 
     name: ClassVar[str] = "int8"
+    #: 2: rows are Hadamard-rotated (version 1 stored plain rows under this name).
+    version: ClassVar[int] = 2
     qmax: ClassVar[float] = 127.0
 
     def encode(self, y: torch.Tensor) -> torch.Tensor:
@@ -146,6 +149,8 @@ class Fp8Format(PerTokenFormat):
 
     name: ClassVar[str] = "fp8"
     aliases: ClassVar[tuple[str, ...]] = ("fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3", "block_wise_fp8")
+    #: 2: rows are Hadamard-rotated (version 1 stored plain rows under this name).
+    version: ClassVar[int] = 2
     qmax: ClassVar[float] = 448.0
 
     def encode(self, y: torch.Tensor) -> torch.Tensor:
@@ -162,6 +167,7 @@ class Int8PerTokenHeadFormat(Int8Format):
 
     name: ClassVar[str] = "int8_per_token_head"
     aliases: ClassVar[tuple[str, ...]] = ()
+    version: ClassVar[int] = 1
     rotate: ClassVar[bool] = False
 
 
@@ -170,4 +176,5 @@ class Fp8PerTokenHeadFormat(Fp8Format):
 
     name: ClassVar[str] = "fp8_per_token_head"
     aliases: ClassVar[tuple[str, ...]] = ()
+    version: ClassVar[int] = 1
     rotate: ClassVar[bool] = False

@@ -32,10 +32,14 @@ def _sylvester(n: int) -> torch.Tensor:
     return h / h.shape[0] ** 0.5
 
 
+def _blocks(head_dim: int) -> list[int]:
+    """Sizes of the diagonal Sylvester blocks, largest first (96 -> [64, 32])."""
+    return [1 << b for b in reversed(range(head_dim.bit_length())) if head_dim >> b & 1]
+
+
 @lru_cache(maxsize=None)
 def _rotation64(head_dim: int) -> torch.Tensor:
-    blocks = [1 << b for b in reversed(range(head_dim.bit_length())) if head_dim >> b & 1]
-    return torch.block_diag(*[_sylvester(n) for n in blocks])
+    return torch.block_diag(*[_sylvester(n) for n in _blocks(head_dim)])
 
 
 @lru_cache(maxsize=64)
@@ -53,3 +57,35 @@ def hadamard_rotation(head_dim: int, dtype: torch.dtype = torch.float32, device:
     if head_dim <= 0:
         raise ValueError(f"head_dim must be positive, got {head_dim}")
     return _rotation64(head_dim).to(dtype=dtype, device=device)
+
+
+@lru_cache(maxsize=None)
+def _inv_sqrt32(n: int) -> float:
+    """``1/sqrt(n)`` rounded to float32 (exact for ``n`` a power of 4): the very constant ``R`` holds."""
+    return float(torch.tensor(1.0 / n**0.5, dtype=torch.float64).float())
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """``x @ R`` along the last dim (``R = hadamard_rotation(x.shape[-1])``, symmetric, so also ``x @ R.T``).
+
+    Computed with fixed-order butterflies (``a + b``, ``a - b``, then one multiply by
+    ``1/sqrt(block)``), elementwise ops only: each row's result depends on that row alone,
+    bit for bit, whatever the batch shape or device. A matmul does not guarantee that (its
+    blocking and kernel depend on the shape), and stored codes must not depend on which
+    other tokens were written in the same call. Equal to ``x @ R`` up to float rounding.
+    """
+    d = x.shape[-1]
+    if d <= 0:
+        raise ValueError(f"head_dim must be positive, got {d}")
+    parts, start = [], 0
+    for n in _blocks(d):
+        y = x[..., start:start + n]
+        h = 1
+        while h < n:
+            y = y.unflatten(-1, (n // (2 * h), 2, h))
+            a, b = y[..., 0, :], y[..., 1, :]
+            y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+            h *= 2
+        parts.append(y * _inv_sqrt32(n))
+        start += n
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
