@@ -75,35 +75,39 @@ def bench_transformers(dtype: torch.dtype, tokens: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", default="1,2", help="torch thread counts to run (each engine, same count)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="model compute dtypes for kvpage and transformers")
     ap.add_argument("--formats", default="float32,bfloat16,int8,fp8")
     ap.add_argument("--batches", default="1,8")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     dtypes = args.dtypes.split(",")
-    rows: list[tuple[str, str, str, int, float]] = []
-    for dt in dtypes:
-        hf = bench_transformers(getattr(torch, dt), args.tokens)
-        rows.append(("transformers generate", dt, "DynamicCache", 1, hf))
-        print(f"transformers {dt} batch 1: {hf:.1f} tokens/s", file=sys.stderr, flush=True)
-    for dt in dtypes:
-        for fmt in args.formats.split(","):
-            llm = LLM(kv_cache_dtype=fmt, dtype=dt, progress=False, kv_cache_memory_bytes=64 * 2**20)
-            for b in (int(x) for x in args.batches.split(",")):
-                r = bench_kvpage(llm, b, args.tokens)
-                rows.append(("kvpage", dt, fmt, b, r))
-                print(f"kvpage {dt} {fmt} batch {b}: {r:.1f} tokens/s", file=sys.stderr, flush=True)
-            del llm
-    base = {dt: next(r[4] for r in rows if r[0] == "transformers generate" and r[1] == dt) for dt in dtypes}
-    base32 = base.get("float32", next(iter(base.values())))
-    print(f"\nDecode throughput, SmolLM2-135M-Instruct, {args.tokens} tokens/request, {args.threads} thread(s), "
-          f"torch {torch.__version__}")
-    head = f"| {'engine':<22} | {'weights':<8} | {'KV cache':<12} | batch | {'tokens/s':>8} | vs HF same dtype | vs HF float32 |"
+    rows: list[tuple[int, str, str, str, int, float]] = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for dt in dtypes:
+            hf = bench_transformers(getattr(torch, dt), args.tokens)
+            rows.append((threads, "transformers generate", dt, "DynamicCache", 1, hf))
+            print(f"[{threads} thr] transformers {dt} batch 1: {hf:.1f} tokens/s", file=sys.stderr, flush=True)
+        for dt in dtypes:
+            for fmt in args.formats.split(","):
+                llm = LLM(kv_cache_dtype=fmt, dtype=dt, progress=False, kv_cache_memory_bytes=64 * 2**20)
+                for b in (int(x) for x in args.batches.split(",")):
+                    r = bench_kvpage(llm, b, args.tokens)
+                    rows.append((threads, "kvpage", dt, fmt, b, r))
+                    print(f"[{threads} thr] kvpage {dt} {fmt} batch {b}: {r:.1f} tokens/s", file=sys.stderr, flush=True)
+                del llm
+    print(f"\nDecode throughput (tokens/s, prefill excluded), SmolLM2-135M-Instruct, {args.tokens} tokens/request, "
+          f"greedy, torch {torch.__version__}")
+    head = (f"| threads | {'engine':<21} | {'weights':<8} | {'KV cache':<12} | batch | {'tokens/s':>8} "
+            f"| vs HF same weights | vs HF float32 |")
     print(head)
-    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
-    for eng, dt, fmt, b, r in rows:
-        print(f"| {eng:<22} | {dt:<8} | {fmt:<12} | {b:>5} | {r:>8.1f} | {r / base[dt]:>15.2f}x | {r / base32:>12.2f}x |")
+    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    for threads, eng, dt, fmt, b, r in rows:
+        base = {d: next(x[5] for x in rows if x[0] == threads and x[1].startswith("transformers") and x[2] == d)
+                for d in dtypes}
+        b32 = base.get("float32", next(iter(base.values())))
+        print(f"| {threads:>7} | {eng:<21} | {dt:<8} | {fmt:<12} | {b:>5} | {r:>8.1f} | {r / base[dt]:>17.2f}x "
+              f"| {r / b32:>12.2f}x |")
     return 0
 
 

@@ -209,38 +209,44 @@ def paged_attention(
     _check_inputs(spec, layer_index, q, k, v)
     write_kv(cache, spec, k, v, meta.slot_mapping)
     value_name = VALUE if spec.has_value else KEY
-    dtype = q.dtype
+    # Attention math runs in float32 on the CPU (bfloat16 SDPA there is 5-10x slower, and less exact),
+    # in the model dtype elsewhere.
+    adtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    qa = q.to(adtype)                                                          # [T, H, D]
     # Rotated formats store x @ R (R orthonormal): attend with q @ R, rotate the output back by R.T.
-    rot = spec.format.rotation(spec.head_dim, dtype, q.device)
+    rot = spec.format.rotation(spec.head_dim, adtype, q.device)
     if rot is not None:
-        q = q @ rot                                                            # [T, H, D]
+        qa = qa @ rot                                                          # [T, H, D]
     bs = spec.block_size
-    out = torch.empty_like(q)
     if meta.is_decode_only:
-        # Batched decode: gather every request's blocks, pad to the longest, mask the padding.
-        tables = meta.block_tables                                            # [B, nb]
-        keys = read_kv(cache, spec, KEY, tables, dtype, rotated=True).flatten(1, 2)        # [B, nb*bs, Hkv, D]
-        vals = read_kv(cache, spec, value_name, tables, dtype, rotated=True).flatten(1, 2)      # [B, nb*bs, Hkv, D]
-        lens = torch.as_tensor(meta.seq_lens, device=q.device)
-        mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
-        # Zero the padding and unwritten tail slots: a masked weight of 0 times a stale NaN/inf is still NaN.
-        keys = keys.masked_fill(~mask[:, :, None, None], 0)                    # [B, L, Hkv, D]
-        vals = vals.masked_fill(~mask[:, :, None, None], 0)                    # [B, L, Hkv, D]
+        # Batched decode: gather every request's blocks up to the longest context.
+        longest = max(meta.seq_lens)
+        tables = meta.block_tables[:, : math.ceil(longest / bs)]                           # [B, nb]
+        keys = read_kv(cache, spec, KEY, tables, adtype, rotated=True).flatten(1, 2)[:, :longest]
+        vals = read_kv(cache, spec, value_name, tables, adtype, rotated=True).flatten(1, 2)[:, :longest]
+        mask = None                                                            # [B, L, Hkv, D] keys/vals
+        if meta.num_requests > 1 and min(meta.seq_lens) < longest:
+            lens = torch.as_tensor(meta.seq_lens, device=q.device)
+            mask = torch.arange(longest, device=q.device)[None, :] < lens[:, None]       # [B, L]
+            # Zero the padding and unwritten slots: a masked weight of 0 times a stale NaN/inf is still NaN.
+            keys = keys.masked_fill(~mask[:, :, None, None], 0)
+            vals = vals.masked_fill(~mask[:, :, None, None], 0)
+            mask = mask[:, None, None, :]                                      # [B, 1, 1, L]
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),                                                    # [B, H, 1, D]
+            qa.unsqueeze(2),                                                   # [B, H, 1, D]
             keys.transpose(1, 2), vals.transpose(1, 2),                        # [B, Hkv, L, D]
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
-        )                                                                      # [B, H, 1, D]
-        o = o.squeeze(2)                                                       # [B, H, D]
-        return o if rot is None else o @ rot.T
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        ).squeeze(2)                                                           # [B, H, D]
+        return (o if rot is None else o @ rot.T).to(q.dtype)
+    out = torch.empty_like(qa)
     for i in range(meta.num_requests):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         s = meta.seq_lens[i]
         ids = meta.block_tables[i, : math.ceil(s / bs)]
-        keys = read_kv(cache, spec, KEY, ids, dtype, rotated=True).flatten(0, 1)[:s]       # [s, Hkv, D]
-        vals = read_kv(cache, spec, value_name, ids, dtype, rotated=True).flatten(0, 1)[:s]     # [s, Hkv, D]
+        keys = read_kv(cache, spec, KEY, ids, adtype, rotated=True).flatten(0, 1)[:s]       # [s, Hkv, D]
+        vals = read_kv(cache, spec, value_name, ids, adtype, rotated=True).flatten(0, 1)[:s]  # [s, Hkv, D]
         n = b - a
-        qi = q[a:b].transpose(0, 1)                                            # [H, n, D]
+        qi = qa[a:b].transpose(0, 1)                                           # [H, n, D]
         if n == s:
             o = F.scaled_dot_product_attention(
                 qi, keys.transpose(0, 1), vals.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
@@ -252,4 +258,4 @@ def paged_attention(
                 qi, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[a:b] = o.transpose(0, 1)                                           # [n, H, D]
-    return out if rot is None else out @ rot.T
+    return (out if rot is None else out @ rot.T).to(q.dtype)
