@@ -14,12 +14,15 @@ weights (the bundled SmolLM2 GGUF) and the same thread count.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
@@ -72,30 +75,48 @@ def bench_transformers(dtype: torch.dtype, tokens: int) -> float:
     return (tokens - 1) / (tn - t1)
 
 
+def measure(threads: int, dtypes: list[str], formats: list[str], batches: list[int], tokens: int) -> list[list]:
+    """Rows ``[threads, engine, weights, kv_cache, batch, tokens/s]`` for one thread count (in this process)."""
+    torch.set_num_threads(threads)
+    rows: list[list] = []
+    for dt in dtypes:
+        hf = bench_transformers(getattr(torch, dt), tokens)
+        rows.append([threads, "transformers generate", dt, "DynamicCache", 1, hf])
+        print(f"[{threads} thr] transformers {dt} batch 1: {hf:.1f} tokens/s", file=sys.stderr, flush=True)
+    for dt in dtypes:
+        for fmt in formats:
+            llm = LLM(kv_cache_dtype=fmt, dtype=dt, progress=False, kv_cache_memory_bytes=64 * 2**20)
+            for b in batches:
+                r = bench_kvpage(llm, b, tokens)
+                rows.append([threads, "kvpage", dt, fmt, b, r])
+                print(f"[{threads} thr] kvpage {dt} {fmt} batch {b}: {r:.1f} tokens/s", file=sys.stderr, flush=True)
+            del llm
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--threads", default="1,2", help="torch thread counts to run (each engine, same count)")
+    ap.add_argument("--threads", default="1,2", help="torch thread counts; each runs in a fresh process")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="model compute dtypes for kvpage and transformers")
     ap.add_argument("--formats", default="float32,bfloat16,int8,fp8")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--json-rows", action="store_true", help=argparse.SUPPRESS)  # child mode
     args = ap.parse_args()
-    dtypes = args.dtypes.split(",")
-    rows: list[tuple[int, str, str, str, int, float]] = []
-    for threads in (int(t) for t in args.threads.split(",")):
-        torch.set_num_threads(threads)
-        for dt in dtypes:
-            hf = bench_transformers(getattr(torch, dt), args.tokens)
-            rows.append((threads, "transformers generate", dt, "DynamicCache", 1, hf))
-            print(f"[{threads} thr] transformers {dt} batch 1: {hf:.1f} tokens/s", file=sys.stderr, flush=True)
-        for dt in dtypes:
-            for fmt in args.formats.split(","):
-                llm = LLM(kv_cache_dtype=fmt, dtype=dt, progress=False, kv_cache_memory_bytes=64 * 2**20)
-                for b in (int(x) for x in args.batches.split(",")):
-                    r = bench_kvpage(llm, b, args.tokens)
-                    rows.append((threads, "kvpage", dt, fmt, b, r))
-                    print(f"[{threads} thr] kvpage {dt} {fmt} batch {b}: {r:.1f} tokens/s", file=sys.stderr, flush=True)
-                del llm
+    dtypes, formats = args.dtypes.split(","), args.formats.split(",")
+    batches = [int(x) for x in args.batches.split(",")]
+    threads_list = [int(t) for t in args.threads.split(",")]
+    if args.json_rows:
+        print(json.dumps(measure(threads_list[0], dtypes, formats, batches, args.tokens)))
+        return 0
+    rows: list[list] = []
+    for threads in threads_list:
+        # A fresh process per thread count: switching torch's thread pool size in one process slowed
+        # later runs by up to 1.5x here.
+        cmd = [sys.executable, __file__, "--json-rows", "--threads", str(threads), "--tokens", str(args.tokens),
+               "--dtypes", args.dtypes, "--formats", args.formats, "--batches", args.batches]
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+        rows += json.loads(out.strip().splitlines()[-1])
     print(f"\nDecode throughput (tokens/s, prefill excluded), SmolLM2-135M-Instruct, {args.tokens} tokens/request, "
           f"greedy, torch {torch.__version__}")
     head = (f"| threads | {'engine':<21} | {'weights':<8} | {'KV cache':<12} | batch | {'tokens/s':>8} "
