@@ -218,26 +218,20 @@ def paged_attention(
     if rot is not None:
         qa = qa @ rot                                                          # [T, H, D]
     bs = spec.block_size
-    if meta.is_decode_only:
-        # Batched decode: gather every request's blocks up to the longest context.
-        longest = max(meta.seq_lens)
+    if meta.is_decode_only and min(meta.seq_lens) == max(meta.seq_lens):
+        # Decode batch of equal context lengths: one gather and one SDPA for all, no padding, no mask.
+        longest = meta.seq_lens[0]
         tables = meta.block_tables[:, : math.ceil(longest / bs)]                           # [B, nb]
         keys = read_kv(cache, spec, KEY, tables, adtype, rotated=True).flatten(1, 2)[:, :longest]
         vals = read_kv(cache, spec, value_name, tables, adtype, rotated=True).flatten(1, 2)[:, :longest]
-        mask = None                                                            # [B, L, Hkv, D] keys/vals
-        if meta.num_requests > 1 and min(meta.seq_lens) < longest:
-            lens = torch.as_tensor(meta.seq_lens, device=q.device)
-            mask = torch.arange(longest, device=q.device)[None, :] < lens[:, None]       # [B, L]
-            # Zero the padding and unwritten slots: a masked weight of 0 times a stale NaN/inf is still NaN.
-            keys = keys.masked_fill(~mask[:, :, None, None], 0)
-            vals = vals.masked_fill(~mask[:, :, None, None], 0)
-            mask = mask[:, None, None, :]                                      # [B, 1, 1, L]
         o = F.scaled_dot_product_attention(
             qa.unsqueeze(2),                                                   # [B, H, 1, D]
             keys.transpose(1, 2), vals.transpose(1, 2),                        # [B, Hkv, L, D]
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            scale=scale, enable_gqa=True,
         ).squeeze(2)                                                           # [B, H, D]
         return (o if rot is None else o @ rot.T).to(q.dtype)
+    # Otherwise one request at a time, each over exactly its own context: no padding is ever read, so
+    # stale or NaN data in unwritten slots cannot reach the output (case C19), and no copy is wasted.
     out = torch.empty_like(qa)
     for i in range(meta.num_requests):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -246,16 +240,15 @@ def paged_attention(
         keys = read_kv(cache, spec, KEY, ids, adtype, rotated=True).flatten(0, 1)[:s]       # [s, Hkv, D]
         vals = read_kv(cache, spec, value_name, ids, adtype, rotated=True).flatten(0, 1)[:s]  # [s, Hkv, D]
         n = b - a
-        qi = qa[a:b].transpose(0, 1)                                           # [H, n, D]
-        if n == s:
-            o = F.scaled_dot_product_attention(
-                qi, keys.transpose(0, 1), vals.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
-            )
+        # 4-D tensors (batch of one): SDPA's CPU kernels; a 3-D call falls back to a path 4x slower.
+        qi = qa[a:b].transpose(0, 1).unsqueeze(0)                              # [1, H, n, D]
+        ki = keys.transpose(0, 1).unsqueeze(0)                                 # [1, Hkv, s, D]
+        vi = vals.transpose(0, 1).unsqueeze(0)                                 # [1, Hkv, s, D]
+        if n == 1 or n == s:  # a decode token sees its whole context; a whole prefill is plain causal
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
         else:
             # Query j (position s - n + j) sees keys 0 .. s - n + j.
             mask = torch.arange(s, device=q.device)[None, :] <= (s - n + torch.arange(n, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(
-                qi, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-            )
-        out[a:b] = o.transpose(0, 1)                                           # [n, H, D]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[a:b] = o[0].transpose(0, 1)                                        # [n, H, D]
     return (out if rot is None else out @ rot.T).to(q.dtype)
