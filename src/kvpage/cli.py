@@ -1,9 +1,10 @@
-"""The ``kvpage`` command line: ``kvpage generate`` and ``kvpage formats``.
+"""The ``kvpage`` command line: ``kvpage generate``, ``kvpage serve`` and ``kvpage formats``.
 
 ``kvpage generate "PROMPT" --kv-cache-dtype int8`` loads the bundled model (or
 ``--model PATH``), answers the prompt from a paged cache in that format and
 prints the answer, the speed, the KV bytes per token and the saving against a
-cache in the model's dtype.
+cache in the model's dtype. ``kvpage serve`` serves the model over an
+OpenAI-compatible HTTP API (see :mod:`kvpage.server`).
 """
 from __future__ import annotations
 
@@ -68,6 +69,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvpage.engine.llm import LLM
+    from kvpage.server.app import build_app
+
+    llm = LLM(
+        args.model,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    app = build_app(llm, args.served_model_name)
+    print(f"[kvpage] serving {app.state.served_model_name!r} ({llm.spec.main.layer.kv_format} KV cache, "
+          f"{llm.num_blocks} blocks x {llm.spec.block_size} tokens) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _cmd_formats(args: argparse.Namespace) -> int:
     from kvpage.formats import available_formats, format_aliases, get_format
 
@@ -88,7 +116,7 @@ def _cmd_formats(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvpage`` argument parser (sub-commands ``generate`` and ``formats``)."""
+    """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve`` and ``formats``)."""
     parser = argparse.ArgumentParser(prog="kvpage", description="Paged, quantized KV cache and a small LLM engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer a prompt from a paged KV cache")
@@ -103,6 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.set_defaults(func=_cmd_generate)
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model file's stem or folder name)")
+    s.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's context)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps (default on)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (default on)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+    s.set_defaults(func=_cmd_serve)
     f = sub.add_parser("formats", help="list KV formats, their aliases and bits per value")
     f.add_argument("--head-dim", type=int, default=64)
     f.add_argument("--block-size", type=int, default=16)

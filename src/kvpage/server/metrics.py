@@ -1,0 +1,149 @@
+"""Prometheus metrics of one server (``GET /metrics``), named like vLLM's with the ``kvpage:`` prefix.
+
+Each app has its own :class:`~prometheus_client.CollectorRegistry`, so several
+servers (tests) in one process never share counters.
+
+Engine state is mirrored, not re-counted: a collector reads the
+:class:`~kvpage.engine.engine.EngineStats` snapshot that the engine thread
+publishes after each iteration, so ``/metrics`` equals ``engine.stats()``
+whenever the engine is idle. Per-request latencies and finish reasons are
+observed from outputs on the engine thread (:meth:`ServerMetrics.on_outputs`).
+
+=============================================  ========  ====================================================
+name                                           type      meaning
+=============================================  ========  ====================================================
+``kvpage:num_requests_running``                gauge     requests in the running batch
+``kvpage:num_requests_waiting``                gauge     requests queued (new or preempted)
+``kvpage:kv_cache_usage_perc``                 gauge     fraction of KV blocks in use, 0..1 (vLLM's name)
+``kvpage:prefix_cache_hit_rate``               gauge     prefix hits / queries since start, 0..1
+``kvpage:prefix_cache_queries_total``          counter   prompt tokens looked up in the prefix cache
+``kvpage:prefix_cache_hits_total``             counter   of those, tokens served from it
+``kvpage:num_preemptions_total``               counter   requests preempted (recompute)
+``kvpage:prompt_tokens_total``                 counter   prompt tokens computed (cache hits excluded)
+``kvpage:generation_tokens_total``             counter   tokens sampled
+``kvpage:request_success_total``               counter   finished requests, label ``finished_reason``:
+                                                         ``stop``, ``length``, ``abort`` (client gone), ``error``
+``kvpage:time_to_first_token_seconds``         hist.     submission to first output token
+``kvpage:time_per_output_token_seconds``       hist.     gap between consecutive output tokens of a request
+``kvpage:e2e_request_latency_seconds``         hist.     submission to finish (finished requests)
+=============================================  ========  ====================================================
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpage.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from kvpage.engine.engine import EngineStats
+
+PREFIX = "kvpage:"
+
+#: Finish reasons reported by ``kvpage:request_success_total`` (each exported from the start, at 0).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Exports an :class:`EngineStats` snapshot as gauges and counters at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the engine gauges and counters (see the module table)."""
+        s = self._get_stats()
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use, 0..1.", s.kv_usage),
+            ("prefix_cache_hit_rate", "Prefix-cache hit rate since start (hit tokens / queried tokens).",
+             s.kv.hit_rate),
+        ):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.kv.prefix_queries),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.kv.prefix_hits),
+            ("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens),
+            ("generation_tokens", "Output tokens sampled.", s.generation_tokens),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+
+
+class ServerMetrics:
+    """The metrics of one server: a private registry, engine-state collector and per-request histograms.
+
+    Args:
+        get_stats: returns the latest :class:`EngineStats` (``AsyncEngine.stats``); called on each scrape.
+        model_name: value of the ``model_name`` label on the per-request metrics.
+
+    Implements :class:`~kvpage.server.async_engine.EngineObserver`: pass it to the
+    :class:`~kvpage.server.async_engine.AsyncEngine`, which calls :meth:`on_outputs`
+    on its thread (prometheus-client metrics are thread-safe).
+    """
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(get_stats))
+        labels = ["model_name"]
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason (abort: the client went away).",
+            labels + ["finished_reason"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from submission to the first output token.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds", "Time between consecutive output tokens of a request.",
+            labels, buckets=_TPOT_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from submission to finish.",
+            labels, buckets=_E2E_BUCKETS, registry=self.registry,
+        )
+        self._model = model_name
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        self._last_token_time: dict[str, float] = {}
+
+    def on_outputs(self, outputs: Sequence[RequestOutput], now: float) -> None:
+        """Observe one step's outputs: time to first token, gaps between tokens, finished requests.
+
+        A request's first token is timed by the engine (``metrics.time_to_first_token_s``);
+        later tokens by the gap since the same request's previous output, divided
+        among the tokens it added.
+        """
+        for out in outputs:
+            rid = out.request_id
+            new_tokens = len(out.outputs[0].delta_token_ids)
+            last = self._last_token_time.get(rid)
+            if new_tokens:
+                if last is None:
+                    if out.metrics.time_to_first_token_s is not None:
+                        self.ttft.labels(self._model).observe(out.metrics.time_to_first_token_s)
+                else:
+                    gap = (now - last) / new_tokens
+                    for _ in range(new_tokens):
+                        self.tpot.labels(self._model).observe(gap)
+                self._last_token_time[rid] = now
+            if out.finished:
+                self._last_token_time.pop(rid, None)
+                reason = out.outputs[0].finish_reason or "abort"
+                self.request_success.labels(self._model, reason).inc()
+                if out.metrics.total_time_s is not None and reason not in ("abort", "error"):
+                    self.e2e.labels(self._model).observe(out.metrics.total_time_s)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format."""
+        return generate_latest(self.registry)
