@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/serve.py [--concurrency 1 8 32] [--output-tokens 64] [--prompt-sentences 8]
-                               [--requests-per-client 3] [--dtype bfloat16] [--kv-cache-dtype auto] [--threads 2]
+                               [--requests-per-client 3] [--dtype bfloat16] [--kv-cache-dtype auto] [--threads 1]
     python benchmarks/serve.py --url http://127.0.0.1:8000 [--model-name NAME]   # an already running server
 
 Without ``--url`` it starts ``python -m kvpage.cli serve`` on a free loopback
@@ -170,7 +170,8 @@ def main() -> int:
     ap.add_argument("--prompt-sentences", type=int, default=8, help="prompt length in sentences (~12 tokens each)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="server torch threads (default 1: the client shares these CPUs)")
     args = ap.parse_args()
 
     proc = None

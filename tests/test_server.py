@@ -137,8 +137,10 @@ def test_chat_completion_openai_client(server, reference) -> None:
 
 @pytest.mark.slow
 def test_streamed_chat_openai_client(server, reference) -> None:
-    stream = server.client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_completion_tokens=MAX_TOKENS,
-                                                   temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=CHAT_MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     ref = reference.chat
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -238,8 +240,8 @@ def test_metrics_match_engine_stats(server) -> None:
     produced = sum(r.usage.completion_tokens for r in resps)
     assert [r.usage.completion_tokens for r in resps] == [3, 5, 7]
     assert delta("kvpage:generation_tokens_total") == produced
-    assert delta("kvpage:prompt_tokens_total") == sum(r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
-                                                      for r in resps)
+    computed = sum(r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens for r in resps)
+    assert delta("kvpage:prompt_tokens_total") == computed
     assert delta("kvpage:request_success_total", finished_reason="length") == 3
     assert delta("kvpage:time_to_first_token_seconds_count") == 3
     assert delta("kvpage:time_per_output_token_seconds_count") == produced - 3

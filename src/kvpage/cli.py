@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's stem or folder name)")
-    s.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's context)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
     s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,

@@ -127,7 +127,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         if errs[0].get("type") == "json_invalid":
             detail = (errs[0].get("ctx") or {}).get("error", "")
             where = ".".join(errs[0]["_loc"])
-            parts.append(f"malformed JSON body{f' at position {where}' if where else ''}{f': {detail}' if detail else ''}")
+            parts.append(f"malformed JSON body{f' at position {where}' if where else ''}"
+                         f"{f': {detail}' if detail else ''}")
         elif len(errs) > 1 and all(len(e["_loc"]) > 1 and not e["_loc"][1].isdigit() for e in errs):
             kinds = sorted({e["_loc"][1] for e in errs})  # a union: loc = (field, member type, ...)
             parts.append(f"{field}: wrong type; expected one of {', '.join(kinds)}")

@@ -1,4 +1,4 @@
-"""``AsyncEngine``: one thread owns the synchronous :class:`~kvpage.engine.engine.LLMEngine`; asyncio handlers talk to it.
+"""``AsyncEngine``: one thread owns the synchronous ``LLMEngine``; asyncio handlers talk to it.
 
 The engine (scheduler, KV-cache manager, model runner) and the tokenizer are
 single-threaded objects. Here exactly one thread, the *engine thread*, ever

@@ -195,7 +195,7 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def build(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-        """Usage from the counts; ``total_tokens = prompt_tokens + completion_tokens`` (cached tokens are prompt tokens)."""
+        """Usage from the counts: ``total = prompt + completion``; cached tokens are part of the prompt tokens."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
