@@ -184,3 +184,45 @@ def test_cli_reports_bad_input_with_exit_code_2(capsys):
     assert "unknown kv_cache_dtype 'nope'" in capsys.readouterr().err
     assert cli.main(["generate", "hi", "--model", "/nonexistent/x.gguf"]) == 2
     assert "/nonexistent/x.gguf" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bad_engine_arguments_are_clear_errors(smollm2):
+    """Regressions from a new-user run: each used to be a raw torch error, a silent default or a late failure."""
+    with pytest.raises(ValueError, match="num_threads"):
+        LLM(smollm2, num_threads=0)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(smollm2, block_size=0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(smollm2, max_model_len=0)          # used to fall back to the model's context silently
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        LLM(smollm2, max_model_len=10**6)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            LLM(smollm2, device="cuda")
+    llm = LLM(smollm2, num_blocks=16, progress=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [1, 10**9]})
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [-1]})
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.chat("   ")
+    assert llm.engine.manager.num_in_use_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_cli_rejects_bad_numbers_before_loading(capsys, monkeypatch):
+    from kvpage import cli
+    from kvpage.model import loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded for bad arguments")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    for argv in (["generate", "hi", "--max-tokens", "0"], ["generate", "hi", "--top-p", "0"], ["generate", "  "]):
+        assert cli.main(argv) == 2
+        assert "kvpage: error:" in capsys.readouterr().err
+    for argv in (["generate", "hi", "--threads", "0"], ["formats", "--head-dim", "0"], ["serve", "--port", "99999"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        assert "error" in capsys.readouterr().err

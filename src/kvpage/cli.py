@@ -16,20 +16,48 @@ from collections.abc import Sequence
 from kvpage.errors import KVPageError
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {value}")
+    return value
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV format: auto, float32, bfloat16, float16, int8, fp8 (and aliases; see `kvpage formats`)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes (default 512 MiB)")
     p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
     p.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=1,
+                   help="torch CPU threads (default 1: on small machines a second thread slows everything "
+                        "whenever anything else runs; try 2 on an idle machine)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvpage.engine.llm import LLM
     from kvpage.engine.sampling import SamplingParams
 
+    params = SamplingParams(  # before loading the model: bad sampling values fail fast
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    if args.chat and not args.prompt.strip():
+        raise ValueError("empty prompt: give a non-blank message")
     llm = LLM(
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -38,14 +66,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         dtype=args.dtype,
         num_threads=args.threads,
-    )
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
     )
     prompt = llm.chat_prompt(args.prompt) if args.chat else args.prompt
     out = llm.generate([prompt], params)[0]
@@ -102,16 +122,16 @@ def _cmd_formats(args: argparse.Namespace) -> int:
     aliases: dict[str, list[str]] = {}
     for a, c in format_aliases().items():
         aliases.setdefault(c, []).append(a)
-    print(f"{'format':<10} {'bits/value':>10}  {'storage':<9} aliases   (head_dim {args.head_dim}, block {args.block_size})")
+    print(f"{'format':<20} {'bits/value':>10}  {'storage':<9} aliases   (head_dim {args.head_dim}, block {args.block_size})")
     for name in available_formats():
         if name == "auto":
-            print(f"{'auto':<10} {'16/32':>10}  {'model':<9} the model's dtype")
+            print(f"{'auto':<20} {'16/32':>10}  {'model':<9} the model's dtype")
             continue
         f = get_format(name)
         specs = f.tensor_specs(block_size=args.block_size, kv_heads=1, head_dim=args.head_dim)
         bits = f.bits_per_value(block_size=args.block_size, kv_heads=1, head_dim=args.head_dim)
         storage = str(specs[0].dtype).removeprefix("torch.")
-        print(f"{name:<10} {bits:>10.3g}  {storage:<9} {', '.join(sorted(aliases.get(name, [])))}")
+        print(f"{name:<20} {bits:>10.3g}  {storage:<9} {', '.join(sorted(aliases.get(name, [])))}")
     return 0
 
 
@@ -134,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's stem or folder name)")
     s.add_argument("--max-model-len", type=int, default=None,
@@ -149,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level (default info)")
     s.set_defaults(func=_cmd_serve)
     f = sub.add_parser("formats", help="list KV formats, their aliases and bits per value")
-    f.add_argument("--head-dim", type=int, default=64)
-    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--head-dim", type=_positive_int, default=64)
+    f.add_argument("--block-size", type=_positive_int, default=16)
     f.set_defaults(func=_cmd_formats)
     return parser
 

@@ -56,6 +56,7 @@ class LLMEngine:
         block_size: tokens per block.
         eos_token_ids: tokens that end a sequence (unless ``ignore_eos``).
         max_model_len: longest prompt + output, in tokens.
+        vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips the check.
         scheduler_config: batching limits.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
     """
@@ -69,6 +70,7 @@ class LLMEngine:
         block_size: int,
         eos_token_ids: set[int],
         max_model_len: int,
+        vocab_size: int | None = None,
         scheduler_config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
@@ -78,6 +80,7 @@ class LLMEngine:
         self.block_size = block_size
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, scheduler_config)
         self.requests: dict[str, Request] = {}
@@ -97,13 +100,17 @@ class LLMEngine:
         """Queue a request.
 
         Raises:
-            ValueError: empty prompt or a duplicate ``request_id``.
+            ValueError: empty prompt, a token id outside the vocabulary, or a duplicate ``request_id``.
             PromptTooLongError: the prompt reaches ``max_model_len``, or prompt + ``max_tokens``
                 cannot fit in the whole cache (it could never finish, even alone).
         """
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("empty prompt: give at least one token")
+        if self.vocab_size is not None:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the model's context (max_model_len) is {self.max_model_len}. "

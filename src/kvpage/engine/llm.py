@@ -66,8 +66,8 @@ class LLM:
             the block count is the largest that fits, scales included.
         num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
         dtype: compute dtype of the model: ``auto`` (float32), ``float32``, ``bfloat16``, ``float16``.
-        max_model_len: longest sequence (prompt + output) in tokens; default the model's context.
-        num_threads: torch CPU threads; ``None`` leaves torch's setting.
+        max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
+        num_threads: torch CPU threads (>= 1); ``None`` leaves torch's setting (sets it process-wide).
         device: ``"cpu"`` or ``"cuda"``.
         progress: show a progress bar while loading the model.
         max_num_seqs: requests running at once.
@@ -78,7 +78,7 @@ class LLM:
     Raises:
         ModelNotFoundError: the model path does not exist (or the bundled model is not installed).
         UnknownKVFormatError: unknown ``kv_cache_dtype``.
-        ValueError: bad sizes or dtype.
+        ValueError: bad sizes, thread count, dtype, or ``cuda`` without a CUDA device.
     """
 
     def __init__(
@@ -102,9 +102,18 @@ class LLM:
         from kvpage.model.loader import LoadedModel, load_model
 
         if num_threads is not None:
-            torch.set_num_threads(int(num_threads))
+            if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+                raise ValueError(f"num_threads must be a positive integer, got {num_threads!r}")
+            torch.set_num_threads(num_threads)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive number of tokens, got {block_size!r}")
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 tokens (or None for the model's context), "
+                             f"got {max_model_len!r}")
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but this torch build sees no CUDA device; use device='cpu'")
         # Build the spec first: an unknown kv_cache_dtype fails before the model loads.
         self._spec_args = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
         CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=1, model_dtype=self.dtype, **self._spec_args)
@@ -138,7 +147,10 @@ class LLM:
         self.num_blocks = int(num_blocks)
         caches = self.controller.initialize_kv_cache(self.num_blocks)
         self.runner = ModelRunner(self.model, self.spec, caches, self.device)
-        self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+        context = self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > context:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
+        self.max_model_len = context if max_model_len is None else max_model_len
         self.engine = LLMEngine(
             self.runner,
             self.tokenizer,
@@ -146,6 +158,7 @@ class LLM:
             block_size=self.spec.block_size,
             eos_token_ids=set(self.config.eos_token_ids),
             max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
             scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
             enable_prefix_caching=enable_prefix_caching,
         )
@@ -187,6 +200,10 @@ class LLM:
         """Apply the tokenizer's chat template (with the generation prompt) to a message list or a single user message."""
         from kvpage.model.loader import apply_chat_template
 
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not any(str(m.get("content") or "").strip() for m in messages if m.get("role") == "user"):
+            raise ValueError("empty prompt: the conversation has no non-blank user message")
         ids = apply_chat_template(self.tokenizer, messages)
         return {"prompt": self.tokenizer.decode(ids), "prompt_token_ids": ids}
 
