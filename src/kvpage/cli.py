@@ -12,8 +12,12 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvpage.errors import KVPageError
+
+if TYPE_CHECKING:
+    from kvpage.engine.llm import LLM
 
 
 def _positive_int(text: str) -> int:
@@ -44,8 +48,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "whenever anything else runs; try 2 on an idle machine)")
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
+    """An :class:`~kvpage.engine.llm.LLM` from the shared engine flags (see :func:`_add_engine_args`) plus ``extra``."""
     from kvpage.engine.llm import LLM
+
+    return LLM(
+        args.model,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        **extra,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
     from kvpage.engine.sampling import SamplingParams
 
     params = SamplingParams(  # before loading the model: bad sampling values fail fast
@@ -58,15 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.chat and not args.prompt.strip():
         raise ValueError("empty prompt: give a non-blank message")
-    llm = LLM(
-        args.model,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_blocks=args.num_blocks,
-        dtype=args.dtype,
-        num_threads=args.threads,
-    )
+    llm = _build_llm(args)
     prompt = llm.chat_prompt(args.prompt) if args.chat else args.prompt
     out = llm.generate([prompt], params)[0]
     comp, m = out.outputs[0], out.metrics
@@ -92,17 +103,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvpage.engine.llm import LLM
     from kvpage.server.app import build_app
 
-    llm = LLM(
-        args.model,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_blocks=args.num_blocks,
-        dtype=args.dtype,
-        num_threads=args.threads,
+    llm = _build_llm(
+        args,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
