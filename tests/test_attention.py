@@ -25,15 +25,6 @@ from kvpage.ops.attention import AttentionMetadata, paged_attention, read_kv, wr
 from kvpage.spec import CacheSpec, LayerSpec
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These tensors are tiny: intra-op threads only add overhead, 100x on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 NAN = float("nan")
 Q_HEADS, KV_HEADS = 9, 3
 # Loose tolerances of the quantized output against attention over the *unquantized* K/V

@@ -13,15 +13,6 @@ from kvpage.ops.attention import read_kv, write_kv
 from kvpage.spec import CacheSpec
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tensors here are tiny: intra-op threads only add overhead (100x on a loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 FORMATS = ["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "block_wise_fp8",
            "int8_per_token_head", "fp8_per_token_head"]
 FLOAT_OF = {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

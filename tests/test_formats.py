@@ -40,15 +40,6 @@ from kvpage.formats import (
 from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tensors here are tiny: intra-op threads only add overhead (100x on a loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 ROTATED = ["int8", "fp8"]
 PLAIN = ["int8_per_token_head", "fp8_per_token_head"]
 QUANTIZED = ROTATED + PLAIN

@@ -233,10 +233,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        encoded = [self.encode(p) for p in prompts]  # all validation before any request is queued
-        for text, ids in encoded:
-            if not ids:
-                raise ValueError("empty prompt: give at least one token")
+        encoded = [self.encode(p) for p in prompts]
         ids_out: list[str] = []
         try:
             for (text, ids), sp in zip(encoded, params_list):

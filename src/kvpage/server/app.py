@@ -186,7 +186,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _final_unless_disconnected(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The finished output, or ``None`` when the client went away first (the request is then aborted)."""
+    """The finished output, or ``None`` when the client went away first (the request is then aborted).
+
+    Raises:
+        APIError: 500 when the engine failed while the request ran.
+    """
     final = asyncio.ensure_future(stream.final())
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -195,9 +199,12 @@ async def _final_unless_disconnected(stream: RequestStream, request: Request) ->
         for task in (final, gone):
             task.cancel()
         stream.abort()
-    if final in done:
-        return final.result()  # raises EngineStepError if the engine failed
-    return None
+    if final not in done:
+        return None
+    try:
+        return final.result()
+    except EngineStepError as e:
+        raise APIError(500, str(e), type="server_error") from e
 
 
 def _sse(payload: Any) -> str:
@@ -342,10 +349,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         created = int(time.time())
         if body.stream:
             return _SSEResponse(_completion_events(stream, rid, created, name, body.include_usage), stream.abort)
-        try:
-            out = await _final_unless_disconnected(stream, request)
-        except EngineStepError as e:
-            raise APIError(500, str(e), type="server_error") from e
+        out = await _final_unless_disconnected(stream, request)
         if out is None:
             return Response(status_code=499)  # nobody is listening
         c = out.outputs[0]
@@ -377,10 +381,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         created = int(time.time())
         if body.stream:
             return _SSEResponse(_chat_events(stream, rid, created, name, body.include_usage), stream.abort)
-        try:
-            out = await _final_unless_disconnected(stream, request)
-        except EngineStepError as e:
-            raise APIError(500, str(e), type="server_error") from e
+        out = await _final_unless_disconnected(stream, request)
         if out is None:
             return Response(status_code=499)
         c = out.outputs[0]
