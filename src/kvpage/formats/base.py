@@ -145,5 +145,22 @@ class KVFormat(ABC):
         values = 2 * block_size * kv_heads * head_dim
         return 8 * sum(s.nbytes for s in specs) / values
 
+    def effective_bits_per_value(
+        self, *, num_tokens: int, block_size: int, kv_heads: int, head_dim: int, residual_tokens: int = 0
+    ) -> float:
+        """Bits per cached value that one sequence of ``num_tokens`` tokens really costs, everything counted.
+
+        For formats that store every token in its block (all per-token formats) this is
+        :meth:`bits_per_value`. Quantize-on-seal formats (:mod:`kvpage.formats.kivi`) override it to
+        add what they keep beside the pool: the full-precision tail of the last, partial block,
+        the full-precision window of the most recent ``residual_tokens`` tokens and the 8-bit
+        copy of the first block.
+
+        Args:
+            num_tokens: tokens in the sequence (> 0).
+            residual_tokens: the full-precision window (``kv_quant_residual_tokens``), in tokens.
+        """
+        return self.bits_per_value(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
