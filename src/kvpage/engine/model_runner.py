@@ -75,11 +75,19 @@ class ModelRunner:
         return as_long(ids), as_long(pos), meta
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def execute(self, batch: Sequence[ScheduledRequest], *, all_logits: bool = False) -> torch.Tensor:
         """Run ``batch``, writing every new token's K/V to the cache.
 
+        Args:
+            batch: the requests' new tokens, cached lengths and block tables.
+            all_logits: return the logits of every new token, not only each request's
+                last one (for perplexity over a prompt chunk, :mod:`kvpage.eval`; the
+                lm_head then runs on all ``T`` tokens, so leave it off for generation).
+
         Returns:
-            ``[len(batch), vocab]`` float32 logits of each request's last new token.
+            ``[len(batch), vocab]`` float32 logits of each request's last new token, or with
+            ``all_logits`` ``[T, vocab]`` for all ``T`` new tokens in batch order (request
+            ``i``'s rows are ``query_start_loc[i]:query_start_loc[i+1]``).
         """
         input_ids, positions, meta = self.build_metadata(batch)
         caches, spec = self.caches, self.spec
@@ -90,5 +98,7 @@ class ModelRunner:
             )
 
         hidden = self.model(input_ids, positions, attn)                      # [T, hidden]
+        if all_logits:
+            return self.model.compute_logits(hidden)                          # [T, vocab]
         last = torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])                       # [B, vocab]
