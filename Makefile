@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean redis-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,19 @@ demo: $(STAMP)
 	$(VENV)/bin/kvpage generate --chat --kv-cache-dtype int8 --max-tokens 64 \
 		"What is the capital of France, and what is it famous for?"
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(PY) -m pytest -q
+
+# The Redis store tests start their own real redis-server (tests/redis_server.py; no mock).
+# Install Debian's package when it is missing, with sudo only when not root and sudo exists.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; \
+		elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; \
+		else echo "redis-server is missing and neither root nor sudo is available: install it (apt-get install -y redis-server)" >&2; exit 1; fi; \
+		command -v apt-get >/dev/null 2>&1 || { echo "redis-server is missing and this is not a Debian/Ubuntu system: install redis-server" >&2; exit 1; }; \
+		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server; \
+	}
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
