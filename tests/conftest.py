@@ -47,3 +47,31 @@ def smollm2_reference() -> SimpleNamespace:
         skeleton = LlamaForCausalLM(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     return SimpleNamespace(config=config, tensors=tensors)
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real ``redis-server`` of this test's own (``tests/redis_server.py``), killed afterwards.
+
+    Yields the :class:`RedisServer` (``.url``, ``.port``, ``.kill()``, ``.start()`` to
+    restart on the same port, ``.client()``). Fails, never skips, when redis-server is
+    missing: ``make test`` installs it.
+    """
+    import shutil
+
+    from redis_server import MISSING_MESSAGE, RedisServer
+
+    if shutil.which("redis-server") is None:
+        pytest.fail(MISSING_MESSAGE, pytrace=False)
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """``redis://127.0.0.1:<port>/0`` of a fresh real Redis server (see ``redis_server``)."""
+    return redis_server.url
