@@ -114,7 +114,8 @@ def test_format_aliases_table_matches_docs() -> None:
     for canon in ("int8", "int8_per_token_head", "fp8_per_token_head"):
         assert not [a for a, c in table.items() if c == canon]
     assert available_formats() == [
-        "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_per_token_head", "fp8_per_token_head"
+        "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_per_token_head", "fp8_per_token_head",
+        "int8_static", "fp8_static",  # static calibrated scales: tests/test_static_scales.py
     ]
 
 
@@ -717,7 +718,7 @@ def test_formats_are_kvformat_instances() -> None:
     for name in available_formats():
         f = get_format(name)
         assert isinstance(f, KVFormat)
-        assert f.quantized == (name in QUANTIZED)
+        assert f.quantized == (name in QUANTIZED or name.endswith("_static"))
         assert isinstance(f.version, int) and f.version >= 1
         assert (f.rotation(8, torch.float32, "cpu") is not None) == (name in ROTATED)
     # the rotated formats store different bytes under the names int8/fp8 used for plain rows before:

@@ -28,3 +28,14 @@ class OutOfBlocksError(KVPageError, RuntimeError):
 
 class PromptTooLongError(KVPageError, ValueError):
     """A prompt (plus its requested output) cannot fit in the KV cache or the model's context."""
+
+
+class StaticScalesError(KVCacheLayoutError):
+    """A static-scale format (``int8_static``, ``fp8_static``) lacks a usable calibrated scale for a layer.
+
+    Raised when the spec is built (at load time, before anything runs): no scales
+    were given, the scales have no tensor for a layer (main or draft), or a
+    tensor is mis-shaped, non-finite or not positive. The message names the
+    layer and the tensor. kvpage never falls back to a scale of 1.0
+    (FastDeploy PR 3007, case C03).
+    """

@@ -13,6 +13,14 @@ layers in bfloat16 beside fp8 main layers (vLLM ``speculative_config.
 kv_cache_dtype``), or a key-only layer (MLA-style latent cache) with no value
 tensor. All groups share one block table, so they have the same number of
 blocks and ``block_size``.
+
+Static-scale formats (``int8_static``, ``fp8_static``) quantize with per-layer
+calibrated scales (:mod:`kvpage.scales`). Those are part of the layout: a
+:class:`CacheSpec` of such a format cannot be built without a checked scale for
+every one of its layers (main and draft), :meth:`CacheSpec.layer` hands each
+layer a :class:`LayerSpec` with its own scales bound (where the attention op
+reads them), they outlive any (re-)allocation of the pool, and the fingerprint
+covers their SHA-256.
 """
 from __future__ import annotations
 
@@ -20,14 +28,16 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvpage.errors import KVCacheLayoutError
-from kvpage.formats import KVFormat, TensorSpec, canonical_format_name, get_format
+from kvpage.errors import KVCacheLayoutError, StaticScalesError
+from kvpage.formats import KVFormat, StaticScaleFormat, TensorSpec, canonical_format_name, get_format
+from kvpage.scales import LayerScales, StaticScales
 
 #: Bumped when the meaning of a spec field changes; part of every fingerprint.
 SPEC_VERSION = 1
@@ -43,6 +53,9 @@ class LayerSpec:
         block_size: tokens per block.
         kv_format: canonical format name (``auto`` already resolved).
         has_value: ``False`` for a key-only (latent) layer.
+        static_scales: this layer's calibrated K/V scales, for static-scale formats
+            (``int8_static``, ``fp8_static``) only; bound by :meth:`CacheSpec.layer`.
+            A group's shared :class:`LayerSpec` has none.
     """
 
     kv_heads: int
@@ -50,11 +63,52 @@ class LayerSpec:
     block_size: int
     kv_format: str
     has_value: bool = True
+    static_scales: LayerScales | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("kv_heads", "head_dim", "block_size"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"LayerSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.static_scales is not None:
+            fmt = self.format
+            if not isinstance(fmt, StaticScaleFormat):
+                raise ValueError(f"format {self.kv_format} takes no static scales")
+            want = fmt.static_scale_shape(self.kv_heads, self.head_dim)
+            got = [self.static_scales.key] + ([self.static_scales.value] if self.has_value else [])
+            if any(t is None or tuple(t.shape) != want for t in got):
+                raise StaticScalesError(
+                    f"static scales of shape {[None if t is None else list(t.shape) for t in got]} do not fit "
+                    f"{self.kv_format} with kv_heads {self.kv_heads}, head_dim {self.head_dim} (expected {list(want)})"
+                )
+
+    @property
+    def needs_static_scales(self) -> bool:
+        """Whether the format quantizes with per-layer calibrated scales (``int8_static``, ``fp8_static``)."""
+        return isinstance(self.format, StaticScaleFormat)
+
+    def static_scale(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """The static scale the format multiplies tensor ``name``'s codes by, or ``None`` for other formats.
+
+        Args:
+            name: ``"key"`` or ``"value"``.
+            device: where the scale is wanted (the cache's device).
+
+        Returns:
+            float32 ``[kv_heads, head_dim]`` (``int8_static``) or ``[]`` (``fp8_static``);
+            ``None`` when the format has no static scales.
+
+        Raises:
+            StaticScalesError: a static-scale format whose scales are not bound (a
+                group's shared spec, or one built by hand without them).
+        """
+        if not self.needs_static_scales:
+            return None
+        if self.static_scales is None:
+            raise StaticScalesError(
+                f"format {self.kv_format} needs its layer's calibrated static scales, but this LayerSpec has none: "
+                f"use CacheSpec.layer(i) of a spec built with static_scales=... (kv_cache_scales / --kv-cache-scales)"
+            )
+        return self.static_scales.get(name, device)
 
     @cached_property
     def format(self) -> KVFormat:
@@ -132,6 +186,7 @@ class LayerSpec:
             "format_version": self.format.version,
             "has_value": self.has_value,
             "tensors": [[t.name, list(t.shape), str(t.dtype).removeprefix("torch.")] for t in self.tensors],
+            **({"static_scales_sha256": self.static_scales.sha256} if self.static_scales is not None else {}),
         }
 
 
@@ -170,11 +225,14 @@ class CacheConfig:
         block_size: tokens per block (page).
         kv_cache_dtype: format name or alias for main layers (``auto`` = model dtype).
         draft_kv_cache_dtype: format for draft/MTP layers; ``None`` = same as main.
+        kv_cache_scales: static K/V scales (a scales file path or a
+            :class:`~kvpage.scales.StaticScales`) for ``int8_static`` / ``fp8_static``.
     """
 
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     draft_kv_cache_dtype: str | None = None
+    kv_cache_scales: str | Path | StaticScales | None = None
 
     def __post_init__(self) -> None:
         if int(self.block_size) <= 0:
@@ -191,12 +249,21 @@ class CacheSpec:
         groups: ``main`` first, then ``draft`` if any; contiguous global layer indices.
         block_size: tokens per block (same for every group).
         model_name: identifies the model in the fingerprint (e.g. file name).
+        static_scales: per-layer calibrated scales for groups in a static-scale
+            format; required (for every layer of such groups) exactly then, and
+            dropped (``None``) when no group uses them.
+
+    Raises:
+        StaticScalesError: a static-scale group's layer has no scale, or a mis-shaped,
+            non-finite or non-positive one (names the layer and the tensor).
     """
 
     groups: tuple[LayerGroupSpec, ...]
     block_size: int
     model_name: str = ""
+    static_scales: StaticScales | None = field(default=None, repr=False)
     _by_layer: dict[int, LayerGroupSpec] = field(init=False, repr=False, compare=False)
+    _layer_specs: dict[int, LayerSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -212,6 +279,28 @@ class CacheSpec:
             for i in g.layer_indices:
                 by_layer[i] = g
         object.__setattr__(self, "_by_layer", by_layer)
+        # Static-scale groups: one LayerSpec per layer, with that layer's checked scales bound.
+        layer_specs: dict[int, LayerSpec] = {}
+        for g in self.groups:
+            fmt = g.layer.format
+            if not isinstance(fmt, StaticScaleFormat):
+                continue
+            for i in g.layer_indices:
+                if self.static_scales is None:
+                    raise StaticScalesError(
+                        f"layer {i} ({g.name} group): format {fmt.name} needs calibrated static scales "
+                        f"(tensor 'layers.{i}.k_absmax'), but none were given. Pass kv_cache_scales=FILE "
+                        f"(--kv-cache-scales FILE; make one with `kvpage calibrate --text FILE --out FILE`) or "
+                        f"static_scales=StaticScales(...); kvpage never uses a default scale of 1.0"
+                    )
+                scales = self.static_scales.resolve(
+                    fmt, layer_index=i, kv_heads=g.layer.kv_heads, head_dim=g.layer.head_dim,
+                    has_value=g.layer.has_value, group=g.name,
+                )
+                layer_specs[i] = replace(g.layer, static_scales=scales)
+        if not layer_specs:
+            object.__setattr__(self, "static_scales", None)  # unused scales must not change equality or fingerprint
+        object.__setattr__(self, "_layer_specs", layer_specs)
 
     @classmethod
     def build(
@@ -227,12 +316,20 @@ class CacheSpec:
         draft_kv_cache_dtype: str | None = None,
         has_value: bool = True,
         model_name: str = "",
+        static_scales: StaticScales | str | Path | None = None,
     ) -> CacheSpec:
         """Spec for ``num_layers`` main layers and ``num_draft_layers`` draft/MTP layers.
+
+        Args:
+            static_scales: calibrated K/V scales (or a scales file path) for
+                ``int8_static`` / ``fp8_static`` groups, keyed by global layer
+                index (draft layers follow the main ones); ignored by other formats.
 
         Raises:
             UnknownKVFormatError: unknown ``kv_cache_dtype`` / ``draft_kv_cache_dtype``.
             ValueError: non-positive sizes, negative draft layer count.
+            StaticScalesError: a static-scale format without a valid scale for one of its layers.
+            FileNotFoundError: ``static_scales`` names no file.
         """
         if num_layers <= 0 or num_draft_layers < 0:
             raise ValueError(f"need num_layers > 0 and num_draft_layers >= 0, got {num_layers}, {num_draft_layers}")
@@ -243,7 +340,8 @@ class CacheSpec:
             draft_fmt = canonical_format_name(draft_kv_cache_dtype, model_dtype) if draft_kv_cache_dtype else main_fmt
             draft = LayerSpec(num_kv_heads, head_dim, block_size, draft_fmt, has_value)
             groups.append(LayerGroupSpec("draft", num_layers, num_draft_layers, draft))
-        return cls(tuple(groups), block_size, model_name)
+        scales = None if static_scales is None else StaticScales.coerce(static_scales)
+        return cls(tuple(groups), block_size, model_name, scales)
 
     @classmethod
     def from_configs(cls, model_config: Any, cache_config: CacheConfig, *, num_draft_layers: int = 0) -> CacheSpec:
@@ -258,6 +356,7 @@ class CacheSpec:
             num_draft_layers=num_draft_layers,
             draft_kv_cache_dtype=cache_config.draft_kv_cache_dtype,
             model_name=getattr(model_config, "name", "") or "",
+            static_scales=cache_config.kv_cache_scales,
         )
 
     # -- derived layout ------------------------------------------------------------------
@@ -288,13 +387,13 @@ class CacheSpec:
         raise KeyError(f"cache spec has no layer group {name!r} (groups: {[g.name for g in self.groups]})")
 
     def layer(self, index: int) -> LayerSpec:
-        """The :class:`LayerSpec` of global layer ``index``.
+        """The :class:`LayerSpec` of global layer ``index`` (with its own static scales bound, for static formats).
 
         Raises:
             IndexError: no such layer.
         """
         try:
-            return self._by_layer[index].layer
+            return self._layer_specs.get(index) or self._by_layer[index].layer
         except KeyError:
             raise IndexError(f"layer {index} is outside the cache spec's {self.num_layers} layers") from None
 
@@ -321,17 +420,30 @@ class CacheSpec:
             "model": self.model_name,
             "block_size": self.block_size,
             "groups": [
-                {"name": g.name, "first_layer": g.first_layer, "num_layers": g.num_layers, **g.layer.describe()}
+                {"name": g.name, "first_layer": g.first_layer, "num_layers": g.num_layers, **g.layer.describe(),
+                 **self._static_scales_digest(g)}
                 for g in self.groups
             ],
         }
+
+    def _static_scales_digest(self, group: LayerGroupSpec) -> dict[str, str]:
+        """``{"static_scales_sha256": ...}`` over the group's per-layer scale digests; ``{}`` without static scales."""
+        if not self._layer_specs or group.first_layer not in self._layer_specs:
+            return {}
+        h = hashlib.sha256()
+        for i in group.layer_indices:
+            scales = self._layer_specs[i].static_scales
+            assert scales is not None
+            h.update(f"{i}:{scales.sha256};".encode())
+        return {"static_scales_sha256": h.hexdigest()}
 
     @cached_property
     def fingerprint(self) -> str:
         """Stable SHA-256 hex digest of :meth:`describe` (same in every process and machine).
 
         Two specs share a fingerprint exactly when their stored bytes mean the
-        same thing, so stores keyed by it never mix layouts.
+        same thing, so stores keyed by it never mix layouts -- nor blocks of a
+        static-scale format quantized with different calibrated scales.
         """
         blob = json.dumps(self.describe(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()

@@ -12,6 +12,8 @@ name                  aliases                                     bits/value (he
                       ``block_wise_fp8`` (rotated rows)
 ``int8_per_token_head``  plain int8 (vLLM semantics)              8.25
 ``fp8_per_token_head``   plain e4m3 (vLLM semantics)              8.25
+``int8_static``       ``cache_int8`` (static per-channel scales)  8
+``fp8_static``        ``fp8_per_tensor`` (static per-tensor)      8
 ====================  ==========================================  ============================
 
 :func:`get_format` resolves any accepted spelling (case-insensitive) to a
@@ -26,6 +28,7 @@ from kvpage.errors import UnknownKVFormatError
 from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
 from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8PerTokenHeadFormat
+from kvpage.formats.static import Fp8StaticFormat, Int8StaticFormat, StaticScaleFormat, needs_static_scales
 
 #: Quantized formats by canonical name; :func:`register_format` adds more.
 _QUANTIZED: dict[str, type[KVFormat]] = {}
@@ -53,6 +56,8 @@ register_format(Int8Format)
 register_format(Fp8Format)
 register_format(Int8PerTokenHeadFormat)
 register_format(Fp8PerTokenHeadFormat)
+register_format(Int8StaticFormat)
+register_format(Fp8StaticFormat)
 
 
 def available_formats() -> list[str]:
@@ -111,6 +116,10 @@ __all__ = [
     "Fp8PerTokenHeadFormat",
     "Int8PerTokenHeadFormat",
     "FloatFormat",
+    "Fp8StaticFormat",
+    "Int8StaticFormat",
+    "StaticScaleFormat",
+    "needs_static_scales",
     "Int8Format",
     "KVFormat",
     "QuantizedRows",

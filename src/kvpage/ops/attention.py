@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpage.errors import KVCacheLayoutError
+from kvpage.errors import KVCacheLayoutError, StaticScalesError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE
 from kvpage.spec import LayerSpec
 
@@ -111,12 +111,14 @@ def write_kv(
     """Quantize ``k``/``v`` ``[num_tokens, kv_heads, head_dim]`` per the layer's format and store them at their slots.
 
     Codes and scales of a token are written together. ``v`` is ``None`` for key-only layers.
+    Static-scale formats quantize with the layer's calibrated scale (``spec.static_scale``).
     """
     fmt = spec.format
     rows = [(KEY, KEY_SCALE, k)] + ([(VALUE, VALUE_SCALE, v)] if spec.has_value else [])
     for name, scale_name, x in rows:
         assert x is not None
-        q = fmt.quantize(x)
+        static = spec.static_scale(name, x.device)  # int8_static / fp8_static: the layer's scale; else None
+        q = fmt.quantize(x) if static is None else fmt.quantize(x, static)  # type: ignore[call-arg]
         t = cache[name]
         t.view(-1, *t.shape[2:]).index_copy_(0, slot_mapping, q.codes)
         if q.scale is not None:
@@ -145,12 +147,18 @@ def read_kv(
     """
     codes = cache[name][block_ids]
     scale_name = KEY_SCALE if name == KEY else VALUE_SCALE
-    scale = cache[scale_name][block_ids] if scale_name in cache else None
+    # per-block scales where the format stores them, else the layer's static scale (None for float formats)
+    scale = cache[scale_name][block_ids] if scale_name in cache else spec.static_scale(name, codes.device)
     decode = spec.format.dequantize_rotated if rotated else spec.format.dequantize
     return decode(codes, scale, dtype)
 
 
 def _check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    if spec.needs_static_scales and spec.static_scales is None:
+        raise StaticScalesError(
+            f"layer {layer_index}: format {spec.kv_format} needs the layer's calibrated static scales, but the "
+            f"LayerSpec has none (use CacheSpec.layer({layer_index}) of a spec built with static_scales=...)"
+        )
     want = (spec.kv_heads, spec.head_dim)
     if (v is not None) != spec.has_value:
         raise KVCacheLayoutError(
