@@ -39,6 +39,8 @@ def _port(text: str) -> int:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV format: auto, float32, bfloat16, float16, int8, fp8 (and aliases; see `kvpage formats`)")
+    p.add_argument("--kv-cache-scales", default=None,
+                   help="static K/V scales file (safetensors from `kvpage calibrate`); required by int8_static / fp8_static")
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes (default 512 MiB)")
     p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
@@ -55,6 +57,7 @@ def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
     return LLM(
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_scales=args.kv_cache_scales,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_blocks=args.num_blocks,
@@ -139,6 +142,35 @@ def _cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """``kvpage calibrate``: per-layer K/V absmax on sample text -> a scales file for int8_static / fp8_static."""
+    from pathlib import Path
+
+    import torch
+
+    from kvpage.calibrate import calibrate, summarize
+    from kvpage.engine.llm import resolve_dtype
+    from kvpage.model.loader import load_model
+
+    dtype = resolve_dtype(args.dtype)  # bad flags fail before the model loads
+    text_path = Path(args.text)
+    if not text_path.is_file():
+        raise FileNotFoundError(f"--text {text_path}: no such file")
+    text = text_path.read_text(encoding="utf-8")
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=dtype, progress=args.progress)
+    scales = calibrate(loaded, text, num_tokens=args.tokens, chunk_size=args.chunk_size, progress=args.progress)
+    out = scales.save(args.out, {"text": text_path.name})
+    cfg = loaded.config
+    print(f"[kvpage] calibrated {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} channels "
+          f"on {scales.metadata['tokens']} tokens of {text_path} ({scales.metadata['dtype']})")
+    for line in summarize(scales):
+        print(f"[kvpage] {line}")
+    print(f"[kvpage] wrote {out} (sha256 {scales.sha256[:16]}...); use it with "
+          f"--kv-cache-dtype int8_static|fp8_static --kv-cache-scales {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve`` and ``formats``)."""
     parser = argparse.ArgumentParser(prog="kvpage", description="Paged, quantized KV cache and a small LLM engine.")
@@ -172,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     s.set_defaults(func=_cmd_serve)
+    c = sub.add_parser("calibrate", help="calibrate static K/V scales (int8_static, fp8_static) on sample text")
+    c.add_argument("--text", required=True, help="UTF-8 text file to calibrate on (no BOS is added)")
+    c.add_argument("--out", required=True, help="scales file to write (safetensors), e.g. scales.safetensors")
+    c.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    c.add_argument("--tokens", type=_positive_int, default=2048, help="calibrate on the text's first N tokens (default 2048)")
+    c.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per forward pass (default 512)")
+    c.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
+    c.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads (default 1)")
+    c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar (default on)")
+    c.set_defaults(func=_cmd_calibrate)
     f = sub.add_parser("formats", help="list KV formats, their aliases and bits per value")
     f.add_argument("--head-dim", type=_positive_int, default=64)
     f.add_argument("--block-size", type=_positive_int, default=16)

@@ -20,6 +20,8 @@ from kvpage.engine.model_runner import ModelRunner
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.scheduler import SchedulerConfig
+from kvpage.formats import canonical_format_name
+from kvpage.scales import StaticScales
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -61,6 +63,10 @@ class LLM:
             a :class:`~kvpage.model.loader.LoadedModel` is used as is (several
             engines can share one set of weights; its dtype must match ``dtype``).
         kv_cache_dtype: KV format name or alias (see :mod:`kvpage.formats`).
+        kv_cache_scales: calibrated static K/V scales for ``int8_static`` / ``fp8_static``:
+            a scales file from ``kvpage calibrate`` (safetensors) or a
+            :class:`~kvpage.scales.StaticScales`; required by those formats, ignored by others
+            (vLLM's ``k_scale``/``v_scale``, FastDeploy's ``cache_int8`` scales).
         block_size: tokens per block.
         kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
             the block count is the largest that fits, scales included.
@@ -78,6 +84,9 @@ class LLM:
     Raises:
         ModelNotFoundError: the model path does not exist (or the bundled model is not installed).
         UnknownKVFormatError: unknown ``kv_cache_dtype``.
+        StaticScalesError: a static-scale format without scales, or scales missing or
+            invalid for a layer (names the layer and the tensor; raised at load time).
+        FileNotFoundError: ``kv_cache_scales`` names no file.
         ValueError: bad sizes, thread count, dtype, or ``cuda`` without a CUDA device.
     """
 
@@ -86,6 +95,7 @@ class LLM:
         model: str | Path | LoadedModel | None = None,
         *,
         kv_cache_dtype: str = "auto",
+        kv_cache_scales: str | Path | StaticScales | None = None,
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         num_blocks: int | None = None,
@@ -114,9 +124,14 @@ class LLM:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but this torch build sees no CUDA device; use device='cpu'")
-        # Build the spec first: an unknown kv_cache_dtype fails before the model loads.
+        # Build the spec first: an unknown kv_cache_dtype (or a static format without scales) fails before the
+        # model loads; a scales file is read now too, and checked layer by layer when the real spec is built.
         self._spec_args = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
-        CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=1, model_dtype=self.dtype, **self._spec_args)
+        scales = None if kv_cache_scales is None else StaticScales.coerce(kv_cache_scales)
+        if scales is None:
+            CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=1, model_dtype=self.dtype, **self._spec_args)
+        else:
+            canonical_format_name(kv_cache_dtype, self.dtype)
         if isinstance(model, LoadedModel):
             loaded = model
             weight_dtype = next(loaded.model.parameters()).dtype
@@ -134,6 +149,7 @@ class LLM:
             head_dim=self.config.head_dim,
             model_dtype=self.dtype,
             model_name=self.model_path.name,
+            static_scales=scales,
             **self._spec_args,
         )
         self.controller = CacheController(self.spec, self.device)
@@ -185,6 +201,21 @@ class LLM:
     def max_cache_tokens(self) -> int:
         """Tokens the whole cache can hold."""
         return self.num_blocks * self.spec.block_size
+
+    def reset_kv_cache(self) -> None:
+        """Free the whole KV pool and allocate it afresh (vLLM's ``sleep()`` + ``wake_up()`` of the KV cache).
+
+        Empties the prefix cache, then re-allocates every layer's tensors from the
+        same spec; calibrated static scales live in the spec, so they are kept
+        (vLLM issue 25800, case C12).
+
+        Raises:
+            RuntimeError: requests are still running or waiting.
+        """
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("reset_kv_cache() needs an idle engine; finish or abort the running requests first")
+        self.engine.manager.reset_prefix_cache()
+        self.runner.caches = self.controller.initialize_kv_cache(self.num_blocks)
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
