@@ -1,0 +1,200 @@
+"""``kvpage eval``: perplexity through the paged cache, its report files and its command line.
+
+The reference for the decode-mode perplexity is the same model run once over the whole
+text with plain causal attention in float64 (no paged cache, no block tables), scored
+with the same float64 log-softmax.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpage import LLM
+from kvpage.cli import main
+from kvpage.errors import OutOfBlocksError
+from kvpage.eval import (
+    PerplexityResult,
+    evaluate_perplexity,
+    format_table,
+    kv_cost,
+    plot_ppl_vs_bits,
+    text_token_ids,
+    write_results_json,
+)
+
+#: A verbatim copy of the GPL-3 text (Debian base-files' /usr/share/common-licenses/GPL-3).
+GPL3 = Path(__file__).parent / "data" / "GPL-3"
+N_TOKENS = 128
+
+
+def _llm(smollm2, kv_cache_dtype: str = "auto", num_blocks: int = 16) -> LLM:
+    return LLM(smollm2, kv_cache_dtype=kv_cache_dtype, block_size=16, num_blocks=num_blocks,
+               enable_prefix_caching=False, progress=False)
+
+
+def _reference_nll(model, ids: list[int]) -> float:
+    """Mean NLL (nats) of ids[1:] from one full-sequence forward with plain causal float64 attention."""
+
+    def causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qd, kd, vd = (t.double().transpose(0, 1).unsqueeze(0) for t in (q, k, v))      # [1, heads, T, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)  # [1, H, T, D]
+        return o[0].transpose(0, 1).to(q.dtype).contiguous()                          # [T, H, D]
+
+    x = torch.tensor(ids[:-1])
+    with torch.inference_mode():
+        logits = model.compute_logits(model(x, torch.arange(len(x)), causal))         # [T, vocab]
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return float(-logp.gather(1, torch.tensor(ids[1:])[:, None]).mean())
+
+
+@pytest.fixture(scope="module")
+def ids(smollm2) -> list[int]:
+    return text_token_ids(smollm2.tokenizer, GPL3, N_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def decode_auto(smollm2, ids) -> tuple[LLM, PerplexityResult]:
+    llm = _llm(smollm2)
+    return llm, evaluate_perplexity(llm, ids, mode="decode", progress=False)
+
+
+@pytest.mark.slow
+def test_decode_ppl_equals_full_sequence_reference(smollm2, ids, decode_auto):
+    llm, r = decode_auto
+    ref = _reference_nll(smollm2.model, ids)
+    assert r.num_tokens == N_TOKENS and r.num_predictions == N_TOKENS - 1
+    assert r.mode == "decode" and r.chunk_size == 1
+    assert r.nll == pytest.approx(ref, rel=1e-5)
+    assert r.ppl == pytest.approx(math.exp(ref), rel=1e-4)
+    assert r.ppl == pytest.approx(math.exp(r.nll), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_blocks_all_freed_after_eval(decode_auto):
+    llm, _ = decode_auto
+    s = llm.engine.manager.stats()
+    assert s.num_in_use == 0 and s.num_free == s.num_blocks == llm.num_blocks
+    assert s.requests == 1  # the eval's one request was admitted through the manager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_size", [32, 50])  # 50: chunks that don't line up with blocks
+def test_chunked_equals_decode_unquantized(smollm2, ids, decode_auto, chunk_size):
+    _, dec = decode_auto
+    llm = _llm(smollm2)
+    r = evaluate_perplexity(llm, ids, mode="chunked", chunk_size=chunk_size, progress=False)
+    assert r.mode == "chunked" and r.chunk_size == chunk_size and r.num_predictions == dec.num_predictions
+    assert r.ppl == pytest.approx(dec.ppl, rel=1e-4)
+    assert llm.engine.manager.num_in_use_blocks == 0
+
+
+@pytest.mark.slow
+def test_result_cost_fields(smollm2, decode_auto):
+    llm, r = decode_auto
+    c = smollm2.config
+    assert r.name == "float32" and r.kv_cache_dtype == "float32" and r.block_size == 16
+    assert r.bits_per_value == 32.0
+    assert r.kv_bytes_per_token == 32 / 8 * 2 * c.num_kv_heads * c.head_dim * c.num_layers == 46_080
+    assert r.seconds > 0
+    int8 = _llm(smollm2, "int8")
+    cost = kv_cost(int8, N_TOKENS)
+    assert cost.bits_per_value == 8.25 and cost.kv_bytes_per_token == 11_880  # model.md: int8 + fp16 scale
+    assert cost.kv_bytes_per_token == int8.kv_bytes_per_token
+
+
+@pytest.mark.slow
+def test_blocks_freed_when_a_step_fails(smollm2, ids, monkeypatch):
+    llm = _llm(smollm2)
+    calls = {"n": 0}
+    real = llm.runner.execute
+
+    def failing(batch, **kw):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise RuntimeError("boom")
+        return real(batch, **kw)
+
+    monkeypatch.setattr(llm.runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        evaluate_perplexity(llm, ids, progress=False)
+    assert llm.engine.manager.num_in_use_blocks == 0
+
+
+@pytest.mark.slow
+def test_bad_inputs_fail_before_running(smollm2, ids):
+    llm = _llm(smollm2, num_blocks=4)  # 64 tokens
+    with pytest.raises(OutOfBlocksError, match="needs 8 KV blocks"):
+        evaluate_perplexity(llm, ids, progress=False)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        evaluate_perplexity(llm, ids[:1], progress=False)
+    with pytest.raises(ValueError, match="mode"):
+        evaluate_perplexity(llm, ids[:8], mode="prefill", progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        evaluate_perplexity(llm, [1, 10**9], progress=False)
+    assert llm.engine.manager.num_in_use_blocks == 0
+
+
+def _fake(name: str, canonical: str, bits: float, ppl: float) -> PerplexityResult:
+    return PerplexityResult(name=name, kv_cache_dtype=canonical, mode="decode", num_tokens=64, num_predictions=63,
+                            nll=math.log(ppl), ppl=ppl, bits_per_value=bits, kv_bytes_per_token=bits * 5760 / 8 * 2,
+                            seconds=1.5, block_size=16)
+
+
+def test_report_files_have_the_fields(tmp_path):
+    results = [_fake("auto", "float32", 32.0, 20.0), _fake("int8", "int8", 8.25, 20.02), _fake("fp8", "fp8", 8.25, 20.2)]
+    path = write_results_json(tmp_path / "o" / "results.json", results, model="m", num_tokens=64)
+    data = json.loads(path.read_text())
+    assert data["baseline"] == "auto" and data["model"] == "m" and data["num_tokens"] == 64
+    fields = {"name", "kv_cache_dtype", "mode", "num_tokens", "num_predictions", "nll", "ppl", "bits_per_value",
+              "kv_bytes_per_token", "seconds", "block_size", "residual_tokens", "chunk_size", "delta_ppl_percent"}
+    assert [set(r) for r in data["results"]] == [fields] * 3
+    assert [r["delta_ppl_percent"] for r in data["results"]] == pytest.approx([0.0, 0.1, 1.0])
+    png = plot_ppl_vs_bits(tmp_path / "o" / "ppl_vs_bits.png", results)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # a collapsed format switches the y axis to symlog; still writes
+    plot_ppl_vs_bits(tmp_path / "c.png", [*results, _fake("int2", "int2", 2.5, 200.0)])
+    table = format_table(results)
+    assert "baseline" in table and "+0.10" in table and "+1.00" in table and "11,880" in table
+
+
+def test_cli_unknown_format_exits_2_before_loading(tmp_path, capsys, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when a format is unknown")
+
+    monkeypatch.setattr("kvpage.model.loader.load_model", no_load)
+    rc = main(["eval", "--text", str(GPL3), "--formats", "int8,int7", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "int7" in err and "valid names" in err and "int8" in err and "fp8" in err
+    assert main(["eval", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+# Orderings of Δppl (signed, against the unquantized cache) that `kvpage eval` must reproduce on
+# 256 tokens. int8 +0.87% < fp8 +1.85% measured here (decode, block 16, float32).
+# TODO(lead): when int4/int2 land, add ("int8", "int4", "int2") (the issue's CI ordering).
+ORDERINGS = [("int8", "fp8")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ordering", ORDERINGS, ids="<".join)
+def test_eval_ordering_256_tokens(tmp_path, capsys, ordering):
+    out = tmp_path / "eval"
+    rc = main(["eval", "--text", str(GPL3), "--tokens", "256", "--formats", ",".join(ordering),
+               "--out", str(out), "--threads", "1", "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    assert (out / "ppl_vs_bits.png").is_file()
+    rows = {r["name"]: r for r in data["results"]}
+    assert data["results"][0]["name"] == "auto" and list(rows) == ["auto", *ordering]
+    assert all(r["num_tokens"] == 256 and r["num_predictions"] == 255 and r["mode"] == "decode" for r in rows.values())
+    deltas = [rows[f]["delta_ppl_percent"] for f in ordering]
+    assert deltas == sorted(deltas) and len(set(deltas)) == len(deltas), dict(zip(ordering, deltas))
+    assert all(name in printed for name in ordering) and "baseline" in printed
