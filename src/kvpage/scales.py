@@ -65,7 +65,8 @@ def _digest(parts: list[tuple[str, torch.Tensor | None]]) -> str:
 class LayerScales:
     """One layer's static K/V scales, resolved for its format (what the attention op multiplies codes by).
 
-    Build with :meth:`StaticScales.resolve`; equality and hashing go by ``sha256``.
+    Build with :meth:`StaticScales.resolve`; equality and hashing go by ``sha256``, computed
+    once, so treat the tensors as read-only (the spec's fingerprint would no longer match them).
 
     Attributes:
         key: float32 key scale, shape ``format.static_scale_shape(kv_heads, head_dim)``
@@ -106,8 +107,8 @@ class StaticScales:
 
     Format-independent: :meth:`resolve` turns a layer's entry into the
     :class:`LayerScales` of a given static format (FastDeploy ``cache_int8``:
-    per channel; vLLM / TensorRT-LLM fp8: per tensor). Immutable; equality and
-    hashing go by :attr:`sha256`.
+    per channel; vLLM / TensorRT-LLM fp8: per tensor). Treat it as immutable:
+    equality and hashing go by :attr:`sha256`, computed when it is built.
 
     Args:
         key: layer index -> key tensor (``kind="absmax"``: ``[kv_heads, head_dim]``;
