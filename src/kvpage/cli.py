@@ -49,6 +49,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch CPU threads (default 1: on small machines a second thread slows everything "
                         "whenever anything else runs; try 2 on an idle machine)")
+    _add_tier_args(p)
+
+
+def _add_tier_args(p: argparse.ArgumentParser) -> None:
+    """KV tier flags (host tier, swap preemption, disk and Redis stores), passed to ``LLM`` by :func:`_build_llm`."""
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="host (CPU) KV tier in GiB (default 0: none); blocks come back from it on a prefix hit")
+    p.add_argument("--kv-offload-policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="when blocks go to the host tier: when cached, once used twice, or on device eviction")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="preempted requests: recompute later (default) or swap their blocks to the host tier")
+    p.add_argument("--kv-disk-dir", default=None, help="directory of a persistent disk store of KV blocks")
+    p.add_argument("--kv-disk-max-bytes", type=int, default=None, help="size cap of the disk store in bytes (LRU)")
+    p.add_argument("--kv-store", default=None, help="redis://host:port/db of a KV block store shared between instances")
 
 
 def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
@@ -64,6 +79,12 @@ def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
         num_blocks=args.num_blocks,
         dtype=args.dtype,
         num_threads=args.threads,
+        swap_space=args.swap_space,
+        kv_offload_policy=args.kv_offload_policy,
+        preemption_mode=args.preemption_mode,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_max_bytes=args.kv_disk_max_bytes,
+        kv_store=args.kv_store,
         **extra,
     )
 

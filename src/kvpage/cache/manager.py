@@ -25,18 +25,33 @@ Invariants (tested after every operation by the state-machine test):
   collision;
 * :meth:`KVCacheManager.allocate_slots` is atomic: it returns ``None`` and
   changes nothing when the blocks don't fit;
-* once every request is freed, ``num_in_use_blocks == 0``.
+* once every request is freed, ``num_in_use_blocks == 0`` (after :meth:`KVCacheManager.poll`
+  has returned blocks held for aborted loads).
+
+Tiers (optional ``offload=``, an :class:`~kvpage.cache.offload.OffloadManager`):
+:meth:`~KVCacheManager.match_prefix` continues past the device hits into the
+host tier and the stores (``MatchResult.loads``); :meth:`~KVCacheManager.allocate_slots`
+loads those blocks into fresh device blocks, which :meth:`~KVCacheManager.cache_blocks`
+then indexes like computed ones once the load is acknowledged (C18: nothing is
+indexed before its KV is there); newly cached blocks go to the write policy;
+evicted ones to ``write_back``; :meth:`~KVCacheManager.preempt` swaps out in
+``swap`` mode. Device blocks loading for a request that is freed stay in use
+until their load completes or the deadline passes (:meth:`~KVCacheManager.poll`, case C10).
 """
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvpage.cache.block_pool import BlockTable
 from kvpage.cache.hashing import BlockHashFn, hash_block_tokens, root_hash
 from kvpage.cache.prefix_cache import ROOT, BlockKey, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
+
+if TYPE_CHECKING:
+    from kvpage.cache.offload import BlockLoad, OffloadManager
+    from kvpage.cache.transfer import Transfer
 
 __all__ = [
     "BlockRemoved",
@@ -88,12 +103,24 @@ class MatchResult:
     """The longest cached prefix of a request (from :meth:`KVCacheManager.match_prefix`).
 
     Attributes:
-        block_ids: cached blocks holding the prefix, in order.
-        num_cached_tokens: ``len(block_ids) * block_size`` tokens whose KV need not be computed.
+        block_ids: cached device blocks holding the prefix, in order.
+        num_cached_tokens: ``len(block_ids) * block_size`` tokens served by the device tier.
+        loads: the blocks after those, held by a lower tier (host, stores, or the
+            request's own swapped-out blocks); loaded into fresh device blocks by
+            :meth:`KVCacheManager.allocate_slots`.
+        num_loaded_tokens: tokens ``loads`` hold (``len(loads) * block_size``,
+            except a swap-in's last block, which may be partial).
     """
 
     block_ids: tuple[int, ...] = ()
     num_cached_tokens: int = 0
+    loads: tuple[BlockLoad, ...] = ()
+    num_loaded_tokens: int = 0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV need not be computed if every load succeeds: ``num_cached_tokens + num_loaded_tokens``."""
+        return self.num_cached_tokens + self.num_loaded_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +133,16 @@ class KVCacheBlocks:
         new_block_ids: blocks this call took from the pool (already-cached
             prefix blocks it referenced are not included).
         num_tokens: slots reserved for the request, in tokens.
+        num_computed_tokens: on the admitting call, tokens whose KV is in the
+            cache: device hits plus the loads that succeeded (a store record
+            that misses at read time cuts the loaded run; the scheduler computes
+            from here). ``None`` on later calls. Not part of equality.
     """
 
     block_ids: tuple[int, ...]
     new_block_ids: tuple[int, ...]
     num_tokens: int
+    num_computed_tokens: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +159,16 @@ class KVCacheStats:
         blocks_stored: blocks that entered the index.
         evictions: cached blocks evicted.
         preemptions: requests preempted.
+        tier_hits: tier -> blocks served to admitted requests: ``device`` always; with
+            tiers also ``host`` and each store (``disk``, ``redis``).
+        tier_bytes: direction -> payload bytes moved between tiers (``device_to_host``,
+            ``host_to_device``, ``store_read``, ``store_write``).
+        store_rejected: stored records refused (checksum, layout or key mismatch), all stores.
+        store_errors: failed store I/O operations, all stores.
+        num_host_blocks, num_host_free, num_host_evictable, num_host_busy: host tier block counts now.
+        swapped_out_blocks, swapped_in_blocks: blocks moved by swap preemption.
+        num_orphaned_blocks: device blocks held for loads of freed requests (now; case C10).
+        pending_transfers: block copies issued and not yet acknowledged (now).
     """
 
     num_blocks: int
@@ -141,6 +183,18 @@ class KVCacheStats:
     blocks_stored: int
     evictions: int
     preemptions: int
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    tier_bytes: dict[str, int] = field(default_factory=dict)
+    store_rejected: int = 0
+    store_errors: int = 0
+    num_host_blocks: int = 0
+    num_host_free: int = 0
+    num_host_evictable: int = 0
+    num_host_busy: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    num_orphaned_blocks: int = 0
+    pending_transfers: int = 0
 
 
 @dataclass(slots=True)
@@ -154,6 +208,18 @@ class _ReqState:
     extra: tuple  # (cache_salt, extra_keys)
     anchors: list[int] = field(default_factory=list)  # extra refs on indexed twins of our duplicate blocks
     stop_caching: bool = False  # a hash collision stopped this request's chain
+    loads: list[Transfer] = field(default_factory=list)  # copies into block_ids[load_start:load_end] in flight
+    load_start: int = 0  # first block receiving a load
+    load_end: int = 0  # one past the last block receiving a load
+
+
+@dataclass(slots=True)
+class _Orphan:
+    """Device blocks of a freed request still receiving loads (case C10)."""
+
+    block_ids: list[int]
+    transfers: list[Transfer]
+    deadline: float
 
 
 class KVCacheManager:
@@ -168,6 +234,7 @@ class KVCacheManager:
         enable_events: buffer :class:`BlockStored`/:class:`BlockRemoved` events for
             :meth:`drain_events` (subscribers of :meth:`subscribe` are called either way).
         max_buffered_events: the buffer keeps the newest this many events.
+        offload: the tiers below the device (host tier, stores, swap preemption), or ``None``.
 
     Raises:
         ValueError: ``num_blocks < 0`` or ``block_size <= 0``.
@@ -182,6 +249,7 @@ class KVCacheManager:
         hash_fn: BlockHashFn = hash_block_tokens,
         enable_events: bool = False,
         max_buffered_events: int = 1_000_000,
+        offload: OffloadManager | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -194,6 +262,12 @@ class KVCacheManager:
         self._wire_events()
         self._reqs: dict[str, _ReqState] = {}
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
+        self._device_hit_blocks = 0
+        self.offload = offload
+        self._loading: dict[str, tuple[SupportsKVCache, int]] = {}  # request id -> (request, tokens computed once loaded)
+        self._orphans: list[_Orphan] = []
+        if offload is not None:
+            self.subscribe(self._on_pool_event)
 
     # -- counts ----------------------------------------------------------------------------------
 
@@ -235,6 +309,14 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         """Counters since construction (see :class:`KVCacheStats`)."""
         p = self.pool
+        o = self.offload.stats() if self.offload is not None else None
+        tiers = {} if o is None else dict(
+            tier_bytes=o.tier_bytes, store_rejected=o.store_rejected, store_errors=o.store_errors,
+            num_host_blocks=o.num_host_blocks, num_host_free=o.num_host_free,
+            num_host_evictable=o.num_host_evictable, num_host_busy=o.num_host_busy,
+            swapped_out_blocks=o.swapped_out_blocks, swapped_in_blocks=o.swapped_in_blocks,
+            pending_transfers=o.pending_transfers,
+        )
         return KVCacheStats(
             num_blocks=p.num_blocks,
             num_free=p.num_free,
@@ -248,6 +330,9 @@ class KVCacheManager:
             blocks_stored=self._stored,
             evictions=p.num_evictions,
             preemptions=self._preemptions,
+            tier_hits={"device": self._device_hit_blocks, **({} if o is None else o.tier_hits)},
+            num_orphaned_blocks=sum(len(x.block_ids) for x in self._orphans),
+            **tiers,
         )
 
     # -- per-request views -----------------------------------------------------------------------
@@ -309,35 +394,56 @@ class KVCacheManager:
         extending ``request.block_hashes``); pass the result straight to
         :meth:`allocate_slots`. Stats are counted when the request is admitted.
 
+        With tiers, the match continues past the device hits: the next blocks
+        held by the host tier or a store become ``loads`` (one batched
+        ``exists`` probe per store); a request swapped out by :meth:`preempt`
+        gets its own host blocks back as loads (its whole computed prefix,
+        partial last block included).
+
         Returns:
-            The matched blocks (empty with caching off).
+            The matched blocks (empty with caching off, except a swap-in).
         """
-        if not self.enable_caching:
-            return MatchResult()
         n = len(request.all_token_ids)
         max_blocks = max(n - 1, 0) // self.block_size
-        if max_blocks == 0:
-            return MatchResult()
-        hashes = self._hashes(request, max_blocks)
-        extra = (request.cache_salt, request.extra_keys)
-        parent = ROOT
         out: list[int] = []
-        for i in range(max_blocks):
-            b = self.pool.lookup(hashes[i], self._key(request, i, parent, extra))
-            if b is None:
-                break
-            out.append(b)
-            parent = b
-        return MatchResult(tuple(out), len(out) * self.block_size)
+        if self.enable_caching and max_blocks:
+            hashes = self._hashes(request, max_blocks)
+            extra = (request.cache_salt, request.extra_keys)
+            parent = ROOT
+            for i in range(max_blocks):
+                b = self.pool.lookup(hashes[i], self._key(request, i, parent, extra))
+                if b is None:
+                    break
+                out.append(b)
+                parent = b
+        d = len(out)
+        bs = self.block_size
+        if self.offload is not None:
+            swap = self.offload.swap_loads(request.request_id, d)
+            if swap is not None:
+                loads, num_tokens = swap
+                return MatchResult(tuple(out), d * bs, tuple(loads), max(num_tokens - d * bs, 0))
+            if self.enable_caching and d < max_blocks:
+                loads = self.offload.lookup(request.block_hashes[d:max_blocks])
+                return MatchResult(tuple(out), d * bs, tuple(loads), len(loads) * bs)
+        return MatchResult(tuple(out), d * bs)
 
     def _check_match(self, request: SupportsKVCache, match: MatchResult) -> None:
         """Raise if ``match`` is no longer what the index holds (a block was evicted since)."""
         if match.num_cached_tokens != len(match.block_ids) * self.block_size:
             raise ValueError("match.num_cached_tokens must be len(match.block_ids) * block_size")
+        if match.loads:
+            if self.offload is None:
+                raise ValueError("a match with loads needs a manager with tiers (offload)")
+            if self.blocks_for(match.num_computed_tokens) - len(match.block_ids) != len(match.loads):
+                raise ValueError(f"match of {match.num_computed_tokens} tokens does not fit its {len(match.loads)} loads")
+            if match.num_computed_tokens > len(request.all_token_ids) - 1:
+                raise ValueError(f"match of {match.num_computed_tokens} tokens is not valid for this request")
+            self.offload.check_loads(match.loads)
         if not match.block_ids:
             return
-        if not self.enable_caching or match.num_cached_tokens > len(request.all_token_ids) - 1:
-            raise ValueError(f"match of {match.num_cached_tokens} tokens is not valid for this request")
+        if not self.enable_caching or match.num_computed_tokens > len(request.all_token_ids) - 1:
+            raise ValueError(f"match of {match.num_computed_tokens} tokens is not valid for this request")
         hashes = self._hashes(request, len(match.block_ids))
         extra = (request.cache_salt, request.extra_keys)
         parent = ROOT
@@ -361,7 +467,7 @@ class KVCacheManager:
             return self.blocks_for(st.num_tokens + num_new_tokens) - len(st.block_ids), available
         m = match or MatchResult()
         self._check_match(request, m)
-        need = self.blocks_for(m.num_cached_tokens + num_new_tokens) - len(m.block_ids)
+        need = self.blocks_for(m.num_computed_tokens + num_new_tokens) - len(m.block_ids)
         # matched blocks that are evictable now stop being evictable once referenced
         available -= sum(1 for b in m.block_ids if self.pool.ref_count(b) == 0)
         return need, available
@@ -398,6 +504,15 @@ class KVCacheManager:
             evictable blocks (not counting matched ones); then nothing changed
             and the scheduler may preempt a request and retry.
 
+        With tiers, the first call also loads ``match.loads`` into the first
+        new blocks (host hits are swapped in, store records read and
+        scattered); ``num_computed_tokens`` of the result says how many tokens
+        really arrived (a store record missing at read time cuts the run; the
+        request then holds slots for ``num_computed_tokens + num_new_tokens``
+        tokens and already owns the blocks for the rest, so extending it by the
+        shortfall takes no block). The loaded full blocks are indexed once their copy is acknowledged (at once
+        with synchronous copies, else by :meth:`poll`).
+
         Raises:
             ValueError: ``num_new_tokens < 0``; a match given for a request that
                 already holds blocks; a stale match (a matched block was evicted
@@ -407,24 +522,49 @@ class KVCacheManager:
         if need > available:
             return None
         st = self._reqs.get(request.request_id)
-        if st is None:
-            m = match or MatchResult()
-            self.pool.touch(m.block_ids)
-            st = _ReqState(
-                block_ids=list(m.block_ids),
-                num_tokens=m.num_cached_tokens,
-                num_cached_blocks=len(m.block_ids),
-                parent=m.block_ids[-1] if m.block_ids else ROOT,
-                extra=(request.cache_salt, request.extra_keys),
-            )
-            self._reqs[request.request_id] = st
-            self._requests += 1
-            self._queries += len(request.all_token_ids)
-            self._hits += m.num_cached_tokens
+        if st is not None:
+            new = self.pool.allocate(max(need, 0))
+            st.block_ids.extend(new)
+            st.num_tokens += num_new_tokens
+            return KVCacheBlocks(tuple(st.block_ids), tuple(new), st.num_tokens)
+        m = match or MatchResult()
+        offload = self.offload
+        if m.loads:
+            assert offload is not None
+            offload.pin_sources(m.loads)  # before allocating: a write-back eviction must not take them
+        self.pool.touch(m.block_ids)
         new = self.pool.allocate(max(need, 0))
-        st.block_ids.extend(new)
-        st.num_tokens += num_new_tokens
-        return KVCacheBlocks(tuple(st.block_ids), tuple(new), st.num_tokens)
+        st = _ReqState(
+            block_ids=[*m.block_ids, *new],
+            num_tokens=m.num_computed_tokens + num_new_tokens,
+            num_cached_blocks=len(m.block_ids),
+            parent=m.block_ids[-1] if m.block_ids else ROOT,
+            extra=(request.cache_salt, request.extra_keys),
+        )
+        self._reqs[request.request_id] = st
+        d = len(m.block_ids)
+        computed = m.num_cached_tokens
+        if m.loads:
+            assert offload is not None
+            res = offload.begin_loads(request.request_id, m.loads, new[: len(m.loads)])
+            if res.num_loaded == len(m.loads):
+                computed = m.num_computed_tokens
+            else:  # cut short: slots start at what arrived; the blocks after it stay allocated for the recompute
+                computed += res.num_loaded * self.block_size
+                st.num_tokens = computed + num_new_tokens
+            st.load_start, st.load_end = d, d + res.num_loaded
+            st.loads = [t for t in res.transfers if not t.acknowledged]
+            if st.loads:
+                self._loading[request.request_id] = (request, computed)
+        if d and offload is not None:
+            offload.on_device_hits(m.block_ids, request.block_hashes[:d])
+        self._device_hit_blocks += d
+        self._requests += 1
+        self._queries += len(request.all_token_ids)
+        self._hits += computed
+        if computed > m.num_cached_tokens and not st.loads:
+            self.cache_blocks(request, computed)  # loaded blocks are written: index them like computed ones
+        return KVCacheBlocks(tuple(st.block_ids), tuple(new), st.num_tokens, computed)
 
     def cache_blocks(self, request: SupportsKVCache, num_computed_tokens: int) -> int:
         """Index the request's blocks that became full now that KV is written for ``num_computed_tokens`` tokens.
@@ -460,10 +600,14 @@ class KVCacheManager:
         if not self.enable_caching or st.stop_caching:
             return 0
         num_full = num_computed_tokens // self.block_size
+        if st.loads and not all(t.acknowledged for t in st.loads):
+            num_full = min(num_full, st.load_start)  # blocks still loading hold no KV yet (C18)
         if num_full <= st.num_cached_blocks:
             return 0
         hashes = self._hashes(request, num_full)
         stored = 0
+        new_ids: list[int] = []
+        new_hashes: list[bytes] = []
         for i in range(st.num_cached_blocks, num_full):
             b = st.block_ids[i]
             holder = self.pool.insert(b, hashes[i], self._key(request, i, st.parent, st.extra))
@@ -472,12 +616,16 @@ class KVCacheManager:
                 break
             if holder == b:
                 stored += 1
+                new_ids.append(b)
+                new_hashes.append(hashes[i])
             else:  # an equal block is indexed already: chain onto it
                 self.pool.touch([holder])
                 st.anchors.append(holder)
             st.parent = holder
             st.num_cached_blocks = i + 1
         self._stored += stored
+        if new_ids and self.offload is not None:
+            self.offload.on_cached(new_ids, new_hashes)
         return stored
 
     def free(self, request: SupportsKVCache | str) -> bool:
@@ -492,26 +640,118 @@ class KVCacheManager:
             Whether the request held blocks.
         """
         rid = request if isinstance(request, str) else request.request_id
+        if self.offload is not None:
+            self.offload.drop_swapped(rid)  # a swapped-out request that finished or was aborted while waiting
+        return self._release(rid)
+
+    def _release(self, rid: str) -> bool:
+        """Release a request's device blocks; blocks still receiving loads are held as orphans (C10)."""
         st = self._reqs.pop(rid, None)
         if st is None:
             return False
+        self._loading.pop(rid, None)
+        ids = st.block_ids
+        pending = [t for t in st.loads if not t.acknowledged]
+        if pending:
+            held = ids[st.load_start : st.load_end]
+            ids = ids[: st.load_start] + ids[st.load_end :]
+            assert self.offload is not None
+            self._orphans.append(_Orphan(list(held), pending, self.offload.clock() + self.offload.config.load_deadline_s))
         # one call: an indexed twin can be a parent of our blocks or a child of them
-        self.pool.release([*reversed(st.block_ids), *reversed(st.anchors)])
+        self.pool.release([*reversed(ids), *reversed(st.anchors)])
         return True
 
-    def preempt(self, request: SupportsKVCache | str) -> bool:
-        """Free a running request to recompute it later (vLLM v1's recompute preemption); counts a preemption.
+    def preempt(self, request: SupportsKVCache | str, num_computed_tokens: int | None = None) -> bool:
+        """Free a running request to resume it later; counts a preemption.
 
-        Its written full blocks stay cached (if :meth:`cache_blocks` saw them),
-        so its next :meth:`match_prefix` hits them unless they were evicted.
+        ``recompute`` (vLLM v1's only mode, the default): its written full
+        blocks stay cached (if :meth:`cache_blocks` saw them), so its next
+        :meth:`match_prefix` hits them unless they were evicted.
+
+        ``swap`` (``OffloadConfig.preemption_mode``, vLLM v0's ``preemption_mode="swap"``
+        with ``swap_space``): the blocks holding its first ``num_computed_tokens``
+        tokens are first copied to host blocks it owns; its next
+        :meth:`match_prefix` returns them as loads (after whatever of its
+        prefix is still cached on the device). Falls back to recompute when
+        the host tier has no room or ``num_computed_tokens`` is not given.
+
+        Args:
+            request: the request or its id.
+            num_computed_tokens: tokens whose KV the request has written (needed for ``swap``).
 
         Returns:
             Whether the request held blocks (only then is a preemption counted).
         """
-        if self.free(request):
-            self._preemptions += 1
-            return True
-        return False
+        rid = request if isinstance(request, str) else request.request_id
+        st = self._reqs.get(rid)
+        if st is None:
+            return False
+        o = self.offload
+        if o is not None and o.config.preemption_mode == "swap" and num_computed_tokens:
+            if not 0 < num_computed_tokens <= st.num_tokens:
+                raise ValueError(f"num_computed_tokens={num_computed_tokens} must be in (0, {st.num_tokens}]")
+            if st.loads:
+                o.wait(st.loads)  # its blocks must hold their KV before they are copied out
+                self.poll()
+            o.swap_out(rid, st.block_ids[: self.blocks_for(num_computed_tokens)], num_computed_tokens)
+        self._release(rid)
+        self._preemptions += 1
+        return True
+
+    # -- tiers: completions -----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Acknowledge finished copies and act on them: index blocks whose load completed, return blocks of
+        freed requests whose load completed or whose deadline passed (a late completion is then ignored, C10).
+
+        The engine calls it once per step; without tiers it does nothing.
+        """
+        o = self.offload
+        if o is None:
+            return
+        o.poll()
+        for rid, (req, computed) in list(self._loading.items()):
+            st = self._reqs[rid]
+            if all(t.acknowledged for t in st.loads):
+                del self._loading[rid]
+                st.loads = []
+                self.cache_blocks(req, min(computed, st.num_tokens, len(req.all_token_ids)))
+        if self._orphans:
+            now = o.clock()
+            keep: list[_Orphan] = []
+            for orphan in self._orphans:
+                if all(t.acknowledged or t.cancelled for t in orphan.transfers):
+                    self.pool.release(orphan.block_ids)
+                elif now >= orphan.deadline:
+                    for t in orphan.transfers:
+                        o.cancel(t)
+                    self.pool.release(orphan.block_ids)
+                else:
+                    keep.append(orphan)
+            self._orphans = keep
+
+    def is_loading(self, request: SupportsKVCache | str) -> bool:
+        """Whether blocks are still being loaded for the request (its forward pass must wait)."""
+        rid = request if isinstance(request, str) else request.request_id
+        return rid in self._loading
+
+    def wait_for_loads(self, requests: Sequence[SupportsKVCache | str] | None = None) -> None:
+        """Block until the loads of ``requests`` (default all) are done, then :meth:`poll`.
+
+        The engine calls it before a forward pass that reads those blocks.
+        """
+        if self.offload is None or not self._loading:
+            return
+        rids = list(self._loading) if requests is None else [r if isinstance(r, str) else r.request_id for r in requests]
+        todo = [t for rid in rids if rid in self._loading for t in self._reqs[rid].loads]
+        if todo:
+            self.offload.wait(todo)
+        self.poll()
+
+    def _on_pool_event(self, event: KVCacheEvent) -> None:
+        """Device eviction hook: runs before an evicted block's id is handed out again."""
+        if isinstance(event, BlockRemoved) and self.offload is not None:
+            self.offload.on_device_evicted(event.block_id, event.block_hash)
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` evictable cached blocks (leaves first, LRU) to the free list.

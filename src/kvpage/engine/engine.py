@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.cache.manager import KVCacheManager, KVCacheStats
+from kvpage.cache.offload import OffloadManager
 from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, sample
@@ -59,6 +60,7 @@ class LLMEngine:
         vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips the check.
         scheduler_config: batching limits.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
+        offload: host tier, stores and swap preemption (:class:`~kvpage.cache.offload.OffloadManager`), or ``None``.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class LLMEngine:
         vocab_size: int | None = None,
         scheduler_config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = True,
+        offload: OffloadManager | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -81,7 +84,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching, offload=offload)
         self.scheduler = Scheduler(self.manager, scheduler_config)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
@@ -156,6 +159,7 @@ class LLMEngine:
             RuntimeError: requests wait but none can be scheduled (cannot happen
                 for requests admitted by :meth:`add_request`; guards against a hang).
         """
+        self.manager.poll()  # acknowledge finished tier copies (no-op without tiers)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.num_unfinished:
@@ -165,6 +169,7 @@ class LLMEngine:
                 )
             return []
         batch = [ScheduledRequest(c.token_ids, c.num_computed, c.block_ids) for c in sched.scheduled]
+        self.manager.wait_for_loads([c.request for c in sched.scheduled])  # blocks loaded from tiers hold their KV
         logits = self.runner.execute(batch)                                    # [B, vocab] float32
         self.scheduler.update_after_step(sched)
         outputs: list[RequestOutput] = []

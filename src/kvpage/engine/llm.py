@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 
 from kvpage.cache.controller import CacheController
+from kvpage.cache.tail import TailPool, TailTable
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.model_runner import ModelRunner
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.scheduler import SchedulerConfig
-from kvpage.formats import canonical_format_name
+from kvpage.formats import canonical_format_name, get_format
 from kvpage.scales import StaticScales
 from kvpage.spec import CacheSpec
 
@@ -67,7 +68,13 @@ class LLM:
             a scales file from ``kvpage calibrate`` (safetensors) or a
             :class:`~kvpage.scales.StaticScales`; required by those formats, ignored by others
             (vLLM's ``k_scale``/``v_scale``, FastDeploy's ``cache_int8`` scales).
-        block_size: tokens per block.
+        kv_quant_residual_tokens: full-precision window of quantize-on-seal formats
+            (``int4``, ``int2``) in tokens: the sealed blocks covering the most recent
+            ``kv_quant_residual_tokens`` tokens keep a 16-bit copy that attention reads
+            (KIVI's residual). ``None`` = the format's measured default (int4 0, int2 32);
+            ignored by other formats.
+        block_size: tokens per block; ``None`` = 16, or the format's preferred size
+            (32 for ``int4``/``int2``, whose key quantization group is the block).
         kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
             the block count is the largest that fits, scales included.
         num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
@@ -96,7 +103,8 @@ class LLM:
         *,
         kv_cache_dtype: str = "auto",
         kv_cache_scales: str | Path | StaticScales | None = None,
-        block_size: int = 16,
+        kv_quant_residual_tokens: int | None = None,
+        block_size: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         num_blocks: int | None = None,
         dtype: str | torch.dtype = "auto",
@@ -115,6 +123,15 @@ class LLM:
             if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
                 raise ValueError(f"num_threads must be a positive integer, got {num_threads!r}")
             torch.set_num_threads(num_threads)
+        fmt = get_format(canonical_format_name(kv_cache_dtype, resolve_dtype(dtype)), resolve_dtype(dtype))
+        if block_size is None:
+            block_size = int(getattr(fmt, "preferred_block_size", 16))
+        if kv_quant_residual_tokens is None:
+            kv_quant_residual_tokens = int(getattr(fmt, "default_residual_tokens", 0))
+        if (isinstance(kv_quant_residual_tokens, bool) or not isinstance(kv_quant_residual_tokens, int)
+                or kv_quant_residual_tokens < 0):
+            raise ValueError(f"kv_quant_residual_tokens must be an integer >= 0, got {kv_quant_residual_tokens!r}")
+        self.kv_quant_residual_tokens = kv_quant_residual_tokens
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, got {block_size!r}")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
@@ -153,16 +170,26 @@ class LLM:
             **self._spec_args,
         )
         self.controller = CacheController(self.spec, self.device)
+        # Quantize-on-seal layers keep open blocks, window copies and first-block copies in a tail pool
+        # (kvpage.cache.tail), sized per running request and paid for out of the KV budget.
+        seals = any(getattr(self.spec.layer(i).format, "seals", False) for i in range(self.spec.num_layers))
+        window_blocks = -(-kv_quant_residual_tokens // self.spec.block_size)
+        tail_slots, sink_slots = max_num_seqs * (1 + window_blocks), 2 * max_num_seqs
+        tail_bytes = TailPool.bytes_for(self.spec, self.dtype, tail_slots, sink_slots) if seals else 0
         if num_blocks is None:
             budget = DEFAULT_KV_CACHE_BYTES if kv_cache_memory_bytes is None else int(kv_cache_memory_bytes)
-            num_blocks = self.controller.num_blocks_for_budget(budget).num_blocks
+            num_blocks = self.controller.num_blocks_for_budget(max(0, budget - tail_bytes)).num_blocks
             if num_blocks <= 0:
                 raise ValueError(
                     f"kv_cache_memory_bytes={budget} holds no block of {self.spec.bytes_per_block} bytes; raise it"
                 )
         self.num_blocks = int(num_blocks)
         caches = self.controller.initialize_kv_cache(self.num_blocks)
-        self.runner = ModelRunner(self.model, self.spec, caches, self.device)
+        self.tail: TailPool | None = None
+        if seals:
+            table = TailTable(self.spec.block_size, tail_slots, sink_slots, window_blocks)
+            self.tail = TailPool(self.spec, table, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.spec, caches, self.device, tail=self.tail)
         context = self.config.max_position_embeddings
         if max_model_len is not None and max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
@@ -178,6 +205,12 @@ class LLM:
             scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
             enable_prefix_caching=enable_prefix_caching,
         )
+        if self.tail is not None:
+            # Tail entries belong to a block's content: dropped when the pool hands the block out anew,
+            # reclaimed first once the block is neither in use nor cached.
+            pool = self.engine.manager.pool
+            pool.on_allocate = self.tail.table.invalidate
+            self.tail.table.is_live = lambda b: pool.ref_count(b) > 0 or pool.block_hash(b) is not None
 
     # -- facts ---------------------------------------------------------------------------------
     @property
@@ -216,6 +249,8 @@ class LLM:
             raise RuntimeError("reset_kv_cache() needs an idle engine; finish or abort the running requests first")
         self.engine.manager.reset_prefix_cache()
         self.runner.caches = self.controller.initialize_kv_cache(self.num_blocks)
+        if self.tail is not None:
+            self.tail.table.reset()
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:

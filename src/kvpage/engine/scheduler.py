@@ -145,7 +145,8 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self.manager.preempt(victim)
+        # swap mode copies the blocks of its computed tokens to the host tier; recompute ignores the count
+        self.manager.preempt(victim, num_computed_tokens=victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
@@ -187,8 +188,8 @@ class Scheduler:
         # 2. waiting: FCFS admission, unless this step had to preempt.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            match = self.manager.match_prefix(req)
-            n = req.num_tokens - match.num_cached_tokens
+            match = self.manager.match_prefix(req)  # device hits, then host / store / swapped-out blocks
+            n = req.num_tokens - match.num_computed_tokens
             if n > budget:
                 if self.config.enable_chunked_prefill:
                     n = budget
@@ -198,9 +199,18 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = match.num_cached_tokens
+            # what really arrived: a store record that misses at read time leaves more to compute; the
+            # request already owns the blocks for it, so widen the chunk (within the budget) at no block cost
+            computed = blocks.num_computed_tokens if blocks.num_computed_tokens is not None else match.num_cached_tokens
+            short = match.num_computed_tokens - computed
+            extra = min(short, budget - n) if self.config.enable_chunked_prefill else short
+            if extra > 0:
+                blocks = self.manager.allocate_slots(req, extra)
+                assert blocks is not None and not blocks.new_block_ids
+                n += extra
+            req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = match.num_cached_tokens
+                req.num_cached_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))

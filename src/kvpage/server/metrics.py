@@ -21,6 +21,12 @@ name                                           type      meaning
 ``kvpage:num_preemptions_total``               counter   requests preempted (recompute)
 ``kvpage:prompt_tokens_total``                 counter   prompt tokens computed (cache hits excluded)
 ``kvpage:generation_tokens_total``             counter   tokens sampled
+``kvpage:tier_hits_total``                     counter   KV blocks served to requests, label ``tier``: ``device``,
+                                                         and with tiers ``host``, ``disk``, ``redis``
+``kvpage:tier_bytes_total``                    counter   KV bytes moved between tiers, label ``direction``:
+                                                         ``device_to_host``, ``host_to_device``, ``store_read``,
+                                                         ``store_write``
+``kvpage:store_rejected_records_total``        counter   stored records refused (checksum, layout or key mismatch)
 ``kvpage:request_success_total``               counter   finished requests, label ``finished_reason``:
                                                          ``stop``, ``length``, ``abort`` (client gone), ``error``
 ``kvpage:time_to_first_token_seconds``         hist.     submission to first output token
@@ -78,6 +84,18 @@ class _EngineStatsCollector(Collector):
             ("generation_tokens", "Output tokens sampled.", s.generation_tokens),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+        hits = CounterMetricFamily(PREFIX + "tier_hits", "KV blocks served to requests, per tier.", labels=["tier"])
+        for tier, n in s.kv.tier_hits.items():
+            hits.add_metric([tier], float(n))
+        yield hits
+        moved = CounterMetricFamily(PREFIX + "tier_bytes", "KV bytes moved between tiers, per direction.",
+                                    labels=["direction"])
+        for direction, n in s.kv.tier_bytes.items():
+            moved.add_metric([direction], float(n))
+        yield moved
+        yield CounterMetricFamily(PREFIX + "store_rejected_records",
+                                  "Stored KV records refused (checksum, layout or key mismatch); recomputed.",
+                                  value=float(s.kv.store_rejected))
 
 
 class ServerMetrics:

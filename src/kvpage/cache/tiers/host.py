@@ -1,0 +1,200 @@
+"""The host (CPU) tier's tensor side, and the factory that wires every tier of an engine together.
+
+:class:`HostTier` moves whole blocks -- every layer (main and draft/MTP) and
+every tensor of the layer's format: K, V and all scales (case C07) -- between
+the device caches and the host blocks that
+:meth:`~kvpage.cache.controller.CacheController.initialize_host_cache`
+allocated (pinned when the device is CUDA), and between the device caches and
+store records (:func:`~kvpage.cache.tiers.blocks.gather_blocks` /
+:func:`~kvpage.cache.tiers.blocks.scatter_blocks`). It is the
+:class:`~kvpage.cache.offload.BlockMover` of the tensor-free
+:class:`~kvpage.cache.offload.OffloadManager`, which decides what moves when.
+
+Copies are synchronous here (``CacheController`` synchronizes after a CUDA
+copy), so every :class:`~kvpage.cache.transfer.Transfer` completes at issue;
+the transfer bookkeeping around them is what keeps in-flight blocks safe when
+copies are deferred (tests, and an asynchronous copy engine later).
+
+:func:`build_offload` is what ``LLM(swap_space=..., kv_offload_policy=...,
+preemption_mode=..., kv_disk_dir=..., kv_store=...)`` calls: vLLM's
+``swap_space`` (GiB of host blocks) and ``preemption_mode``, SGLang HiCache's
+write policies, LMCache's local-disk and remote (Redis) backends.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpage.cache.controller import CacheController
+from kvpage.cache.host_pool import HostBlockPool
+from kvpage.cache.offload import OffloadConfig, OffloadManager
+from kvpage.cache.tiers.base import BlockData, KVStore, open_store
+from kvpage.cache.tiers.blocks import gather_blocks, scatter_blocks
+from kvpage.cache.transfer import TransferQueue
+
+#: Bytes in one GiB (``swap_space`` is in GiB, as in vLLM).
+GIB = 1 << 30
+
+
+class HostTier:
+    """Block copies between a controller's device caches, its host caches and :data:`BlockData`.
+
+    Args:
+        controller: owns the device and host tensors (``device_caches``,
+            ``host_caches``); read at each call, so a re-allocated device pool
+            (``LLM.reset_kv_cache``) is followed.
+
+    Attributes:
+        bytes_per_block: bytes of one block, all layers and scales (``spec.bytes_per_block``).
+    """
+
+    def __init__(self, controller: CacheController) -> None:
+        self.controller = controller
+        self.spec = controller.spec
+        self.bytes_per_block = controller.spec.bytes_per_block
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Host blocks allocated by the controller."""
+        return self.controller.num_host_blocks
+
+    def device_to_host(
+        self, device_ids: Sequence[int], host_ids: Sequence[int], layers: Sequence[int] | None = None
+    ) -> None:
+        """Copy device blocks to host blocks: K, V and every scale (``CacheController.swap_out``).
+
+        Args:
+            device_ids: source device block ids.
+            host_ids: destination host block ids (same length, no repeats).
+            layers: global layer indices to copy (the per-layer path, as layer-wise
+                offload does); default every layer, main and draft.
+
+        Raises:
+            ValueError / IndexError: mismatched lengths, repeated destinations, ids out of range.
+            KVPageError: a layer lacks device or host tensors.
+        """
+        self.controller.swap_out(list(device_ids), list(host_ids), layers)
+
+    def host_to_device(
+        self, host_ids: Sequence[int], device_ids: Sequence[int], layers: Sequence[int] | None = None
+    ) -> None:
+        """Copy host blocks to device blocks (``CacheController.swap_in``); arguments and errors as :meth:`device_to_host`."""
+        self.controller.swap_in(list(host_ids), list(device_ids), layers)
+
+    def gather(self, device_ids: Sequence[int]) -> list[BlockData]:
+        """One :data:`BlockData` (CPU tensors, per-block shapes of the spec) per device block."""
+        return gather_blocks(self.controller.device_caches, self.spec, list(device_ids))
+
+    def scatter(self, device_ids: Sequence[int], datas: Sequence[BlockData]) -> None:
+        """Write store blocks into device blocks; everything is checked against the spec before a byte is written.
+
+        Raises:
+            KVCacheLayoutError: a block disagrees with the spec (names the layer and tensor).
+            ValueError / IndexError: bad ids.
+        """
+        scatter_blocks(self.controller.device_caches, self.spec, list(device_ids), list(datas))
+
+    def gather_host(self, host_ids: Sequence[int]) -> list[BlockData]:
+        """One :data:`BlockData` per host block (for tests and debugging)."""
+        return gather_blocks(self.controller.host_caches, self.spec, list(host_ids))
+
+
+def host_blocks_for_swap_space(controller: CacheController, swap_space_gib: float) -> int:
+    """Host blocks that fit in ``swap_space_gib`` GiB: ``floor(swap_space * 2**30 / spec.bytes_per_block)``.
+
+    Raises:
+        ValueError: negative or non-finite ``swap_space_gib``, or a positive one too small for one block.
+    """
+    if isinstance(swap_space_gib, bool) or not (float(swap_space_gib) >= 0) or swap_space_gib == float("inf"):
+        raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {swap_space_gib!r}")
+    per_block = controller.spec.bytes_per_block
+    n = int(float(swap_space_gib) * GIB) // per_block
+    if swap_space_gib > 0 and n == 0:
+        raise ValueError(
+            f"swap_space={swap_space_gib} GiB holds no block of {per_block} bytes; raise it to at least "
+            f"{per_block / GIB:.6f} GiB or use 0 for no host tier"
+        )
+    return n
+
+
+def store_tier_name(url: str) -> str:
+    """The tier name a store URL gets in metrics: ``redis`` for ``redis://``/``rediss://``/``unix://``, else ``disk``."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    return "redis" if scheme in ("redis", "rediss", "unix") else "disk"
+
+
+def seals_blocks(controller: CacheController) -> bool:
+    """Whether any layer group's format is quantize-on-seal (``seals`` class attribute, e.g. ``int4``, ``int2``).
+
+    Such formats keep a sequence's partial last block in a full-precision tail
+    pool outside the block tensors, so swap preemption (which copies block
+    tensors only) cannot restore it; their requests are recomputed instead.
+    Sealed full blocks are ordinary pool blocks and go to every tier.
+    """
+    return any(getattr(g.layer.format, "seals", False) for g in controller.spec.groups)
+
+
+def build_offload(
+    controller: CacheController,
+    *,
+    swap_space: float = 0.0,
+    kv_offload_policy: str = "write_through",
+    preemption_mode: str = "recompute",
+    kv_disk_dir: str | None = None,
+    kv_disk_max_bytes: int | None = None,
+    kv_store: str | None = None,
+    write_through_threshold: int = 2,
+    load_deadline_s: float = 30.0,
+    store_options: dict[str, Any] | None = None,
+    queue: TransferQueue | None = None,
+) -> OffloadManager | None:
+    """Allocate the host tier, open the stores and return the :class:`OffloadManager` (``None`` when no tier is asked for).
+
+    Args:
+        controller: the engine's controller (device caches already allocated).
+        swap_space: host tier size in GiB (vLLM's ``swap_space``); 0 = no host tier.
+        kv_offload_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
+        preemption_mode: ``recompute`` or ``swap`` (needs ``swap_space > 0``). With a
+            quantize-on-seal format (:func:`seals_blocks`) ``swap`` falls back to recompute.
+        kv_disk_dir: directory of a :class:`~kvpage.cache.tiers.disk.DiskStore`, or ``None``.
+        kv_disk_max_bytes: size cap of the disk store in bytes (LRU), ``None`` = unbounded.
+        kv_store: ``redis://host:port/db`` of a shared :class:`~kvpage.cache.tiers.redis_store.RedisStore`, or ``None``.
+        write_through_threshold: uses before ``write_through_selective`` backs a block up.
+        load_deadline_s: how long an aborted request's loading blocks wait for their load (C10).
+        store_options: extra keyword options for the Redis store (``ttl_seconds``, ``timeout_s``, ...).
+        queue: the transfer queue (default synchronous).
+
+    Raises:
+        ValueError: bad sizes, policy or mode; ``swap`` without a host tier.
+        CacheAllocationError: the host tier could not be allocated for some layer group (case C08).
+    """
+    config = OffloadConfig(
+        write_policy=kv_offload_policy,
+        write_through_threshold=write_through_threshold,
+        preemption_mode=preemption_mode,
+        load_deadline_s=load_deadline_s,
+    )
+    n_host = host_blocks_for_swap_space(controller, swap_space)
+    if config.preemption_mode == "swap" and n_host == 0:
+        raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
+    if kv_disk_max_bytes is not None and kv_disk_dir is None:
+        raise ValueError("kv_disk_max_bytes needs kv_disk_dir")
+    if n_host == 0 and kv_disk_dir is None and not kv_store:
+        return None
+    if config.preemption_mode == "swap" and seals_blocks(controller):
+        config = OffloadConfig(config.write_policy, config.write_through_threshold, "recompute", config.load_deadline_s)
+    stores: list[tuple[str, KVStore]] = []
+    try:
+        if kv_disk_dir is not None:
+            stores.append(("disk", open_store(str(kv_disk_dir), controller.spec, max_bytes=kv_disk_max_bytes)))
+        if kv_store:
+            if store_tier_name(kv_store) != "redis":
+                raise ValueError(f"kv_store must be a redis:// URL (use kv_disk_dir for a directory), got {kv_store!r}")
+            stores.append(("redis", open_store(kv_store, controller.spec, **(store_options or {}))))
+        controller.initialize_host_cache(n_host)  # CacheAllocationError names the layer group (C08)
+    except BaseException:
+        for _, s in stores:
+            s.close()
+        raise
+    host = HostBlockPool(controller.num_host_blocks) if n_host else None
+    return OffloadManager(HostTier(controller), host, stores, config, queue)

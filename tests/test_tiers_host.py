@@ -1,0 +1,573 @@
+"""Host tier, in-flight copies and swap preemption (issue 5): cases C07-C11 through the KV-cache manager.
+
+Block contents are random bytes in every tensor (codes, scales, NaN payloads
+included), so every comparison is byte-exact. Copies that must stay in flight
+use an asynchronous :class:`TransferQueue`: the test completes them by hand.
+Stores are real (a :class:`DiskStore` in a temp dir, a real ``redis-server``).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpage.cache.controller import CacheAllocationError, CacheController
+from kvpage.cache.host_pool import HostBlockPool, HostBlockState
+from kvpage.cache.manager import KVCacheManager, KVRequest
+from kvpage.cache.offload import OffloadConfig, OffloadManager
+from kvpage.cache.tiers import DiskStore, open_store
+from kvpage.cache.tiers.host import HostTier, build_offload, host_blocks_for_swap_space, seals_blocks
+from kvpage.cache.transfer import TransferQueue, TransferState
+from kvpage.errors import KVPageError, OutOfBlocksError
+from kvpage.formats import TensorSpec, available_formats
+from kvpage.spec import CacheSpec
+
+FORMATS = available_formats()
+BS = 4  # tokens per block in these tests
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _scales(fmt: str, num_layers: int) -> dict:
+    if "static" not in fmt:
+        return {}
+    from kvpage.scales import StaticScales
+
+    return {"static_scales": StaticScales.uniform(num_layers, 0.02, 0.05)}
+
+
+def make_spec(fmt: str, *, kv_heads: int = 2, head_dim: int = 16, layers: int = 2, draft: int = 1) -> CacheSpec:
+    """``layers`` main + ``draft`` draft/MTP layers, both in ``fmt``."""
+    return CacheSpec.build(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, model_dtype=torch.bfloat16,
+                           block_size=BS, kv_cache_dtype=fmt, num_draft_layers=draft, model_name="tiers-test",
+                           **_scales(fmt, layers + draft))
+
+
+def make_controller(spec: CacheSpec, num_blocks: int) -> CacheController:
+    ctrl = CacheController(spec)
+    ctrl.initialize_kv_cache(num_blocks)
+    if spec.draft is not None:
+        ctrl.initialize_draft_kv_cache(num_blocks)
+    return ctrl
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def fill_random(caches: dict[int, dict[str, torch.Tensor]], block_ids: list[int], seed: int) -> None:
+    """Random bytes in every tensor (codes and scales) of ``block_ids``, every layer."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in caches.values():
+        for t in layer.values():
+            for b in block_ids:
+                row = t[b]
+                n = row.numel() * row.element_size()
+                row.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(t.dtype).view(row.shape))
+
+
+def block_bytes(caches: dict[int, dict[str, torch.Tensor]], b: int) -> dict[tuple[int, str], torch.Tensor]:
+    """Every tensor of block ``b`` in every layer, as bytes (a copy)."""
+    return {(i, n): as_bytes(t[b]).clone() for i, layer in caches.items() for n, t in layer.items()}
+
+
+def assert_block_equal(a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int, str], torch.Tensor],
+                       spec: CacheSpec) -> None:
+    expected = {(i, t.name) for i in range(spec.num_layers) for t in spec.layer(i).tensors}
+    assert set(a) == set(b) == expected  # K, V and every scale of main and draft layers
+    for key in expected:
+        assert torch.equal(a[key], b[key]), f"layer {key[0]} tensor {key[1]} differs"
+
+
+def check(m: KVCacheManager) -> None:
+    """The manager's and the host pool's invariants."""
+    m.pool.validate()
+    assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == m.num_blocks
+    if m.offload is not None and m.offload.host is not None:
+        m.offload.host.validate()
+
+
+def admit(m: KVCacheManager, req: KVRequest) -> tuple[tuple[int, ...], int]:
+    """Admit ``req`` for all its tokens; return its block table and the tokens served from the cache/tiers."""
+    match = m.match_prefix(req)
+    blocks = m.allocate_slots(req, len(req.all_token_ids) - match.num_computed_tokens, match)
+    assert blocks is not None
+    return blocks.block_ids, blocks.num_computed_tokens
+
+
+def tiered(spec: CacheSpec, num_blocks: int, host_blocks: int, *, policy: str = "write_through",
+           mode: str = "recompute", stores=(), queue: TransferQueue | None = None, clock=None,
+           threshold: int = 2) -> tuple[CacheController, OffloadManager, KVCacheManager]:
+    ctrl = make_controller(spec, num_blocks)
+    ctrl.initialize_host_cache(host_blocks)
+    kw = {} if clock is None else {"clock": clock}
+    off = OffloadManager(HostTier(ctrl), HostBlockPool(host_blocks), list(stores),
+                         OffloadConfig(policy, threshold, mode, load_deadline_s=5.0), queue, **kw)
+    return ctrl, off, KVCacheManager(num_blocks, BS, offload=off)
+
+
+def tokens(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- the transfer queue and the host pool, on their own ----------------------------------------
+def test_transfer_queue_states_and_late_completion() -> None:
+    ran: list[str] = []
+    acks: list[int] = []
+    q = TransferQueue(synchronous=False)
+    t1 = q.submit("device_to_host", [1], [2], 10, lambda: ran.append("t1"), lambda t: acks.append(t.transfer_id))
+    t2 = q.submit("host_to_device", [3], [4], 10, lambda: ran.append("t2"), lambda t: acks.append(t.transfer_id))
+    assert q.num_pending == 2 and not t1.done and ran == []
+    assert q.poll() == []  # nothing finished yet
+    assert t1.complete() and t1.state is TransferState.DONE and ran == ["t1"]
+    assert not t1.complete()  # idempotent: the copy ran once
+    assert acks == []  # done, not acknowledged
+    assert q.poll() == [t1] and t1.acknowledged and acks == [t1.transfer_id] and q.num_pending == 1
+    assert q.cancel(t2) and t2.cancelled and q.num_pending == 0
+    assert not t2.complete() and ran == ["t1"]  # a late completion is ignored: the copy never runs
+    assert not q.cancel(t2) and q.poll() == []
+    t3 = q.submit("store_to_device", [], [5], 10, lambda: ran.append("t3"))
+    q.wait()  # a blocking wait runs the deferred copy and acknowledges it
+    assert t3.acknowledged and ran == ["t1", "t3"]
+    sync = TransferQueue()
+    t4 = sync.submit("device_to_host", [0], [0], 1, lambda: ran.append("t4"), lambda t: acks.append(-1))
+    assert t4.acknowledged and ran[-1] == "t4" and acks[-1] == -1 and sync.num_pending == 0
+
+
+def _h(n: int) -> bytes:
+    return hashlib.sha256(b"%d" % n).digest()
+
+
+def test_host_pool_states_lru_and_pins() -> None:
+    p = HostBlockPool(4)
+    a, b = p.allocate(2, [_h(1), _h(2)])
+    assert (p.num_free, p.num_evictable, p.num_busy, p.num_writing) == (2, 0, 2, 2)
+    assert p.lookup(_h(1)) is None and p.contains(_h(1))  # being written: not readable, not re-backed up
+    with pytest.raises(ValueError, match="already in the host tier"):
+        p.allocate(1, [_h(1)])
+    p.finish_write(a)
+    p.finish_write(b)
+    assert p.lookup(_h(1)) == a and p.state(a) is HostBlockState.CACHED
+    assert (p.num_free, p.num_evictable, p.num_busy) == (2, 2, 0)
+    p.touch(a)  # a is now the most recently used: b goes first
+    p.pin([b])
+    assert (p.num_evictable, p.num_busy) == (1, 1)
+    with pytest.raises(OutOfBlocksError, match="need 4 host blocks, only 2 free \\+ 1 evictable"):
+        p.allocate(4)
+    got = p.allocate(3)  # 2 free + evicts a (b is pinned)
+    assert a in got and b not in got and p.lookup(_h(1)) is None and p.num_evictions == 1
+    p.validate()
+    p.unpin([b])
+    with pytest.raises(ValueError, match="unpinned more often"):
+        p.unpin([b])
+    assert p.state(b) is HostBlockState.CACHED and p.num_evictable == 1
+    for x in got:  # owned blocks (swap): written, then freed
+        p.finish_write(x)
+        assert p.state(x) is HostBlockState.OWNED
+    p.free_owned(got)
+    assert (p.num_free, p.num_evictable, p.num_busy) == (3, 1, 0)
+    with pytest.raises(ValueError, match="not owned"):
+        p.free_owned([b])
+    with pytest.raises(ValueError, match="only cached or owned"):
+        p.pin([got[0]])
+    p.validate()
+
+
+# -- C07: K, V and every scale survive host round trips, main and draft, every format ----------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_c07_scales_survive_host_tier_round_trip(fmt: str) -> None:
+    """write_through backup to host, then a host hit loads into *different* device blocks; and the per-layer path."""
+    spec = make_spec(fmt)
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4)
+    req = KVRequest("a", tokens(3 * BS + 1))
+    table, hit = admit(m, req)
+    assert hit == 0 and len(table) == 4
+    fill_random(ctrl.device_caches, list(table), seed=1)
+    before = {b: block_bytes(ctrl.device_caches, b) for b in table[:3]}
+    m.cache_blocks(req, len(req.all_token_ids))  # write_through: three full blocks go to host
+    host_ids = [off.host.lookup(h) for h in req.block_hashes[:3]]
+    assert None not in host_ids and off.host.num_cached == 3
+    for d, h in zip(table[:3], host_ids):  # device -> host: byte-identical
+        assert_block_equal(block_bytes(ctrl.host_caches, h), before[d], spec)
+    m.free(req)
+    assert m.reset_prefix_cache() == 3  # device copies gone ...
+    fill_random(ctrl.device_caches, list(range(8)), seed=2)  # ... and overwritten
+    req2 = KVRequest("b", tokens(3 * BS + 2))
+    table2, hit2 = admit(m, req2)
+    assert hit2 == 3 * BS and m.stats().tier_hits == {"device": 0, "host": 3}
+    assert set(table2[:3]).isdisjoint(table[:3]), "the blocks must come back into other device blocks"
+    for d_old, d_new in zip(table[:3], table2[:3]):  # host -> device: byte-identical
+        assert_block_equal(block_bytes(ctrl.device_caches, d_new), before[d_old], spec)
+    check(m)
+
+    # the per-layer path (layer-wise copies), draft layer first, in both directions
+    tier = off.mover
+    fill_random(ctrl.device_caches, [6], seed=3)
+    src = block_bytes(ctrl.device_caches, 6)
+    free_host = off.host.allocate(1)[0]  # a host block of our own for the manual copies
+    for i in reversed(range(spec.num_layers)):
+        tier.device_to_host([6], [free_host], layers=[i])
+    assert_block_equal(block_bytes(ctrl.host_caches, free_host), src, spec)
+    for i in range(spec.num_layers):
+        tier.host_to_device([free_host], [7], layers=[i])
+    assert_block_equal(block_bytes(ctrl.device_caches, 7), src, spec)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_c07_scales_survive_swap_preemption(fmt: str) -> None:
+    """preemption_mode=swap: a request's blocks (partial last block included) go to host and come back
+    byte-identical into other device blocks; quantize-on-seal formats are recomputed instead."""
+    spec = make_spec(fmt)
+    ctrl = make_controller(spec, 8)
+    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, preemption_mode="swap")
+    assert off is not None and off.host.num_blocks == 6
+    m = KVCacheManager(8, BS, offload=off)
+    req = KVRequest("a", tokens(2 * BS + 2))  # two full blocks + a partial one
+    table, _ = admit(m, req)
+    fill_random(ctrl.device_caches, list(table), seed=4)
+    before = [block_bytes(ctrl.device_caches, b) for b in table]
+    computed = len(req.all_token_ids)
+    m.cache_blocks(req, computed)
+    m.reset_prefix_cache()  # nothing evictable yet: the request holds its blocks
+    assert m.preempt(req, num_computed_tokens=computed)
+    st = m.stats()
+    if seals_blocks(ctrl):  # the partial block lives outside the pool: recompute, never a swap
+        assert st.swapped_out_blocks == 0 and off.config.preemption_mode == "recompute"
+        return
+    assert st.swapped_out_blocks == 3 and st.num_in_use == 0 and off.is_swapped("a")
+    m.reset_prefix_cache()  # evict its two cached full blocks from the device too
+    fill_random(ctrl.device_caches, list(range(8)), seed=5)
+    req.all_token_ids.append(7)  # it goes on where it stopped
+    match = m.match_prefix(req)
+    assert (match.num_cached_tokens, match.num_loaded_tokens, [ld.tier for ld in match.loads]) == \
+        (0, computed, ["swap"] * 3)
+    blocks = m.allocate_slots(req, len(req.all_token_ids) - computed, match)
+    assert blocks is not None and blocks.num_computed_tokens == computed
+    for old, new in zip(before, blocks.block_ids[:3]):
+        assert_block_equal(block_bytes(ctrl.device_caches, new), old, spec)
+    st = m.stats()
+    # its swapped copies are free again; the write_through backups of its 2 full blocks stay cached
+    assert (st.swapped_in_blocks, st.num_host_free, st.num_host_evictable, st.num_host_busy) == (3, 4, 2, 0)
+    assert not off.is_swapped("a")
+    check(m)
+
+
+# -- C08: host tier configured but a layer group cannot allocate host memory --------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_c08_host_tier_allocation_failure_stops_startup(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = make_spec(fmt)
+    ctrl = make_controller(spec, 4)
+    real = CacheController._allocate
+    draft_layer = spec.draft.first_layer
+
+    host_calls = [0]
+    first_draft = spec.main.num_layers * len(spec.main.layer.tensors) + 1  # main group's host tensors come first
+
+    def failing(self: CacheController, t: TensorSpec, num_blocks: int, device: torch.device, pin: bool) -> torch.Tensor:
+        if num_blocks == 5:  # a host buffer
+            host_calls[0] += 1
+            if host_calls[0] == first_draft:  # the draft group's first host tensor
+                raise RuntimeError("cannot allocate pinned memory (simulated)")
+        return real(self, t, num_blocks, device, pin)
+
+    monkeypatch.setattr(CacheController, "_allocate", failing)
+    with pytest.raises(CacheAllocationError) as ei:
+        build_offload(ctrl, swap_space=5 * spec.bytes_per_block / 2**30)
+    msg = str(ei.value)
+    for part in ("host tier", f"layer {draft_layer}", "draft group", "5 blocks", "simulated"):
+        assert part in msg, (part, msg)
+    assert isinstance(ei.value, KVPageError)
+    assert ctrl.host_caches == {} and ctrl.num_host_blocks == 0  # nothing half-built runs on
+
+
+def test_swap_space_sizing_and_bad_tier_arguments() -> None:
+    spec = make_spec("int8")
+    ctrl = make_controller(spec, 4)
+    assert host_blocks_for_swap_space(ctrl, 7.5 * spec.bytes_per_block / 2**30) == 7
+    assert host_blocks_for_swap_space(ctrl, 0) == 0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="swap_space"):
+            host_blocks_for_swap_space(ctrl, bad)
+    with pytest.raises(ValueError, match="holds no block"):
+        host_blocks_for_swap_space(ctrl, 1e-12)
+    with pytest.raises(ValueError, match="kv_offload_policy must be one of"):
+        build_offload(ctrl, swap_space=0.001, kv_offload_policy="lazy")
+    with pytest.raises(ValueError, match="preemption_mode must be one of"):
+        build_offload(ctrl, swap_space=0.001, preemption_mode="pause")
+    with pytest.raises(ValueError, match="needs a host tier"):
+        build_offload(ctrl, preemption_mode="swap")
+    with pytest.raises(ValueError, match="write_through_threshold"):
+        OffloadConfig(write_through_threshold=0)
+    assert build_offload(ctrl) is None  # no tier asked for: no offload manager at all
+    assert ctrl.num_host_blocks == 0
+
+
+# -- C09: a host block with a device->host copy in flight is never reused -----------------------
+def test_c09_eviction_never_takes_a_host_block_with_a_copy_in_flight() -> None:
+    spec = make_spec("int8")
+    q = TransferQueue(synchronous=False)
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, policy="write_back", queue=q)
+    host = off.host
+    # request A: one full block; its backup to host is issued and stays in flight
+    a = KVRequest("a", tokens(BS + 1, start=1000))
+    (a_dev, _), _ = admit(m, a)
+    fill_random(ctrl.device_caches, [a_dev], seed=6)
+    a_bytes = block_bytes(ctrl.device_caches, a_dev)
+    m.cache_blocks(a, len(a.all_token_ids))
+    assert host.num_cached == 0 and q.num_pending == 0  # write_back: nothing before an eviction
+    (a_host,) = off.backup([a_dev], [a.block_hashes[0]])
+    (a_copy,) = q.pending
+    assert host.state(a_host) is HostBlockState.WRITING
+    # request B: four full blocks, cached then released; evicting them needs 4 host blocks
+    b = KVRequest("b", tokens(4 * BS + 1, start=2000))
+    b_table, _ = admit(m, b)
+    fill_random(ctrl.device_caches, list(b_table), seed=7)
+    m.cache_blocks(b, len(b.all_token_ids))
+    m.free(b)
+    with pytest.raises(OutOfBlocksError):
+        host.allocate(4)  # only 3 of the 4 host blocks can be taken
+    assert m.evict(4) == 4  # write_back: 4 backups wanted, 3 host blocks available
+    st = off.stats()
+    assert (st.backups, st.backups_dropped) == (1 + 3, 1)
+    assert host.state(a_host) is HostBlockState.WRITING  # A's host block was not taken
+    assert all(a_host not in t.dst for t in q.pending if t is not a_copy)
+    assert (host.num_free, host.num_evictable, host.num_busy) == (0, 0, 4)
+    # the copy of A completes (by hand) and is acknowledged: A is now readable in the host tier
+    assert a_copy.complete()
+    q.poll()
+    assert host.lookup(a.block_hashes[0]) == a_host and host.state(a_host) is HostBlockState.CACHED
+    assert_block_equal(block_bytes(ctrl.host_caches, a_host), a_bytes, spec)
+    q.wait()  # the other three land too
+    assert (host.num_free, host.num_evictable, host.num_busy) == (0, 4, 0)
+    check(m)
+
+
+def test_c09_swapped_blocks_dropped_during_their_copy_wait_for_the_acknowledgement() -> None:
+    spec = make_spec("fp8")
+    q = TransferQueue(synchronous=False)
+    ctrl, off, m = tiered(spec, num_blocks=6, host_blocks=3, mode="swap", queue=q)
+    req = KVRequest("a", tokens(2 * BS + 1))
+    admit(m, req)
+    assert m.preempt(req, num_computed_tokens=2 * BS + 1)
+    (copy,) = q.pending
+    assert off.host.num_busy == 3
+    m.free(req)  # aborted while waiting: its host blocks are still being written
+    assert off.host.num_busy == 3 and off.host.num_free == 0
+    copy.complete()
+    q.poll()
+    assert off.host.num_free == 3 and off.host.num_busy == 0
+    check(m)
+
+
+# -- C10: blocks loading for an aborted request ----------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _store_with_prefix(spec: CacheSpec, directory: Path, req: KVRequest, n_blocks: int) -> DiskStore:
+    """A disk store holding the first ``n_blocks`` blocks of ``req`` (written by another engine)."""
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=1, stores=[("disk", DiskStore(directory, spec))])
+    table, _ = admit(m, req)
+    fill_random(ctrl.device_caches, list(table), seed=8)
+    m.cache_blocks(req, n_blocks * BS)
+    m.free(req)
+    store = off.stores[0][1]
+    assert store.stats.puts == n_blocks
+    return DiskStore(directory, spec)
+
+
+@pytest.mark.parametrize("ending", ["load_completes", "deadline_passes"])
+def test_c10_aborted_request_blocks_wait_for_their_load(ending: str, tmp_path: Path) -> None:
+    spec = make_spec("int8")
+    prompt = tokens(4 * BS + 1, start=500)
+    store = _store_with_prefix(spec, tmp_path, KVRequest("writer", list(prompt)), 4)
+    clock = FakeClock()
+    q = TransferQueue(synchronous=False)
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=2, stores=[("disk", store)], queue=q, clock=clock)
+    sentinel = {b: block_bytes(ctrl.device_caches, b) for b in range(8)}
+    req = KVRequest("r", list(prompt))
+    match = m.match_prefix(req)
+    assert [ld.tier for ld in match.loads] == ["disk"] * 4
+    blocks = m.allocate_slots(req, 1, match)
+    assert blocks is not None and blocks.num_computed_tokens == 4 * BS
+    loading = list(blocks.block_ids[:4])
+    (load,) = q.pending
+    assert m.is_loading(req) and m.pool.num_cached == 0  # C18: not indexed before the KV is there
+    m.free(req)  # aborted while its 4 blocks load
+    st = m.stats()
+    assert (st.num_in_use, st.num_orphaned_blocks, st.num_free) == (4, 4, 4)
+    taken = m.pool.allocate(4)  # every other block can be handed out; the loading ones cannot
+    assert not set(loading) & set(taken) and m.pool.num_free == 0
+    m.pool.release(taken)
+    clock.now += 4.9
+    m.poll()
+    assert m.stats().num_orphaned_blocks == 4  # neither completed nor past the deadline
+    if ending == "load_completes":
+        load.complete()
+        m.poll()
+        assert load.acknowledged
+    else:
+        clock.now += 0.2  # past the 5 s deadline
+        m.poll()
+        assert load.cancelled
+        assert not load.complete()  # the late completion is ignored, no error ...
+        m.poll()
+        for b in loading:  # ... and never writes into blocks that went back to the pool
+            assert_block_equal(block_bytes(ctrl.device_caches, b), sentinel[b], spec)
+    st = m.stats()
+    assert (st.num_in_use, st.num_orphaned_blocks, st.num_free, st.num_evictable) == (0, 0, 8, 0)
+    assert m.pool.num_cached == 0
+    check(m)
+
+
+def test_c10_host_loads_release_their_pins_on_completion_or_deadline() -> None:
+    spec = make_spec("bfloat16")
+    clock = FakeClock()
+    q = TransferQueue(synchronous=False)
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, queue=q, clock=clock)
+    first = KVRequest("a", tokens(2 * BS + 1))
+    admit(m, first)
+    m.cache_blocks(first, 2 * BS)
+    q.wait()  # its backups land
+    m.free(first)
+    m.reset_prefix_cache()
+    req = KVRequest("b", tokens(2 * BS + 1))
+    blocks = m.allocate_slots(req, 1, m.match_prefix(req))
+    assert blocks is not None and blocks.num_computed_tokens == 2 * BS
+    assert off.host.num_busy == 2  # both host sources pinned by the load
+    m.free(req)
+    clock.now += 10
+    m.poll()
+    assert off.host.num_busy == 0 and off.host.num_evictable == 2 and m.num_in_use_blocks == 0
+    check(m)
+
+
+def test_load_finishing_indexes_the_loaded_blocks_only_then() -> None:
+    spec = make_spec("int8")
+    q = TransferQueue(synchronous=False)
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, queue=q)
+    a = KVRequest("a", tokens(2 * BS + 1))
+    admit(m, a)
+    m.cache_blocks(a, 2 * BS + 1)
+    q.wait()
+    m.free(a)
+    m.reset_prefix_cache()
+    b = KVRequest("b", tokens(3 * BS))
+    blocks = m.allocate_slots(b, BS, m.match_prefix(b))
+    assert blocks.num_computed_tokens == 2 * BS
+    assert m.cache_blocks(b, 2 * BS) == 0 and m.pool.num_cached == 0  # loads in flight: nothing indexed
+    other = KVRequest("c", tokens(2 * BS + 1))
+    assert m.match_prefix(other).block_ids == ()  # no device hit on blocks still loading
+    m.wait_for_loads([b])
+    assert not m.is_loading(b) and m.pool.num_cached == 2
+    assert m.match_prefix(other).block_ids == blocks.block_ids[:2]
+    check(m)
+
+
+# -- write policies --------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy,after_cache,after_hit,after_evict",
+                         [("write_through", 2, 2, 2), ("write_through_selective", 0, 2, 2), ("write_back", 0, 0, 2)])
+def test_write_policies_back_up_at_the_right_moment(policy: str, after_cache: int, after_hit: int,
+                                                    after_evict: int) -> None:
+    spec = make_spec("fp8")
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, policy=policy)
+    a = KVRequest("a", tokens(2 * BS + 1))
+    admit(m, a)
+    m.cache_blocks(a, 2 * BS + 1)
+    m.free(a)
+    assert off.host.num_cached == after_cache
+    b = KVRequest("b", tokens(2 * BS + 3))
+    _, hit = admit(m, b)  # a device hit: the blocks' second use
+    assert hit == 2 * BS and m.stats().tier_hits["device"] == 2
+    assert off.host.num_cached == after_hit
+    m.free(b)
+    m.reset_prefix_cache()
+    assert off.host.num_cached == after_evict
+    assert m.stats().tier_bytes["device_to_host"] == 2 * spec.bytes_per_block
+    check(m)
+
+
+def test_selective_threshold_is_configurable() -> None:
+    spec = make_spec("int8")
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, policy="write_through_selective", threshold=3)
+    for i in range(3):
+        r = KVRequest(f"r{i}", tokens(BS + 1))
+        admit(m, r)
+        m.cache_blocks(r, BS + 1)
+        m.free(r)
+        assert off.host.num_cached == (1 if i == 2 else 0)
+
+
+def test_host_tier_full_of_pinned_blocks_drops_backups_and_counts_them() -> None:
+    spec = make_spec("int8")
+    q = TransferQueue(synchronous=False)
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=2, queue=q)
+    r = KVRequest("a", tokens(3 * BS + 1))
+    admit(m, r)
+    m.cache_blocks(r, 3 * BS + 1)
+    st = off.stats()
+    assert (st.backups, st.backups_dropped, st.num_host_busy) == (2, 1, 2)
+    q.wait()
+    assert off.host.num_cached == 2
+
+
+# -- stores behind the host tier -------------------------------------------------------------------
+def test_store_miss_at_read_time_cuts_the_loaded_run(tmp_path: Path) -> None:
+    spec = make_spec("int8")
+    prompt = tokens(4 * BS + 1, start=900)
+    store = _store_with_prefix(spec, tmp_path, KVRequest("w", list(prompt)), 4)
+    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=2, stores=[("disk", store)])
+    req = KVRequest("r", list(prompt))
+    match = m.match_prefix(req)
+    assert match.num_computed_tokens == 4 * BS
+    victim = store.path_for(store.key(req.block_hashes[2]))
+    victim.unlink()  # gone between the probe and the read (another process, the LRU cap)
+    blocks = m.allocate_slots(req, 1, match)
+    assert blocks.num_computed_tokens == 2 * BS  # blocks 0-1 loaded, 2-3 are recomputed
+    assert len(blocks.block_ids) == 5 and m.pool.num_cached == 2
+    assert blocks.num_tokens == 2 * BS + 1  # slots from what arrived; the blocks for the rest are its already
+    more = m.allocate_slots(req, 2 * BS)  # the scheduler widens the chunk by the shortfall: no new block
+    assert more.new_block_ids == () and more.num_tokens == 4 * BS + 1
+    assert m.stats().tier_hits["disk"] == 2 and m.stats().prefix_hits == 2 * BS
+    check(m)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_c11_block_round_trips_every_tier_through_the_manager(fmt: str, tmp_path: Path, redis_url: str) -> None:
+    """kv_heads 2, head_dim 128: a written block goes to host, disk and Redis when cached, and comes back
+    byte-identical from each tier on its own into another device block."""
+    spec = make_spec(fmt, kv_heads=2, head_dim=128)
+    disk, redis = DiskStore(tmp_path, spec), open_store(redis_url, spec)
+    try:
+        ctrl, off, m = tiered(spec, num_blocks=6, host_blocks=2, stores=[("disk", disk), ("redis", redis)])
+        req = KVRequest("w", tokens(BS + 1))
+        (blk, _), _ = admit(m, req)
+        fill_random(ctrl.device_caches, [blk], seed=9)
+        want = block_bytes(ctrl.device_caches, blk)
+        m.cache_blocks(req, BS + 1)
+        m.free(req)
+        assert disk.stats.puts == redis.stats.puts == 1
+        for tier in ("host", "disk", "redis"):
+            m.reset_prefix_cache()
+            fill_random(ctrl.device_caches, list(range(6)), seed=10)
+            if tier != "host":
+                for b in off.host.allocate(2):  # empty the host tier (evicts the cached copy)
+                    off.host.abort_write(b)
+            if tier == "redis":
+                disk.clear()
+            r = KVRequest(f"r-{tier}", tokens(BS + 1))
+            match = m.match_prefix(r)
+            assert [ld.tier for ld in match.loads] == [tier]
+            (got, _), computed = admit(m, r)
+            assert computed == BS and m.stats().tier_hits[tier] >= 1
+            assert_block_equal(block_bytes(ctrl.device_caches, got), want, spec)
+            m.free(r)
+        assert disk.stats.rejected == redis.stats.rejected == 0
+        check(m)
+    finally:
+        redis.close()
