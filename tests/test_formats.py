@@ -31,6 +31,8 @@ from kvpage.formats import (
     Int8Format,
     Int8PerTokenHeadFormat,
     KVFormat,
+    Int2Format,
+    Int4Format,
     available_formats,
     canonical_format_name,
     format_aliases,
@@ -62,6 +64,9 @@ ALIASES = {
     "e4m3": "fp8",
     "block_wise_fp8": "fp8",
     "fp8_per_token_head": "fp8_per_token_head",
+    "int4": "int4",
+    "int4_zp": "int4",  # FastDeploy
+    "int2": "int2",
     # unquantized
     "float32": "float32",
     "fp32": "float32",
@@ -77,6 +82,8 @@ CLASS_OF = {
     "fp8": Fp8Format,
     "int8_per_token_head": Int8PerTokenHeadFormat,
     "fp8_per_token_head": Fp8PerTokenHeadFormat,
+    "int4": Int4Format,
+    "int2": Int2Format,
 }
 
 
@@ -116,6 +123,7 @@ def test_format_aliases_table_matches_docs() -> None:
     assert available_formats() == [
         "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_per_token_head", "fp8_per_token_head",
         "int8_static", "fp8_static",  # static calibrated scales: tests/test_static_scales.py
+        "int4", "int2",  # quantize on seal: tests/test_kivi.py
     ]
 
 
@@ -718,7 +726,7 @@ def test_formats_are_kvformat_instances() -> None:
     for name in available_formats():
         f = get_format(name)
         assert isinstance(f, KVFormat)
-        assert f.quantized == (name in QUANTIZED or name.endswith("_static"))
+        assert f.quantized == (name in QUANTIZED or name.endswith("_static") or name in ("int4", "int2"))
         assert isinstance(f.version, int) and f.version >= 1
         assert (f.rotation(8, torch.float32, "cpu") is not None) == (name in ROTATED)
     # the rotated formats store different bytes under the names int8/fp8 used for plain rows before:

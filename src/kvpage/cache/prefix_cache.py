@@ -115,6 +115,9 @@ class PrefixBlockPool:
         self._index: dict[bytes, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, ref 0 (evictable), least recent first
         self.num_evictions = 0
+        #: Called with the ids :meth:`allocate` hands out (their old content is gone); the tail pool of
+        #: quantize-on-seal formats drops its entries for them (:meth:`kvpage.cache.tail.TailTable.invalidate`).
+        self.on_allocate: Callable[[list[int]], None] | None = None
 
     # -- counts ----------------------------------------------------------------------------------
 
@@ -256,6 +259,8 @@ class PrefixBlockPool:
             out.extend(self._evict_leaves(n - k))
         for b in out:
             self._ref[b] = 1
+        if self.on_allocate is not None and out:
+            self.on_allocate(out)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

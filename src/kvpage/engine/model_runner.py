@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.cache.controller import LayerCache
+from kvpage.cache.tail import TailPool
 from kvpage.ops.attention import AttentionMetadata, paged_attention
+from kvpage.ops.sealed_attention import SealContext
 from kvpage.spec import CacheSpec
 
 
@@ -43,13 +45,24 @@ class ModelRunner:
         spec: the cache layout.
         caches: global layer index -> that layer's cache tensors (from the controller).
         device: where inputs are built.
+        tail: the full-precision tail pool, required when a layer's format quantizes on seal
+            (``int4``, ``int2``; :mod:`kvpage.cache.tail`); each :meth:`execute` plans its
+            writes once and every layer follows that plan.
     """
 
-    def __init__(self, model: torch.nn.Module, spec: CacheSpec, caches: dict[int, LayerCache], device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: CacheSpec,
+        caches: dict[int, LayerCache],
+        device: torch.device,
+        tail: TailPool | None = None,
+    ) -> None:
         self.model = model
         self.spec = spec
         self.caches = caches
         self.device = device
+        self.tail = tail
 
     def build_metadata(self, batch: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``input_ids`` ``[T]`` int64, ``positions`` ``[T]`` int64 and the attention metadata for ``batch``."""
@@ -91,13 +104,26 @@ class ModelRunner:
         """
         input_ids, positions, meta = self.build_metadata(batch)
         caches, spec = self.caches, self.spec
+        seal = None
+        if self.tail is not None:
+            plan = self.tail.table.plan(
+                [r.block_ids for r in batch],
+                meta.seq_lens,
+                meta.query_lens,
+                device=self.device,
+            )
+            seal = SealContext(plan, self.tail)
 
         def attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return paged_attention(
-                q, k, v, caches[layer_index], spec.layer(layer_index), meta, layer_index=layer_index
+                q, k, v, caches[layer_index], spec.layer(layer_index), meta, layer_index=layer_index, seal=seal
             )
 
-        hidden = self.model(input_ids, positions, attn)                      # [T, hidden]
+        try:
+            hidden = self.model(input_ids, positions, attn)                  # [T, hidden]
+        finally:
+            if self.tail is not None:
+                self.tail.table.finish()
         if all_logits:
             return self.model.compute_logits(hidden)                          # [T, vocab]
         last = torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1

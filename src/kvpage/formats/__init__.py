@@ -14,6 +14,8 @@ name                  aliases                                     bits/value (he
 ``fp8_per_token_head``   plain e4m3 (vLLM semantics)              8.25
 ``int8_static``       ``cache_int8`` (static per-channel scales)  8
 ``fp8_static``        ``fp8_per_tensor`` (static per-tensor)      8
+``int4``              ``int4_zp``, ``kivi4`` (quantize on seal)   4.75 (+ tail, sink)
+``int2``              ``kivi2`` (quantize on seal)                2.75 (+ tail, window, sink)
 ====================  ==========================================  ============================
 
 :func:`get_format` resolves any accepted spelling (case-insensitive) to a
@@ -27,6 +29,7 @@ import torch
 from kvpage.errors import UnknownKVFormatError
 from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
+from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int4Format, SealedFormat
 from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8PerTokenHeadFormat
 from kvpage.formats.static import Fp8StaticFormat, Int8StaticFormat, StaticScaleFormat, needs_static_scales
 
@@ -58,6 +61,8 @@ register_format(Int8PerTokenHeadFormat)
 register_format(Fp8PerTokenHeadFormat)
 register_format(Int8StaticFormat)
 register_format(Fp8StaticFormat)
+register_format(Int4Format)
+register_format(Int2Format)
 
 
 def available_formats() -> list[str]:
@@ -121,6 +126,11 @@ __all__ = [
     "StaticScaleFormat",
     "needs_static_scales",
     "Int8Format",
+    "Int4Format",
+    "Int2Format",
+    "SealedFormat",
+    "KEY_ZERO",
+    "VALUE_ZERO",
     "KVFormat",
     "QuantizedRows",
     "TensorSpec",

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvpage.errors import KVCacheLayoutError, StaticScalesError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE
+from kvpage.ops.sealed_attention import SealContext, sealed_attention
 from kvpage.spec import LayerSpec
 
 
@@ -190,6 +191,7 @@ def paged_attention(
     *,
     layer_index: int,
     scale: float | None = None,
+    seal: SealContext | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's tokens over the paged cache, after writing their K/V.
 
@@ -203,6 +205,8 @@ def paged_attention(
         meta: batch layout (see :class:`AttentionMetadata`).
         layer_index: global layer index, for error messages.
         scale: softmax scale; default ``head_dim ** -0.5``.
+        seal: the step's seal plan and tail pool, required by quantize-on-seal layers
+            (``int4``, ``int2``; see :mod:`kvpage.ops.sealed_attention`), ignored by others.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Query ``j`` of a
@@ -211,10 +215,19 @@ def paged_attention(
 
     Raises:
         KVCacheLayoutError: the cache tensors or q/k/v disagree with ``spec``
-            (checked before anything is written).
+            (checked before anything is written), or a quantize-on-seal layer gets no ``seal``.
     """
     spec.validate(cache, layer_index=layer_index)
     _check_inputs(spec, layer_index, q, k, v)
+    if getattr(spec.format, "seals", False):
+        if seal is None or layer_index not in seal.pool.layers:
+            raise KVCacheLayoutError(
+                f"layer {layer_index}: format {spec.kv_format} quantizes blocks when they fill and needs the "
+                f"full-precision tail pool (kvpage.cache.tail.TailPool) of this step; none was given"
+            )
+        return sealed_attention(
+            q, k, v, cache, spec, meta.query_start_loc, seal, layer_index=layer_index, scale=scale
+        )
     write_kv(cache, spec, k, v, meta.slot_mapping)
     value_name = VALUE if spec.has_value else KEY
     # Attention math runs in float32 on the CPU (bfloat16 SDPA there is 5-10x slower, and less exact),

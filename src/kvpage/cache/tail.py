@@ -1,0 +1,410 @@
+"""The full-precision tail of quantize-on-seal formats: open blocks, the recent window, first-block copies.
+
+Quantize-on-seal formats (:mod:`kvpage.formats.kivi`) quantize a block once,
+when it is full. Until then its tokens live here, in a small pool of 16-bit
+*slots* (one block each), keyed by the block id that owns them:
+
+* **open** slot: the request's last, partial block. Mandatory: decode writes and
+  reads it; when the block fills it is sealed into the pool from this slot.
+* **window** slot: a sealed block among the request's ``ceil(residual_tokens /
+  block_size)`` most recent ones keeps its 16-bit copy, and attention reads it
+  instead of the quantized block (KIVI's full-precision residual). Optional: under
+  pressure the oldest window copy goes, and the block is read quantized.
+* **sink** slot: an 8-bit (``int8``, per token and head) copy of a request's first
+  block, read instead of its low-bit codes (attention sinks; KVQuant keeps the
+  first token in fp16, IntactKV the pivot tokens, SKVQ 5 sink tokens). Kept while
+  the block's content lives (in use, or cached and not evicted), so a prefix hit on
+  a first block reads the same 8-bit copy the request that wrote it read.
+
+Entries belong to a block's *content*: whenever the pool hands a block out anew
+(:meth:`TailTable.invalidate`, wired to the block pool's allocation) its entries
+are dropped, so a reused block id can never show another request's tokens.
+
+:class:`TailTable` is the tensor-free bookkeeping; :class:`TailPool` adds the
+per-layer tensors. Both are driven once per forward pass by :meth:`TailTable.plan`,
+whose :class:`SealPlan` every layer then applies.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.errors import KVPageError, OutOfBlocksError
+from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, get_format
+from kvpage.spec import CacheSpec
+
+#: Format of first-block (sink) copies.
+SINK_FORMAT = "int8"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRead:
+    """Where request ``i``'s context is read from after this step's writes.
+
+    Attributes:
+        full_ids: ``[num_full]`` int64 pool ids of its full (sealed) blocks, in order.
+        fp_blocks: ``(block index, slot)`` of full blocks read from a 16-bit window copy.
+        sink_slot: sink slot of its first block, or ``None`` (read the quantized block).
+        open_slot: slot of its partial last block, or ``None`` when the context fills whole blocks.
+        open_len: tokens in the partial block (0 when ``open_slot`` is ``None``).
+    """
+
+    full_ids: torch.Tensor
+    fp_blocks: tuple[tuple[int, int], ...]
+    sink_slot: int | None
+    open_slot: int | None
+    open_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class SealPlan:
+    """What one forward pass writes and reads, shared by every quantize-on-seal layer.
+
+    Row indices address this step's new tokens (``[num_tokens]``, in batch order), flat
+    tail rows (``slot * block_size + offset``) or flat sink rows likewise.
+
+    Attributes:
+        tail_dst: ``[n]`` int64 tail rows receiving new tokens.
+        tail_src: ``[n]`` int64 new-token rows written there.
+        seal_ids: ``[m]`` int64 pool blocks sealed this step.
+        seal_from_new_dst / seal_from_new_src: rows of the ``[m * block_size]`` seal batch
+            taken from new tokens.
+        seal_from_tail_dst / seal_from_tail_src: rows of the seal batch taken from tail rows
+            (tokens written in earlier steps).
+        sink_pos: ``[k]`` int64 indices into ``seal_ids`` of first blocks getting a sink copy.
+        sink_slots: ``[k]`` int64 their sink slots.
+        reads: one :class:`RequestRead` per request.
+    """
+
+    tail_dst: torch.Tensor
+    tail_src: torch.Tensor
+    seal_ids: torch.Tensor
+    seal_from_new_dst: torch.Tensor
+    seal_from_new_src: torch.Tensor
+    seal_from_tail_dst: torch.Tensor
+    seal_from_tail_src: torch.Tensor
+    sink_pos: torch.Tensor
+    sink_slots: torch.Tensor
+    reads: tuple[RequestRead, ...]
+
+
+def _long(xs: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    return torch.as_tensor(list(xs), dtype=torch.long, device=device)
+
+
+class TailTable:
+    """Tensor-free bookkeeping of tail and sink slots (see the module docstring).
+
+    Args:
+        block_size: tokens per block.
+        num_slots: 16-bit slots (open blocks + window copies).
+        num_sink_slots: 8-bit first-block slots (0 disables sink copies).
+        window_blocks: sealed blocks per request that keep their 16-bit copy.
+        is_live: ``block_id -> bool``, whether a block's content is still held (in use or
+            cached); entries of dead blocks are reclaimed first. ``None`` treats all as live.
+
+    Raises:
+        ValueError: negative sizes, or ``num_slots < 1``.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_slots: int,
+        num_sink_slots: int,
+        window_blocks: int,
+        is_live: Callable[[int], bool] | None = None,
+    ) -> None:
+        if block_size <= 0 or num_slots < 1 or num_sink_slots < 0 or window_blocks < 0:
+            raise ValueError(
+                f"bad tail sizes: block_size={block_size}, num_slots={num_slots}, "
+                f"num_sink_slots={num_sink_slots}, window_blocks={window_blocks}"
+            )
+        self.block_size = block_size
+        self.num_slots = num_slots
+        self.num_sink_slots = num_sink_slots
+        self.window_blocks = window_blocks
+        self.is_live = is_live
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slot: dict[int, int] = {}                       # block id -> 16-bit slot
+        self._window: OrderedDict[int, None] = OrderedDict()  # sealed blocks holding a window copy, LRU first
+        self._free_sink = list(range(num_sink_slots - 1, -1, -1))
+        self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
+        self._release_after: list[int] = []                  # slots to free once the current plan ran
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def slot_of(self, block_id: int) -> int | None:
+        """16-bit slot of ``block_id`` (open or window), or ``None``."""
+        return self._slot.get(block_id)
+
+    def sink_of(self, block_id: int) -> int | None:
+        """Sink slot of ``block_id``, or ``None``."""
+        return self._sink.get(block_id)
+
+    @property
+    def num_used(self) -> int:
+        """16-bit slots in use."""
+        return len(self._slot)
+
+    @property
+    def num_sink_used(self) -> int:
+        """Sink slots in use."""
+        return len(self._sink)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def invalidate(self, block_ids: Sequence[int]) -> None:
+        """Drop every entry of ``block_ids``: the pool handed them out for new content."""
+        for b in block_ids:
+            self._drop_fp(b)
+            self._drop_sink(b)
+
+    def reset(self) -> None:
+        """Drop every entry (the pool was re-allocated)."""
+        self.invalidate(list(self._slot) + list(self._sink))
+
+    def _drop_fp(self, b: int) -> None:
+        slot = self._slot.pop(b, None)
+        if slot is not None:
+            self._window.pop(b, None)
+            self._free.append(slot)
+
+    def _drop_sink(self, b: int) -> None:
+        slot = self._sink.pop(b, None)
+        if slot is not None:
+            self._free_sink.append(slot)
+
+    def _live(self, b: int) -> bool:
+        return True if self.is_live is None else bool(self.is_live(b))
+
+    def _take_slot(self, b: int, protected: set[int]) -> int:
+        if not self._free:
+            victim = next((x for x in self._slot if x not in protected and not self._live(x)), None)
+            if victim is None:
+                victim = next((x for x in self._window if x not in protected), None)
+            if victim is None:
+                raise OutOfBlocksError(
+                    f"the full-precision tail pool is full: {self.num_slots} slots hold open blocks of running "
+                    f"requests; run fewer requests at once (max_num_seqs) or give the tail more slots"
+                )
+            self._drop_fp(victim)
+        slot = self._free.pop()
+        self._slot[b] = slot
+        return slot
+
+    def _take_sink(self, b: int, protected: set[int]) -> int | None:
+        if not self._free_sink:
+            victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
+            if victim is None:
+                victim = next((x for x in self._sink if x not in protected), None)
+            if victim is None:
+                return None
+            self._drop_sink(victim)
+        slot = self._free_sink.pop()
+        self._sink[b] = slot
+        return slot
+
+    # -- one forward pass ------------------------------------------------------------------------
+
+    def plan(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SealPlan:
+        """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
+
+        Args:
+            block_tables: per request, its block ids (covering ``seq_lens[i]`` tokens).
+            seq_lens: context length of each request after this step, in tokens.
+            query_lens: new tokens of each request this step (its last ``query_lens[i]`` positions).
+            device: where the plan's index tensors go.
+
+        Raises:
+            KVPageError: a request continues a partial block that has no open slot (its
+                earlier tokens were never written through the tail).
+            OutOfBlocksError: no slot can be freed for an open block.
+        """
+        bs, w = self.block_size, self.window_blocks
+        tail_dst: list[int] = []
+        tail_src: list[int] = []
+        seal_ids: list[int] = []
+        new_dst: list[int] = []
+        new_src: list[int] = []
+        old_dst: list[int] = []
+        old_src: list[int] = []
+        sink_pos: list[int] = []
+        sink_slots: list[int] = []
+        protected: set[int] = set()
+        row0 = 0
+        for table, s, n in zip(block_tables, seq_lens, query_lens):
+            first = s - n
+            keep_from = s // bs - w  # sealed blocks from this index on keep a 16-bit copy
+            for j in range(first // bs, math.ceil(s / bs)):
+                b = int(table[j])
+                lo, hi = max(first, j * bs), min(s, (j + 1) * bs)
+                protected.add(b)
+                slot = self._slot.get(b)
+                if lo == j * bs:  # the block's first token: new content
+                    self._drop_fp(b)
+                    self._drop_sink(b)
+                    slot = None
+                elif slot is None:
+                    raise KVPageError(
+                        f"block {b} (index {j}) already holds {lo - j * bs} tokens but has no full-precision tail "
+                        f"slot; quantize-on-seal blocks must be written through the tail"
+                    )
+                if hi == (j + 1) * bs:  # the block fills: seal it from its earlier (tail) and new tokens
+                    base = len(seal_ids) * bs
+                    seal_ids.append(b)
+                    for t in range(j * bs, (j + 1) * bs):
+                        if t < lo:
+                            old_dst.append(base + t - j * bs)
+                            old_src.append(slot * bs + t - j * bs)  # type: ignore[operator]
+                        else:
+                            new_dst.append(base + t - j * bs)
+                            new_src.append(row0 + t - first)
+                    if j == 0 and self.num_sink_slots:
+                        sink = self._take_sink(b, protected)
+                        if sink is not None:
+                            sink_pos.append(len(seal_ids) - 1)
+                            sink_slots.append(sink)
+                    if j < keep_from:
+                        if slot is not None:
+                            self._release_after.append(b)  # every layer's seal gather reads it first
+                        continue
+                    self._window[b] = None
+                    self._window.move_to_end(b)
+                if slot is None:
+                    slot = self._take_slot(b, protected)
+                for t in range(lo, hi):
+                    tail_dst.append(slot * bs + t - j * bs)
+                    tail_src.append(row0 + t - first)
+            # Window copies that this step pushed out of the request's window.
+            for j in range(max(0, first // bs - w - 1), max(0, keep_from)):
+                b = int(table[j])
+                if b in self._window:
+                    del self._window[b]
+                    self._release_after.append(b)
+            row0 += n
+        reads = []
+        for table, s in zip(block_tables, seq_lens):
+            nfull = s // bs
+            fp_blocks = tuple(
+                (j, self._slot[int(table[j])]) for j in range(nfull) if int(table[j]) in self._window
+            )
+            open_slot = None
+            if s % bs:
+                open_slot = self._slot.get(int(table[nfull]))
+                if open_slot is None:
+                    raise KVPageError(f"block {int(table[nfull])} is partial but has no full-precision tail slot")
+            sink = self._sink.get(int(table[0])) if nfull else None
+            if sink is not None:
+                self._sink.move_to_end(int(table[0]))
+            reads.append(
+                RequestRead(
+                    full_ids=_long(table[:nfull], device),
+                    fp_blocks=fp_blocks,
+                    sink_slot=sink,
+                    open_slot=open_slot,
+                    open_len=s % bs,
+                )
+            )
+        plan = SealPlan(
+            tail_dst=_long(tail_dst, device),
+            tail_src=_long(tail_src, device),
+            seal_ids=_long(seal_ids, device),
+            seal_from_new_dst=_long(new_dst, device),
+            seal_from_new_src=_long(new_src, device),
+            seal_from_tail_dst=_long(old_dst, device),
+            seal_from_tail_src=_long(old_src, device),
+            sink_pos=_long(sink_pos, device),
+            sink_slots=_long(sink_slots, device),
+            reads=tuple(reads),
+        )
+        return plan
+
+    def finish(self) -> None:
+        """After every layer applied the last plan: free the 16-bit slots it retired.
+
+        A block sealed outside the window keeps its open slot until now, because every
+        layer's seal gather reads its earlier tokens from it; a window copy pushed out
+        of its request's window likewise.
+        """
+        for b in self._release_after:
+            if b not in self._window:
+                self._drop_fp(b)
+        self._release_after = []
+
+
+def tail_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """16-bit dtype of tail slots: the model dtype when it is 16-bit, else float16 (KIVI keeps fp16)."""
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+class TailPool:
+    """Per-layer tail and sink tensors of every quantize-on-seal layer, with their :class:`TailTable`.
+
+    Tensors of layer ``L`` (``S`` = ``num_slots``, ``K`` = ``num_sink_slots``, rows flat
+    as ``slot * block_size + offset``):
+    ``key``/``value`` ``[S * block_size, kv_heads, head_dim]`` in :func:`tail_dtype`;
+    ``sink_key``/``sink_value`` ``[K * block_size, kv_heads, head_dim]`` uint8 and
+    ``sink_key_scale``/``sink_value_scale`` ``[K * block_size, kv_heads]`` float16 (the
+    ``int8`` format's rotated per-token codes).
+
+    Args:
+        spec: the cache layout; only layers whose format seals get tensors.
+        table: the bookkeeping (its block size must be the spec's).
+        model_dtype: the model's compute dtype (decides :func:`tail_dtype`).
+        device: where the tensors live.
+
+    Raises:
+        ValueError: the spec has no quantize-on-seal layer, or block sizes differ.
+    """
+
+    def __init__(
+        self, spec: CacheSpec, table: TailTable, model_dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        self.spec = spec
+        self.table = table
+        self.dtype = tail_dtype(model_dtype)
+        self.sink_format = get_format(SINK_FORMAT)
+        if table.block_size != spec.block_size:
+            raise ValueError(f"tail block_size {table.block_size} != spec block_size {spec.block_size}")
+        self.layers: dict[int, dict[str, torch.Tensor]] = {}
+        rows, sink_rows = table.num_slots * table.block_size, table.num_sink_slots * table.block_size
+        for i in range(spec.num_layers):
+            ls = spec.layer(i)
+            if not getattr(ls.format, "seals", False):
+                continue
+            t: dict[str, torch.Tensor] = {}
+            for kind in (KEY, VALUE) if ls.has_value else (KEY,):
+                t[kind] = torch.zeros((rows, ls.kv_heads, ls.head_dim), dtype=self.dtype, device=device)
+                t["sink_" + kind] = torch.zeros((sink_rows, ls.kv_heads, ls.head_dim), dtype=torch.uint8, device=device)
+                scale_name = KEY_SCALE if kind == KEY else VALUE_SCALE
+                t["sink_" + scale_name] = torch.zeros((sink_rows, ls.kv_heads), dtype=torch.float16, device=device)
+            self.layers[i] = t
+        if not self.layers:
+            raise ValueError("the cache spec has no quantize-on-seal layer; it needs no tail pool")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tail and sink tensors."""
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.values())
+
+    @staticmethod
+    def bytes_for(spec: CacheSpec, model_dtype: torch.dtype, num_slots: int, num_sink_slots: int) -> int:
+        """Bytes a :class:`TailPool` of these sizes allocates for ``spec`` (for memory budgets)."""
+        total, item = 0, tail_dtype(model_dtype).itemsize
+        for i in range(spec.num_layers):
+            ls = spec.layer(i)
+            if getattr(ls.format, "seals", False):
+                per_row = ls.kv_heads * (num_slots * ls.head_dim * item + num_sink_slots * (ls.head_dim + 2))
+                total += (2 if ls.has_value else 1) * spec.block_size * per_row
+        return total

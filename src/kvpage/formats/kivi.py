@@ -1,0 +1,318 @@
+"""Quantize-on-seal formats ``int4`` (``int4_zp``) and ``int2``: KIVI mapped onto pages.
+
+KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
+Cache", ICML 2024) quantizes **keys per channel** (over a group of tokens) and
+**values per token** (over a group of channels), asymmetrically (scale and
+zero point), and keeps the most recent tokens in full precision. KVQuant (Hooper
+et al., NeurIPS 2024, App. G) shows why the axis matters: outlier *channels*
+dominate keys, so a per-token key scale wastes its range on them.
+
+On pages (see ``shared/research/quantization.md``, "quantize on seal"):
+
+* **The token group of a key channel is the block.** A request's last, partial
+  block lives in full precision in a small tail pool
+  (:mod:`kvpage.cache.tail`); when it fills it is *sealed*: quantized once, from
+  its own ``block_size`` tokens alone, and never re-quantized. So a sealed block
+  depends only on its tokens: deterministic and shareable by the prefix cache
+  and the host/disk/Redis tiers, which copy pool blocks only.
+* **Values** are quantized per token in groups of :func:`value_group_size`
+  channels. (A Hadamard rotation before it, as our ``int8``/``fp8`` do, measured
+  no better here and breaks values with a large common offset: it gathers the
+  offset into one coordinate, whose range then swamps the group's step -- case C21.)
+* **Metadata costs bits**, so it is kept small: each group stores its zero point
+  (the group minimum, rounded *down* to float16) and its step as one byte, an
+  unsigned 8-bit float rounded *up* (the NVFP4 / SKVQ idea of 8-bit scales;
+  :func:`encode_scale`), and the codes are computed
+  with those stored values, so the rounding of the metadata never widens the
+  error beyond half a step.
+
+Per-block tensors (``P = ceil(head_dim * bits / 8)`` packed bytes per row,
+``G = head_dim // value_group_size`` value groups):
+
+=============== ============================ ========= ================================
+name            shape                        dtype     meaning
+=============== ============================ ========= ================================
+``key``         ``[block_size, kv_heads, P]`` uint8     packed codes, channel ``2i`` in the low nibble (int4)
+``key_scale``   ``[kv_heads, head_dim]``      uint8     UE5M3 per-channel step           
+``key_zero``    ``[kv_heads, head_dim]``      float16   per-channel minimum (rounded down)
+``value``       ``[block_size, kv_heads, P]`` uint8     packed codes, as for keys          
+``value_scale`` ``[block_size, kv_heads, G]`` uint8     UE5M3 per-token group step           
+``value_zero``  ``[block_size, kv_heads, G]`` float16   per-token group minimum
+=============== ============================ ========= ================================
+
+Error bound (tested): each value is reconstructed within half a step,
+``|x - x_hat| <= s / 2`` with ``s <= max(r * (1 + 2**-3), 2**-16)``, ``r = (max - min + u) / qmax``
+of its group (``u``: the float16 rounding of the minimum, at most ``2**-10 * |min|``), as long as the
+step stays under 61440 (beyond it the step saturates and the codes clamp: the output stays finite).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+
+from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
+
+#: Zero-point tensor names of the quantize-on-seal formats.
+KEY_ZERO, VALUE_ZERO = "key_zero", "value_zero"
+
+#: Step range of a scale byte (UE5M3: 5 exponent bits with bias 16, 3 mantissa bits, no sign).
+SCALE_MIN, SCALE_MAX = 2.0**-16, 1.875 * 2.0**15
+_F16_MAX = 65504.0
+_EXP_BIAS = 16
+
+
+def value_group_size(head_dim: int) -> int:
+    """Channels per value quantization group: the largest divisor of ``head_dim`` that is at most 64.
+
+    Groups divide ``head_dim`` exactly, so padding lanes never enter a group's min/max
+    (case C21, head_dim 96 -> groups of 48). KIVI uses 32; 64 halves the metadata at a
+    cost within the noise on SmolLM2 (GPL-3, 1,024 tokens: +0.0% vs +0.1% ppl at int4).
+
+    Raises:
+        ValueError: ``head_dim <= 0``.
+    """
+    if head_dim <= 0:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    return max(g for g in range(1, min(64, head_dim) + 1) if head_dim % g == 0)
+
+
+def encode_scale(step: torch.Tensor) -> torch.Tensor:
+    """float32 steps -> UE5M3 bytes (uint8), rounded **up**, clamped to ``[2**-16, 61440]``.
+
+    UE5M3 is an unsigned 8-bit float: ``(1 + m / 8) * 2**(e - 16)`` for the byte
+    ``e << 3 | m``. Like the e4m3 scales of NVFP4 it costs one byte, but without a
+    wasted sign bit or subnormals its relative spacing is 1/8 over the whole range.
+    Rounding up keeps every value of the group inside the code range. Elementwise
+    (``frexp``/``ceil``), so deterministic per value.
+    """
+    s = step.float().nan_to_num(SCALE_MAX).clamp(SCALE_MIN, SCALE_MAX)
+    mant, exp = torch.frexp(s)                                                 # s = mant * 2**exp, mant in [0.5, 1)
+    m = torch.ceil((mant * 2 - 1) * 8)                                         # 0..8
+    e = exp - 1 + _EXP_BIAS + (m == 8).to(exp.dtype)
+    m = torch.where(m == 8, torch.zeros_like(m), m)
+    return ((e << 3) | m.to(e.dtype)).to(torch.uint8)
+
+
+def decode_scale(codes: torch.Tensor) -> torch.Tensor:
+    """UE5M3 bytes (uint8) -> float32 steps."""
+    c = codes.to(torch.int32)
+    return torch.ldexp(1 + (c & 7).float() / 8, (c >> 3) - _EXP_BIAS)
+
+
+def _round_down_f16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the largest float16 not above it (clamped to float16's finite range)."""
+    x = x.clamp(-_F16_MAX, _F16_MAX)
+    h = x.to(torch.float16)
+    return torch.where(h.float() > x, torch.nextafter(h, torch.tensor(-math.inf, dtype=torch.float16)), h)
+
+
+def quantize_asymmetric(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of float32 ``x`` over ``dim`` (KIVI's scheme).
+
+    Elementwise ops and reductions only (no matmul), so each group's bytes depend on
+    that group alone, whatever else is in the tensor.
+
+    Returns:
+        ``(codes, scale_bytes, zero)``: codes uint8 in ``[0, 2**bits - 1]`` shaped like ``x``;
+        UE5M3 scale bytes (uint8) and float16 zero points with ``dim`` reduced to size 1.
+    """
+    qmax = 2**bits - 1
+    zero = _round_down_f16(x.amin(dim, keepdim=True))                       # float16
+    z = zero.float()
+    scale = encode_scale((x.amax(dim, keepdim=True) - z) / qmax)             # uint8 (UE5M3)
+    codes = torch.round((x - z) / decode_scale(scale)).clamp_(0, qmax).to(torch.uint8)
+    return codes, scale, zero
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``[..., n]`` uint8 codes of ``bits`` (2 or 4) bits into ``[..., ceil(n * bits / 8)]`` bytes.
+
+    Value ``i`` of each byte group sits at bit ``bits * i`` (low bits first); padding lanes are 0.
+    """
+    per = 8 // bits
+    pad = (-codes.shape[-1]) % per
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    c = codes.reshape(*codes.shape[:-1], -1, per)
+    out = c[..., 0].clone()
+    for i in range(1, per):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[..., P]`` bytes -> ``[..., n]`` uint8 codes."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    vals = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)                  # [..., P, per]
+    return vals.flatten(-2)[..., :n]
+
+
+class SealedFormat(KVFormat):
+    """Base of the quantize-on-seal formats: whole blocks are quantized once, when full.
+
+    Written per block with :meth:`seal` and read with :meth:`unseal`; the per-token
+    :meth:`quantize`/:meth:`dequantize` interface does not apply (they raise). The attention
+    op routes layers whose format has ``seals = True`` through :mod:`kvpage.cache.tail`.
+
+    Attributes:
+        bits: code width (4 or 2).
+        default_residual_tokens: the full-precision window (``kv_quant_residual_tokens``)
+            used when none is configured, chosen by measurement (``benchmarks/ACCURACY.md``).
+        preferred_block_size: the block size ``LLM`` uses for this format when none is given:
+            the key group of KIVI is the block, and 32 balances per-channel metadata
+            (fewer tokens per group cost more bits) against the tail (longer blocks keep
+            more tokens in full precision).
+        sink_bits: precision of the extra copy of a request's first block (attention sinks,
+            kept as in KVQuant, IntactKV and SKVQ).
+    """
+
+    seals: ClassVar[bool] = True
+    quantized = True
+    bits: ClassVar[int]
+    default_residual_tokens: ClassVar[int] = 0
+    preferred_block_size: ClassVar[int] = 32
+    sink_bits: ClassVar[int] = 8
+
+    # -- layout ----------------------------------------------------------------------------------
+
+    def packed_dim(self, head_dim: int) -> int:
+        """Bytes per packed row of ``head_dim`` codes."""
+        return math.ceil(head_dim * self.bits / 8)
+
+    def tensor_specs(
+        self, *, block_size: int, kv_heads: int, head_dim: int, has_value: bool = True
+    ) -> tuple[TensorSpec, ...]:
+        """Per-block tensors, see the module table. Key-only layers list no value tensors."""
+        p = self.packed_dim(head_dim)
+        g = head_dim // value_group_size(head_dim)
+        specs = [
+            TensorSpec(KEY, (block_size, kv_heads, p), torch.uint8),
+            TensorSpec(KEY_SCALE, (kv_heads, head_dim), torch.uint8),
+            TensorSpec(KEY_ZERO, (kv_heads, head_dim), torch.float16),
+        ]
+        if has_value:
+            specs += [
+                TensorSpec(VALUE, (block_size, kv_heads, p), torch.uint8),
+                TensorSpec(VALUE_SCALE, (block_size, kv_heads, g), torch.uint8),
+                TensorSpec(VALUE_ZERO, (block_size, kv_heads, g), torch.float16),
+            ]
+        return tuple(specs)
+
+    @staticmethod
+    def names(kind: str) -> tuple[str, str, str]:
+        """``(codes, scale, zero)`` tensor names of ``kind`` (``"key"`` or ``"value"``)."""
+        if kind == KEY:
+            return KEY, KEY_SCALE, KEY_ZERO
+        if kind == VALUE:
+            return VALUE, VALUE_SCALE, VALUE_ZERO
+        raise ValueError(f"kind must be {KEY!r} or {VALUE!r}, got {kind!r}")
+
+    # -- values ----------------------------------------------------------------------------------
+
+    def seal(self, x: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+        """Quantize whole blocks.
+
+        Args:
+            x: ``[num_blocks, block_size, kv_heads, head_dim]`` keys or values (any float dtype;
+                computed in float32).
+            kind: ``"key"`` (per channel over the block's tokens) or ``"value"`` (per token
+                in groups of :func:`value_group_size` channels).
+
+        Returns:
+            tensor name -> ``[num_blocks, *per_block_shape]`` (see :meth:`tensor_specs`).
+        """
+        codes_name, scale_name, zero_name = self.names(kind)
+        x = x.float()
+        d = x.shape[-1]
+        if kind == KEY:
+            codes, scale, zero = quantize_asymmetric(x, 1, self.bits)          # scale/zero [m, 1, kv, D]
+            return {codes_name: pack(codes, self.bits), scale_name: scale.squeeze(1), zero_name: zero.squeeze(1)}
+        g = value_group_size(d)
+        grouped = x.reshape(*x.shape[:-1], d // g, g)                         # [m, bs, kv, G, g]
+        codes, scale, zero = quantize_asymmetric(grouped, -1, self.bits)
+        return {
+            codes_name: pack(codes.flatten(-2), self.bits),
+            scale_name: scale.squeeze(-1),
+            zero_name: zero.squeeze(-1),
+        }
+
+    def unseal(self, t: Mapping[str, torch.Tensor], kind: str, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+        """Dequantize sealed blocks.
+
+        Args:
+            t: tensor name -> ``[..., *per_block_shape]`` (as :meth:`seal` returns or the pool holds).
+            kind: ``"key"`` or ``"value"``.
+            dtype: compute dtype of the result.
+            head_dim: channels per head (packed rows may carry padding).
+
+        Returns:
+            ``[..., block_size, kv_heads, head_dim]`` in ``dtype``.
+        """
+        codes_name, scale_name, zero_name = self.names(kind)
+        codes = unpack(t[codes_name], self.bits, head_dim).float()             # [..., bs, kv, D]
+        scale, zero = decode_scale(t[scale_name]), t[zero_name].float()
+        if kind == KEY:
+            return (codes * scale.unsqueeze(-3) + zero.unsqueeze(-3)).to(dtype)
+        g = value_group_size(head_dim)
+        grouped = codes.unflatten(-1, (head_dim // g, g))                       # [..., bs, kv, G, g]
+        return (grouped * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(-2).to(dtype)
+
+    def quantize(self, x: torch.Tensor) -> QuantizedRows:
+        """Not available: quantize-on-seal formats write whole blocks (:meth:`seal`)."""
+        raise TypeError(f"{self.name} is quantized per block when a block fills; use seal(), not quantize()")
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Not available: read sealed blocks with :meth:`unseal`."""
+        raise TypeError(f"{self.name} blocks are read with unseal(), not dequantize()")
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def effective_bits_per_value(
+        self, *, num_tokens: int, block_size: int, kv_heads: int, head_dim: int, residual_tokens: int = 0
+    ) -> float:
+        """Bits per value one sequence of ``num_tokens`` tokens holds, everything counted.
+
+        Counts the pool blocks it occupies (codes, scales, zero points; the partial last
+        block's pool block too), the 16-bit tail slot of its partial block, the 16-bit copies
+        of the sealed blocks in the full-precision window (``ceil(residual_tokens /
+        block_size)`` blocks), and the 8-bit copy of its first block (int8 codes plus one
+        float16 scale per token and head).
+
+        Raises:
+            ValueError: ``num_tokens <= 0``.
+        """
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        bs = block_size
+        sealed, partial = divmod(num_tokens, bs)
+        block_bytes = sum(s.nbytes for s in self.tensor_specs(block_size=bs, kv_heads=kv_heads, head_dim=head_dim))
+        fp_block_bytes = 2 * bs * kv_heads * head_dim * 2
+        sink_bytes = 2 * bs * kv_heads * (head_dim + 2)
+        fp_blocks = (1 if partial else 0) + min(math.ceil(residual_tokens / bs), sealed)
+        total = math.ceil(num_tokens / bs) * block_bytes + fp_blocks * fp_block_bytes
+        total += sink_bytes if sealed else 0
+        return 8 * total / (2 * num_tokens * kv_heads * head_dim)
+
+
+class Int4Format(SealedFormat):
+    """``int4`` (FastDeploy ``int4_zp``): 4-bit asymmetric KIVI codes, 2 per byte.
+
+    Measured on SmolLM2 / GPL-3 (1,024 tokens, decode): no full-precision window needed.
+    """
+
+    name = "int4"
+    aliases = ("int4_zp", "kivi4", "int4_kivi")
+    bits = 4
+    default_residual_tokens = 0
+
+
+class Int2Format(SealedFormat):
+    """``int2``: 2-bit asymmetric KIVI codes, 4 per byte, with a one-block full-precision window."""
+
+    name = "int2"
+    aliases = ("kivi2", "int2_kivi", "int2_zp")
+    bits = 2
+    default_residual_tokens = 32

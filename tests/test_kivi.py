@@ -1,0 +1,392 @@
+"""Quantize-on-seal formats int4 / int2 (KIVI on pages) and their full-precision tail.
+
+References are computed another way: float64 attention over a dequantized copy built
+block by block from the format's documented rules; hand-counted bytes; error bounds
+from the documented step sizes.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpage.cache.controller import CacheController
+from kvpage.cache.tail import TailPool, TailTable
+from kvpage.errors import KVCacheLayoutError, KVPageError, OutOfBlocksError
+from kvpage.formats import get_format
+from kvpage.formats.kivi import (
+    SCALE_MAX,
+    SCALE_MIN,
+    decode_scale,
+    encode_scale,
+    pack,
+    unpack,
+    value_group_size,
+)
+from kvpage.ops.attention import AttentionMetadata, paged_attention
+from kvpage.ops.sealed_attention import SealContext
+from kvpage.spec import CacheSpec
+
+SEALED = ["int4", "int2"]
+
+
+def _max_step(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """The documented bound on a group's step: (range + the float16 rounding-down of the minimum) / qmax,
+    rounded up by at most one e4m3 step (1/8)."""
+    lo = x.amin(dim, keepdim=True).double()
+    rng = x.amax(dim, keepdim=True).double() - lo + lo.abs() * 2**-10 + 2**-24
+    return torch.clamp(rng / (2**bits - 1) * (1 + 2**-3), min=SCALE_MIN)  # one UE5M3 step: 1/8 relative
+
+
+def _roundtrip(name: str, x: torch.Tensor, kind: str) -> torch.Tensor:
+    fmt = get_format(name)
+    return fmt.unseal(fmt.seal(x, kind), kind, torch.float64, x.shape[-1])
+
+
+def _check_bound(name: str, x: torch.Tensor) -> None:
+    """x: [m, bs, kv, D] float32. Keys within half a per-channel step, values within half a per-group step."""
+    bits = get_format(name).bits
+    k_err = (_roundtrip(name, x, "key") - x.double()).abs()
+    assert (k_err <= _max_step(x, 1, bits) / 2 + 1e-6).all()
+    d = x.shape[-1]
+    g = value_group_size(d)
+    v_err = (_roundtrip(name, x, "value") - x.double()).abs()
+    step = _max_step(x.unflatten(-1, (d // g, g)), -1, bits)                    # [m, bs, kv, G, 1]
+    assert (v_err.unflatten(-1, (d // g, g)) <= step / 2 + 1e-6).all()
+
+
+# -- error bounds (property tests) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SEALED)
+@settings(max_examples=25, deadline=None)
+@given(
+    head_dim=st.sampled_from([8, 64, 96, 80, 7, 130]),
+    bs=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    outlier=st.booleans(),
+    magnitude=st.sampled_from([1e-3, 1.0, 30.0]),
+)
+def test_roundtrip_within_documented_bound(name: str, head_dim: int, bs: int, seed: int, outlier: bool,
+                                           magnitude: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((2, bs, 3, head_dim), generator=g) * magnitude
+    if outlier:  # one channel 100x the rest (the reason keys are quantized per channel)
+        x[..., head_dim // 2] *= 100
+    _check_bound(name, x)
+
+
+@pytest.mark.parametrize("name", SEALED)
+def test_roundtrip_bound_at_large_magnitudes(name: str) -> None:
+    x = torch.randn(2, 4, 3, 8) * 3000  # a step of hundreds: within UE5M3's range
+    _check_bound(name, x)
+
+
+@pytest.mark.parametrize("name", SEALED)
+def test_per_channel_keys_isolate_an_outlier_channel(name: str) -> None:
+    x = torch.randn(1, 32, 2, 64)
+    x[..., 5] *= 100
+    err = (_roundtrip(name, x, "key") - x.double()).abs()
+    # The other channels keep their own small steps: their error is independent of the outlier.
+    normal = torch.cat([err[..., :5], err[..., 6:]], -1)
+    assert normal.max() <= _max_step(torch.cat([x[..., :5], x[..., 6:]], -1), 1, get_format(name).bits).max() / 2 + 1e-6
+
+
+def test_c21_head_dim_96_int4_values_5_to_6() -> None:
+    # lmdeploy issue 4849: values in [5, 6], head_dim 96 (not a power of two).
+    x = 5 + torch.rand(3, 16, 2, 96)
+    for kind in ("key", "value"):
+        err = (_roundtrip("int4", x, kind) - x.double()).abs().max().item()
+        assert err <= 0.04, (kind, err)
+    # Groups divide head_dim exactly: no padding lane ever enters a group's min/max.
+    assert value_group_size(96) == 48 and 96 % value_group_size(96) == 0
+    # An odd head_dim packs with a padding nibble that decodes to nothing.
+    y = 5 + torch.rand(1, 4, 1, 95)
+    assert (_roundtrip("int4", y, "key") - y.double()).abs().max() <= 0.04
+
+
+@pytest.mark.parametrize("name", SEALED)
+def test_c23_extreme_values_stay_finite_and_zero_decodes_to_zero(name: str) -> None:
+    x = torch.zeros(1, 4, 2, 64)
+    x[0, 1] = 1e6
+    x[0, 2] = -3e5
+    for kind in ("key", "value"):
+        t = get_format(name).seal(x, kind)
+        y = get_format(name).unseal(t, kind, torch.float32, 64)
+        assert torch.isfinite(y).all()
+        assert torch.isfinite(decode_scale(t[kind + "_scale"])).all()
+    zero = torch.zeros(1, 4, 2, 64)
+    for kind in ("key", "value"):
+        assert (_roundtrip(name, zero, kind) == 0).all()
+
+
+def test_scale_bytes_round_up_within_one_eighth() -> None:
+    s = torch.cat([torch.tensor([1e-9, 2**-16, 0.0101, 0.3, 1.0, 1.9999, 417.0, 448.0, 61440.0, 1e9, float("nan")]),
+                   torch.rand(1000) * 10.0 ** torch.randint(-4, 4, (1000,)).float()])
+    codes = encode_scale(s)
+    dec = decode_scale(codes)
+    assert torch.isfinite(dec).all()
+    want = s.nan_to_num(SCALE_MAX).clamp(SCALE_MIN, SCALE_MAX)
+    assert (dec >= want).all()
+    assert (dec <= want * (1 + 2**-3)).all()
+    # exact at representable values; every byte decodes to a finite positive step, monotonically
+    assert decode_scale(encode_scale(torch.tensor([1.0, 1.125, 2.0**-16, 61440.0]))).tolist() == [1.0, 1.125, 2.0**-16, 61440.0]
+    every = decode_scale(torch.arange(256, dtype=torch.uint8))
+    assert (every[1:] > every[:-1]).all() and every[0] == 2.0**-16
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("n", [1, 3, 7, 64, 96])
+def test_pack_unpack_exact(bits: int, n: int) -> None:
+    codes = torch.randint(0, 2**bits, (5, n), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (5, math.ceil(n * bits / 8))
+    assert torch.equal(unpack(packed, bits, n), codes)
+    # channel 2i sits in the low bits of its byte
+    assert int(pack(torch.tensor([[1, 2]], dtype=torch.uint8), 4)[0, 0]) == 1 | (2 << 4)
+
+
+# -- determinism ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SEALED)
+def test_sealing_is_deterministic_and_independent_of_the_batch(name: str) -> None:
+    fmt = get_format(name)
+    blocks = torch.randn(6, 16, 3, 64)
+    alone = [fmt.seal(blocks[i:i + 1], kind) for i in range(6) for kind in ("key", "value")]
+    together = {kind: fmt.seal(blocks, kind) for kind in ("key", "value")}
+    again = {kind: fmt.seal(blocks.clone(), kind) for kind in ("key", "value")}
+    for i in range(6):
+        for j, kind in enumerate(("key", "value")):
+            for tname, t in alone[2 * i + j].items():
+                assert torch.equal(t[0].view(torch.uint8), together[kind][tname][i].view(torch.uint8))
+                assert torch.equal(together[kind][tname].view(torch.uint8), again[kind][tname].view(torch.uint8))
+
+
+# -- layout ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,bits", [("int4", 4), ("int2", 2)])
+def test_layout_bytes_hand_counted(name: str, bits: int) -> None:
+    # C05 geometry: 32 layers, 8 kv heads, head_dim 128, block 16.
+    spec = CacheSpec.build(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, kv_cache_dtype=name)
+    codes = 16 * 8 * 128 * bits // 8                  # K or V codes: bits/8 byte per value
+    k_meta = 8 * 128 * (1 + 2)                         # per channel: e4m3 scale byte + fp16 zero
+    v_meta = 16 * 8 * (128 // 64) * (1 + 2)            # per token and 64-channel group
+    assert spec.bytes_per_block == 32 * (2 * codes + k_meta + v_meta)
+    ctrl = CacheController(spec)
+    caches = ctrl.initialize_kv_cache(2)
+    assert {n: t.dtype for n, t in caches[0].items()} == {
+        "key": torch.uint8, "key_scale": torch.uint8, "key_zero": torch.float16,
+        "value": torch.uint8, "value_scale": torch.uint8, "value_zero": torch.float16,
+    }
+    assert ctrl.device_bytes == 2 * spec.bytes_per_block
+
+
+@pytest.mark.parametrize("name", SEALED)
+def test_c01_draft_and_host_follow_the_spec(name: str) -> None:
+    spec = CacheSpec.build(num_layers=2, num_kv_heads=2, head_dim=24, block_size=4, kv_cache_dtype=name,
+                           model_dtype=torch.bfloat16, num_draft_layers=1, draft_kv_cache_dtype="bfloat16")
+    ctrl = CacheController(spec)
+    main, draft, host = ctrl.initialize_kv_cache(3), ctrl.initialize_draft_kv_cache(3), ctrl.initialize_host_cache(2)
+    for caches in (main, {i: host[i] for i in (0, 1)}):
+        for layer in caches.values():
+            assert layer["key"].dtype == torch.uint8 and layer["key_zero"].dtype == torch.float16
+    assert {n: t.dtype for n, t in draft[2].items()} == {"key": torch.bfloat16, "value": torch.bfloat16}
+    key_only = CacheSpec.build(num_layers=1, num_kv_heads=2, head_dim=24, block_size=4, kv_cache_dtype=name,
+                               has_value=False)
+    assert sorted(CacheController(key_only).initialize_kv_cache(1)[0]) == ["key", "key_scale", "key_zero"]
+
+
+def test_effective_bits_hand_counted() -> None:
+    # SmolLM2 geometry (3 kv heads, head_dim 64), block 32, 1,024 tokens: 32 sealed blocks, no open tail.
+    fmt = get_format("int4")
+    per_value = 4 + (8 + 16) / 32 / 2 + (8 + 16) / 64 / 2  # codes + K meta over 32 tokens + V meta over 64 channels
+    sink = (8 + 16 / 64) * 32 / 1024                         # the 8-bit copy of the first block
+    got = fmt.effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64)
+    assert got == pytest.approx(per_value + sink)
+    assert got <= 5.0
+    # int2 with its one-block 16-bit window
+    int2 = get_format("int2").effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64,
+                                                       residual_tokens=32)
+    assert int2 == pytest.approx(2 + (8 + 16) / 32 / 2 + (8 + 16) / 64 / 2 + sink + 16 * 32 / 1024)
+    assert int2 <= 3.5
+    # 1,000 tokens: 31 sealed blocks + an open one (its pool block and its 16-bit tail slot both count)
+    b = fmt.effective_bits_per_value(num_tokens=1000, block_size=32, kv_heads=3, head_dim=64)
+    assert b == pytest.approx((32 * 7008 + 2 * 32 * 3 * 64 * 2 + 2 * 32 * 3 * 66) * 8 / (2 * 1000 * 3 * 64))
+
+
+# -- attention over sealed blocks + tail ----------------------------------------------------------
+
+
+def _reference_context(x: torch.Tensor, s: int, bs: int, name: str, kind: str, window_blocks: int) -> torch.Tensor:
+    """What a request of ``s`` tokens must read: first block 8-bit, window blocks fp16, older sealed, tail fp16."""
+    fmt, int8 = get_format(name), get_format("int8")
+    xh = x[:s].half().float()
+    nfull, parts = s // bs, []
+    for j in range(nfull):
+        blk = xh[j * bs:(j + 1) * bs]
+        if j == 0:
+            q = int8.quantize(blk)
+            parts.append(int8.dequantize(q.codes, q.scale, torch.float64))
+        elif j >= nfull - window_blocks:
+            parts.append(blk.double())
+        else:
+            parts.append(fmt.unseal(fmt.seal(blk[None], kind), kind, torch.float64, x.shape[-1])[0])
+    if s % bs:
+        parts.append(xh[nfull * bs:s].double())
+    return torch.cat(parts)
+
+
+def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
+    n, h, d = q.shape
+    rep = h // k.shape[1]
+    kx, vx = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    sc = torch.einsum("nhd,shd->hns", q.double(), kx) / math.sqrt(d)
+    mask = torch.arange(k.shape[0])[None, :] <= (first + torch.arange(n))[:, None]
+    return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
+
+
+@pytest.mark.parametrize("name,residual", [("int4", 0), ("int2", 16), ("int4", 5)])
+@pytest.mark.parametrize("bs,head_dim", [(8, 64), (5, 96)])
+@pytest.mark.parametrize("steps", [[13] + [1] * 32, [45], [7, 9, 3, 26]])  # prefill+decode, one prefill, chunks
+def test_attention_matches_float64_reference(name: str, residual: int, bs: int, head_dim: int,
+                                             steps: list[int]) -> None:
+    torch.manual_seed(0)
+    kvh, heads = 2, 4
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=kvh, head_dim=head_dim, block_size=bs, kv_cache_dtype=name)
+    caches = CacheController(spec).initialize_kv_cache(16)
+    w = math.ceil(residual / bs)
+    table = TailTable(bs, num_slots=8, num_sink_slots=2, window_blocks=w)
+    pool = TailPool(spec, table, torch.float32)
+    total = sum(steps)
+    k, v, q = torch.randn(total, kvh, head_dim), torch.randn(total, kvh, head_dim), torch.randn(total, heads, head_dim)
+    k[:, :, 3] *= 30  # an outlier key channel
+    blocks = list(range(3, 3 + math.ceil(total / bs)))
+    pos = 0
+    for n in steps:
+        s = pos + n
+        meta = AttentionMetadata.build(block_tables=[blocks], seq_lens=[s], query_lens=[n],
+                                       slot_mapping=[blocks[p // bs] * bs + p % bs for p in range(pos, s)],
+                                       block_size=bs)
+        plan = table.plan([blocks], [s], [n])
+        out = paged_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, layer_index=0,
+                              seal=SealContext(plan, pool))
+        table.finish()
+        kr = _reference_context(k, s, bs, name, "key", w)
+        vr = _reference_context(v, s, bs, name, "value", w)
+        ref = _ref_attention(q[pos:s], kr, vr, pos)
+        assert (out.double() - ref).abs().max() < 1e-4, (s, n)
+        pos = s
+    # Exact slot accounting: an open tail iff the context ends mid-block, plus the window copies.
+    assert table.num_used == (1 if total % bs else 0) + min(w, total // bs)
+    assert table.num_sink_used == 1
+
+
+@pytest.mark.parametrize("name", SEALED)
+def test_sealed_bytes_identical_whatever_the_path(name: str) -> None:
+    """The same tokens give the same pool bytes whether one prefill, chunks or decode steps wrote them."""
+    torch.manual_seed(1)
+    bs, kvh, d = 8, 2, 64
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=kvh, head_dim=d, block_size=bs, kv_cache_dtype=name)
+    k, v, q = torch.randn(40, kvh, d), torch.randn(40, kvh, d), torch.randn(40, 4, d)
+    results = []
+    for steps in ([40], [3, 17, 20], [1] * 40):
+        caches = CacheController(spec).initialize_kv_cache(5)
+        table = TailTable(bs, 4, 1, 0)
+        pool = TailPool(spec, table, torch.float32)
+        pos = 0
+        for n in steps:
+            s = pos + n
+            meta = AttentionMetadata.build(block_tables=[[0, 1, 2, 3, 4]], seq_lens=[s], query_lens=[n],
+                                           slot_mapping=list(range(pos, s)), block_size=bs)
+            paged_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, layer_index=0,
+                            seal=SealContext(table.plan([[0, 1, 2, 3, 4]], [s], [n]), pool))
+            table.finish()
+            pos = s
+        results.append({n: t.clone() for n, t in caches[0].items()})
+    for other in results[1:]:
+        for n, t in results[0].items():
+            assert torch.equal(t.view(torch.uint8), other[n].view(torch.uint8)), n
+
+
+def test_sealed_layer_without_tail_is_a_clear_error() -> None:
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int4")
+    caches = CacheController(spec).initialize_kv_cache(2)
+    meta = AttentionMetadata.build(block_tables=[[0]], seq_lens=[1], query_lens=[1], slot_mapping=[0], block_size=4)
+    x = torch.randn(1, 1, 8)
+    with pytest.raises(KVCacheLayoutError, match="layer 0: format int4 .* tail pool"):
+        paged_attention(x, x, x, caches[0], spec.layer(0), meta, layer_index=0)
+    with pytest.raises(TypeError, match="seal"):
+        get_format("int4").quantize(x)
+
+
+# -- the tail table -------------------------------------------------------------------------------
+
+
+def test_tail_table_exact_accounting_and_reuse() -> None:
+    t = TailTable(block_size=4, num_slots=2, num_sink_slots=1, window_blocks=0)
+    t.plan([[7]], [3], [3])                      # a partial first block: one open slot
+    t.finish()
+    assert (t.num_used, t.num_sink_used, t.slot_of(7)) == (1, 0, 0)
+    t.plan([[7, 8]], [5], [2])                   # block 7 fills (sealed, sink copy), block 8 opens
+    t.finish()
+    assert t.slot_of(7) is None and t.sink_of(7) == 0 and t.slot_of(8) is not None
+    assert (t.num_used, t.num_sink_used) == (1, 1)
+    # Block 7 handed out anew (the pool's on_allocate): its sink copy can never be read for other tokens.
+    t.invalidate([7])
+    assert t.sink_of(7) is None and t.num_sink_used == 0
+    with pytest.raises(KVPageError, match="no full-precision tail slot"):
+        t.plan([[9]], [3], [1])                  # continues block 9, which never went through the tail
+
+
+def test_tail_table_reclaims_dead_blocks_then_errors_when_all_are_open() -> None:
+    live = {1, 2}
+    t = TailTable(block_size=4, num_slots=2, num_sink_slots=0, window_blocks=0, is_live=lambda b: b in live)
+    t.plan([[1], [2]], [2, 2], [2, 2])
+    t.finish()
+    live.discard(1)                              # request 1 finished: its open block is dead
+    t.plan([[3]], [1], [1])                      # reuses the dead block's slot
+    t.finish()
+    assert t.slot_of(1) is None and t.slot_of(3) is not None and t.num_used == 2
+    live.add(3)
+    with pytest.raises(OutOfBlocksError, match="tail pool is full"):
+        t.plan([[4]], [1], [1])
+
+
+def test_window_copies_move_with_the_request_and_give_way_under_pressure() -> None:
+    t = TailTable(block_size=2, num_slots=3, num_sink_slots=0, window_blocks=2)
+    t.plan([[0, 1, 2, 3]], [7], [7])             # blocks 0..2 sealed, 3 open; window = blocks 1, 2
+    t.finish()
+    assert [t.slot_of(b) is not None for b in range(4)] == [False, True, True, True]
+    t.plan([[0, 1, 2, 3]], [8], [1])             # block 3 seals: window moves to 2, 3
+    t.finish()
+    assert [t.slot_of(b) is not None for b in range(4)] == [False, False, True, True]
+    t.plan([[5], [6]], [1, 1], [1, 1])           # two new open blocks: the oldest window copy gives way
+    t.finish()
+    assert t.slot_of(2) is None and t.slot_of(3) is not None and t.num_used == 3
+
+
+# -- on the real model ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SEALED)
+def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -> None:
+    from kvpage.engine.llm import LLM
+    from kvpage.engine.sampling import SamplingParams
+
+    llm = LLM(smollm2, kv_cache_dtype=name, progress=False, max_num_seqs=4)
+    assert llm.spec.block_size == 32
+    prompt = {"prompt_token_ids": list(range(1000, 1075))}
+    params = SamplingParams(max_tokens=12, temperature=0)
+    cold = llm.generate([prompt], params)[0]
+    hit = llm.generate([prompt], params)[0]
+    assert hit.metrics.cached_tokens == 64  # two full blocks, the first with its 8-bit copy still held
+    assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
+    ref = LLM(smollm2, kv_cache_dtype="float32", progress=False, max_num_seqs=4).generate([prompt], params)[0]
+    agree = sum(a == b for a, b in zip(ref.outputs[0].token_ids, cold.outputs[0].token_ids))
+    assert agree >= 6 if name == "int4" else agree >= 2
