@@ -55,6 +55,29 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _check_tier_args(swap_space: float, policy: str, preemption_mode: str, disk_dir: object,
+                     disk_max_bytes: int | None, store: str | None) -> None:
+    """Fail on bad tier arguments before the model loads (the same checks run again when the tiers are built).
+
+    Raises:
+        ValueError: a bad ``swap_space``, policy, mode, disk cap or store URL.
+    """
+    from kvpage.cache.offload import OffloadConfig
+
+    OffloadConfig(write_policy=policy, preemption_mode=preemption_mode)
+    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not 0 <= swap_space < float("inf"):
+        raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {swap_space!r}")
+    if preemption_mode == "swap" and swap_space == 0:
+        raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
+    if disk_max_bytes is not None:
+        if isinstance(disk_max_bytes, bool) or not isinstance(disk_max_bytes, int) or disk_max_bytes <= 0:
+            raise ValueError(f"kv_disk_max_bytes must be a positive number of bytes, got {disk_max_bytes!r}")
+        if disk_dir is None:
+            raise ValueError("kv_disk_max_bytes needs kv_disk_dir")
+    if store is not None and not str(store).lower().startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"kv_store must be a redis://host:port/db URL, got {store!r}")
+
+
 class LLM:
     """A model served on a paged KV cache.
 
@@ -87,6 +110,17 @@ class LLM:
         max_num_batched_tokens: tokens per forward pass (the scheduler's per-step budget).
         enable_chunked_prefill: split long prompts across steps.
         enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
+        swap_space: host (CPU) tier in GiB (vLLM's ``swap_space``); 0 = none. Blocks go there
+            by ``kv_offload_policy`` and come back on a prefix hit (see :mod:`kvpage.cache.offload`).
+        kv_offload_policy: ``write_through`` (back up each block when cached),
+            ``write_through_selective`` (once used twice) or ``write_back`` (on device
+            eviction) -- SGLang HiCache's write policies.
+        preemption_mode: ``recompute`` or ``swap`` (vLLM's; ``swap`` copies a preempted
+            request's blocks to the host tier and needs ``swap_space > 0``; quantize-on-seal
+            formats fall back to recompute).
+        kv_disk_dir: directory of a persistent, checksummed disk store of blocks (survives restarts).
+        kv_disk_max_bytes: size cap of the disk store in bytes (LRU); ``None`` = unbounded.
+        kv_store: ``redis://host:port/db`` of a Redis store shared between instances (LMCache's remote backend).
 
     Raises:
         ModelNotFoundError: the model path does not exist (or the bundled model is not installed).
@@ -116,6 +150,12 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        swap_space: float = 0.0,
+        kv_offload_policy: str = "write_through",
+        preemption_mode: str = "recompute",
+        kv_disk_dir: str | Path | None = None,
+        kv_disk_max_bytes: int | None = None,
+        kv_store: str | None = None,
     ) -> None:
         from kvpage.model.loader import LoadedModel, load_model
 
@@ -137,6 +177,7 @@ class LLM:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 tokens (or None for the model's context), "
                              f"got {max_model_len!r}")
+        _check_tier_args(swap_space, kv_offload_policy, preemption_mode, kv_disk_dir, kv_disk_max_bytes, kv_store)
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -185,6 +226,13 @@ class LLM:
                 )
         self.num_blocks = int(num_blocks)
         caches = self.controller.initialize_kv_cache(self.num_blocks)
+        from kvpage.cache.tiers.host import build_offload
+
+        self.offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
+            self.controller, swap_space=swap_space, kv_offload_policy=kv_offload_policy,
+            preemption_mode=preemption_mode, kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
+            kv_disk_max_bytes=kv_disk_max_bytes, kv_store=kv_store,
+        )
         self.tail: TailPool | None = None
         if seals:
             table = TailTable(self.spec.block_size, tail_slots, sink_slots, window_blocks)
@@ -204,6 +252,7 @@ class LLM:
             vocab_size=self.config.vocab_size,
             scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
             enable_prefix_caching=enable_prefix_caching,
+            offload=self.offload,
         )
         if self.tail is not None:
             # Tail entries belong to a block's content: dropped when the pool hands the block out anew,
@@ -234,6 +283,12 @@ class LLM:
     def max_cache_tokens(self) -> int:
         """Tokens the whole cache can hold."""
         return self.num_blocks * self.spec.block_size
+
+    def close(self) -> None:
+        """Close the KV stores (Redis connections, disk store handles); generation must not follow."""
+        if self.offload is not None:
+            for _, store in self.offload.stores:
+                store.close()
 
     def reset_kv_cache(self) -> None:
         """Free the whole KV pool and allocate it afresh (vLLM's ``sleep()`` + ``wake_up()`` of the KV cache).
