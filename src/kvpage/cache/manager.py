@@ -419,7 +419,7 @@ class KVCacheManager:
         d = len(out)
         bs = self.block_size
         if self.offload is not None:
-            swap = self.offload.swap_loads(request.request_id, d)
+            swap = self.offload.swap_loads(request.request_id, d, n - 1, bs)
             if swap is not None:
                 loads, num_tokens = swap
                 return MatchResult(tuple(out), d * bs, tuple(loads), max(num_tokens - d * bs, 0))
@@ -556,6 +556,8 @@ class KVCacheManager:
             st.loads = [t for t in res.transfers if not t.acknowledged]
             if st.loads:
                 self._loading[request.request_id] = (request, computed)
+        if offload is not None:
+            offload.drop_swapped(request.request_id)  # swapped out, but the device still held all of it
         if d and offload is not None:
             offload.on_device_hits(m.block_ids, request.block_hashes[:d])
         self._device_hit_blocks += d
@@ -738,7 +740,8 @@ class KVCacheManager:
     def wait_for_loads(self, requests: Sequence[SupportsKVCache | str] | None = None) -> None:
         """Block until the loads of ``requests`` (default all) are done, then :meth:`poll`.
 
-        The engine calls it before a forward pass that reads those blocks.
+        Copies issued before those loads finish first (one copy stream, see
+        :meth:`~kvpage.cache.transfer.TransferQueue.wait`).
         """
         if self.offload is None or not self._loading:
             return
@@ -746,6 +749,16 @@ class KVCacheManager:
         todo = [t for rid in rids if rid in self._loading for t in self._reqs[rid].loads]
         if todo:
             self.offload.wait(todo)
+        self.poll()
+
+    def fence(self) -> None:
+        """Block until every block copy issued so far is done, then :meth:`poll` (the engine calls it before a
+        forward pass: loads into the batch's blocks have landed, and backups reading blocks the pass will
+        overwrite have read them). Free with synchronous copies and without tiers.
+        """
+        if self.offload is None or not self.offload.queue.num_pending:
+            return
+        self.offload.wait()
         self.poll()
 
     def _on_pool_event(self, event: KVCacheEvent) -> None:

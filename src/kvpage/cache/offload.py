@@ -340,20 +340,31 @@ class OffloadManager:
             out.append(BlockLoad(self.stores[k][0], h, store=k))
         return out
 
-    def swap_loads(self, request_id: str, first_block: int) -> tuple[list[BlockLoad], int] | None:
+    def swap_loads(
+        self, request_id: str, first_block: int, max_tokens: int, block_size: int
+    ) -> tuple[list[BlockLoad], int] | None:
         """The loads that swap a preempted request back in, from its block ``first_block`` on.
 
         Waits for the request's swap-out copy if it is still in flight.
 
+        Args:
+            request_id: the request.
+            first_block: blocks before it are served otherwise (device hits).
+            max_tokens: at most this many tokens come back (``len(tokens) - 1``: the
+                last token is always computed, so the step yields logits).
+            block_size: tokens per block.
+
         Returns:
-            ``(loads, tokens its swapped blocks hold)``, or ``None`` when the request is not swapped out.
+            ``(loads, tokens they restore)``, or ``None`` when the request is not swapped out.
         """
         rec = self._swapped.get(request_id)
         if rec is None:
             return None
         if not rec.transfer.acknowledged:
             self.wait([rec.transfer])
-        return [BlockLoad("swap", None, host_block=b) for b in rec.host_ids[first_block:]], rec.num_tokens
+        num_tokens = max(min(rec.num_tokens, max_tokens), 0)
+        last = -(-num_tokens // block_size)
+        return [BlockLoad("swap", None, host_block=b) for b in rec.host_ids[first_block:last]], num_tokens
 
     def is_swapped(self, request_id: str) -> bool:
         """Whether the request's blocks are in the host tier waiting for a swap-in."""

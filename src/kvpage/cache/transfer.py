@@ -187,10 +187,18 @@ class TransferQueue:
     def wait(self, transfers: Iterable[Transfer] | None = None) -> None:
         """Block until the given transfers (default: all pending) are done, then acknowledge them.
 
-        A deferred copy runs now. Cancelled and acknowledged transfers are skipped.
+        The queue is one copy stream: waiting for a transfer also finishes every
+        transfer issued before it, in issue order (so a backup that reads a
+        device block always runs before a later load that overwrites that block).
+        Deferred copies run now; cancelled and acknowledged transfers are skipped.
         """
-        todo = list(self._pending.values()) if transfers is None else list(transfers)
-        for t in todo:
+        if transfers is None:
+            todo = list(self._pending.values())
+        else:
+            wanted = [t.transfer_id for t in transfers if t.transfer_id in self._pending]
+            last = max(wanted, default=-1)
+            todo = [t for t in self._pending.values() if t.transfer_id <= last]
+        for t in todo:  # _pending keeps issue order
             t.complete()
         self.poll()
 

@@ -169,7 +169,7 @@ class LLMEngine:
                 )
             return []
         batch = [ScheduledRequest(c.token_ids, c.num_computed, c.block_ids) for c in sched.scheduled]
-        self.manager.wait_for_loads([c.request for c in sched.scheduled])  # blocks loaded from tiers hold their KV
+        self.manager.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
         logits = self.runner.execute(batch)                                    # [B, vocab] float32
         self.scheduler.update_after_step(sched)
         outputs: list[RequestOutput] = []
