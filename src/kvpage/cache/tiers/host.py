@@ -22,6 +22,7 @@ write policies, LMCache's local-disk and remote (Redis) backends.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ from kvpage.cache.transfer import TransferQueue
 
 #: Bytes in one GiB (``swap_space`` is in GiB, as in vLLM).
 GIB = 1 << 30
+
+logger = logging.getLogger(__name__)
 
 
 class HostTier:
@@ -182,6 +185,9 @@ def build_offload(
     if n_host == 0 and kv_disk_dir is None and not kv_store:
         return None
     if config.preemption_mode == "swap" and seals_blocks(controller):
+        logger.warning("preemption_mode='swap' falls back to 'recompute' for quantize-on-seal KV formats "
+                       "(%s): a request's partial last block lives in the tail pool, outside the swappable blocks",
+                       ", ".join(sorted({g.layer.kv_format for g in controller.spec.groups})))
         config = OffloadConfig(config.write_policy, config.write_through_threshold, "recompute", config.load_deadline_s)
     stores: list[tuple[str, KVStore]] = []
     try:
