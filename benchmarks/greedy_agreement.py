@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/greedy_agreement.py [--formats int8,int8_per_token_head,fp8,fp8_per_token_head,bfloat16]
+    python benchmarks/greedy_agreement.py [--formats int8,int8_rotated,fp8,fp8_per_token_head,bfloat16]
 
 Each of 20 fixed chat prompts runs alone (float32 weights, prefix caching
 off, so no batch shape or cache hit changes the arithmetic), 32 greedy tokens.
@@ -55,7 +55,7 @@ def teacher_forced(llm: LLM, prompt: list[int], answer: list[int]) -> torch.Tens
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="bfloat16,int8,int8_per_token_head,fp8,fp8_per_token_head")
+    ap.add_argument("--formats", default="bfloat16,int8,int8_rotated,fp8,fp8_per_token_head")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

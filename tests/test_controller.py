@@ -14,7 +14,7 @@ from kvpage.spec import CacheSpec
 
 
 FORMATS = ["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "block_wise_fp8",
-           "int8_per_token_head", "fp8_per_token_head"]
+           "int8_rotated", "fp8_per_token_head"]
 FLOAT_OF = {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -166,7 +166,7 @@ def _swap_spec(fmt: str) -> CacheSpec:
                            num_draft_layers=1)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int8_rotated", "fp8_per_token_head"])
 def test_c07_scales_survive_swap(fmt: str) -> None:
     spec = _swap_spec(fmt)
     ctrl = CacheController(spec)
@@ -209,7 +209,7 @@ def test_c07_scales_survive_swap(fmt: str) -> None:
         assert all(torch.equal(_bytes(host1[i][n]), _bytes(t)) for n, t in ctrl.host_caches[i].items())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int8_rotated", "fp8_per_token_head"])
 def test_c07_scales_survive_swap_per_layer(fmt: str) -> None:
     spec = _swap_spec(fmt)
     ctrl = CacheController(spec)

@@ -29,7 +29,7 @@ from kvpage.formats import (
     Fp8PerTokenHeadFormat,
     FloatFormat,
     Int8Format,
-    Int8PerTokenHeadFormat,
+    Int8RotatedFormat,
     KVFormat,
     Int2Format,
     Int4Format,
@@ -42,11 +42,11 @@ from kvpage.formats import (
 from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 
 
-ROTATED = ["int8", "fp8"]
-PLAIN = ["int8_per_token_head", "fp8_per_token_head"]
+ROTATED = ["int8_rotated", "fp8"]
+PLAIN = ["int8", "fp8_per_token_head"]
 QUANTIZED = ROTATED + PLAIN
 #: the code each quantized format uses
-KIND = {"int8": "int8", "fp8": "fp8", "int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
+KIND = {"int8_rotated": "int8", "fp8": "fp8", "int8": "int8", "fp8_per_token_head": "fp8"}
 QMAX = {name: {"int8": 127.0, "fp8": 448.0}[kind] for name, kind in KIND.items()}
 SCALE_FLOOR = 2.0**-14
 FP16_MAX = 65504.0
@@ -55,8 +55,9 @@ FP16_MAX = 65504.0
 
 ALIASES = {
     # quantized
+    "int8_rotated": "int8_rotated",
     "int8": "int8",
-    "int8_per_token_head": "int8_per_token_head",
+    "int8_per_token_head": "int8",  # vLLM's name for the same layout
     "fp8": "fp8",
     "fp8_e4m3": "fp8",
     "float8_e4m3fn": "fp8",
@@ -78,9 +79,9 @@ ALIASES = {
     "half": "float16",
 }
 CLASS_OF = {
-    "int8": Int8Format,
+    "int8_rotated": Int8RotatedFormat,
     "fp8": Fp8Format,
-    "int8_per_token_head": Int8PerTokenHeadFormat,
+    "int8": Int8Format,
     "fp8_per_token_head": Fp8PerTokenHeadFormat,
     "int4": Int4Format,
     "int2": Int2Format,
@@ -118,10 +119,11 @@ def test_format_aliases_table_matches_docs() -> None:
         ["fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3", "block_wise_fp8"]
     )
     # the plain variants are formats of their own now, not spellings of the rotated ones
-    for canon in ("int8", "int8_per_token_head", "fp8_per_token_head"):
+    assert [a for a, c in table.items() if c == "int8"] == ["int8_per_token_head"]
+    for canon in ("int8_rotated", "fp8_per_token_head"):
         assert not [a for a, c in table.items() if c == canon]
     assert available_formats() == [
-        "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_per_token_head", "fp8_per_token_head",
+        "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
         "int8_static", "fp8_static",  # static calibrated scales: tests/test_static_scales.py
         "int4", "int2",  # quantize on seal: tests/test_kivi.py
     ]
@@ -147,7 +149,7 @@ def test_unknown_name_lists_the_valid_names(bad: str) -> None:
         get_format(bad)
     msg = str(ei.value)
     assert repr(bad) in msg
-    for name in ["auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_per_token_head", "fp8_per_token_head"]:
+    for name in ["auto", "float32", "bfloat16", "float16", "int8_rotated", "fp8", "int8", "fp8_per_token_head"]:
         assert name in msg
     for alias in ["fp8_e4m3", "float8_e4m3fn", "block_wise_fp8", "bf16"]:
         assert alias in msg
@@ -173,9 +175,9 @@ def test_register_format_refuses_taken_names() -> None:
 
     class Clash3(Int8Format):
         name = "my_other_fmt"
-        aliases = ("INT8_PER_TOKEN_HEAD",)  # a canonical name now, not free as an alias
+        aliases = ("INT8_ROTATED",)  # a canonical name, not free as an alias
 
-    with pytest.raises(ValueError, match="int8_per_token_head"):
+    with pytest.raises(ValueError, match="int8_rotated"):
         register_format(Clash3)
     with pytest.raises(UnknownKVFormatError):
         get_format("my_other_fmt")
@@ -475,7 +477,7 @@ def test_non_power_of_two_head_dim_random_and_outliers_rotated(name: str, head_d
     assert rel <= (2.0**-4 if KIND[name] == "fp8" else 1 / 254 + 1e-3)
 
 
-@pytest.mark.parametrize("pair", [("int8", "fp8"), ("int8_per_token_head", "fp8_per_token_head")])
+@pytest.mark.parametrize("pair", [("int8_rotated", "fp8"), ("int8", "fp8_per_token_head")])
 def test_int8_error_is_much_smaller_than_fp8_on_gaussian_rows(pair: tuple[str, str]) -> None:
     # Sanity that the two formats are really different encodings with their expected precision.
     x = torch.randn(64, 4, 128, generator=torch.Generator().manual_seed(1))
@@ -505,11 +507,11 @@ def test_rotation_reduces_int8_error_with_outlier_channel(head_dim: int) -> None
     c = torch.randint(0, head_dim, (64, 4, 1), generator=g)
     big = x.gather(-1, c).sign() * 100.0 * x.abs().amax(-1, keepdim=True)
     x.scatter_(-1, c, big)
-    plain, rotated = _rms_error("int8_per_token_head", x), _rms_error("int8", x)
+    plain, rotated = _rms_error("int8", x), _rms_error("int8_rotated", x)
     assert 0 < rotated and plain / rotated >= 4.0, (plain, rotated)
     # without outliers the two are comparable (rotation is not a free lunch on already-flat rows)
     x = torch.randn(64, 4, head_dim, generator=g)
-    ratio = _rms_error("int8_per_token_head", x) / _rms_error("int8", x)
+    ratio = _rms_error("int8", x) / _rms_error("int8_rotated", x)
     assert 0.8 < ratio < 1.25  # measured 0.99 .. 1.01
 
 
@@ -549,7 +551,7 @@ def test_known_codes() -> None:
     """A few hand-computed encodings (independent of the implementation's arithmetic)."""
     # int8: row [-2, 0.5, 1] -> scale 2/127, codes round(x * 127 / 2) = -127, 32 (31.75), 64 (63.5 -> even 64)
     x = torch.tensor([[[-2.0, 0.5, 1.0]]])
-    q = get_format("int8_per_token_head").quantize(x)
+    q = get_format("int8").quantize(x)
     s = torch.tensor(2.0 / 127).half()
     assert q.scale.item() == s.item()
     codes = q.codes.view(torch.int8).flatten().tolist()
@@ -565,13 +567,13 @@ def test_known_codes_rotated() -> None:
     """Hand-computed rotated encodings at head_dim 4: ``R = H4 / 2`` with H4 rows
     ``[1,1,1,1], [1,-1,1,-1], [1,1,-1,-1], [1,-1,-1,1]``, so ``y = x @ R`` is exact here."""
     # int8: [3, 1, 0, 0] -> y = (3 H4[0] + H4[1]) / 2 = [2, 1, 2, 1]; scale 2/127, codes round(y / s)
-    q = get_format("int8").quantize(torch.tensor([[[3.0, 1.0, 0.0, 0.0]]]))
+    q = get_format("int8_rotated").quantize(torch.tensor([[[3.0, 1.0, 0.0, 0.0]]]))
     s = torch.tensor(2.0 / 127).half()
     assert q.scale.item() == s.item()
     assert q.codes.view(torch.int8).flatten().tolist() == [round(v / s.item()) for v in (2.0, 1.0, 2.0, 1.0)]
     assert q.codes.view(torch.int8).flatten().tolist()[0] == 127
     # [1, 0, 0, -1] -> y = (H4[0] - H4[3]) / 2 = [0, 1, 1, 0]: scale 1/127, codes 0, 127, 127, 0
-    q = get_format("int8").quantize(torch.tensor([[[1.0, 0.0, 0.0, -1.0]]]))
+    q = get_format("int8_rotated").quantize(torch.tensor([[[1.0, 0.0, 0.0, -1.0]]]))
     assert q.scale.item() == torch.tensor(1.0 / 127).half().item()
     assert q.codes.view(torch.int8).flatten().tolist() == [0, 127, 127, 0]
     # fp8: [896, 0, 0, 0] -> y = 448 H4[0] = [448] * 4: scale 1.0, codes 0x7E (448) four times
@@ -701,7 +703,7 @@ def test_all_zero_token_has_finite_scale_and_decodes_to_zero(name: str, zero: fl
 
 
 def test_int8_saturates_inf_to_127_scale() -> None:
-    fmt = get_format("int8_per_token_head")
+    fmt = get_format("int8")
     x = torch.tensor([[[float("inf"), -float("inf"), 1.0, 0.0]]])
     q = fmt.quantize(x)
     assert q.scale.item() == FP16_MAX
@@ -714,7 +716,7 @@ def test_int8_rotated_saturates_inf_to_127_scale() -> None:
     """``[inf, -inf, 1, 0]`` clamps to ``[L, -L, 1, 0]`` (``L = 127 * 65504``); with ``R = H4 / 2``,
     ``y = [0.5, L + 0.5, -0.5, L - 0.5]`` -> scale 65504, codes ``[0, 127, 0, 127]``, and
     ``y_hat @ R.T = [L, -L, 0, 0]``: the infinities saturate to exactly +-127 * scale here too."""
-    fmt = get_format("int8")
+    fmt = get_format("int8_rotated")
     q = fmt.quantize(torch.tensor([[[float("inf"), -float("inf"), 1.0, 0.0]]]))
     assert q.scale.item() == FP16_MAX
     assert q.codes.view(torch.int8).flatten().tolist() == [0, 127, 0, 127]
@@ -731,7 +733,7 @@ def test_formats_are_kvformat_instances() -> None:
         assert (f.rotation(8, torch.float32, "cpu") is not None) == (name in ROTATED)
     # the rotated formats store different bytes under the names int8/fp8 used for plain rows before:
     # their version (part of the layout fingerprint) moved on, so old stores are never read as rotated
-    assert get_format("int8").version == get_format("fp8").version == 2
-    assert get_format("int8_per_token_head").version == get_format("fp8_per_token_head").version == 1
+    assert get_format("fp8").version == 2 and get_format("int8").version == 3  # int8: plain again, after 2 = rotated
+    assert get_format("int8_rotated").version == get_format("fp8_per_token_head").version == 1
     assert math.isclose(QMAX["fp8"], float(torch.finfo(torch.float8_e4m3fn).max))
     assert math.isclose(QMAX["int8"], float(torch.iinfo(torch.int8).max))

@@ -287,8 +287,9 @@ def test_attention_matches_float64_reference(name: str, residual: int, bs: int, 
 
 
 @pytest.mark.parametrize("name", SEALED)
-def test_sealed_bytes_identical_whatever_the_path(name: str) -> None:
-    """The same tokens give the same pool bytes whether one prefill, chunks or decode steps wrote them."""
+def test_c22_sealed_blocks_identical_whatever_the_path(name: str) -> None:
+    """Case C22 for quantize-on-seal formats: prefill, chunked prefill and decode write the same pool bytes
+    (each path's attention output is checked against the float64 reference in the test above)."""
     torch.manual_seed(1)
     bs, kvh, d = 8, 2, 64
     spec = CacheSpec.build(num_layers=1, num_kv_heads=kvh, head_dim=d, block_size=bs, kv_cache_dtype=name)

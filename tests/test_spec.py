@@ -84,7 +84,7 @@ def test_negative_budget_is_an_error() -> None:
 @pytest.mark.parametrize(
     "fmt,value_bytes,scale_bytes,expected",
     [("float32", 4, 0, 46_080), ("bfloat16", 2, 0, 23_040), ("float16", 2, 0, 23_040),
-     ("int8", 1, 2, 11_880), ("fp8", 1, 2, 11_880), ("int8_per_token_head", 1, 2, 11_880),
+     ("int8", 1, 2, 11_880), ("fp8", 1, 2, 11_880), ("int8_rotated", 1, 2, 11_880),
      ("fp8_per_token_head", 1, 2, 11_880)],
 )
 def test_smollm2_bytes_per_token(fmt: str, value_bytes: int, scale_bytes: int, expected: int) -> None:
@@ -115,7 +115,7 @@ BASE = dict(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, kv_cache_d
 VARIANTS = {
     "base": {},
     "format_fp8": {"kv_cache_dtype": "fp8"},
-    "format_int8_plain": {"kv_cache_dtype": "int8_per_token_head"},
+    "format_int8_rotated": {"kv_cache_dtype": "int8_rotated"},
     "format_fp8_plain": {"kv_cache_dtype": "fp8_per_token_head"},
     "format_bf16": {"kv_cache_dtype": "bfloat16"},
     "format_fp32": {"kv_cache_dtype": "float32"},
@@ -143,14 +143,15 @@ def test_fingerprint_differs_for_any_layout_change() -> None:
 
 
 def test_rotated_formats_record_their_format_version() -> None:
-    """int8/fp8 rows are Hadamard-rotated now: same name and tensors as the old plain rows, so only the
-    format version (in describe() and hence the fingerprint) keeps an old store from being read as rotated."""
-    for fmt, plain in (("int8", "int8_per_token_head"), ("fp8", "fp8_per_token_head")):
+    """Rotated and plain rows have the same tensors, so only the format name and version (in describe()
+    and hence the fingerprint) keep a store from reading one as the other. The name "int8" meant plain
+    rows (version 1), then rotated rows (2), and plain rows again (3; rotated ones are "int8_rotated")."""
+    for fmt, plain, versions in (("int8_rotated", "int8", (1, 3)), ("fp8", "fp8_per_token_head", (2, 1))):
         rot = CacheSpec.build(**{**BASE, "kv_cache_dtype": fmt})
         old = CacheSpec.build(**{**BASE, "kv_cache_dtype": plain})
         d_rot, d_old = rot.main.layer.describe(), old.main.layer.describe()
         assert d_rot["format"] == fmt and d_old["format"] == plain
-        assert d_rot["format_version"] == 2 and d_old["format_version"] == 1
+        assert (d_rot["format_version"], d_old["format_version"]) == versions
         assert d_rot["tensors"] == d_old["tensors"]  # same bytes per block: only the meaning differs
         assert rot.fingerprint != old.fingerprint
 

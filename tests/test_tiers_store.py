@@ -270,16 +270,16 @@ def _retag(blob: bytes, **changes: str) -> bytes:
 
 
 def test_record_with_tampered_layout_metadata_is_rejected_even_with_a_valid_checksum(tmp_path: Path) -> None:
-    """int8 (rotated) and int8_per_token_head have identical tensor shapes and dtypes: only the metadata
+    """int8_rotated and int8 (plain) have identical tensor shapes and dtypes: only the metadata
     tells them apart, and a record claiming the other one's layout is never read."""
-    rot, plain = make_spec("int8", draft=0), make_spec("int8_per_token_head", draft=0)
+    rot, plain = make_spec("int8_rotated", draft=0), make_spec("int8", draft=0)
     assert [t for t in rot.layer(0).tensors] == [t for t in plain.layer(0).tensors]
     key = StoreKey(rot.fingerprint, block_hash(5))
     blob = encode_record(key, random_block(rot, 5), rot)
     forged = {
         "other_format": _retag(blob, layout=json.dumps(plain.describe())),
         "format_version": _retag(blob, layout=json.dumps(
-            {**rot.describe(), "groups": [{**rot.describe()["groups"][0], "format_version": 1}]})),
+            {**rot.describe(), "groups": [{**rot.describe()["groups"][0], "format_version": 99}]})),
         "fewer_layers": _retag(blob, layers="[0]"),
         "other_block": _retag(blob, block_hash=block_hash(6).hex()),
     }

@@ -7,10 +7,10 @@ name                  aliases                                     bits/value (he
 ``float32``           ``fp32``, ``float``                         32
 ``bfloat16``          ``bf16``                                    16
 ``float16``           ``fp16``, ``half``                          16
-``int8``              (Hadamard-rotated rows)                     8.25
+``int8``              ``int8_per_token_head`` (vLLM semantics)    8.25
 ``fp8``               ``fp8_e4m3``, ``float8_e4m3fn``,            8.25
                       ``block_wise_fp8`` (rotated rows)
-``int8_per_token_head``  plain int8 (vLLM semantics)              8.25
+``int8_rotated``      Hadamard-rotated int8 rows                  8.25
 ``fp8_per_token_head``   plain e4m3 (vLLM semantics)              8.25
 ``int8_static``       ``cache_int8`` (static per-channel scales)  8
 ``fp8_static``        ``fp8_per_tensor`` (static per-tensor)      8
@@ -30,7 +30,7 @@ from kvpage.errors import UnknownKVFormatError
 from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
 from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int4Format, SealedFormat
-from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8PerTokenHeadFormat
+from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8RotatedFormat
 from kvpage.formats.static import Fp8StaticFormat, Int8StaticFormat, StaticScaleFormat, needs_static_scales
 
 #: Quantized formats by canonical name; :func:`register_format` adds more.
@@ -57,7 +57,7 @@ def register_format(cls: type[KVFormat]) -> type[KVFormat]:
 
 register_format(Int8Format)
 register_format(Fp8Format)
-register_format(Int8PerTokenHeadFormat)
+register_format(Int8RotatedFormat)
 register_format(Fp8PerTokenHeadFormat)
 register_format(Int8StaticFormat)
 register_format(Fp8StaticFormat)
@@ -119,7 +119,7 @@ __all__ = [
     "VALUE_SCALE",
     "Fp8Format",
     "Fp8PerTokenHeadFormat",
-    "Int8PerTokenHeadFormat",
+    "Int8RotatedFormat",
     "FloatFormat",
     "Fp8StaticFormat",
     "Int8StaticFormat",
