@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 GPL3 = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files; `dpkg -L base-files | grep GPL-3`
 GPL3_VENDORED = ROOT / "tests" / "data" / "GPL-3"  # a verbatim copy, for machines without base-files
-DEFAULT_FORMATS = "auto,int8,fp8,int4,int2"
+DEFAULT_FORMATS = "auto,int8,fp8,int4,int2,int8_rotated"
 
 #: Reference ppl of the unquantized fp32 cache on this text (transformers DynamicCache, decode).
 REFERENCE_PPL = 19.299

@@ -29,6 +29,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     """argparse type: a TCP port, 0 (any free port) to 65535."""
     value = int(text)
@@ -42,7 +50,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="KV format: auto, float32, bfloat16, float16, int8, fp8 (and aliases; see `kvpage formats`)")
     p.add_argument("--kv-cache-scales", default=None,
                    help="static K/V scales file (safetensors from `kvpage calibrate`); required by int8_static / fp8_static")
-    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per KV block (default 16; 32 for int4/int2, whose key group is the block)")
+    p.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
+                   help="int4/int2: recent tokens whose sealed blocks keep a 16-bit copy (default: int4 0, int2 32)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes (default 512 MiB)")
     p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
     p.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
@@ -75,6 +86,7 @@ def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_scales=args.kv_cache_scales,
         block_size=args.block_size,
+        kv_quant_residual_tokens=args.kv_quant_residual_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_blocks=args.num_blocks,
         dtype=args.dtype,
@@ -207,7 +219,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     ids = text_token_ids(loaded.tokenizer, text, args.tokens)
     label = "decode, 1 token per step" if args.mode == "decode" else f"chunked, {args.chunk_size} tokens per step"
     print(f"[kvpage] eval: first {len(ids)} tokens of {text} (no BOS), {label}; {Path(loaded.path).name}, "
-          f"{str(dtype).removeprefix('torch.')}, block {args.block_size}, {args.threads} thread(s)", flush=True)
+          f"{str(dtype).removeprefix('torch.')}, block {args.block_size or 'per format'}, {args.threads} thread(s)",
+          flush=True)
     start = time.perf_counter()
     results = evaluate_formats(loaded, ids, formats, mode=args.mode, chunk_size=args.chunk_size,
                                block_size=args.block_size, num_threads=args.threads, progress=args.progress,
@@ -302,12 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "per step (faster)")
     e.add_argument("--chunk-size", type=_positive_int, default=128, help="tokens per step in chunked mode (default 128)")
     e.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    e.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
     e.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
     e.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads (default 1)")
     e.add_argument("--out", default="kvpage-eval", help="folder for results.json and ppl_vs_bits.png (default ./kvpage-eval)")
     e.add_argument("--kv-cache-scales", default=None, help="static KV scales file (for the *_static formats)")
-    e.add_argument("--kv-quant-residual-tokens", type=int, default=None,
+    e.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
                    help="full-precision window of quantize-on-seal formats, in tokens (default: the LLM's)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars (default on)")
     e.set_defaults(func=_cmd_eval)

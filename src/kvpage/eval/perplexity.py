@@ -279,7 +279,7 @@ def evaluate_formats(
     *,
     mode: EvalMode = "decode",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    block_size: int = 16,
+    block_size: int | None = None,
     num_threads: int | None = None,
     progress: bool = True,
     llm_kwargs: dict[str, Any] | None = None,
@@ -292,6 +292,8 @@ def evaluate_formats(
     Args:
         model: the loaded weights (its dtype is the compute dtype and ``auto``'s cache dtype).
         formats: ``kv_cache_dtype`` names; each result's ``name`` is the spelling given.
+        block_size: tokens per block for every format; ``None`` = each format's own default
+            (16; 32 for the quantize-on-seal ``int4``/``int2``, as ``LLM`` chooses).
         llm_kwargs: extra :class:`~kvpage.engine.llm.LLM` arguments (e.g. ``kv_cache_scales``).
 
     Raises:
@@ -301,11 +303,14 @@ def evaluate_formats(
     """
     from kvpage.engine.llm import LLM
 
+    from kvpage.formats import canonical_format_name, get_format
+
     dtype = next(model.model.parameters()).dtype
-    num_blocks = -(-len(token_ids) // block_size) + 1
     out: list[PerplexityResult] = []
     for fmt in formats:
-        llm = LLM(model, kv_cache_dtype=fmt, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+        bs = block_size or int(getattr(get_format(canonical_format_name(fmt, dtype)), "preferred_block_size", 16))
+        num_blocks = -(-len(token_ids) // bs) + 1
+        llm = LLM(model, kv_cache_dtype=fmt, block_size=bs, num_blocks=num_blocks, dtype=dtype,
                   num_threads=num_threads, progress=False, enable_prefix_caching=False, **(llm_kwargs or {}))
         out.append(evaluate_perplexity(llm, token_ids, mode=mode, chunk_size=chunk_size, progress=progress, name=fmt))
         del llm
