@@ -46,6 +46,26 @@ CLOSEST_REFERENCE: dict[str, tuple[str, float]] = {
     "int2": ("int2 asym group 32 with a 128-token fp window, probe", 33.23),
 }
 
+DESIGN_NOTES = """\
+## What the low-bit formats keep, and why
+
+- `int4` / `int2` (KIVI on pages, "quantize on seal"): keys per channel over a block's 32 tokens,
+  values per token over 64 channels, asymmetric; zero point float16 (rounded down), step one UE5M3
+  byte (rounded up). At 1,024 tokens, 3 kv heads and head_dim 64, `int4` costs 4 bits of codes +
+  0.375 (key metadata) + 0.1875 (value metadata) + 0.258 (the 8-bit copy of the first block) = 4.82
+  bits per value; `int2` 2 + 0.5625 + 0.258 + 0.5 (one 32-token 16-bit window block) = 3.32.
+- Chosen by measurement on this text (a prefill simulation of the same rules, fp16 metadata unless
+  stated): block 16 vs 32 for `int4` +0.65% vs +1.32% without the first-block copy but 5.07 vs
+  4.82 bits with it; with 8-bit steps and the first-block copy, value groups of 32 channels
+  measured no better than 64 (19.314 vs 19.283) at 0.19 more bits; a Hadamard rotation of values
+  gained 0.1-0.2 ppl but breaks values with a large common offset (case C21), so it is not used;
+  `int2` needs the window: 23.6 without it, 21.5-21.6 with one 32-token block.
+- `int8` is the plain per-(token, head) layout: it and the rotated layout (`int8_rotated`) are
+  both inside the ~0.3% that any 8-bit rounding moves this text, although the rotation cuts the
+  teacher-forced KL to the unquantized cache 3-4x (0.00045 vs 0.0015 on this text, prefill
+  simulation); `int8` meets the +0.3% target here, `int8_rotated` does not.
+"""
+
 REFERENCE_TABLE = """\
 | cache | measured how | ppl | Δ |
 |---|---|---|---|
@@ -147,6 +167,7 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
         "context 1,024: f16 18.21; q8_0 −0.16%; q5_1 +1.7%; q4_1 +6.8%; iq4_nl +6.4%; q4_0 +7.6%; "
         "K q8_0 + V q4_0 +0.85%.",
         "",
+        DESIGN_NOTES,
         "## How this was made",
         "",
         "```bash",
@@ -157,7 +178,7 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
         "",
         f"- Machine: {_cpu_name()}, {payload.get('cpu_count')} CPUs, {payload['threads']} torch thread(s); "
         f"torch {payload['torch']}, Python {payload.get('python')}; {payload['date']}.",
-        f"- Block size {payload['block_size']}; total eval time {payload['total_seconds']:.0f} s"
+        f"- Block size {payload['block_size'] or 'per format (16; 32 for int4/int2)'}; total eval time {payload['total_seconds']:.0f} s"
         + (f" (script wall time {wall_s:.0f} s, model load included)" if wall_s is not None else "")
         + ". Seconds per format are wall time on a shared machine, so compare them only roughly.",
         f"- Raw numbers: [`{out_rel}/results.json`]({out_rel}/results.json).",
