@@ -221,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0:
             return rc
     payload = json.loads((out / "results.json").read_text())
+    if args.render_only:  # redraw the plot from the saved numbers too
+        import dataclasses
+
+        from kvpage.eval import PerplexityResult
+        from kvpage.eval.report import plot_ppl_vs_bits
+
+        names = {f.name for f in dataclasses.fields(PerplexityResult)}
+        rows = [PerplexityResult(**{k: v for k, v in r.items() if k in names}) for r in payload["results"]]
+        plot_ppl_vs_bits(out / "ppl_vs_bits.png", rows,
+                         title=f"{Path(str(payload.get('model', 'model'))).name}: GPL-3, {payload['num_tokens']} tokens, {payload['mode']} mode")
     shown = ["eval", "--text", payload["text"], "--formats", ",".join(r["name"] for r in payload["results"]),
              "--tokens", str(payload["num_tokens"]), "--mode", payload["mode"], "--threads", str(payload["threads"]),
              "--out", str(out)]

@@ -89,10 +89,14 @@ def plot_ppl_vs_bits(path: str | Path, results: Sequence[PerplexityResult], *, t
     try:
         ax.axhline(0.0, color="grey", lw=1, ls="--", label=f"unquantized cache ({base.name}, ppl {base.ppl:.3f})")
         deltas = [delta_ppl_percent(r, base) for r in results]
-        for r, d in zip(results, deltas):
+        # Formats with the same bits per value (the 8-bit ones) get their labels stacked, not overprinted.
+        stack: dict[float, int] = {}
+        for r, d in sorted(zip(results, deltas), key=lambda rd: rd[1]):
             ax.scatter([r.bits_per_value], [d], s=36, zorder=3)
-            ax.annotate(f"{r.name}\n{d:+.2f}%", (r.bits_per_value, d), textcoords="offset points",
-                        xytext=(6, 6), fontsize=8)
+            k = stack.get(round(r.bits_per_value, 3), 0)
+            stack[round(r.bits_per_value, 3)] = k + 1
+            ax.annotate(f"{r.name} {d:+.2f}%", (r.bits_per_value, d), textcoords="offset points",
+                        xytext=(6, -4 + 11 * k), fontsize=8)
         ax.set_xscale("log", base=2)
         lo = min(r.bits_per_value for r in results)
         hi = max(r.bits_per_value for r in results)
