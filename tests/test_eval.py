@@ -209,5 +209,5 @@ def test_eval_ordering_256_tokens(eval_256, ordering):
     deltas = [abs(rows[f]["delta_ppl_percent"]) for f in ordering]
     assert deltas == sorted(deltas) and len(set(deltas)) == len(deltas), dict(zip(ordering, deltas))
     bits = [rows[f]["bits_per_value"] for f in ordering]
-    assert bits[0] > bits[-1]  # fewer bits, further from the baseline
+    assert bits[0] >= bits[-1]  # never more bits for the format further from the baseline
     assert all(name in printed for name in ordering) and "baseline" in printed
