@@ -371,7 +371,48 @@ def test_window_copies_move_with_the_request_and_give_way_under_pressure() -> No
     assert t.slot_of(2) is None and t.slot_of(3) is not None and t.num_used == 3
 
 
+def test_window_copies_only_for_generated_blocks_and_only_for_their_owner() -> None:
+    """A prompt block may come from the prefix cache or a tier, where no copy exists: it never gets one,
+    and no request reads another's copies, so a cached prefix reads exactly like a computed one."""
+    t = TailTable(block_size=2, num_slots=6, num_sink_slots=0, window_blocks=2)
+    # "a": 5-token prompt (blocks 0, 1 sealed from the prompt: no copies), then decode fills block 2
+    plan = t.plan([[0, 1, 2]], [5], [5], owners=["a"], prompt_lens=[5])
+    t.finish()
+    assert plan.reads[0].fp_blocks == () and t.slot_of(0) is None and t.slot_of(1) is None
+    plan = t.plan([[0, 1, 2]], [6], [1], owners=["a"], prompt_lens=[5])  # block 2 holds a generated token
+    t.finish()
+    assert [j for j, _ in plan.reads[0].fp_blocks] == [2]
+    # "b" shares a's three blocks (a prefix hit) and decodes its own block 3: it never reads a's copy
+    plan = t.plan([[0, 1, 2, 3]], [7], [1], owners=["b"], prompt_lens=[6])
+    t.finish()
+    assert plan.reads[0].fp_blocks == ()
+    plan = t.plan([[0, 1, 2, 3]], [8], [1], owners=["b"], prompt_lens=[6])
+    t.finish()
+    assert [j for j, _ in plan.reads[0].fp_blocks] == [3]
+    assert t.slot_of(2) is not None  # still a's, untouched by b's window moving
+
+
 # -- on the real model ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_int2_shared_prefix_reads_like_computed(smollm2) -> None:
+    """Regression: with a 32-token window, requests hitting a cached prefix whose first owner had moved
+    on read its last block at 2 bits while the same prompt alone read a 16-bit copy (8/12 greedy
+    outputs differed from token 2 on)."""
+    from kvpage.engine.llm import LLM
+    from kvpage.engine.sampling import SamplingParams
+
+    prefix = list(range(3000, 3100))
+    prompts = [{"prompt_token_ids": prefix + [400 + i, 500 + i]} for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    alone_llm = LLM(smollm2, kv_cache_dtype="int2", progress=False, max_num_seqs=1, enable_prefix_caching=False)
+    alone = [alone_llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    del alone_llm
+    llm = LLM(smollm2, kv_cache_dtype="int2", progress=False, max_num_seqs=2)
+    outs = llm.generate(prompts, params)
+    assert sum(o.metrics.cached_tokens for o in outs) >= 2 * 96  # the later requests hit the prefix
+    assert [o.outputs[0].token_ids for o in outs] == alone
 
 
 @pytest.mark.slow

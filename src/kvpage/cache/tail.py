@@ -9,7 +9,11 @@ when it is full. Until then its tokens live here, in a small pool of 16-bit
 * **window** slot: a sealed block among the request's ``ceil(residual_tokens /
   block_size)`` most recent ones keeps its 16-bit copy, and attention reads it
   instead of the quantized block (KIVI's full-precision residual). Optional: under
-  pressure the oldest window copy goes, and the block is read quantized.
+  pressure the oldest window copy goes, and the block is read quantized. Only
+  blocks holding generated tokens get one, and only the request that sealed it reads
+  it: a prompt block may come from the prefix cache or a tier without a copy, so
+  reading copies of prompt blocks (or another request's) would make the output
+  depend on whether the prefix was cached.
 * **sink** slot: an 8-bit (``int8``, per token and head) copy of a request's first
   block, read instead of its low-bit codes (attention sinks; KVQuant keeps the
   first token in fp16, IntactKV the pivot tokens, SKVQ 5 sink tokens). Kept while
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +135,7 @@ class TailTable:
         self.is_live = is_live
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot: dict[int, int] = {}                       # block id -> 16-bit slot
-        self._window: OrderedDict[int, None] = OrderedDict()  # sealed blocks holding a window copy, LRU first
+        self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
         self._free_sink = list(range(num_sink_slots - 1, -1, -1))
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
         self._release_after: list[int] = []                  # slots to free once the current plan ran
@@ -217,6 +221,8 @@ class TailTable:
         seq_lens: Sequence[int],
         query_lens: Sequence[int],
         device: torch.device | str = "cpu",
+        owners: Sequence[Hashable] | None = None,
+        prompt_lens: Sequence[int] | None = None,
     ) -> SealPlan:
         """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
 
@@ -225,6 +231,11 @@ class TailTable:
             seq_lens: context length of each request after this step, in tokens.
             query_lens: new tokens of each request this step (its last ``query_lens[i]`` positions).
             device: where the plan's index tensors go.
+            owners: per request, who owns (and alone reads) the window copies it makes
+                (its request id); default ``None`` for all.
+            prompt_lens: per request, its prompt length in tokens: blocks made of prompt
+                tokens only get no window copy; default 0 (every token counts as generated,
+                as in ``kvpage eval``'s decode mode).
 
         Raises:
             KVPageError: a request continues a partial block that has no open slot (its
@@ -243,7 +254,9 @@ class TailTable:
         sink_slots: list[int] = []
         protected: set[int] = set()
         row0 = 0
-        for table, s, n in zip(block_tables, seq_lens, query_lens):
+        owners = list(owners) if owners is not None else [None] * len(seq_lens)
+        prompt_lens = list(prompt_lens) if prompt_lens is not None else [0] * len(seq_lens)
+        for table, s, n, owner, plen in zip(block_tables, seq_lens, query_lens, owners, prompt_lens):
             first = s - n
             keep_from = s // bs - w  # sealed blocks from this index on keep a 16-bit copy
             for j in range(first // bs, math.ceil(s / bs)):
@@ -275,11 +288,11 @@ class TailTable:
                         if sink is not None:
                             sink_pos.append(len(seal_ids) - 1)
                             sink_slots.append(sink)
-                    if j < keep_from:
+                    if j < keep_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
                         if slot is not None:
                             self._release_after.append(b)  # every layer's seal gather reads it first
                         continue
-                    self._window[b] = None
+                    self._window[b] = owner
                     self._window.move_to_end(b)
                 if slot is None:
                     slot = self._take_slot(b, protected)
@@ -289,15 +302,16 @@ class TailTable:
             # Window copies that this step pushed out of the request's window.
             for j in range(max(0, first // bs - w - 1), max(0, keep_from)):
                 b = int(table[j])
-                if b in self._window:
+                if b in self._window and self._window[b] == owner:
                     del self._window[b]
                     self._release_after.append(b)
             row0 += n
         reads = []
-        for table, s in zip(block_tables, seq_lens):
+        for table, s, owner in zip(block_tables, seq_lens, owners):
             nfull = s // bs
             fp_blocks = tuple(
-                (j, self._slot[int(table[j])]) for j in range(nfull) if int(table[j]) in self._window
+                (j, self._slot[int(table[j])]) for j in range(max(0, nfull - w), nfull)
+                if int(table[j]) in self._window and self._window[int(table[j])] == owner
             )
             open_slot = None
             if s % bs:

@@ -168,7 +168,10 @@ class LLMEngine:
                     f"{self.manager.num_free_blocks} free blocks"
                 )
             return []
-        batch = [ScheduledRequest(c.token_ids, c.num_computed, c.block_ids) for c in sched.scheduled]
+        batch = [
+            ScheduledRequest(c.token_ids, c.num_computed, c.block_ids, c.request.request_id, c.request.num_prompt_tokens)
+            for c in sched.scheduled
+        ]
         self.manager.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
         logits = self.runner.execute(batch)                                    # [B, vocab] float32
         self.scheduler.update_after_step(sched)

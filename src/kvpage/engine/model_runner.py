@@ -29,11 +29,18 @@ class ScheduledRequest:
         token_ids: the new tokens to run (prefill chunk, or the last sampled token in decode).
         num_computed: tokens of the request already in the cache (they precede ``token_ids``).
         block_ids: the request's block table; must cover ``num_computed + len(token_ids)`` tokens.
+        request_id: who owns the full-precision window copies of quantize-on-seal formats
+            this request makes (only it reads them; :mod:`kvpage.cache.tail`).
+        num_prompt_tokens: the request's prompt length: its prompt-only blocks get no window
+            copy, so a cached prefix reads the same as a computed one. 0 treats every token
+            as generated (``kvpage eval``'s decode mode).
     """
 
     token_ids: Sequence[int]
     num_computed: int
     block_ids: Sequence[int]
+    request_id: str | None = None
+    num_prompt_tokens: int = 0
 
 
 class ModelRunner:
@@ -111,6 +118,8 @@ class ModelRunner:
                 meta.seq_lens,
                 meta.query_lens,
                 device=self.device,
+                owners=[r.request_id for r in batch],
+                prompt_lens=[r.num_prompt_tokens for r in batch],
             )
             seal = SealContext(plan, self.tail)
 
