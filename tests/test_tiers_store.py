@@ -584,3 +584,13 @@ def test_store_key_text_and_checks() -> None:
         StoreKey("ab", "0102")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         StoreKey("a:b", b"\x01")
+
+
+def test_disk_dir_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    """Regression (new-user run): --kv-disk-dir naming a regular file crashed with FileExistsError deep in
+    pathlib; it is a ValueError naming the path, which the CLI reports as a one-line error."""
+    f = tmp_path / "afile"
+    f.write_text("not a directory")
+    with pytest.raises(ValueError, match="afile.*cannot be used as a directory"):
+        DiskStore(f, make_spec("int8"))
+    assert f.read_text() == "not a directory"  # nothing lost

@@ -163,14 +163,16 @@ def _cmd_formats(args: argparse.Namespace) -> int:
     aliases: dict[str, list[str]] = {}
     for a, c in format_aliases().items():
         aliases.setdefault(c, []).append(a)
-    print(f"{'format':<20} {'bits/value':>10}  {'storage':<9} aliases   (head_dim {args.head_dim}, block {args.block_size})")
+    block = "each format's default block size (16; 32 for int4/int2)" if args.block_size is None else f"block {args.block_size}"
+    print(f"{'format':<20} {'bits/value':>10}  {'storage':<9} aliases   (head_dim {args.head_dim}, {block})")
     for name in available_formats():
         if name == "auto":
             print(f"{'auto':<20} {'16/32':>10}  {'model':<9} the model's dtype")
             continue
         f = get_format(name)
-        specs = f.tensor_specs(block_size=args.block_size, kv_heads=1, head_dim=args.head_dim)
-        bits = f.bits_per_value(block_size=args.block_size, kv_heads=1, head_dim=args.head_dim)
+        bs = args.block_size or int(getattr(f, "preferred_block_size", 16))
+        specs = f.tensor_specs(block_size=bs, kv_heads=1, head_dim=args.head_dim)
+        bits = f.bits_per_value(block_size=bs, kv_heads=1, head_dim=args.head_dim)
         storage = str(specs[0].dtype).removeprefix("torch.")
         print(f"{name:<20} {bits:>10.3g}  {storage:<9} {', '.join(sorted(aliases.get(name, [])))}")
     return 0
@@ -337,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_calibrate)
     f = sub.add_parser("formats", help="list KV formats, their aliases and bits per value")
     f.add_argument("--head-dim", type=_positive_int, default=64)
-    f.add_argument("--block-size", type=_positive_int, default=16)
+    f.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per block (default: each format's, 16; 32 for int4/int2)")
     f.set_defaults(func=_cmd_formats)
     return parser
 

@@ -79,7 +79,10 @@ class DiskStore(KVStore):
         self._failures = FailureLog(logger, f"disk KV store {self.directory}")
         self._warned_too_big = False
         self._last_ns = 0
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # e.g. the path is a file: a clear error at startup, not a traceback
+            raise ValueError(f"kv_disk_dir {str(self.directory)!r} cannot be used as a directory: {e}") from e
         self._scan()
         with self._lock:
             self._evict_to(self.max_bytes)
