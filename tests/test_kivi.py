@@ -432,3 +432,41 @@ def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -
     ref = LLM(smollm2, kv_cache_dtype="float32", progress=False, max_num_seqs=4).generate([prompt], params)[0]
     agree = sum(a == b for a, b in zip(ref.outputs[0].token_ids, cold.outputs[0].token_ids))
     assert agree >= 6 if name == "int4" else agree >= 2
+
+
+@pytest.mark.slow
+def test_int4_prefix_from_a_tier_never_reads_the_first_block_without_its_8bit_copy(smollm2, tmp_path) -> None:
+    """Regression (new-user run): after a restart, an int4 prefix found in the disk store was read with its
+    first block at 4 bits (its 8-bit copy lives beside the pool and does not travel) and the greedy answer
+    changed. The manager now matches tiers only behind a device-resident first block with its copy."""
+    from kvpage.engine.llm import LLM
+    from kvpage.engine.sampling import SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(2000, 2100))}
+    params = SamplingParams(max_tokens=16, temperature=0)
+    first = LLM(smollm2, kv_cache_dtype="int4", progress=False, max_num_seqs=2, kv_disk_dir=str(tmp_path / "kv"))
+    cold = first.generate([prompt], params)[0]
+    first.close()
+    second = LLM(smollm2, kv_cache_dtype="int4", progress=False, max_num_seqs=2, kv_disk_dir=str(tmp_path / "kv"))
+    again = second.generate([prompt], params)[0]
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert second.engine.manager.stats().tier_hits.get("disk", 0) == 0
+    # On the device, with the first block's copy held, the prefix is a hit as usual.
+    hit = second.generate([prompt], params)[0]
+    assert hit.metrics.cached_tokens == 96 and hit.outputs[0].token_ids == cold.outputs[0].token_ids
+    second.close()
+
+
+def test_manager_drops_a_match_whose_first_block_fails_the_check() -> None:
+    from kvpage.cache.manager import KVCacheManager, KVRequest
+
+    m = KVCacheManager(8, 4)
+    a = KVRequest("a", list(range(10)))
+    m.allocate_slots(a, 10, m.match_prefix(a))
+    m.cache_blocks(a, 10)
+    b = KVRequest("b", list(range(10)))
+    assert len(m.match_prefix(b).block_ids) == 2
+    m.first_block_ok = lambda blk: False
+    assert m.match_prefix(b).block_ids == ()
+    m.first_block_ok = lambda blk: True
+    assert len(m.match_prefix(b).block_ids) == 2

@@ -264,6 +264,12 @@ class KVCacheManager:
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
         self._device_hit_blocks = 0
         self.offload = offload
+        #: If set, a prefix match is kept only when its first block passes this check, and tiers are
+        #: consulted only after a device hit on the first block. Quantize-on-seal formats read a
+        #: request's first block through an 8-bit copy kept beside the pool (kvpage.cache.tail) that
+        #: neither survives its eviction nor travels through the tiers; matching without it would
+        #: read the block at 4 or 2 bits and answer differently than computing it.
+        self.first_block_ok: Callable[[int], bool] | None = None
         self._loading: dict[str, tuple[SupportsKVCache, int]] = {}  # request id -> (request, tokens computed once loaded)
         self._orphans: list[_Orphan] = []
         if offload is not None:
@@ -416,9 +422,11 @@ class KVCacheManager:
                     break
                 out.append(b)
                 parent = b
+        if self.first_block_ok is not None and out and not self.first_block_ok(out[0]):
+            out = []  # recompute the whole prefix rather than read the first block without its copy
         d = len(out)
         bs = self.block_size
-        if self.offload is not None:
+        if self.offload is not None and not (self.first_block_ok is not None and d == 0):
             swap = self.offload.swap_loads(request.request_id, d, n - 1, bs)
             if swap is not None:
                 loads, num_tokens = swap

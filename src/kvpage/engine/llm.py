@@ -260,6 +260,8 @@ class LLM:
             pool = self.engine.manager.pool
             pool.on_allocate = self.tail.table.invalidate
             self.tail.table.is_live = lambda b: pool.ref_count(b) > 0 or pool.block_hash(b) is not None
+            table = self.tail.table
+            self.engine.manager.first_block_ok = lambda b: table.sink_of(b) is not None
 
     # -- facts ---------------------------------------------------------------------------------
     @property
