@@ -470,3 +470,52 @@ def test_manager_drops_a_match_whose_first_block_fails_the_check() -> None:
     assert m.match_prefix(b).block_ids == ()
     m.first_block_ok = lambda blk: True
     assert len(m.match_prefix(b).block_ids) == 2
+
+
+def test_a_first_block_read_this_step_keeps_its_8bit_copy() -> None:
+    """Regression (tester run): a request hitting a cached first block and another sealing a new first
+    block in the same step, with the copy pool full: the hit's copy was evicted for the newcomer, and the
+    hit read its first block at low bits (different greedy output). Blocks a step reads are protected."""
+    t = TailTable(block_size=2, num_slots=4, num_sink_slots=1, window_blocks=0)
+    t.plan([[0, 1]], [3], [3])
+    t.finish()
+    assert t.sink_of(0) is not None
+    plan = t.plan([[0, 5], [7, 8]], [3, 3], [1, 3])  # [0, 5] reads block 0 (a hit); [7, 8] seals block 7
+    t.finish()
+    assert plan.reads[0].sink_slot is not None and t.sink_of(0) is not None
+    assert t.sink_of(7) is None  # the newcomer goes without: its prefix will be recomputed, never misread
+
+
+def test_sink_copies_of_idle_blocks_go_before_those_in_use() -> None:
+    in_use = {0}
+    t = TailTable(block_size=2, num_slots=4, num_sink_slots=2, window_blocks=0, is_in_use=lambda b: b in in_use)
+    t.plan([[0, 1]], [3], [3])   # block 0: first block of a running request
+    t.finish()
+    t.plan([[4, 5]], [3], [3])   # block 4: first block of a request that then finishes (cached, idle)
+    t.finish()
+    t.plan([[0, 1]], [4], [1])   # the running request reads block 0 again (most recently used now)
+    t.finish()
+    t.plan([[0, 1, 2]], [5], [1])
+    t.finish()
+    t.plan([[8, 9]], [3], [3])   # a third first block: block 4's copy goes, block 0's stays
+    t.finish()
+    assert t.sink_of(0) is not None and t.sink_of(8) is not None and t.sink_of(4) is None
+
+
+@pytest.mark.slow
+def test_blocks_written_while_generating_are_not_shared(smollm2) -> None:
+    """Regression (tester run): a continuation prompt (prompt + earlier answer) hit the answer's blocks,
+    computed while reading their open block at 16 bits, and answered differently than computing them.
+    With int2/int4 only prompt blocks are indexed."""
+    from kvpage.engine.llm import LLM
+    from kvpage.engine.sampling import SamplingParams
+
+    prompt = list(range(5000, 5040))
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    llm = LLM(smollm2, kv_cache_dtype="int2", progress=False, max_num_seqs=2)
+    first = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    follow = {"prompt_token_ids": prompt + list(first.outputs[0].token_ids)}
+    again = llm.generate([follow], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert again.metrics.cached_tokens == 32  # the prompt's full block only, none of the answer's
+    alone = LLM(smollm2, kv_cache_dtype="int2", progress=False, max_num_seqs=1, enable_prefix_caching=False)
+    assert again.outputs[0].token_ids == alone.generate([follow], SamplingParams(max_tokens=20, temperature=0))[0].outputs[0].token_ids

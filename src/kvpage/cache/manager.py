@@ -270,6 +270,11 @@ class KVCacheManager:
         #: neither survives its eviction nor travels through the tiers; matching without it would
         #: read the block at 4 or 2 bits and answer differently than computing it.
         self.first_block_ok: Callable[[int], bool] | None = None
+        #: When False, only blocks made entirely of prompt tokens are indexed for reuse (the request's
+        #: ``num_prompt_tokens``). Quantize-on-seal formats compute generated tokens reading their open
+        #: block at 16 bits, a prefill of the same tokens reads it sealed, so reusing those blocks as a
+        #: later prompt's prefix would answer differently than computing it.
+        self.index_generated_blocks = True
         self._loading: dict[str, tuple[SupportsKVCache, int]] = {}  # request id -> (request, tokens computed once loaded)
         self._orphans: list[_Orphan] = []
         if offload is not None:
@@ -610,6 +615,8 @@ class KVCacheManager:
         if not self.enable_caching or st.stop_caching:
             return 0
         num_full = num_computed_tokens // self.block_size
+        if not self.index_generated_blocks:
+            num_full = min(num_full, getattr(request, "num_prompt_tokens", len(request.all_token_ids)) // self.block_size)
         if st.loads and not all(t.acknowledged for t in st.loads):
             num_full = min(num_full, st.load_start)  # blocks still loading hold no KV yet (C18)
         if num_full <= st.num_cached_blocks:

@@ -110,6 +110,9 @@ class TailTable:
         window_blocks: sealed blocks per request that keep their 16-bit copy.
         is_live: ``block_id -> bool``, whether a block's content is still held (in use or
             cached); entries of dead blocks are reclaimed first. ``None`` treats all as live.
+        is_in_use: ``block_id -> bool``, whether a running request holds the block; a first
+            block's 8-bit copy is taken from an idle cached block before one in use.
+            ``None`` treats all as in use.
 
     Raises:
         ValueError: negative sizes, or ``num_slots < 1``.
@@ -122,6 +125,7 @@ class TailTable:
         num_sink_slots: int,
         window_blocks: int,
         is_live: Callable[[int], bool] | None = None,
+        is_in_use: Callable[[int], bool] | None = None,
     ) -> None:
         if block_size <= 0 or num_slots < 1 or num_sink_slots < 0 or window_blocks < 0:
             raise ValueError(
@@ -133,6 +137,7 @@ class TailTable:
         self.num_sink_slots = num_sink_slots
         self.window_blocks = window_blocks
         self.is_live = is_live
+        self.is_in_use = is_in_use
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot: dict[int, int] = {}                       # block id -> 16-bit slot
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
@@ -204,6 +209,8 @@ class TailTable:
     def _take_sink(self, b: int, protected: set[int]) -> int | None:
         if not self._free_sink:
             victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
+            if victim is None and self.is_in_use is not None:
+                victim = next((x for x in self._sink if x not in protected and not self.is_in_use(x)), None)
             if victim is None:
                 victim = next((x for x in self._sink if x not in protected), None)
             if victim is None:
@@ -252,7 +259,9 @@ class TailTable:
         old_src: list[int] = []
         sink_pos: list[int] = []
         sink_slots: list[int] = []
-        protected: set[int] = set()
+        # Every block this step reads or writes keeps its entries until the plan is done: evicting a
+        # copy a request of this batch reads (a prefix hit's first block, say) would change its output.
+        protected: set[int] = {int(b) for table, s in zip(block_tables, seq_lens) for b in table[: -(-s // bs)]}
         row0 = 0
         owners = list(owners) if owners is not None else [None] * len(seq_lens)
         prompt_lens = list(prompt_lens) if prompt_lens is not None else [0] * len(seq_lens)

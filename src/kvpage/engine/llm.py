@@ -260,8 +260,12 @@ class LLM:
             pool = self.engine.manager.pool
             pool.on_allocate = self.tail.table.invalidate
             self.tail.table.is_live = lambda b: pool.ref_count(b) > 0 or pool.block_hash(b) is not None
+            self.tail.table.is_in_use = lambda b: pool.ref_count(b) > 0
             table = self.tail.table
             self.engine.manager.first_block_ok = lambda b: table.sink_of(b) is not None
+            # A block written while generating was computed reading its open block at 16 bits (and the
+            # window); a prefill of the same tokens reads them sealed, so such blocks are not shared.
+            self.engine.manager.index_generated_blocks = False
 
     # -- facts ---------------------------------------------------------------------------------
     @property
