@@ -41,6 +41,7 @@ from typing import ClassVar
 import torch
 
 from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.codes import decode_e4m3, decode_int8, encode_e4m3, encode_int8
 from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 
 #: Smallest normal float16; floor of every dynamic scale.
@@ -138,13 +139,8 @@ class Int8Format(PerTokenFormat):
     qmax: ClassVar[float] = 127.0
     rotate: ClassVar[bool] = False
 
-    def encode(self, y: torch.Tensor) -> torch.Tensor:
-        """Round to nearest, clamp to [-127, 127], store the int8 bits as uint8."""
-        return torch.round(y).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
-
-    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The int8 values of the stored bits, in ``dtype``."""
-        return codes.view(torch.int8).to(dtype)
+    encode = staticmethod(encode_int8)
+    decode = staticmethod(decode_int8)
 
 
 class Fp8Format(PerTokenFormat):
@@ -163,13 +159,8 @@ class Fp8Format(PerTokenFormat):
     version: ClassVar[int] = 2
     qmax: ClassVar[float] = 448.0
 
-    def encode(self, y: torch.Tensor) -> torch.Tensor:
-        """Clamp to +-448 (saturate), cast to float8_e4m3fn (round to nearest even), store the bits as uint8."""
-        return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-
-    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The e4m3 values of the stored bits, in ``dtype``."""
-        return codes.view(torch.float8_e4m3fn).to(dtype)
+    encode = staticmethod(encode_e4m3)
+    decode = staticmethod(decode_e4m3)
 
 
 class Int8RotatedFormat(Int8Format):

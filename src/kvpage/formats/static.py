@@ -46,6 +46,7 @@ import torch
 
 from kvpage.errors import StaticScalesError
 from kvpage.formats.base import KEY, VALUE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.codes import decode_e4m3, decode_int8, encode_e4m3, encode_int8
 
 #: Smallest normal float16: floor of ``absmax / qmax`` when a calibration saw only zeros in a channel.
 STATIC_SCALE_FLOOR = 2.0**-14
@@ -154,13 +155,8 @@ class Int8StaticFormat(StaticScaleFormat):
     qmax: ClassVar[float] = 127.0
     per_channel: ClassVar[bool] = True
 
-    def encode(self, y: torch.Tensor) -> torch.Tensor:
-        """Round to nearest, clamp to [-127, 127], store the int8 bits as uint8."""
-        return torch.round(y).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
-
-    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The int8 values of the stored bits, in ``dtype``."""
-        return codes.view(torch.int8).to(dtype)
+    encode = staticmethod(encode_int8)
+    decode = staticmethod(decode_int8)
 
 
 class Fp8StaticFormat(StaticScaleFormat):
@@ -178,13 +174,8 @@ class Fp8StaticFormat(StaticScaleFormat):
     qmax: ClassVar[float] = 448.0
     per_channel: ClassVar[bool] = False
 
-    def encode(self, y: torch.Tensor) -> torch.Tensor:
-        """Clamp to +-448 (saturate), cast to float8_e4m3fn (round to nearest even), store the bits as uint8."""
-        return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-
-    def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The e4m3 values of the stored bits, in ``dtype``."""
-        return codes.view(torch.float8_e4m3fn).to(dtype)
+    encode = staticmethod(encode_e4m3)
+    decode = staticmethod(decode_e4m3)
 
 
 def needs_static_scales(fmt: KVFormat) -> bool:
