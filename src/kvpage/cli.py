@@ -170,7 +170,7 @@ def _cmd_formats(args: argparse.Namespace) -> int:
             print(f"{'auto':<20} {'16/32':>10}  {'model':<9} the model's dtype")
             continue
         f = get_format(name)
-        bs = args.block_size or int(getattr(f, "preferred_block_size", 16))
+        bs = args.block_size or f.preferred_block_size
         specs = f.tensor_specs(block_size=bs, kv_heads=1, head_dim=args.head_dim)
         bits = f.bits_per_value(block_size=bs, kv_heads=1, head_dim=args.head_dim)
         storage = str(specs[0].dtype).removeprefix("torch.")

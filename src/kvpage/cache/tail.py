@@ -404,7 +404,7 @@ class TailPool:
         rows, sink_rows = table.num_slots * table.block_size, table.num_sink_slots * table.block_size
         for i in range(spec.num_layers):
             ls = spec.layer(i)
-            if not getattr(ls.format, "seals", False):
+            if not ls.format.seals:
                 continue
             t: dict[str, torch.Tensor] = {}
             for kind in (KEY, VALUE) if ls.has_value else (KEY,):
@@ -427,7 +427,7 @@ class TailPool:
         total, item = 0, tail_dtype(model_dtype).itemsize
         for i in range(spec.num_layers):
             ls = spec.layer(i)
-            if getattr(ls.format, "seals", False):
+            if ls.format.seals:
                 per_row = ls.kv_heads * (num_slots * ls.head_dim * item + num_sink_slots * (ls.head_dim + 2))
                 total += (2 if ls.has_value else 1) * spec.block_size * per_row
         return total

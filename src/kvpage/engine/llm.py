@@ -163,11 +163,12 @@ class LLM:
             if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
                 raise ValueError(f"num_threads must be a positive integer, got {num_threads!r}")
             torch.set_num_threads(num_threads)
-        fmt = get_format(canonical_format_name(kv_cache_dtype, resolve_dtype(dtype)), resolve_dtype(dtype))
+        self.dtype = resolve_dtype(dtype)
+        fmt = get_format(canonical_format_name(kv_cache_dtype, self.dtype), self.dtype)
         if block_size is None:
-            block_size = int(getattr(fmt, "preferred_block_size", 16))
+            block_size = fmt.preferred_block_size
         if kv_quant_residual_tokens is None:
-            kv_quant_residual_tokens = int(getattr(fmt, "default_residual_tokens", 0))
+            kv_quant_residual_tokens = fmt.default_residual_tokens
         if (isinstance(kv_quant_residual_tokens, bool) or not isinstance(kv_quant_residual_tokens, int)
                 or kv_quant_residual_tokens < 0):
             raise ValueError(f"kv_quant_residual_tokens must be an integer >= 0, got {kv_quant_residual_tokens!r}")
@@ -178,7 +179,6 @@ class LLM:
             raise ValueError(f"max_model_len must be an integer >= 2 tokens (or None for the model's context), "
                              f"got {max_model_len!r}")
         _check_tier_args(swap_space, kv_offload_policy, preemption_mode, kv_disk_dir, kv_disk_max_bytes, kv_store)
-        self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but this torch build sees no CUDA device; use device='cpu'")
@@ -213,7 +213,7 @@ class LLM:
         self.controller = CacheController(self.spec, self.device)
         # Quantize-on-seal layers keep open blocks, window copies and first-block copies in a tail pool
         # (kvpage.cache.tail), sized per running request and paid for out of the KV budget.
-        seals = any(getattr(self.spec.layer(i).format, "seals", False) for i in range(self.spec.num_layers))
+        seals = any(g.layer.format.seals for g in self.spec.groups)
         window_blocks = -(-kv_quant_residual_tokens // self.spec.block_size)
         tail_slots, sink_slots = max_num_seqs * (1 + window_blocks), 2 * max_num_seqs
         tail_bytes = TailPool.bytes_for(self.spec, self.dtype, tail_slots, sink_slots) if seals else 0

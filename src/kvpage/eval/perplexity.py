@@ -308,7 +308,7 @@ def evaluate_formats(
     dtype = next(model.model.parameters()).dtype
     out: list[PerplexityResult] = []
     for fmt in formats:
-        bs = block_size or int(getattr(get_format(canonical_format_name(fmt, dtype)), "preferred_block_size", 16))
+        bs = block_size or get_format(canonical_format_name(fmt, dtype)).preferred_block_size
         num_blocks = -(-len(token_ids) // bs) + 1
         llm = LLM(model, kv_cache_dtype=fmt, block_size=bs, num_blocks=num_blocks, dtype=dtype,
                   num_threads=num_threads, progress=False, enable_prefix_caching=False, **(llm_kwargs or {}))

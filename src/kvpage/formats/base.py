@@ -82,12 +82,20 @@ class KVFormat(ABC):
         quantized: whether the format stores codes plus scales.
         version: bumped whenever stored bytes change meaning; part of the
             layout fingerprint, so stores never mix versions.
+        seals: whether blocks are quantized whole when they fill (``int4``/``int2``,
+            :mod:`kvpage.formats.kivi`), which routes the layer through the tail pool.
+        preferred_block_size: the block size ``LLM`` uses when none is given.
+        default_residual_tokens: the full-precision window (``kv_quant_residual_tokens``)
+            used when none is given; only quantize-on-seal formats read it.
     """
 
     name: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     quantized: ClassVar[bool] = False
     version: ClassVar[int] = 1
+    seals: ClassVar[bool] = False
+    preferred_block_size: ClassVar[int] = 16
+    default_residual_tokens: ClassVar[int] = 0
 
     @abstractmethod
     def tensor_specs(

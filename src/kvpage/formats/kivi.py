@@ -172,7 +172,6 @@ class SealedFormat(KVFormat):
     seals: ClassVar[bool] = True
     quantized = True
     bits: ClassVar[int]
-    default_residual_tokens: ClassVar[int] = 0
     preferred_block_size: ClassVar[int] = 32
     sink_bits: ClassVar[int] = 8
 

@@ -219,7 +219,7 @@ def paged_attention(
     """
     spec.validate(cache, layer_index=layer_index)
     _check_inputs(spec, layer_index, q, k, v)
-    if getattr(spec.format, "seals", False):
+    if spec.format.seals:
         if seal is None or layer_index not in seal.pool.layers:
             raise KVCacheLayoutError(
                 f"layer {layer_index}: format {spec.kv_format} quantizes blocks when they fill and needs the "

@@ -134,7 +134,7 @@ def seals_blocks(controller: CacheController) -> bool:
     tensors only) cannot restore it; their requests are recomputed instead.
     Sealed full blocks are ordinary pool blocks and go to every tier.
     """
-    return any(getattr(g.layer.format, "seals", False) for g in controller.spec.groups)
+    return any(g.layer.format.seals for g in controller.spec.groups)
 
 
 def build_offload(
