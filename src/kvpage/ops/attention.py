@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvpage.errors import KVCacheLayoutError, StaticScalesError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE
+from kvpage.ops.causal import request_attention
 from kvpage.ops.sealed_attention import SealContext, sealed_attention
 from kvpage.spec import LayerSpec
 
@@ -260,16 +261,5 @@ def paged_attention(
         ids = meta.block_tables[i, : math.ceil(s / bs)]
         keys = read_kv(cache, spec, KEY, ids, adtype, rotated=True).flatten(0, 1)[:s]       # [s, Hkv, D]
         vals = read_kv(cache, spec, value_name, ids, adtype, rotated=True).flatten(0, 1)[:s]  # [s, Hkv, D]
-        n = b - a
-        # 4-D tensors (batch of one): SDPA's CPU kernels; a 3-D call falls back to a path 4x slower.
-        qi = qa[a:b].transpose(0, 1).unsqueeze(0)                              # [1, H, n, D]
-        ki = keys.transpose(0, 1).unsqueeze(0)                                 # [1, Hkv, s, D]
-        vi = vals.transpose(0, 1).unsqueeze(0)                                 # [1, Hkv, s, D]
-        if n == 1 or n == s:  # a decode token sees its whole context; a whole prefill is plain causal
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
-        else:
-            # Query j (position s - n + j) sees keys 0 .. s - n + j.
-            mask = torch.arange(s, device=q.device)[None, :] <= (s - n + torch.arange(n, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[a:b] = o[0].transpose(0, 1)                                        # [n, H, D]
+        out[a:b] = request_attention(qa[a:b], keys, vals, scale)                # [n, H, D]
     return (out if rot is None else out @ rot.T).to(q.dtype)

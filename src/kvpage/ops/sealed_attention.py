@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvpage.cache.tail import RequestRead, SealPlan, TailPool
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE
+from kvpage.ops.causal import request_attention
 from kvpage.spec import LayerSpec
 
 
@@ -125,14 +125,5 @@ def sealed_attention(
         a, b = query_start_loc[i], query_start_loc[i + 1]
         keys = read_sealed(cache, tail, seal.pool, spec, KEY, read, adtype)    # [s, Hkv, D]
         vals = read_sealed(cache, tail, seal.pool, spec, VALUE, read, adtype) if spec.has_value else keys
-        s, n = keys.shape[0], b - a
-        qi = qa[a:b].transpose(0, 1).unsqueeze(0)                              # [1, H, n, D]
-        ki = keys.transpose(0, 1).unsqueeze(0)                                 # [1, Hkv, s, D]
-        vi = vals.transpose(0, 1).unsqueeze(0)
-        if n == 1 or n == s:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
-        else:
-            mask = torch.arange(s, device=q.device)[None, :] <= (s - n + torch.arange(n, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[a:b] = o[0].transpose(0, 1)
+        out[a:b] = request_attention(qa[a:b], keys, vals, scale)                # [n, H, D]
     return out.to(q.dtype)
