@@ -271,7 +271,6 @@ class TailTable:
             for j in range(first // bs, math.ceil(s / bs)):
                 b = int(table[j])
                 lo, hi = max(first, j * bs), min(s, (j + 1) * bs)
-                protected.add(b)
                 slot = self._slot.get(b)
                 if lo == j * bs:  # the block's first token: new content
                     self._drop_fp(b)
