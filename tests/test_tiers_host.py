@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from kvpage.cache.controller import CacheAllocationError, CacheController
-from kvpage.cache.host_pool import HostBlockPool, HostBlockState
 from kvpage.cache.manager import KVCacheManager, KVRequest
-from kvpage.cache.offload import OffloadConfig, OffloadManager
-from kvpage.cache.tiers import DiskStore, open_store
+from kvpage.cache.tiers.connector import OffloadManager
 from kvpage.cache.tiers.host import HostTier, build_offload, host_blocks_for_swap_space, seals_blocks
-from kvpage.cache.transfer import TransferQueue, TransferState
+from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
+from kvpage.cache.tiers.policy import OffloadConfig
+from kvpage.cache.tiers.stores import DiskStore, open_store
+from kvpage.cache.tiers.transfer import TransferQueue, TransferState
 from kvpage.errors import KVPageError, OutOfBlocksError
 from kvpage.formats import TensorSpec, available_formats
 from kvpage.spec import CacheSpec

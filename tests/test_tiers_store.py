@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from kvpage.cache.controller import CacheController
-from kvpage.cache.tiers import (
+from kvpage.cache.tiers.stores import (
     BlockData,
     DiskStore,
     KVStore,
@@ -31,8 +31,8 @@ from kvpage.cache.tiers import (
     record_metadata,
     scatter_blocks,
 )
-from kvpage.cache.tiers.record import record_checksum
-from kvpage.cache.tiers.redis_store import RedisStore
+from kvpage.cache.tiers.stores.record import record_checksum
+from kvpage.cache.tiers.stores.redis import RedisStore
 from kvpage.errors import KVCacheLayoutError
 from kvpage.formats import available_formats
 from kvpage.spec import CacheSpec
@@ -376,7 +376,7 @@ def test_disk_write_failure_is_counted_not_raised(tmp_path: Path, caplog: pytest
     blocker = store.path_for(store.key(block_hash(99))).parent
     shutil.rmtree(blocker, ignore_errors=True)
     blocker.write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="kvpage.cache.tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvpage.cache.tiers.stores.disk"):
         for _ in range(3):
             store.put([(store.key(block_hash(99)), random_block(spec, 99))])
     assert store.stats.errors == 3 and store.stats.puts == 1
@@ -434,7 +434,7 @@ def test_redis_killed_mid_run_misses_fast_counts_errors_and_recovers(
     assert store.exists(keys) == [True] * 8
 
     redis_server.kill()
-    with caplog.at_level(logging.WARNING, logger="kvpage.cache.tiers.redis_store"):
+    with caplog.at_level(logging.WARNING, logger="kvpage.cache.tiers.stores.redis"):
         for _ in range(3):
             for op, expect in ((lambda: store.get(keys), [None] * 8), (lambda: store.exists(keys), [False] * 8),
                                (lambda: store.put(items), None)):

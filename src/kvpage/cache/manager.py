@@ -28,7 +28,7 @@ Invariants (tested after every operation by the state-machine test):
 * once every request is freed, ``num_in_use_blocks == 0`` (after :meth:`KVCacheManager.poll`
   has returned blocks held for aborted loads).
 
-Tiers (optional ``offload=``, an :class:`~kvpage.cache.offload.OffloadManager`):
+Tiers (optional ``offload=``, an :class:`~kvpage.cache.tiers.connector.OffloadManager`):
 :meth:`~KVCacheManager.match_prefix` continues past the device hits into the
 host tier and the stores (``MatchResult.loads``); :meth:`~KVCacheManager.allocate_slots`
 loads those blocks into fresh device blocks, which :meth:`~KVCacheManager.cache_blocks`
@@ -50,8 +50,8 @@ from kvpage.cache.hashing import BlockHashFn, hash_block_tokens, root_hash
 from kvpage.cache.prefix_cache import ROOT, BlockKey, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
 
 if TYPE_CHECKING:
-    from kvpage.cache.offload import BlockLoad, OffloadManager
-    from kvpage.cache.transfer import Transfer
+    from kvpage.cache.tiers.connector import BlockLoad, OffloadManager
+    from kvpage.cache.tiers.transfer import Transfer
 
 __all__ = [
     "BlockRemoved",
@@ -756,7 +756,7 @@ class KVCacheManager:
         """Block until the loads of ``requests`` (default all) are done, then :meth:`poll`.
 
         Copies issued before those loads finish first (one copy stream, see
-        :meth:`~kvpage.cache.transfer.TransferQueue.wait`).
+        :meth:`~kvpage.cache.tiers.transfer.TransferQueue.wait`).
         """
         if self.offload is None or not self._loading:
             return

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.cache.manager import KVCacheManager, KVCacheStats
-from kvpage.cache.offload import OffloadManager
+from kvpage.cache.tiers.connector import OffloadManager
 from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, sample
@@ -60,7 +60,7 @@ class LLMEngine:
         vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips the check.
         scheduler_config: batching limits.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
-        offload: host tier, stores and swap preemption (:class:`~kvpage.cache.offload.OffloadManager`), or ``None``.
+        offload: host tier, stores and swap preemption (:class:`~kvpage.cache.tiers.connector.OffloadManager`), or ``None``.
     """
 
     def __init__(

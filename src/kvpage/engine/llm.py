@@ -62,7 +62,7 @@ def _check_tier_args(swap_space: float, policy: str, preemption_mode: str, disk_
     Raises:
         ValueError: a bad ``swap_space``, policy, mode, disk cap or store URL.
     """
-    from kvpage.cache.offload import OffloadConfig
+    from kvpage.cache.tiers.policy import OffloadConfig
 
     OffloadConfig(write_policy=policy, preemption_mode=preemption_mode)
     if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not 0 <= swap_space < float("inf"):
@@ -111,7 +111,7 @@ class LLM:
         enable_chunked_prefill: split long prompts across steps.
         enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
         swap_space: host (CPU) tier in GiB (vLLM's ``swap_space``); 0 = none. Blocks go there
-            by ``kv_offload_policy`` and come back on a prefix hit (see :mod:`kvpage.cache.offload`).
+            by ``kv_offload_policy`` and come back on a prefix hit (see :mod:`kvpage.cache.tiers.connector`).
         kv_offload_policy: ``write_through`` (back up each block when cached),
             ``write_through_selective`` (once used twice) or ``write_back`` (on device
             eviction) -- SGLang HiCache's write policies.

@@ -5,13 +5,13 @@ every tensor of the layer's format: K, V and all scales (case C07) -- between
 the device caches and the host blocks that
 :meth:`~kvpage.cache.controller.CacheController.initialize_host_cache`
 allocated (pinned when the device is CUDA), and between the device caches and
-store records (:func:`~kvpage.cache.tiers.blocks.gather_blocks` /
-:func:`~kvpage.cache.tiers.blocks.scatter_blocks`). It is the
-:class:`~kvpage.cache.offload.BlockMover` of the tensor-free
-:class:`~kvpage.cache.offload.OffloadManager`, which decides what moves when.
+store records (:func:`~kvpage.cache.tiers.stores.blocks.gather_blocks` /
+:func:`~kvpage.cache.tiers.stores.blocks.scatter_blocks`). It is the
+:class:`~kvpage.cache.tiers.connector.BlockMover` of the tensor-free
+:class:`~kvpage.cache.tiers.connector.OffloadManager`, which decides what moves when.
 
 Copies are synchronous here (``CacheController`` synchronizes after a CUDA
-copy), so every :class:`~kvpage.cache.transfer.Transfer` completes at issue;
+copy), so every :class:`~kvpage.cache.tiers.transfer.Transfer` completes at issue;
 the transfer bookkeeping around them is what keeps in-flight blocks safe when
 copies are deferred (tests, and an asynchronous copy engine later).
 
@@ -27,11 +27,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpage.cache.controller import CacheController
-from kvpage.cache.host_pool import HostBlockPool
-from kvpage.cache.offload import OffloadConfig, OffloadManager
-from kvpage.cache.tiers.base import BlockData, KVStore, open_store
-from kvpage.cache.tiers.blocks import gather_blocks, scatter_blocks
-from kvpage.cache.transfer import TransferQueue
+from kvpage.cache.tiers.connector import OffloadManager
+from kvpage.cache.tiers.host_pool import HostBlockPool
+from kvpage.cache.tiers.policy import OffloadConfig
+from kvpage.cache.tiers.stores import BlockData, KVStore, open_store
+from kvpage.cache.tiers.stores.blocks import gather_blocks, scatter_blocks
+from kvpage.cache.tiers.transfer import TransferQueue
 
 #: Bytes in one GiB (``swap_space`` is in GiB, as in vLLM).
 GIB = 1 << 30
@@ -159,9 +160,9 @@ def build_offload(
         kv_offload_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
         preemption_mode: ``recompute`` or ``swap`` (needs ``swap_space > 0``). With a
             quantize-on-seal format (:func:`seals_blocks`) ``swap`` falls back to recompute.
-        kv_disk_dir: directory of a :class:`~kvpage.cache.tiers.disk.DiskStore`, or ``None``.
+        kv_disk_dir: directory of a :class:`~kvpage.cache.tiers.stores.disk.DiskStore`, or ``None``.
         kv_disk_max_bytes: size cap of the disk store in bytes (LRU), ``None`` = unbounded.
-        kv_store: ``redis://host:port/db`` of a shared :class:`~kvpage.cache.tiers.redis_store.RedisStore`, or ``None``.
+        kv_store: ``redis://host:port/db`` of a shared :class:`~kvpage.cache.tiers.stores.redis.RedisStore`, or ``None``.
         write_through_threshold: uses before ``write_through_selective`` backs a block up.
         load_deadline_s: how long an aborted request's loading blocks wait for their load (C10).
         store_options: extra keyword options for the Redis store (``ttl_seconds``, ``timeout_s``, ...).

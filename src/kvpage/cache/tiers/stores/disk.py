@@ -4,7 +4,7 @@ Layout on disk::
 
     <directory>/<spec fingerprint>/<first 2 hex of block hash>/<block hash hex>.safetensors
 
-Each file is one :mod:`~kvpage.cache.tiers.record` (safetensors with layout
+Each file is one :mod:`~kvpage.cache.tiers.stores.record` (safetensors with layout
 metadata and a SHA-256 checksum). This is the shape of LMCache's local-disk
 backend and vLLM's ``OffloadingConnector`` file tier: content-addressed files,
 written to a temporary name in the same directory and ``os.replace``-d into
@@ -31,8 +31,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpage.cache.tiers.base import BlockData, FailureLog, KVStore, StoreKey
-from kvpage.cache.tiers.record import RecordRejected, decode_record, encode_record
+from kvpage.cache.tiers.stores.base import BlockData, FailureLog, KVStore, StoreKey
+from kvpage.cache.tiers.stores.record import RecordRejected, decode_record, encode_record
 from kvpage.spec import CacheSpec
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """``RedisStore``: KV block records shared across engine instances through one Redis server.
 
-Each block is one Redis string value -- a whole :mod:`~kvpage.cache.tiers.record`
+Each block is one Redis string value -- a whole :mod:`~kvpage.cache.tiers.stores.record`
 (safetensors + layout metadata + SHA-256) -- under the key
 ``"<namespace>:<spec fingerprint>:<block hash hex>"``, so a block is written
 whole or not at all (``SET`` is atomic) and instances with different layouts
@@ -31,8 +31,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvpage.cache.tiers.base import BlockData, FailureLog, KVStore, StoreKey
-from kvpage.cache.tiers.record import RecordRejected, decode_record, encode_record
+from kvpage.cache.tiers.stores.base import BlockData, FailureLog, KVStore, StoreKey
+from kvpage.cache.tiers.stores.record import RecordRejected, decode_record, encode_record
 from kvpage.spec import CacheSpec
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The :class:`~kvpage.cache.manager.KVCacheManager` calls it at four points of a
 block's life; the data moves through a :class:`BlockMover` (the tensor side,
-:class:`kvpage.cache.tiers.host.HostTier`) as :class:`~kvpage.cache.transfer.Transfer`
+:class:`kvpage.cache.tiers.host.HostTier`) as :class:`~kvpage.cache.tiers.transfer.Transfer`
 operations, so this module never touches a tensor:
 
 * **lookup** (``match_prefix``): when a request's prefix runs past the device
@@ -36,7 +36,7 @@ operations, so this module never touches a tensor:
   recomputed instead.
 
 In-flight rules (cases C09, C10): a host block targeted by a device->host copy
-is never handed out until the copy is acknowledged (:class:`~kvpage.cache.host_pool.HostBlockPool`);
+is never handed out until the copy is acknowledged (:class:`~kvpage.cache.tiers.host_pool.HostBlockPool`);
 host blocks a load reads are pinned until the load is acknowledged; loads into
 device blocks of an aborted request are held by the manager until they
 complete or ``load_deadline_s`` passes (:meth:`OffloadManager.cancel` then
@@ -47,51 +47,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpage.cache.host_pool import HostBlockPool, HostBlockState
-from kvpage.cache.transfer import Transfer, TransferQueue
-
-#: Host write policies (SGLang HiCache names).
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-#: Preemption modes (vLLM's ``preemption_mode``).
-PREEMPTION_MODES = ("recompute", "swap")
-
-#: Directions of :attr:`OffloadStats.tier_bytes`.
-DIRECTIONS = ("device_to_host", "host_to_device", "store_read", "store_write")
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadConfig:
-    """Policy knobs of the tiers.
-
-    Attributes:
-        write_policy: one of :data:`WRITE_POLICIES` (how blocks reach the host tier).
-        write_through_threshold: uses of a block before ``write_through_selective`` backs it up (>= 1).
-        preemption_mode: ``"recompute"`` (free and recompute later) or ``"swap"`` (copy to host blocks).
-        load_deadline_s: seconds an aborted request's loading device blocks are held
-            waiting for their load before they return to the pool anyway (case C10).
-
-    Raises:
-        ValueError: an unknown policy or mode, a threshold < 1, or a deadline < 0.
-    """
-
-    write_policy: str = "write_through"
-    write_through_threshold: int = 2
-    preemption_mode: str = "recompute"
-    load_deadline_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"kv_offload_policy must be one of {', '.join(WRITE_POLICIES)}; got {self.write_policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {self.preemption_mode!r}")
-        if isinstance(self.write_through_threshold, bool) or int(self.write_through_threshold) != self.write_through_threshold \
-                or self.write_through_threshold < 1:
-            raise ValueError(f"write_through_threshold must be an integer >= 1, got {self.write_through_threshold!r}")
-        if not self.load_deadline_s >= 0:
-            raise ValueError(f"load_deadline_s must be >= 0 seconds, got {self.load_deadline_s!r}")
+from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
+from kvpage.cache.tiers.policy import DIRECTIONS, OffloadConfig
+from kvpage.cache.tiers.transfer import Transfer, TransferQueue
 
 
 class BlockMover(Protocol):
@@ -120,7 +81,7 @@ class BlockMover(Protocol):
 
 
 class StoreLike(Protocol):
-    """What the offload manager uses of a :class:`kvpage.cache.tiers.base.KVStore`."""
+    """What the offload manager uses of a :class:`kvpage.cache.tiers.stores.base.KVStore`."""
 
     stats: Any
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvpage.cache.tiers.base import BlockData
+from kvpage.cache.tiers.stores.base import BlockData
 from kvpage.errors import KVCacheLayoutError
 from kvpage.spec import CacheSpec
 

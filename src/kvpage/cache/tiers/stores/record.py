@@ -39,8 +39,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from kvpage.cache.tiers.base import BlockData, StoreKey
-from kvpage.cache.tiers.blocks import validate_block_data
+from kvpage.cache.tiers.stores.base import BlockData, StoreKey
+from kvpage.cache.tiers.stores.blocks import validate_block_data
 from kvpage.errors import KVCacheLayoutError, KVPageError
 from kvpage.spec import CacheSpec
 

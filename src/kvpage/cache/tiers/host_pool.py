@@ -7,7 +7,7 @@ exactly one state:
 
 * **free** — holds nothing; in the free list;
 * **writing** — the target of a device->host copy that has not been
-  acknowledged yet (:mod:`kvpage.cache.transfer`); never handed out, never
+  acknowledged yet (:mod:`kvpage.cache.tiers.transfer`); never handed out, never
   read (case C09, SGLang issue 28468);
 * **cached** — holds a block's KV, indexed under its chained block hash;
   *evictable* while no load reads it (ref 0), kept in LRU order and reused

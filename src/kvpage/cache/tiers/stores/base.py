@@ -7,7 +7,7 @@ block read back is complete or absent, never half a block. Keys pair the
 block hash (:mod:`kvpage.cache.hashing`), so an instance with another layout
 (another ``kv_cache_dtype``, head count, block size, format version ...) asks
 for other keys and can never read a block as its own; a record reaching the
-wrong reader anyway is rejected by its metadata (:mod:`kvpage.cache.tiers.record`).
+wrong reader anyway is rejected by its metadata (:mod:`kvpage.cache.tiers.stores.record`).
 
 The shape of the API follows the KV connectors of LMCache
 (``contains``/``get``/``put`` on a storage backend) and vLLM v1
@@ -25,8 +25,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
@@ -225,34 +223,3 @@ class KVStore(ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def open_store(url: str, spec: CacheSpec, **opts: Any) -> KVStore:
-    """Open the store a URL names.
-
-    * ``redis://host:port/db`` (also ``rediss://``, ``unix://``) ->
-      :class:`~kvpage.cache.tiers.redis_store.RedisStore` (options
-      ``ttl_seconds``, ``timeout_s``, ``namespace``, ...);
-    * ``file:///path`` or a plain path -> :class:`~kvpage.cache.tiers.disk.DiskStore`
-      (options ``max_bytes``, ``fsync``).
-
-    Raises:
-        ValueError: an empty URL or an unknown scheme.
-    """
-    if not url:
-        raise ValueError("store URL is empty; use redis://host:port/db or a directory path")
-    parsed = urlparse(url)
-    scheme = parsed.scheme.lower()
-    if scheme in ("redis", "rediss", "unix"):
-        from kvpage.cache.tiers.redis_store import RedisStore
-
-        return RedisStore(url, spec, **opts)
-    from kvpage.cache.tiers.disk import DiskStore
-
-    if scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"file:// URL must name a local path (file:///dir), got {url!r}")
-        return DiskStore(parsed.path, spec, **opts)
-    if scheme and len(scheme) > 1:  # (a one-letter "scheme" is a Windows drive)
-        raise ValueError(f"unknown store URL scheme {scheme!r} in {url!r}; use redis://, rediss://, unix://, file:// or a path")
-    return DiskStore(url, spec, **opts)
