@@ -173,6 +173,12 @@ class PrefixBlockPool:
         self._check_id(block_id)
         return self._key[block_id]
 
+    def _parent(self, b: int) -> int:
+        """The parent block id (or :data:`ROOT`) of cached block ``b``; only called for cached blocks."""
+        key = self._key[b]
+        assert key is not None, f"block {b} is not cached"
+        return key[0]
+
     def _check_id(self, b: int) -> None:
         if not 0 <= b < self.num_blocks:
             raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
@@ -282,14 +288,14 @@ class PrefixBlockPool:
             if self._ref[b] + pending.get(b, 0) == 0:
                 if self._hash[b] is None:
                     raise ValueError(f"block {b} is free; cannot add a reference")
-                p = self._key[b][0]  # type: ignore[index]
+                p = self._parent(b)
                 if p != ROOT and self._ref[p] + pending.get(p, 0) == 0:
                     raise ValueError(f"cannot reference block {b} before its evictable parent {p}")
             pending[b] = pending.get(b, 0) + 1
         for b in ids:
             if self._ref[b] == 0:
                 del self._idle[b]
-                p = self._key[b][0]  # type: ignore[index]
+                p = self._parent(b)
                 if p != ROOT:
                     self._children_in_use[p] += 1
             self._ref[b] += 1
@@ -322,7 +328,7 @@ class PrefixBlockPool:
         if idle_now:
             in_use_children = {b: self._children_in_use[b] for b in idle_now}
             for b in idle_now:
-                p = self._key[b][0]  # type: ignore[index]
+                p = self._parent(b)
                 if p in in_use_children:
                     in_use_children[p] -= 1
             pinned = [b for b, c in in_use_children.items() if c > 0]
@@ -336,7 +342,7 @@ class PrefixBlockPool:
                 if self._hash[b] is None:
                     self._free.append(b)
                 else:
-                    p = self._key[b][0]  # type: ignore[index]
+                    p = self._parent(b)
                     if p != ROOT:
                         self._children_in_use[p] -= 1
                     self._idle[b] = None  # most recent
@@ -344,7 +350,7 @@ class PrefixBlockPool:
                     # (an idle parent of a just-released block can only come from this call)
                     while p != ROOT and p in self._idle:
                         self._idle.move_to_end(p)
-                        p = self._key[p][0]  # type: ignore[index]
+                        p = self._parent(p)
         return released
 
     # -- eviction --------------------------------------------------------------------------------
@@ -422,7 +428,7 @@ class PrefixBlockPool:
             assert (h is None) == (k is None), f"block {b}: hash and key disagree"
             assert (b in free_set) == (r == 0 and h is None), f"block {b}: ref {r}, cached {h is not None}, free list"
             assert (b in self._idle) == (r == 0 and h is not None), f"block {b}: ref {r}, evictable set"
-            if h is not None:
+            if h is not None and k is not None:
                 assert self._index.get(h) == b, f"block {b} is cached but the index points elsewhere"
                 parent = k[0]
                 if parent != ROOT:
@@ -436,6 +442,6 @@ class PrefixBlockPool:
         assert children_in_use == self._children_in_use, "in-use cached-children counts are off"
         order = {b: i for i, b in enumerate(self._idle)}
         for b in self._idle:  # leaves first: every idle block's cached parent is idle and later in LRU order
-            parent = self._key[b][0]  # type: ignore[index]
+            parent = self._parent(b)
             if parent != ROOT and parent in order:
                 assert order[parent] > order[b], f"evictable block {b} would be evicted after its parent {parent}"

@@ -286,8 +286,9 @@ class TailTable:
                     seal_ids.append(b)
                     for t in range(j * bs, (j + 1) * bs):
                         if t < lo:
+                            assert slot is not None  # (tokens before lo: a continued block, which has a slot)
                             old_dst.append(base + t - j * bs)
-                            old_src.append(slot * bs + t - j * bs)  # type: ignore[operator]
+                            old_src.append(slot * bs + t - j * bs)
                         else:
                             new_dst.append(base + t - j * bs)
                             new_src.append(row0 + t - first)
