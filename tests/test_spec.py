@@ -186,6 +186,30 @@ def test_fingerprint_stable_across_processes() -> None:
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout.strip().splitlines()[-1]) == here
 
+#: Fingerprints of released layouts (3 layers, 2 kv heads, head_dim 64, model "m"): stored records are keyed by
+#: them, so a refactor of the spec or formats must leave them alone (they changed only with a format's version).
+PINNED = {
+    ("int8", 16, True, 0): "c9ac194aace84f5eff2dca4cc82c71ed37d444723a002da59b1acb7106017fb2",
+    ("fp8", 16, True, 2): "fa7801dac76b5af49007a3e899751bd466f6c573e7b89035627188871af77893",
+    ("int8_static", 16, True, 2): "65499cabba12ad1ce368076eeaaf58b6965ee0014921ac57db15712efcbf1a47",
+    ("fp8_static", 5, False, 0): "abc5782856e512d49242f9b0b82880e9d96294dee57fce32be1185670e3fb83a",
+    ("int4", 32, True, 0): "751483d81da22bf66770423078fa78ce34c362823f4cf434b53e6fe6fd58c9cd",
+    ("int2", 32, True, 0): "68ab4e87ebb40700e819bebd91f0c6e002fb95f3ab9eb9e3ba05d66d05ec6b19",
+    ("float32", 16, False, 0): "63b15f60f8fddef181fc923f9f42d4c57fb8270b8629d49ab1229d839115a388",
+}
+
+
+@pytest.mark.parametrize("key", sorted(PINNED))
+def test_fingerprints_of_released_layouts_are_unchanged(key: tuple[str, int, bool, int]) -> None:
+    from kvpage.scales import StaticScales
+
+    fmt, bs, has_value, draft = key
+    scales = StaticScales.uniform(3 + draft, 0.02, 0.05 if has_value else None) if fmt.endswith("_static") else None
+    spec = CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=64, block_size=bs, kv_cache_dtype=fmt,
+                           num_draft_layers=draft, has_value=has_value, model_name="m", static_scales=scales)
+    assert spec.fingerprint == PINNED[key]
+
+
 
 # -- C04: draft bf16 beside fp8 main ------------------------------------------------------------
 
