@@ -1,0 +1,42 @@
+"""Per-layer-group cache managers: one :class:`GroupManager` per layer group, chosen from the group's spec.
+
+Full attention over token-wise formats (:class:`FullAttentionManager`) and
+quantize-on-seal block-wise formats (:class:`SealedGroupManager`, which owns the
+tail pool's bookkeeping). Sliding-window, draft/MTP and latent groups plug in
+here as further classes. Imports :mod:`kvpage.spec`, :mod:`kvpage.formats` and
+the tensor-free parts of :mod:`kvpage.cache`; nothing from the engine.
+"""
+from __future__ import annotations
+
+from kvpage.cache.groups.base import FullAttentionManager, GroupManager
+from kvpage.cache.groups.sealed import SealedGroupManager
+from kvpage.formats import BlockFormat
+from kvpage.spec import LayerGroupSpec
+
+__all__ = ["FullAttentionManager", "GroupManager", "SealedGroupManager", "manager_for"]
+
+
+def manager_for(
+    group: LayerGroupSpec,
+    *,
+    max_num_seqs: int,
+    residual_tokens: int,
+) -> GroupManager:
+    """The group manager for ``group``, chosen by the kind of its format.
+
+    Args:
+        group: the layer group.
+        max_num_seqs: requests running at once (sizes a block-wise group's tail: one open slot
+            and the window's slots per request, two first-block slots per request).
+        residual_tokens: full-precision window of block-wise formats, in tokens (``kv_quant_residual_tokens``).
+
+    Raises:
+        ValueError: ``max_num_seqs < 1`` or ``residual_tokens < 0``.
+    """
+    if max_num_seqs < 1 or residual_tokens < 0:
+        raise ValueError(f"need max_num_seqs >= 1 and residual_tokens >= 0, got {max_num_seqs}, {residual_tokens}")
+    if isinstance(group.layer.format, BlockFormat):
+        window = -(-residual_tokens // group.layer.block_size)
+        return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window), num_sink_slots=2 * max_num_seqs,
+                                  window_blocks=window)
+    return FullAttentionManager(group)

@@ -1,0 +1,69 @@
+"""``GroupManager``: what one kind of layer group adds to the shared block bookkeeping.
+
+The :class:`~kvpage.cache.manager.KVCacheManager` owns the block pool, the
+per-request block tables and the prefix index; each layer group of the
+:class:`~kvpage.spec.CacheSpec` gets one group manager, chosen from its spec
+(:func:`kvpage.cache.groups.manager_for`, as vLLM maps each ``KVCacheSpec``
+class to its single-type manager), which answers the questions where layer
+kinds differ: which part of a device match it can use, which blocks may be
+indexed, what to drop when a block id is handed out anew. Tensor-free.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpage.cache.requests import SupportsKVCache
+from kvpage.spec import LayerGroupSpec
+
+
+class GroupManager:
+    """Policy of one layer group over the shared block table; the defaults are full attention's.
+
+    Every method is cheap and has no effect on the pool; the manager calls them
+    at fixed points (match, index, allocate, reset) for every group and
+    combines the answers (the most restrictive wins).
+
+    Args:
+        group: the layer group's spec; ``None`` for a bare manager in tests (named ``main``).
+    """
+
+    def __init__(self, group: LayerGroupSpec | None = None) -> None:
+        self.group = group
+
+    @property
+    def name(self) -> str:
+        """The layer group's name (``main``, ``draft``)."""
+        return self.group.name if self.group is not None else "main"
+
+    @property
+    def supports_swap(self) -> bool:
+        """Whether a preempted request's blocks of this group may be swapped to the host tier and back."""
+        return True
+
+    def usable_prefix(self, block_ids: Sequence[int]) -> int:
+        """How many leading blocks of a device prefix match this group can read as computed (no side effects)."""
+        return len(block_ids)
+
+    def allows_external_prefix(self, num_device_blocks: int) -> bool:
+        """Whether tiers may serve the blocks after a device match of ``num_device_blocks`` blocks."""
+        return True
+
+    def max_indexable_tokens(self, request: SupportsKVCache, num_computed_tokens: int) -> int:
+        """Tokens of the request whose full blocks may enter the prefix index (at most ``num_computed_tokens``)."""
+        return num_computed_tokens
+
+    def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
+        """The pool handed ``block_ids`` out for new content: forget anything kept for their old content."""
+
+    def reset(self) -> None:
+        """The device pool was re-allocated: forget everything kept per block."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class FullAttentionManager(GroupManager):
+    """Full attention over token-wise formats: every token stays in its block; any match and any block is usable.
+
+    (vLLM's ``FullAttentionManager``.) All behaviour is :class:`GroupManager`'s default.
+    """
