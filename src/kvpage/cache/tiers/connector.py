@@ -1,589 +1,321 @@
-"""``OffloadManager``: the tensor-free policy of the tiers below the device — host tier, stores, swap.
+"""``KVConnector``: the verbs the scheduler calls around the device KV-cache manager to use the tiers below it.
 
-The :class:`~kvpage.cache.manager.KVCacheManager` calls it at four points of a
-block's life; the data moves through a :class:`BlockMover` (the tensor side,
-:class:`kvpage.cache.tiers.host.HostTier`) as :class:`~kvpage.cache.tiers.transfer.Transfer`
-operations, so this module never touches a tensor:
+Modelled on the scheduler side of vLLM's v1 KV connector
+(``kv_connector/v1/base.py``: ``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``request_finished``, ``get_finished``), so a
+third-party store can plug in by implementing :class:`KVConnector`.
+:class:`TieredConnector` is kvpage's own: the host tier, the disk and Redis
+stores and swap preemption of :class:`~kvpage.cache.tiers.offload.OffloadManager`.
+Tensor-free; it imports nothing above :mod:`kvpage.cache`.
 
-* **lookup** (``match_prefix``): when a request's prefix runs past the device
-  hits, the next block hashes are looked up in the host tier, then in each
-  store in order (disk, Redis); per block the first tier that has it serves it,
-  and the run stops at the first block no tier has (vLLM's
-  ``get_num_new_matched_tokens`` of its offloading / LMCache connectors).
-* **load** (``allocate_slots``): host hits are copied into freshly allocated
-  device blocks ("swap in"), store hits are read (one batched ``get`` per
-  store) and scattered into them. A store miss at load time (a record that was
-  rejected, expired, or a Redis that went away) truncates the run there; the
-  rest is recomputed.
-* **cached** (``cache_blocks``): the write policy backs blocks up to the host
-  tier (SGLang HiCache's ``--hicache-write-policy``):
+The scheduler's sequence (:class:`~kvpage.engine.kv_cache.SchedulerKVCache`)::
 
-  - ``write_through``: every block, as soon as it is cached (hashed, written);
-  - ``write_through_selective``: once a block has been used ``write_through_threshold``
-    times (the request that computed it counts once, each later prefix hit once;
-    default 2, SGLang's threshold for this policy);
-  - ``write_back``: only when the device evicts it.
-
-  Every newly cached block is also ``put`` to every store (write-through to
-  stores, LMCache's default), keyed ``StoreKey(spec.fingerprint, block_hash)``,
-  except to the store it was just loaded from (and blocks loaded from the host
-  tier, which were put when first cached).
-* **preempt** (``preemption_mode="swap"``, vLLM's ``swap_space`` /
-  ``preemption_mode``): a preempted request's written blocks are copied to host
-  blocks it owns and its device blocks are freed; on readmission they are
-  loaded back into fresh device blocks (after any of its full blocks still
-  cached on the device). When the host tier has no room, the request is
-  recomputed instead.
-
-In-flight rules (cases C09, C10): a host block targeted by a device->host copy
-is never handed out until the copy is acknowledged (:class:`~kvpage.cache.tiers.host_pool.HostBlockPool`);
-host blocks a load reads are pinned until the load is acknowledged; loads into
-device blocks of an aborted request are held by the manager until they
-complete or ``load_deadline_s`` passes (:meth:`OffloadManager.cancel` then
-drops a late completion).
+    m = manager.match_prefix(req)                                   # device hits
+    ext = connector.get_num_new_matched_tokens(req_id, hashes_after_m, m.num_cached_tokens, max_tokens)
+    blocks = manager.allocate_slots(req, n, m, num_external_tokens=ext.num_tokens)
+    n_loaded = connector.update_state_after_alloc(req_id, blocks.new_block_ids[:len(ext.loads)], ext, ...)
+    ...                                                             # forward pass after connector.fence()
+    connector.on_blocks_stored(...) / on_blocks_evicted(...)        # write policies and stores
+    keep = connector.request_finished(req_id); manager.free(req, keep=keep)   # held blocks: C10
+    finished = connector.get_finished()                             # loads done, held blocks to release
 """
 from __future__ import annotations
 
-import time
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
-from kvpage.cache.tiers.policy import DIRECTIONS, OffloadConfig
-from kvpage.cache.tiers.transfer import Transfer, TransferQueue
-
-
-class BlockMover(Protocol):
-    """The tensor side of the tiers (implemented by :class:`kvpage.cache.tiers.host.HostTier`).
-
-    Every method copies whole blocks: all layers (main and draft) and every
-    tensor of the format (K, V, scales). Ids are device or host block ids.
-
-    Attributes:
-        bytes_per_block: bytes of one block across all layers (``CacheSpec.bytes_per_block``).
-    """
-
-    bytes_per_block: int
-
-    def device_to_host(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> None:
-        """Copy device blocks into host blocks."""
-
-    def host_to_device(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
-        """Copy host blocks into device blocks."""
-
-    def gather(self, device_ids: Sequence[int]) -> list[Any]:
-        """One ``BlockData`` (CPU tensors) per device block."""
-
-    def scatter(self, device_ids: Sequence[int], datas: Sequence[Any]) -> None:
-        """Write ``BlockData`` into device blocks (validated against the spec first)."""
-
-
-class StoreLike(Protocol):
-    """What the offload manager uses of a :class:`kvpage.cache.tiers.stores.base.KVStore`."""
-
-    stats: Any
-
-    def key(self, block_hash: bytes) -> Any:
-        """The store key of ``block_hash`` (under the store's spec fingerprint)."""
-
-    def exists(self, keys: Sequence[Any]) -> list[bool]:
-        """Batched probe."""
-
-    def get(self, keys: Sequence[Any]) -> list[Any | None]:
-        """Batched read; ``None`` = miss, rejected or I/O failure."""
-
-    def put(self, items: Sequence[tuple[Any, Any]]) -> None:
-        """Batched write."""
+from kvpage.cache.tiers.offload import OffloadManager
+from kvpage.cache.tiers.transfer import Transfer
+from kvpage.cache.tiers.types import BlockLoad, OffloadStats
 
 
 @dataclass(frozen=True, slots=True)
-class BlockLoad:
-    """Where one block of a match comes from, below the device.
+class ExternalMatch:
+    """Blocks after a device match that a tier holds (from :meth:`KVConnector.get_num_new_matched_tokens`).
 
     Attributes:
-        tier: ``"host"``, ``"swap"`` (a swapped-out request's own host block) or a store's name (``"disk"``, ``"redis"``).
-        block_hash: the block's chained hash (``None`` for a swap load of a partial block).
-        host_block: the host block id for ``host`` and ``swap`` loads, else -1.
-        store: index of the store in :attr:`OffloadManager.stores` for store loads, else -1.
+        loads: where each block comes from, in order.
+        num_tokens: tokens they hold (``len(loads) * block_size``, except a swap-in's
+            last block, which may be partial).
     """
 
-    tier: str
-    block_hash: bytes | None
-    host_block: int = -1
-    store: int = -1
+    loads: tuple[BlockLoad, ...] = ()
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
-class LoadResult:
-    """What :meth:`OffloadManager.begin_loads` started.
+class FinishedTransfers:
+    """What :meth:`KVConnector.get_finished` found done since the last call.
 
     Attributes:
-        num_loaded: leading loads that are copied (the rest missed at read time and must be recomputed).
-        transfers: the copies, one per source kind; acknowledged already with a synchronous queue.
+        loaded: requests whose loads all landed (their loaded blocks may be indexed now).
+        released: device blocks held for loads of freed requests that completed or were
+            abandoned (give them back with ``KVCacheManager.release_held``).
     """
 
-    num_loaded: int
-    transfers: tuple[Transfer, ...]
-
-    @property
-    def done(self) -> bool:
-        """Whether every copy is acknowledged."""
-        return all(t.acknowledged for t in self.transfers)
+    loaded: tuple[str, ...] = ()
+    released: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class SwapRecord:
-    """A swapped-out request's host copy.
+class KVConnector(ABC):
+    """The scheduler-side interface of a KV tier below the device (host memory, disk, a shared store).
 
-    Attributes:
-        host_ids: host block ``i`` holds the request's block ``i``.
-        num_tokens: tokens whose KV the blocks hold (the request's computed tokens at preemption).
-        transfer: the device->host copy.
+    Block ids are device block ids; hashes are the manager's chained block hashes.
     """
 
-    host_ids: tuple[int, ...]
-    num_tokens: int
-    transfer: Transfer
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadStats:
-    """Counters of the tiers (monotonic since start unless noted).
-
-    Attributes:
-        tier_hits: tier name (``host`` and each store's name) -> blocks served from it to a request.
-        tier_bytes: direction (:data:`DIRECTIONS`) -> payload bytes moved (blocks x ``bytes_per_block``).
-        store_rejected: records stores refused (bad checksum, layout or key), summed over stores.
-        store_errors: failed store I/O operations, summed over stores.
-        num_host_blocks, num_host_free, num_host_evictable, num_host_busy: host block counts now.
-        backups: blocks copied to the host tier by the write policy.
-        backups_dropped: blocks the policy wanted to back up but the host tier had no free or evictable block for.
-        swapped_out_blocks, swapped_in_blocks: blocks moved by swap preemption.
-        swap_fallbacks: swap preemptions that fell back to recompute (no host room).
-        pending_transfers: transfers issued and not yet acknowledged (now).
-    """
-
-    tier_hits: dict[str, int]
-    tier_bytes: dict[str, int]
-    store_rejected: int
-    store_errors: int
-    num_host_blocks: int
-    num_host_free: int
-    num_host_evictable: int
-    num_host_busy: int
-    backups: int
-    backups_dropped: int
-    swapped_out_blocks: int
-    swapped_in_blocks: int
-    swap_fallbacks: int
-    pending_transfers: int
-
-
-class OffloadManager:
-    """Host tier, stores and swap preemption for one :class:`~kvpage.cache.manager.KVCacheManager`.
-
-    Args:
-        mover: copies block data (the tensor side).
-        host: host block bookkeeping, or ``None`` for no host tier (stores only).
-        stores: ``(tier name, store)`` pairs, looked up in this order (e.g. disk before Redis).
-        config: policies.
-        queue: the transfer queue (default a synchronous one).
-        clock: monotonic seconds, for load deadlines (tests pass a fake clock).
-
-    Raises:
-        ValueError: ``preemption_mode="swap"`` without a host tier, or repeated tier names.
-    """
-
-    def __init__(
-        self,
-        mover: BlockMover,
-        host: HostBlockPool | None = None,
-        stores: Sequence[tuple[str, StoreLike]] = (),
-        config: OffloadConfig | None = None,
-        queue: TransferQueue | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.mover = mover
-        self.host = host if host is not None and host.num_blocks > 0 else None
-        self.stores = list(stores)
-        self.config = config or OffloadConfig()
-        self.queue = queue or TransferQueue()
-        self.clock = clock
-        names = ["device", "host", *(n for n, _ in self.stores)]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique and not 'device'/'host', got {[n for n, _ in self.stores]}")
-        if self.config.preemption_mode == "swap" and self.host is None:
-            raise ValueError("preemption_mode='swap' needs a host tier (swap_space > 0)")
-        self._tier_hits = {n: 0 for n in names[1:] if n != "host" or self.host is not None}
-        self._bytes = dict.fromkeys(DIRECTIONS, 0)
-        self._use_counts: dict[bytes, int] = {}  # write_through_selective: uses per cached device block hash
-        self._loaded_from: OrderedDict[bytes, int] = OrderedDict()  # hash -> -1 (host) or store index, until cached
-        self._swapped: dict[str, SwapRecord] = {}
-        self._on_cancel: dict[int, Callable[[], None]] = {}
-        self._backups = self._dropped = self._swap_out = self._swap_in = self._swap_fallbacks = 0
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block (all layers, scales included)."""
-        return int(self.mover.bytes_per_block)
-
-    # -- transfers -------------------------------------------------------------------------------
-    def _submit(
-        self,
-        kind: str,
-        direction: str,
-        src: Sequence[int],
-        dst: Sequence[int],
-        run: Callable[[], None] | None,
-        on_ack: Callable[[], None],
-        on_cancel: Callable[[], None] | None = None,
-    ) -> Transfer:
-        nbytes = len(dst) * self.block_bytes
-
-        def acked(t: Transfer) -> None:
-            self._on_cancel.pop(t.transfer_id, None)
-            self._bytes[direction] += nbytes
-            on_ack()
-
-        t = self.queue.submit(kind, src, dst, nbytes, run, acked)
-        if on_cancel is not None and not t.acknowledged:
-            self._on_cancel[t.transfer_id] = on_cancel
-        return t
-
-    def poll(self) -> list[Transfer]:
-        """Acknowledge finished transfers (host blocks become readable or free, pins drop)."""
-        return self.queue.poll()
-
-    def wait(self, transfers: Sequence[Transfer] | None = None) -> None:
-        """Block until the transfers (default all pending) are done, and acknowledge them."""
-        self.queue.wait(transfers)
-
-    def cancel(self, transfer: Transfer) -> bool:
-        """Abandon a pending load (its deadline passed): release what it pinned; a late completion is ignored.
-
-        Returns:
-            Whether it was pending.
-        """
-        if not self.queue.cancel(transfer):
-            return False
-        cb = self._on_cancel.pop(transfer.transfer_id, None)
-        if cb is not None:
-            cb()
-        return True
-
-    # -- lookup and load -------------------------------------------------------------------------
-    def lookup(self, block_hashes: Sequence[bytes]) -> list[BlockLoad]:
-        """Sources for the longest run of ``block_hashes`` held below the device (side-effect free).
-
-        Per block the host tier wins, then the stores in order; the run stops
-        at the first block no tier has. Stores are probed with one batched
-        ``exists`` each, only when the host tier does not cover the run.
-        """
-        if not block_hashes:
-            return []
-        host_ids = [self.host.lookup(h) if self.host is not None else None for h in block_hashes]
-        first_miss = next((i for i, b in enumerate(host_ids) if b is None), len(block_hashes))
-        probes: list[list[bool]] = []
-        if first_miss < len(block_hashes):
-            rest = block_hashes[first_miss:]
-            for _, store in self.stores:
-                probes.append(list(store.exists([store.key(h) for h in rest])))
-        out: list[BlockLoad] = []
-        for i, h in enumerate(block_hashes):
-            if host_ids[i] is not None:
-                out.append(BlockLoad("host", h, host_block=host_ids[i]))
-                continue
-            k = next((k for k, p in enumerate(probes) if p[i - first_miss]), None)
-            if k is None:
-                break
-            out.append(BlockLoad(self.stores[k][0], h, store=k))
-        return out
-
-    def swap_loads(
-        self, request_id: str, first_block: int, max_tokens: int, block_size: int
-    ) -> tuple[list[BlockLoad], int] | None:
-        """The loads that swap a preempted request back in, from its block ``first_block`` on.
-
-        Waits for the request's swap-out copy if it is still in flight.
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int, max_tokens: int
+    ) -> ExternalMatch:
+        """Tokens after the device hits that this tier can load (side-effect free, but may wait for a swap-out).
 
         Args:
             request_id: the request.
-            first_block: blocks before it are served otherwise (device hits).
-            max_tokens: at most this many tokens come back (``len(tokens) - 1``: the
-                last token is always computed, so the step yields logits).
-            block_size: tokens per block.
-
-        Returns:
-            ``(loads, tokens they restore)``, or ``None`` when the request is not swapped out.
+            block_hashes: hashes of its full blocks after the device hits, up to ``max_tokens``.
+            num_computed_tokens: tokens the device serves (whole blocks).
+            max_tokens: at most this many tokens in all (``len(tokens) - 1``).
         """
-        rec = self._swapped.get(request_id)
-        if rec is None:
-            return None
-        if not rec.transfer.acknowledged:
-            self.wait([rec.transfer])
-        num_tokens = max(min(rec.num_tokens, max_tokens), 0)
-        last = -(-num_tokens // block_size)
-        return [BlockLoad("swap", None, host_block=b) for b in rec.host_ids[first_block:last]], num_tokens
 
-    def is_swapped(self, request_id: str) -> bool:
-        """Whether the request's blocks are in the host tier waiting for a swap-in."""
-        return request_id in self._swapped
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request_id: str, device_ids: Sequence[int], match: ExternalMatch, device_hits: Sequence[int],
+        device_hit_hashes: Sequence[bytes],
+    ) -> int:
+        """Start loading ``match`` into the fresh device blocks ``device_ids``; return the tokens that will arrive.
 
-    def check_loads(self, loads: Sequence[BlockLoad]) -> None:
-        """Raise ``ValueError`` if a host source of ``loads`` no longer holds its block (a stale match)."""
-        for ld in loads:
-            if ld.tier == "host":
-                assert self.host is not None
-                if self.host.lookup(ld.block_hash) != ld.host_block:  # type: ignore[arg-type]
-                    raise ValueError(
-                        f"stale match: host block {ld.host_block} no longer holds its block; call match_prefix "
-                        "again right before allocate_slots"
-                    )
-            elif ld.tier == "swap":
-                assert self.host is not None
-                if self.host.state(ld.host_block) is not HostBlockState.OWNED:
-                    raise ValueError(f"stale match: swapped host block {ld.host_block} was released")
-
-    def pin_sources(self, loads: Sequence[BlockLoad]) -> None:
-        """Pin the host blocks ``loads`` read, so no allocation can reuse them before the loads run."""
-        ids = [ld.host_block for ld in loads if ld.host_block >= 0]
-        if ids:
-            assert self.host is not None
-            self.host.pin(ids)
-
-    def unpin_sources(self, loads: Sequence[BlockLoad]) -> None:
-        """Undo :meth:`pin_sources` (the allocation did not happen, or the loads were dropped)."""
-        ids = [ld.host_block for ld in loads if ld.host_block >= 0]
-        if ids:
-            assert self.host is not None
-            self.host.unpin(ids)
-
-    def begin_loads(self, request_id: str, loads: Sequence[BlockLoad], device_ids: Sequence[int]) -> LoadResult:
-        """Load ``loads`` (pinned by :meth:`pin_sources`) into fresh device blocks ``device_ids``.
-
-        Store records are read now, one batched ``get`` per store; the run is
-        cut at the first record that misses (the caller recomputes from
-        there). Host and swap sources are copied by a host->device transfer;
-        store data by a scatter transfer. A swapped request's swap record is
-        consumed: host blocks not loaded are freed now, loaded ones once their
-        copy is acknowledged.
-
-        Returns:
-            How many leading loads are copied, and the transfers.
-
-        Raises:
-            ValueError: ``len(device_ids) != len(loads)``.
+        A source that misses at read time cuts the run there (the rest is computed).
         """
-        if len(device_ids) != len(loads):
-            raise ValueError(f"{len(device_ids)} device blocks for {len(loads)} loads")
-        datas: dict[int, Any] = {}
-        by_store: dict[int, list[int]] = defaultdict(list)
-        for i, ld in enumerate(loads):
-            if ld.store >= 0:
-                by_store[ld.store].append(i)
-        for k, idxs in by_store.items():
-            store = self.stores[k][1]
-            for i, d in zip(idxs, store.get([store.key(loads[i].block_hash) for i in idxs])):
-                datas[i] = d
-        ok = next((i for i, ld in enumerate(loads) if ld.store >= 0 and datas[i] is None), len(loads))
-        self.unpin_sources(loads[ok:])
-        swap = self._swapped.pop(request_id, None) if any(ld.tier == "swap" for ld in loads) else None
-        if swap is not None:
-            loading = {ld.host_block for ld in loads[:ok]}
-            self.host.free_owned([b for b in swap.host_ids if b not in loading])  # type: ignore[union-attr]
-            self._swap_in += len(loading)
-        transfers: list[Transfer] = []
-        host_idx = [i for i in range(ok) if loads[i].host_block >= 0]
-        if host_idx:
-            hids = [loads[i].host_block for i in host_idx]
-            dids = [int(device_ids[i]) for i in host_idx]
-            owned = [loads[i].host_block for i in host_idx if loads[i].tier == "swap"]
 
-            def release_host(hids: list[int] = hids, owned: list[int] = owned) -> None:
-                self.host.unpin(hids)  # type: ignore[union-attr]
-                if owned:
-                    self.host.free_owned(owned)  # type: ignore[union-attr]
+    @abstractmethod
+    def pin(self, match: ExternalMatch) -> None:
+        """Keep the sources of ``match`` from being reused until :meth:`update_state_after_alloc` loads them."""
 
-            transfers.append(self._submit(
-                "host_to_device", "host_to_device", hids, dids,
-                lambda hids=hids, dids=dids: self.mover.host_to_device(hids, dids), release_host, release_host,
-            ))
-        for k, idxs in by_store.items():
-            idxs = [i for i in idxs if i < ok]
-            if not idxs:
-                continue
-            dids = [int(device_ids[i]) for i in idxs]
-            blocks = [datas[i] for i in idxs]
-            transfers.append(self._submit(
-                "store_to_device", "store_read", (), dids,
-                lambda dids=dids, blocks=blocks: self.mover.scatter(dids, blocks), lambda: None,
-            ))
-        for ld in loads[:ok]:
-            if ld.tier != "swap":
-                self._tier_hits[ld.tier] += 1
-                self._remember_source(ld.block_hash, ld.store)  # type: ignore[arg-type]
-        return LoadResult(ok, tuple(transfers))
+    @abstractmethod
+    def check(self, match: ExternalMatch) -> None:
+        """Raise ``ValueError`` if a source of ``match`` is gone (a stale match)."""
 
-    def _remember_source(self, block_hash: bytes, store: int) -> None:
-        self._loaded_from[block_hash] = store
-        self._loaded_from.move_to_end(block_hash)
-        while len(self._loaded_from) > 1 << 16:
-            self._loaded_from.popitem(last=False)
+    @abstractmethod
+    def loading_from(self, request_id: str) -> int | None:
+        """Index of the request's first block still receiving a load, or ``None`` when nothing is in flight."""
 
-    # -- writes ----------------------------------------------------------------------------------
-    def backup(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> list[int]:
-        """Copy device blocks to the host tier and index them there once the copy is acknowledged.
+    @abstractmethod
+    def request_finished(self, request_id: str, *, preempted: bool = False) -> tuple[int, ...]:
+        """The request finished, was aborted or (``preempted``) will come back: the device blocks this tier keeps
+        until their loads end. A finished request's swapped-out copy is dropped; a preempted one's is kept."""
 
-        Blocks the host tier already holds (or is writing) are skipped; when
-        fewer host blocks are free or evictable than needed, the rest are
-        dropped (counted in ``backups_dropped``). Never takes a host block
-        with a copy in flight or a pinned one (C09).
+    @abstractmethod
+    def get_finished(self) -> FinishedTransfers:
+        """Acknowledge finished copies; report loaded requests and held blocks to release."""
 
-        Returns:
-            The host blocks written (in ``device_ids`` order of the blocks backed up).
-        """
-        if self.host is None:
-            return []
-        pairs: list[tuple[int, bytes]] = []
-        seen: set[bytes] = set()
-        for d, h in zip(device_ids, block_hashes):
-            if h in seen:
-                continue
-            seen.add(h)
-            if self.host.contains(h):
-                b = self.host.lookup(h)
-                if b is not None:
-                    self.host.touch(b)
-                continue
-            pairs.append((int(d), h))
-        room = self.host.num_free + self.host.num_evictable
-        if len(pairs) > room:
-            self._dropped += len(pairs) - room
-            pairs = pairs[:room]
-        if not pairs:
-            return []
-        dids = [d for d, _ in pairs]
-        hids = self.host.allocate(len(pairs), [h for _, h in pairs])
-        self._backups += len(pairs)
+    @abstractmethod
+    def on_blocks_stored(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Blocks entered the device prefix index: the tier's write policy may save them."""
 
-        def written(hids: list[int] = hids) -> None:
-            for b in hids:
-                self.host.finish_write(b)  # type: ignore[union-attr]
+    @abstractmethod
+    def on_blocks_evicted(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Cached device blocks were evicted (their KV is intact until the next forward pass)."""
 
-        self._submit("device_to_host", "device_to_host", dids, hids,
-                     lambda: self.mover.device_to_host(dids, hids), written)
-        return hids
-
-    def on_cached(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
-        """Blocks entered the device prefix index: apply the host write policy and write them through to the stores."""
-        if not device_ids:
-            return
-        pol = self.config.write_policy
-        if pol == "write_through":
-            self.backup(device_ids, block_hashes)
-        elif pol == "write_through_selective":
-            self._count_uses(device_ids, block_hashes)
-        sources = [self._loaded_from.pop(h, None) for h in block_hashes]
-        if not self.stores:
-            return
-        todo = [[i for i, src in enumerate(sources) if src is None or (src >= 0 and src != k)]
-                for k in range(len(self.stores))]
-        need = sorted({i for t in todo for i in t})
-        if not need:
-            return
-        gathered = dict(zip(need, self.mover.gather([device_ids[i] for i in need])))
-        for k, (_, store) in enumerate(self.stores):
-            if todo[k]:
-                store.put([(store.key(block_hashes[i]), gathered[i]) for i in todo[k]])
-                self._bytes["store_write"] += len(todo[k]) * self.block_bytes
-
-    def on_device_hits(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
-        """A request reused cached device blocks (counts a use for ``write_through_selective``)."""
-        if self.config.write_policy == "write_through_selective":
-            self._count_uses(device_ids, block_hashes)
-
-    def _count_uses(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
-        hot_d: list[int] = []
-        hot_h: list[bytes] = []
-        for d, h in zip(device_ids, block_hashes):
-            n = self._use_counts.get(h, 0) + 1
-            self._use_counts[h] = n
-            if n >= self.config.write_through_threshold:
-                hot_d.append(d)
-                hot_h.append(h)
-        if hot_d:
-            self.backup(hot_d, hot_h)
-
-    def on_device_evicted(self, device_id: int, block_hash: bytes) -> None:
-        """A cached device block is being evicted (before its id is reused): ``write_back`` copies it to the host tier."""
-        self._use_counts.pop(block_hash, None)
-        if self.config.write_policy == "write_back":
-            self.backup([device_id], [block_hash])
-
-    # -- swap preemption -------------------------------------------------------------------------
+    @abstractmethod
     def swap_out(self, request_id: str, device_ids: Sequence[int], num_tokens: int) -> bool:
-        """Copy a preempted request's blocks (holding ``num_tokens`` tokens) to host blocks it owns.
+        """Copy a preempted request's blocks out to resume it later; ``False``: recompute instead."""
 
-        Returns:
-            ``False`` (nothing done; recompute instead) without a host tier, with
-            no blocks, or when fewer host blocks are free or evictable than needed.
+    @abstractmethod
+    def wait(self, request_ids: Sequence[str] | None = None) -> None:
+        """Block until the loads of ``request_ids`` (default every pending copy) are done."""
 
-        Raises:
-            ValueError: the request is already swapped out.
-        """
-        if request_id in self._swapped:
-            raise ValueError(f"request {request_id!r} is already swapped out")
-        n = len(device_ids)
-        if self.host is None or n == 0 or not self.host.can_allocate(n):
-            if n:
-                self._swap_fallbacks += 1
-            return False
-        dids = [int(d) for d in device_ids]
-        hids = self.host.allocate(n)
+    @property
+    @abstractmethod
+    def num_pending(self) -> int:
+        """Copies issued and not yet acknowledged."""
 
-        def written(hids: list[int] = hids) -> None:
-            for b in hids:
-                self.host.finish_write(b)  # type: ignore[union-attr]
-
-        t = self._submit("device_to_host", "device_to_host", dids, hids,
-                         lambda: self.mover.device_to_host(dids, hids), written)
-        self._swapped[request_id] = SwapRecord(tuple(hids), int(num_tokens), t)
-        self._swap_out += n
-        return True
-
-    def drop_swapped(self, request_id: str) -> bool:
-        """Free a swapped-out request's host blocks (it finished or was aborted while waiting).
-
-        Blocks whose swap-out copy is still in flight are freed when it is acknowledged.
-
-        Returns:
-            Whether the request was swapped out.
-        """
-        rec = self._swapped.pop(request_id, None)
-        if rec is None:
-            return False
-        self.host.free_owned(rec.host_ids)  # type: ignore[union-attr]
-        return True
-
-    # -- stats -----------------------------------------------------------------------------------
+    @abstractmethod
     def stats(self) -> OffloadStats:
-        """Counters now (see :class:`OffloadStats`)."""
-        h = self.host
-        return OffloadStats(
-            tier_hits=dict(self._tier_hits),
-            tier_bytes=dict(self._bytes),
-            store_rejected=sum(int(getattr(s.stats, "rejected", 0)) for _, s in self.stores),
-            store_errors=sum(int(getattr(s.stats, "errors", 0)) for _, s in self.stores),
-            num_host_blocks=h.num_blocks if h else 0,
-            num_host_free=h.num_free if h else 0,
-            num_host_evictable=h.num_evictable if h else 0,
-            num_host_busy=h.num_busy if h else 0,
-            backups=self._backups,
-            backups_dropped=self._dropped,
-            swapped_out_blocks=self._swap_out,
-            swapped_in_blocks=self._swap_in,
-            swap_fallbacks=self._swap_fallbacks,
-            pending_transfers=self.queue.num_pending,
-        )
+        """The tier's counters."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and handles; no call may follow."""
+
+
+@dataclass(slots=True)
+class _Loading:
+    """Copies into a request's blocks ``[start, start + len(device_ids))`` in flight."""
+
+    start: int
+    device_ids: list[int]
+    transfers: list[Transfer]
+
+
+@dataclass(slots=True)
+class _Held:
+    """Device blocks of a freed request still receiving loads (case C10)."""
+
+    device_ids: list[int]
+    transfers: list[Transfer]
+    deadline: float
+    done: bool = field(default=False)
+
+
+class TieredConnector(KVConnector):
+    """kvpage's host tier, stores and swap preemption behind the connector verbs.
+
+    Args:
+        offload: the tier mechanics (host pool, stores, transfer queue, write policies).
+        block_size: tokens per device block.
+
+    Raises:
+        ValueError: ``block_size < 1``.
+    """
+
+    def __init__(self, offload: OffloadManager, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.offload = offload
+        self.block_size = block_size
+        self._loading: dict[str, _Loading] = {}
+        self._held: list[_Held] = []
+
+    @property
+    def preemption_mode(self) -> str:
+        """``recompute`` or ``swap``."""
+        return self.offload.config.preemption_mode
+
+    # -- admission -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int, max_tokens: int
+    ) -> ExternalMatch:
+        """Host, store or swapped-out blocks after the device hits (see :class:`KVConnector`).
+
+        A request swapped out by :meth:`swap_out` gets its own host blocks back
+        (its whole computed prefix, partial last block included); otherwise the
+        next block hashes are looked up in the host tier, then each store.
+        """
+        block_size = self.block_size
+        d = num_computed_tokens // block_size
+        swap = self.offload.swap_loads(request_id, d, max_tokens, block_size)
+        if swap is not None:
+            loads, num_tokens = swap
+            return ExternalMatch(tuple(loads), max(num_tokens - num_computed_tokens, 0))
+        loads = self.offload.lookup(block_hashes)
+        return ExternalMatch(tuple(loads), len(loads) * block_size)
+
+    def check(self, match: ExternalMatch) -> None:
+        """Raise ``ValueError`` on a stale host source."""
+        self.offload.check_loads(match.loads)
+
+    def pin(self, match: ExternalMatch) -> None:
+        """Pin the host blocks ``match`` reads (a write-back eviction must not take them)."""
+        self.offload.pin_sources(match.loads)
+
+    def update_state_after_alloc(
+        self, request_id: str, device_ids: Sequence[int], match: ExternalMatch, device_hits: Sequence[int],
+        device_hit_hashes: Sequence[bytes],
+    ) -> int:
+        """Begin the loads (pinned by :meth:`pin`) and count the device hits for the write policy."""
+        n = 0
+        if match.loads:
+            res = self.offload.begin_loads(request_id, match.loads, device_ids)
+            # cut short at a store miss: only whole blocks arrived (a swap-in's partial block is always last)
+            n = match.num_tokens if res.num_loaded == len(match.loads) else res.num_loaded * self.block_size
+            pending = [t for t in res.transfers if not t.acknowledged]
+            if pending:
+                self._loading[request_id] = _Loading(len(device_hits), list(device_ids[: res.num_loaded]), pending)
+        self.offload.drop_swapped(request_id)  # swapped out, but the device still held all of it
+        if device_hits:
+            self.offload.on_device_hits(device_hits, device_hit_hashes)
+        return n
+
+    def loading_from(self, request_id: str) -> int | None:
+        """First block index of the request still receiving a load, or ``None``."""
+        ld = self._loading.get(request_id)
+        return None if ld is None else ld.start
+
+    # -- completion ------------------------------------------------------------------------------
+    def request_finished(self, request_id: str, *, preempted: bool = False) -> tuple[int, ...]:
+        """Drop the request's swapped-out copy (unless ``preempted``); hold its blocks still receiving loads until
+        they land or their deadline passes."""
+        if not preempted:
+            self.offload.drop_swapped(request_id)
+        ld = self._loading.pop(request_id, None)
+        if ld is None:
+            return ()
+        pending = [t for t in ld.transfers if not t.acknowledged]
+        if not pending:
+            return ()
+        deadline = self.offload.clock() + self.offload.config.load_deadline_s
+        self._held.append(_Held(ld.device_ids, pending, deadline))
+        return tuple(ld.device_ids)
+
+    def get_finished(self) -> FinishedTransfers:
+        """Poll the copy queue; report requests whose loads all landed and held blocks that may go back.
+
+        A held load past its deadline is cancelled (a late completion is then ignored, C10).
+        """
+        o = self.offload
+        o.poll()
+        loaded = tuple(rid for rid, ld in self._loading.items() if all(t.acknowledged for t in ld.transfers))
+        for rid in loaded:
+            del self._loading[rid]
+        released: list[int] = []
+        if self._held:
+            now = o.clock()
+            keep: list[_Held] = []
+            for h in self._held:
+                if all(t.acknowledged or t.cancelled for t in h.transfers):
+                    released.extend(h.device_ids)
+                elif now >= h.deadline:
+                    for t in h.transfers:
+                        o.cancel(t)
+                    released.extend(h.device_ids)
+                else:
+                    keep.append(h)
+            self._held = keep
+        return FinishedTransfers(loaded, tuple(released))
+
+    def wait(self, request_ids: Sequence[str] | None = None) -> None:
+        """Block until the loads of ``request_ids`` (default: every pending copy) are done (one copy stream:
+        every copy issued before them finishes first)."""
+        if request_ids is None:
+            self.offload.wait()
+            return
+        todo = [t for rid in request_ids if rid in self._loading for t in self._loading[rid].transfers]
+        if todo:
+            self.offload.wait(todo)
+
+    @property
+    def num_pending(self) -> int:
+        """Copies issued and not yet acknowledged."""
+        return self.offload.queue.num_pending
+
+    # -- saving ----------------------------------------------------------------------------------
+    def on_blocks_stored(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Apply the host write policy and write the blocks through to the stores."""
+        if blocks:
+            self.offload.on_cached([b for b, _ in blocks], [h for _, h in blocks])
+
+    def on_blocks_evicted(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """``write_back`` copies evicted blocks to the host tier."""
+        for b, h in blocks:
+            self.offload.on_device_evicted(b, h)
+
+    def swap_out(self, request_id: str, device_ids: Sequence[int], num_tokens: int) -> bool:
+        """Copy a preempted request's blocks to host blocks it owns (``swap`` mode only)."""
+        if self.preemption_mode != "swap":
+            return False
+        return self.offload.swap_out(request_id, device_ids, num_tokens)
+
+    # -- the rest --------------------------------------------------------------------------------
+    @property
+    def num_held_blocks(self) -> int:
+        """Device blocks held for loads of freed requests (now)."""
+        return sum(len(h.device_ids) for h in self._held)
+
+    def stats(self) -> OffloadStats:
+        """The tiers' counters, with the held device blocks."""
+        return self.offload.stats(num_held_blocks=self.num_held_blocks)
+
+    def close(self) -> None:
+        """Close every store."""
+        for _, store in self.offload.stores:
+            store.close()

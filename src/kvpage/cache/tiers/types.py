@@ -1,0 +1,140 @@
+"""Small types the tiers exchange: load sources, results, counters, and the protocols of block movers and stores.
+
+Tensor-free and import-free (standard library only), so the connector, the
+offload policy, the scheduler side and the tests share them without cycles.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpage.cache.tiers.transfer import Transfer
+
+
+class BlockMover(Protocol):
+    """The tensor side of the tiers (implemented by :class:`kvpage.cache.tiers.host.HostTier`).
+
+    Every method copies whole blocks: all layers (main and draft) and every
+    tensor of the format (K, V, scales). Ids are device or host block ids.
+
+    Attributes:
+        bytes_per_block: bytes of one block across all layers (``CacheSpec.bytes_per_block``).
+    """
+
+    bytes_per_block: int
+
+    def device_to_host(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> None:
+        """Copy device blocks into host blocks."""
+
+    def host_to_device(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
+        """Copy host blocks into device blocks."""
+
+    def gather(self, device_ids: Sequence[int]) -> list[Any]:
+        """One ``BlockData`` (CPU tensors) per device block."""
+
+    def scatter(self, device_ids: Sequence[int], datas: Sequence[Any]) -> None:
+        """Write ``BlockData`` into device blocks (validated against the spec first)."""
+
+
+class StoreLike(Protocol):
+    """What the offload manager uses of a :class:`kvpage.cache.tiers.stores.base.KVStore`."""
+
+    stats: Any
+
+    def key(self, block_hash: bytes) -> Any:
+        """The store key of ``block_hash`` (under the store's spec fingerprint)."""
+
+    def exists(self, keys: Sequence[Any]) -> list[bool]:
+        """Batched probe."""
+
+    def get(self, keys: Sequence[Any]) -> list[Any | None]:
+        """Batched read; ``None`` = miss, rejected or I/O failure."""
+
+    def put(self, items: Sequence[tuple[Any, Any]]) -> None:
+        """Batched write."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoad:
+    """Where one block of a match comes from, below the device.
+
+    Attributes:
+        tier: ``"host"``, ``"swap"`` (a swapped-out request's own host block) or a store's name (``"disk"``, ``"redis"``).
+        block_hash: the block's chained hash (``None`` for a swap load of a partial block).
+        host_block: the host block id for ``host`` and ``swap`` loads, else -1.
+        store: index of the store in :attr:`OffloadManager.stores` for store loads, else -1.
+    """
+
+    tier: str
+    block_hash: bytes | None
+    host_block: int = -1
+    store: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What :meth:`OffloadManager.begin_loads` started.
+
+    Attributes:
+        num_loaded: leading loads that are copied (the rest missed at read time and must be recomputed).
+        transfers: the copies, one per source kind; acknowledged already with a synchronous queue.
+    """
+
+    num_loaded: int
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def done(self) -> bool:
+        """Whether every copy is acknowledged."""
+        return all(t.acknowledged for t in self.transfers)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapRecord:
+    """A swapped-out request's host copy.
+
+    Attributes:
+        host_ids: host block ``i`` holds the request's block ``i``.
+        num_tokens: tokens whose KV the blocks hold (the request's computed tokens at preemption).
+        transfer: the device->host copy.
+    """
+
+    host_ids: tuple[int, ...]
+    num_tokens: int
+    transfer: Transfer
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadStats:
+    """Counters of the tiers (monotonic since start unless noted).
+
+    Attributes:
+        tier_hits: tier name (``host`` and each store's name) -> blocks served from it to a request.
+        tier_bytes: direction (:data:`DIRECTIONS`) -> payload bytes moved (blocks x ``bytes_per_block``).
+        store_rejected: records stores refused (bad checksum, layout or key), summed over stores.
+        store_errors: failed store I/O operations, summed over stores.
+        num_host_blocks, num_host_free, num_host_evictable, num_host_busy: host block counts now.
+        backups: blocks copied to the host tier by the write policy.
+        backups_dropped: blocks the policy wanted to back up but the host tier had no free or evictable block for.
+        swapped_out_blocks, swapped_in_blocks: blocks moved by swap preemption.
+        swap_fallbacks: swap preemptions that fell back to recompute (no host room).
+        pending_transfers: transfers issued and not yet acknowledged (now).
+        num_held_blocks: device blocks held for loads of freed requests (now; case C10).
+    """
+
+    tier_hits: dict[str, int]
+    tier_bytes: dict[str, int]
+    store_rejected: int
+    store_errors: int
+    num_host_blocks: int
+    num_host_free: int
+    num_host_evictable: int
+    num_host_busy: int
+    backups: int
+    backups_dropped: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    swap_fallbacks: int
+    pending_transfers: int
+    num_held_blocks: int = 0
