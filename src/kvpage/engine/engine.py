@@ -14,8 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvpage.cache.manager import KVCacheManager, KVCacheStats
-from kvpage.cache.tiers.connector import OffloadManager
+from kvpage.cache.requests import KVCacheStats
+from kvpage.engine.forced import ForcedSequence
+from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, sample
@@ -32,7 +33,7 @@ class EngineStats:
         num_running: requests in the running batch.
         num_waiting: requests queued (new or preempted).
         kv_usage: fraction of KV blocks in use, in [0, 1].
-        kv: the KV-cache manager's counters (prefix queries/hits, evictions, ...).
+        kv: the KV cache's counters (prefix queries/hits, evictions, ...; tier counters in ``kv.tiers``).
         num_preemptions: requests preempted since start.
         prompt_tokens: prompt tokens computed since start (cache hits excluded).
         generation_tokens: tokens sampled since start.
@@ -53,39 +54,33 @@ class LLMEngine:
     Args:
         runner: runs forward passes over the cache tensors.
         tokenizer: a transformers tokenizer (encode/decode).
-        num_blocks: blocks in the cache.
-        block_size: tokens per block.
+        kv: the KV cache as the scheduler sees it (device manager and tier connector).
         eos_token_ids: tokens that end a sequence (unless ``ignore_eos``).
         max_model_len: longest prompt + output, in tokens.
         vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips the check.
         scheduler_config: batching limits.
-        enable_prefix_caching: share full blocks between requests with equal prefixes.
-        offload: host tier, stores and swap preemption (:class:`~kvpage.cache.tiers.connector.OffloadManager`), or ``None``.
     """
 
     def __init__(
         self,
         runner: ModelRunner,
         tokenizer: Any,
+        kv: SchedulerKVCache,
         *,
-        num_blocks: int,
-        block_size: int,
         eos_token_ids: set[int],
         max_model_len: int,
         vocab_size: int | None = None,
         scheduler_config: SchedulerConfig | None = None,
-        enable_prefix_caching: bool = True,
-        offload: OffloadManager | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.kv = kv
+        self.num_blocks = kv.num_blocks
+        self.block_size = kv.block_size
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching, offload=offload)
-        self.scheduler = Scheduler(self.manager, scheduler_config)
+        self.scheduler = Scheduler(kv, scheduler_config)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
@@ -120,7 +115,7 @@ class LLMEngine:
                 f"Shorten the prompt."
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        need = self.manager.blocks_for(len(ids) + max_tokens)
+        need = self.kv.blocks_for(len(ids) + max_tokens)
         if need > self.num_blocks:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens + max_tokens {max_tokens} needs {need} blocks of "
@@ -159,20 +154,20 @@ class LLMEngine:
             RuntimeError: requests wait but none can be scheduled (cannot happen
                 for requests admitted by :meth:`add_request`; guards against a hang).
         """
-        self.manager.poll()  # acknowledge finished tier copies (no-op without tiers)
+        self.kv.poll()  # acknowledge finished tier copies (no-op without tiers)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.num_unfinished:
                 raise RuntimeError(
                     f"{len(self.scheduler.waiting)} waiting requests cannot be scheduled with "
-                    f"{self.manager.num_free_blocks} free blocks"
+                    f"{self.kv.num_free_blocks} free blocks"
                 )
             return []
         batch = [
             ScheduledRequest(c.token_ids, c.num_computed, c.block_ids, c.request.request_id, c.request.num_prompt_tokens)
             for c in sched.scheduled
         ]
-        self.manager.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
+        self.kv.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
         logits = self.runner.execute(batch)                                    # [B, vocab] float32
         self.scheduler.update_after_step(sched)
         outputs: list[RequestOutput] = []
@@ -240,14 +235,21 @@ class LLMEngine:
             metrics=metrics,
         )
 
+    def open_sequence(self, *, prompt_len: int = 0) -> ForcedSequence:
+        """A teacher-forced sequence over this engine's cache (see :class:`~kvpage.engine.forced.ForcedSequence`).
+
+        Its blocks come from the same pool as the running requests'; don't call :meth:`step` while it is open.
+        """
+        return ForcedSequence(self.kv, self.runner, prompt_len=prompt_len)
+
     # -- metrics -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Counters and gauges for metrics and benchmarks."""
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.manager.usage,
-            kv=self.manager.stats(),
+            kv_usage=self.kv.usage,
+            kv=self.kv.stats(),
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,

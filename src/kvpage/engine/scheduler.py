@@ -17,7 +17,8 @@ scheduler, reduced to one KV-cache group):
    split across steps.
 
 Tensor-free: the scheduler sees requests and block ids through the
-:class:`~kvpage.cache.manager.KVCacheManager`, never tensors.
+:class:`~kvpage.engine.kv_cache.SchedulerKVCache` (the device manager, and the
+tier connector called around it), never tensors.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpage.cache.manager import KVCacheManager
+from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.engine.sequence import Request, RequestStatus
 
 
@@ -105,15 +107,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous batching over a :class:`~kvpage.cache.manager.KVCacheManager`.
+    """FCFS continuous batching over a :class:`~kvpage.engine.kv_cache.SchedulerKVCache`.
 
     Args:
-        manager: the KV-cache manager (the only way the scheduler touches the cache).
+        kv: the KV cache (the only way the scheduler touches it); a bare
+            :class:`~kvpage.cache.manager.KVCacheManager` is wrapped without tiers.
         config: batching limits.
     """
 
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None) -> None:
-        self.manager = manager
+    def __init__(self, kv: SchedulerKVCache | KVCacheManager, config: SchedulerConfig | None = None) -> None:
+        self.kv = kv if isinstance(kv, SchedulerKVCache) else SchedulerKVCache(kv)
         self.config = config or SchedulerConfig()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -133,7 +136,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.manager.free(request)
+        self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -146,7 +149,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         # swap mode copies the blocks of its computed tokens to the host tier; recompute ignores the count
-        self.manager.preempt(victim, num_computed_tokens=victim.num_computed_tokens)
+        self.kv.preempt(victim, num_computed_tokens=victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
@@ -166,7 +169,7 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = self.manager.allocate_slots(req, n)
+            blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
                 # Preempt the most recently admitted request; if it was already scheduled
                 # this step (a decode ahead of this prefill), take its chunk back too.
@@ -180,7 +183,7 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is req:
                     break
-                blocks = self.manager.allocate_slots(req, n)
+                blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 continue
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
@@ -188,14 +191,14 @@ class Scheduler:
         # 2. waiting: FCFS admission, unless this step had to preempt.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            match = self.manager.match_prefix(req)  # device hits, then host / store / swapped-out blocks
+            match = self.kv.match_prefix(req)  # device hits, then host / store / swapped-out blocks
             n = req.num_tokens - match.num_computed_tokens
             if n > budget:
                 if self.config.enable_chunked_prefill:
                     n = budget
                 elif out.scheduled:
                     break  # a whole prefill runs alone when it exceeds the budget
-            blocks = self.manager.allocate_slots(req, n, match)
+            blocks = self.kv.allocate_slots(req, n, match)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -205,7 +208,7 @@ class Scheduler:
             short = match.num_computed_tokens - computed
             extra = min(short, budget - n) if self.config.enable_chunked_prefill else short
             if extra > 0:
-                blocks = self.manager.allocate_slots(req, extra)
+                blocks = self.kv.allocate_slots(req, extra)
                 assert blocks is not None and not blocks.new_block_ids
                 n += extra
             req.num_computed_tokens = computed
@@ -225,4 +228,4 @@ class Scheduler:
         for chunk in output.scheduled:
             req = chunk.request
             req.num_computed_tokens = chunk.num_computed + chunk.num_new_tokens
-            self.manager.cache_blocks(req, req.num_computed_tokens)
+            self.kv.cache_blocks(req, req.num_computed_tokens)

@@ -21,14 +21,13 @@ evaluations report. Two ways to feed the text:
   chunked mode, so quote decode mode and treat Δ under ~0.3 % as noise.
   Formats whose stored bytes depend on when a block is sealed may differ more.
 
-Both go through ``llm.engine.manager`` (blocks) and ``llm.runner`` (model,
-:func:`~kvpage.ops.attention.paged_attention`), never a simulation.
+Both feed the text through :meth:`LLM.open_sequence <kvpage.engine.llm.LLM.open_sequence>`:
+the engine's real blocks, model and attention backends, never a simulation.
 """
 from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,12 +144,12 @@ def _check_tokens(llm: LLM, token_ids: Sequence[int]) -> list[int]:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     if len(ids) > llm.max_model_len:
         raise ValueError(f"{len(ids)} tokens exceed the model's context (max_model_len {llm.max_model_len})")
-    mgr = llm.engine.manager
-    need = mgr.blocks_for(len(ids) - 1)
-    have = mgr.num_free_blocks + mgr.num_evictable_blocks
+    st = llm.kv_cache_stats()
+    need = llm.spec.blocks_for_tokens(len(ids) - 1)
+    have = st.num_free + st.num_evictable
     if need > have:
         raise OutOfBlocksError(
-            f"perplexity over {len(ids)} tokens needs {need} KV blocks of {mgr.block_size} tokens; "
+            f"perplexity over {len(ids)} tokens needs {need} KV blocks of {llm.spec.block_size} tokens; "
             f"only {have} are free. Give the LLM more num_blocks / kv_cache_memory_bytes, or fewer tokens."
         )
     return ids
@@ -174,9 +173,9 @@ def evaluate_perplexity(
 ) -> PerplexityResult:
     """Perplexity of ``token_ids`` through ``llm``'s paged KV cache in its format.
 
-    One request's blocks are taken from ``llm.engine.manager`` (one more slot per step, as the
+    One teacher-forced sequence (:meth:`~kvpage.engine.llm.LLM.open_sequence`; one more slot per step, as the
     scheduler's decode does; prefix caching is not used: nothing is matched or indexed), each step
-    runs ``llm.runner.execute`` over the real cache (quantized write, dequantized read), and the
+    runs the model over the real cache (quantized write, dequantized read), and the
     blocks are freed at the end, also on error. The last token is never fed (its logits would
     predict nothing), so ``num_tokens - 1`` positions are run and scored. Token ``t + 1`` is scored
     by ``log_softmax`` (float64) of the float32 logits at position ``t``. Other requests the engine
@@ -201,9 +200,6 @@ def evaluate_perplexity(
     """
     from tqdm import tqdm
 
-    from kvpage.cache.manager import KVRequest
-    from kvpage.engine.model_runner import ScheduledRequest
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -212,28 +208,19 @@ def evaluate_perplexity(
     step = 1 if mode == "decode" else chunk_size
     canonical = llm.spec.main.layer.kv_format
     label = name or canonical
-    mgr = llm.engine.manager
-    req = KVRequest(f"kvpage-eval-{uuid.uuid4().hex}", list(ids))
     n_run = len(ids) - 1                  # positions fed: 0 .. n-2; position t predicts token t + 1
     total = 0.0
     start = time.perf_counter()
     bar = tqdm(total=n_run, desc=f"{label} ({mode})", unit="tok", disable=not progress, leave=False)
     try:
-        for a in range(0, n_run, step):
-            b = min(a + step, n_run)
-            blocks = mgr.allocate_slots(req, b - a)
-            if blocks is None:  # only if someone took blocks since the check
-                raise OutOfBlocksError(f"ran out of KV blocks at token {a} of {len(ids)}")
-            batch = [ScheduledRequest(ids[a:b], a, blocks.block_ids)]
-            if mode == "decode":
-                logits = llm.runner.execute(batch)                               # [1, vocab] float32
-            else:
-                logits = llm.runner.execute(batch, all_logits=True)              # [b - a, vocab] float32
-            total += _nll_sum(logits, ids[a + 1 : b + 1])
-            bar.update(b - a)
+        with llm.open_sequence() as seq:
+            for a in range(0, n_run, step):
+                b = min(a + step, n_run)
+                logits = seq.feed(ids[a:b], all_logits=mode != "decode")    # [1 or b - a, vocab] float32
+                total += _nll_sum(logits, ids[a + 1 : b + 1])
+                bar.update(b - a)
     finally:
         bar.close()
-        mgr.free(req)
     seconds = time.perf_counter() - start
     nll = total / n_run
     cost = kv_cost(llm, len(ids))

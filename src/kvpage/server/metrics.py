@@ -90,12 +90,12 @@ class _EngineStatsCollector(Collector):
         yield hits
         moved = CounterMetricFamily(PREFIX + "tier_bytes", "KV bytes moved between tiers, per direction.",
                                     labels=["direction"])
-        for direction, n in s.kv.tier_bytes.items():
+        for direction, n in (s.kv.tiers.tier_bytes if s.kv.tiers is not None else {}).items():
             moved.add_metric([direction], float(n))
         yield moved
         yield CounterMetricFamily(PREFIX + "store_rejected_records",
                                   "Stored KV records refused (checksum, layout or key mismatch); recomputed.",
-                                  value=float(s.kv.store_rejected))
+                                  value=float(s.kv.tiers.store_rejected if s.kv.tiers is not None else 0))
 
 
 class ServerMetrics:

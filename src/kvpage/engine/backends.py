@@ -1,0 +1,153 @@
+"""Attention backends: how the layers of one layer group write and read their paged cache during a forward pass.
+
+The :class:`~kvpage.engine.model_runner.ModelRunner` holds one backend per
+layer group, chosen by the builder from the group's format the way group
+managers are (:func:`backend_for`): token-wise formats attend with
+:func:`~kvpage.ops.attention.paged_attention`; block-wise (quantize-on-seal)
+formats plan the step's seals once over their group's
+:class:`~kvpage.cache.tail.TailTable` and attend with
+:func:`~kvpage.ops.sealed_attention.sealed_attention`. The runner never asks
+which kind a group is.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.cache.controller import LayerCache
+from kvpage.cache.groups import GroupManager, SealedGroupManager
+from kvpage.cache.tail import TailPool
+from kvpage.ops.attention import AttentionMetadata, paged_attention
+from kvpage.ops.sealed_attention import SealContext, sealed_attention
+from kvpage.spec import CacheSpec, LayerGroupSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """One forward pass as every backend sees it.
+
+    Attributes:
+        meta: slot mapping, query offsets, context lengths and block tables of the batch.
+        block_tables: per request, its block ids.
+        owners: per request, its id (who owns the window copies it makes; ``None`` = anonymous).
+        prompt_lens: per request, its prompt length in tokens.
+    """
+
+    meta: AttentionMetadata
+    block_tables: tuple[Sequence[int], ...]
+    owners: tuple[str | None, ...]
+    prompt_lens: tuple[int, ...]
+
+
+class AttentionBackend:
+    """Writes and reads the layers of one group; one :meth:`begin_step` / :meth:`end_step` pair per forward pass.
+
+    Args:
+        spec: the whole cache spec (layers are looked up by global index).
+        group: the layer group this backend serves.
+        caches: global layer index -> that layer's cache tensors; read at each call, so a
+            re-allocated pool (``LLM.reset_kv_cache``) is seen when the same dict is updated.
+    """
+
+    def __init__(self, spec: CacheSpec, group: LayerGroupSpec, caches: Mapping[int, LayerCache]) -> None:
+        self.spec = spec
+        self.group = group
+        self.caches = caches
+        self._meta: AttentionMetadata | None = None
+
+    def begin_step(self, step: StepLayout, device: torch.device) -> None:
+        """Prepare the step (no writes to the cache yet)."""
+        self._meta = step.meta
+
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """Write the layer's new K/V and attend; ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+
+        Raises:
+            RuntimeError: called outside a step.
+        """
+        if self._meta is None:
+            raise RuntimeError("attend() outside begin_step()/end_step()")
+        return paged_attention(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
+                               layer_index=layer_index)
+
+    def end_step(self) -> None:
+        """The step's layers all ran (or one failed): drop the step's state."""
+        self._meta = None
+
+
+class SealedAttentionBackend(AttentionBackend):
+    """Block-wise (quantize-on-seal) layers: one seal plan per step over the group's tail, shared by its layers.
+
+    Args:
+        spec, group, caches: as :class:`AttentionBackend`.
+        manager: the group's manager (owns the :class:`~kvpage.cache.tail.TailTable`).
+        tail: the group's tail tensors.
+        is_live: ``block_id -> bool``, whether the device pool still holds the block's content.
+        is_in_use: ``block_id -> bool``, whether a request references the block.
+    """
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        group: LayerGroupSpec,
+        caches: Mapping[int, LayerCache],
+        manager: SealedGroupManager,
+        tail: TailPool,
+        is_live: Callable[[int], bool],
+        is_in_use: Callable[[int], bool],
+    ) -> None:
+        super().__init__(spec, group, caches)
+        self.table = manager.table
+        self.tail = tail
+        self._is_live = is_live
+        self._is_in_use = is_in_use
+        self._ctx: SealContext | None = None
+
+    def begin_step(self, step: StepLayout, device: torch.device) -> None:
+        """Book the step's seals, tail writes, window and first-block copies once for all the group's layers."""
+        super().begin_step(step, device)
+        plan = self.table.plan(
+            step.block_tables, step.meta.seq_lens, step.meta.query_lens, device=device,
+            owners=step.owners, prompt_lens=step.prompt_lens, is_live=self._is_live, is_in_use=self._is_in_use,
+        )
+        self._ctx = self.tail.context(plan)
+
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """Seal, write the tail and attend over sealed blocks plus the tail (see :mod:`kvpage.ops.sealed_attention`)."""
+        if self._meta is None or self._ctx is None:
+            raise RuntimeError("attend() outside begin_step()/end_step()")
+        return sealed_attention(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
+                                self._ctx, layer_index=layer_index)
+
+    def end_step(self) -> None:
+        """Free the tail slots the step retired (every layer has read them)."""
+        super().end_step()
+        if self._ctx is not None:
+            self._ctx = None
+            self.table.finish()
+
+
+def backend_for(
+    spec: CacheSpec,
+    manager: GroupManager,
+    caches: Mapping[int, LayerCache],
+    *,
+    tail: TailPool | None = None,
+    is_live: Callable[[int], bool] | None = None,
+    is_in_use: Callable[[int], bool] | None = None,
+) -> AttentionBackend:
+    """The backend of ``manager``'s layer group (sealed groups need their ``tail`` and the pool's views).
+
+    Raises:
+        ValueError: a sealed group without its tail tensors or pool views, or a manager without a group.
+    """
+    group = manager.group
+    if group is None:
+        raise ValueError(f"{manager!r} has no layer group")
+    if isinstance(manager, SealedGroupManager):
+        if tail is None or is_live is None or is_in_use is None:
+            raise ValueError(f"layer group {group.name!r} quantizes on seal and needs its tail pool and pool views")
+        return SealedAttentionBackend(spec, group, caches, manager, tail, is_live, is_in_use)
+    return AttentionBackend(spec, group, caches)

@@ -1,0 +1,145 @@
+"""``build_engine``: assemble a serving engine from a model and an :class:`~kvpage.engine.config.EngineConfig`.
+
+One downward pass, each part handed its collaborators in its constructor and
+never patched afterwards::
+
+    spec ─► controller ─► group managers ─► tiers (connector) ─► KV-cache manager ─► runner ─► engine
+
+Every size a user sees is computed here from what is really allocated: the
+block count is the largest that fits the budget after the side pools of
+block-wise formats (tail, window and first-block copies) are paid for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpage.cache.controller import CacheController, LayerCache
+from kvpage.cache.groups import GroupManager, SealedGroupManager, manager_for
+from kvpage.cache.manager import KVCacheManager
+from kvpage.cache.tail import TailPool
+from kvpage.cache.tiers.connector import TieredConnector
+from kvpage.cache.tiers.host import build_offload
+from kvpage.engine.backends import backend_for
+from kvpage.engine.config import EngineConfig
+from kvpage.engine.engine import LLMEngine
+from kvpage.engine.kv_cache import SchedulerKVCache
+from kvpage.engine.model_runner import ModelRunner
+from kvpage.engine.scheduler import SchedulerConfig
+from kvpage.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """The assembled parts (the :class:`~kvpage.engine.llm.LLM` keeps them; tests and tools read them).
+
+    Attributes:
+        spec: the cache layout.
+        controller: the device (and host) cache tensors.
+        caches: global layer index -> that layer's device tensors (updated in place by a re-allocation).
+        groups: one group manager per layer group.
+        tails: layer group name -> its tail tensors (block-wise groups only).
+        connector: the tiers, or ``None``.
+        kv: the scheduler's KV interface (device manager + connector).
+        runner: the model runner.
+        engine: the continuous-batching engine.
+        num_blocks: device blocks.
+        max_model_len: longest sequence, in tokens.
+    """
+
+    spec: CacheSpec
+    controller: CacheController
+    caches: dict[int, LayerCache]
+    groups: tuple[GroupManager, ...]
+    tails: dict[str, TailPool]
+    connector: TieredConnector | None
+    kv: SchedulerKVCache
+    runner: ModelRunner
+    engine: LLMEngine
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def side_pool_bytes(self) -> int:
+        """Bytes of every tail pool (0 without block-wise formats)."""
+        return sum(t.nbytes for t in self.tails.values())
+
+
+def _tail_sizes(group: GroupManager) -> tuple[int, int]:
+    """``(16-bit slots, sink slots)`` of a block-wise group's tail."""
+    assert isinstance(group, SealedGroupManager)
+    return group.table.num_slots, group.table.num_sink_slots
+
+
+def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Module) -> BuiltEngine:
+    """Assemble the engine for ``loaded`` (config, tokenizer, name) running ``model`` (already on its device).
+
+    Raises:
+        ValueError: ``max_model_len`` beyond the model's context; a budget that holds no block.
+        StaticScalesError: scales missing or invalid for a layer of a static-scale format.
+        CacheAllocationError: a device or host cache could not be allocated (names the group).
+    """
+    mc = loaded.config
+    device = torch.device(config.device)
+    context = int(mc.max_position_embeddings)
+    if config.max_model_len is not None and config.max_model_len > context:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens")
+    max_model_len = context if config.max_model_len is None else config.max_model_len
+
+    spec = CacheSpec.build(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        model_dtype=config.torch_dtype, block_size=config.block_size_resolved,
+        kv_cache_dtype=config.kv_format.name, model_name=Path(loaded.path).name,
+        static_scales=config.static_scales,
+    )
+    controller = CacheController(spec, device)
+    groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens)
+                   for g in spec.groups)
+    sealed = [g for g in groups if isinstance(g, SealedGroupManager)]
+    tail_bytes = sum(TailPool.bytes_for(spec, config.torch_dtype, *_tail_sizes(g), layers=g.group.layer_indices)
+                     for g in sealed if g.group is not None)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        num_blocks = controller.num_blocks_for_budget(max(0, config.kv_budget_bytes - tail_bytes)).num_blocks
+        if num_blocks <= 0:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_budget_bytes} holds no block of "
+                             f"{spec.bytes_per_block} bytes; raise it")
+    caches = dict(controller.initialize_kv_cache(num_blocks))
+
+    offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
+        controller, swap_space=config.swap_space, kv_offload_policy=config.kv_offload_policy,
+        preemption_mode=config.preemption_mode,
+        kv_disk_dir=None if config.kv_disk_dir is None else str(config.kv_disk_dir),
+        kv_disk_max_bytes=config.kv_disk_max_bytes, kv_store=config.kv_store,
+        supports_swap=all(g.supports_swap for g in groups),
+    )
+    connector = None if offload is None else TieredConnector(offload, spec.block_size)
+    manager = KVCacheManager(num_blocks, spec.block_size, groups=groups,
+                             enable_caching=config.enable_prefix_caching,
+                             record_block_changes=connector is not None)
+    kv = SchedulerKVCache(manager, connector)
+
+    tails: dict[str, TailPool] = {}
+    backends = []
+    for g in groups:
+        assert g.group is not None
+        tail = None
+        if isinstance(g, SealedGroupManager):
+            tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.group.layer_indices)
+            tails[g.name] = tail
+        backends.append(backend_for(spec, g, caches, tail=tail, is_live=manager.is_live, is_in_use=manager.is_in_use))
+    runner = ModelRunner(model, spec, backends, device)
+    engine = LLMEngine(
+        runner, loaded.tokenizer, kv,
+        eos_token_ids=set(mc.eos_token_ids), max_model_len=max_model_len, vocab_size=mc.vocab_size,
+        scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                         config.enable_chunked_prefill),
+    )
+    return BuiltEngine(spec, controller, caches, groups, tails, connector, kv, runner, engine, int(num_blocks),
+                       max_model_len)

@@ -1,0 +1,162 @@
+"""``EngineConfig``: every engine setting, validated once, in one place, with one error per bad field.
+
+:class:`~kvpage.engine.llm.LLM`, the CLI and the server all build one; the
+builder (:mod:`kvpage.engine.build`) assembles the engine from it without
+checking anything twice. Names follow vLLM's engine arguments where the
+meaning is the same (``kv_cache_dtype``, ``block_size``, ``swap_space``,
+``max_num_seqs``, ...).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpage.cache.tiers.policy import OffloadConfig
+from kvpage.formats import KVFormat, canonical_format_name, get_format
+from kvpage.scales import StaticScales
+from kvpage.spec import CacheSpec
+
+#: KV budget when neither ``kv_cache_memory_bytes`` nor ``num_blocks`` is given.
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Compute dtype from a name (``auto`` = ``float32``, the safe choice on CPUs) or a torch dtype.
+
+    Raises:
+        ValueError: an unsupported dtype.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        return dtype
+    name = {"auto": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(
+        str(dtype).lower(), str(dtype).lower()
+    )
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[name]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Cache, scheduling, tier and runtime settings of one engine (see :class:`~kvpage.engine.llm.LLM` for each).
+
+    Built with user values, it validates every field in ``__post_init__`` and
+    resolves the derived ones: :attr:`torch_dtype`, :attr:`kv_format` (the one
+    format object every layer spec holds), :attr:`block_size_resolved` and
+    :attr:`residual_tokens`. Static scales given as a path are read here.
+
+    Raises:
+        ValueError: a bad field (the message names it).
+        UnknownKVFormatError: unknown ``kv_cache_dtype``.
+        FileNotFoundError / StaticScalesError: ``kv_cache_scales`` names no file or a bad one.
+    """
+
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str | Path | StaticScales | None = None
+    kv_quant_residual_tokens: int | None = None
+    block_size: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_blocks: int | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0
+    kv_offload_policy: str = "write_through"
+    preemption_mode: str = "recompute"
+    kv_disk_dir: str | Path | None = None
+    kv_disk_max_bytes: int | None = None
+    kv_store: str | None = None
+    #: Derived: the compute dtype.
+    torch_dtype: torch.dtype = field(init=False)
+    #: Derived: the main layers' KV format object.
+    kv_format: KVFormat = field(init=False, repr=False)
+    #: Derived: tokens per block (the format's preferred size when ``block_size`` is ``None``).
+    block_size_resolved: int = field(init=False)
+    #: Derived: the full-precision window of block-wise formats, in tokens.
+    residual_tokens: int = field(init=False)
+    #: Derived: the static scales, read once (``None`` without ``kv_cache_scales``).
+    static_scales: StaticScales | None = field(init=False, repr=False)
+    #: Derived: the tier policy.
+    offload: OffloadConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        put("torch_dtype", resolve_dtype(self.dtype))
+        fmt = get_format(canonical_format_name(self.kv_cache_dtype, self.torch_dtype), self.torch_dtype)
+        put("kv_format", fmt)
+        self._check_positive_int("block_size", self.block_size, allow_none=True)
+        put("block_size_resolved", fmt.preferred_block_size if self.block_size is None else self.block_size)
+        r = fmt.default_residual_tokens if self.kv_quant_residual_tokens is None else self.kv_quant_residual_tokens
+        if not _is_int(r) or r < 0:
+            raise ValueError(f"kv_quant_residual_tokens must be an integer >= 0, got {self.kv_quant_residual_tokens!r}")
+        put("residual_tokens", r)
+        if self.kv_cache_memory_bytes is not None and (not _is_int(self.kv_cache_memory_bytes)
+                                                        or self.kv_cache_memory_bytes < 0):
+            raise ValueError(f"kv_cache_memory_bytes must be an integer >= 0, got {self.kv_cache_memory_bytes!r}")
+        self._check_positive_int("num_blocks", self.num_blocks, allow_none=True)
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 tokens (or None for the model's context), "
+                             f"got {self.max_model_len!r}")
+        self._check_positive_int("num_threads", self.num_threads, allow_none=True)
+        if str(self.device).split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        self._check_positive_int("max_num_seqs", self.max_num_seqs)
+        self._check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self._check_tiers()
+        scales = None if self.kv_cache_scales is None else StaticScales.coerce(self.kv_cache_scales)
+        put("static_scales", scales)
+        if scales is None:  # a static-scale format without scales fails here, before any model loads
+            CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=1, model_dtype=self.torch_dtype,
+                            block_size=self.block_size_resolved, kv_cache_dtype=fmt.name)
+
+    def _check_positive_int(self, name: str, value: Any, *, allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def _check_tiers(self) -> None:
+        s = self.swap_space
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < math.inf:
+            raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {s!r}")
+        object.__setattr__(self, "offload", OffloadConfig(write_policy=self.kv_offload_policy,
+                                                          preemption_mode=self.preemption_mode))
+        if self.preemption_mode == "swap" and s == 0:
+            raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
+        if self.kv_disk_max_bytes is not None:
+            if not _is_int(self.kv_disk_max_bytes) or self.kv_disk_max_bytes <= 0:
+                raise ValueError(f"kv_disk_max_bytes must be a positive number of bytes, got {self.kv_disk_max_bytes!r}")
+            if self.kv_disk_dir is None:
+                raise ValueError("kv_disk_max_bytes needs kv_disk_dir")
+        if self.kv_store is not None and not str(self.kv_store).lower().startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_store must be a redis://host:port/db URL, got {self.kv_store!r}")
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether any tier below the device is asked for (host memory, disk or Redis)."""
+        return self.swap_space > 0 or self.kv_disk_dir is not None or bool(self.kv_store)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The KV budget in bytes (``kv_cache_memory_bytes``, else :data:`DEFAULT_KV_CACHE_BYTES`)."""
+        return DEFAULT_KV_CACHE_BYTES if self.kv_cache_memory_bytes is None else int(self.kv_cache_memory_bytes)

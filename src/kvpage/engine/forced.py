@@ -1,0 +1,111 @@
+"""``ForcedSequence``: feed chosen tokens through the real paged cache, outside the scheduler (teacher forcing).
+
+Perplexity, KL and flip-rate measurements (:mod:`kvpage.eval`, the test suite,
+``benchmarks/greedy_agreement.py``) need the logits of *given* tokens, computed
+exactly as generation computes them: quantized writes into paged blocks, reads
+back through the layer's format, one or more tokens per forward pass. A
+:class:`ForcedSequence` takes its blocks from the engine's KV cache
+(one request that is never prefix-matched nor indexed), runs each
+:meth:`~ForcedSequence.feed` as one forward pass, and frees its blocks on
+:meth:`~ForcedSequence.close`. It imports nothing above ``kvpage.engine``.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpage.cache.requests import KVRequest
+from kvpage.engine.model_runner import ScheduledRequest
+from kvpage.errors import OutOfBlocksError
+
+if TYPE_CHECKING:
+    from kvpage.engine.kv_cache import SchedulerKVCache
+    from kvpage.engine.model_runner import ModelRunner
+
+
+class ForcedSequence:
+    """One teacher-forced sequence over an engine's cache; use it as a context manager.
+
+    Token regions (``n`` = :attr:`num_tokens`): ``[0, n)`` holds KV written by
+    earlier :meth:`feed` calls; a call writes ``[n, n + len(token_ids))``.
+
+    Args:
+        kv: the engine's KV cache (blocks are taken from it; never matched nor indexed).
+        runner: the engine's model runner.
+        prompt_len: tokens at the start that count as the prompt for quantize-on-seal formats'
+            window copies (:mod:`kvpage.cache.tail`); 0 (default) treats every token as generated,
+            as decoding does.
+        request_id: label of the sequence's blocks; default a fresh unique id.
+
+    Raises:
+        ValueError: ``prompt_len < 0``.
+    """
+
+    def __init__(
+        self, kv: SchedulerKVCache, runner: ModelRunner, *, prompt_len: int = 0, request_id: str | None = None
+    ) -> None:
+        if prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {prompt_len}")
+        self._kv = kv
+        self._runner = runner
+        self._prompt_len = prompt_len
+        self._req = KVRequest(request_id or f"kvpage-forced-{uuid.uuid4().hex}", [])
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        """The id its blocks are held under."""
+        return self._req.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed so far (their KV is in the cache)."""
+        return len(self._req.all_token_ids)
+
+    def feed(self, token_ids: Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
+        """Run ``token_ids`` at positions ``num_tokens ..`` in one forward pass, writing their KV.
+
+        Args:
+            token_ids: one or more token ids.
+            all_logits: return the logits of every fed token, not only the last one.
+
+        Returns:
+            ``[1, vocab]`` float32 logits of the last fed token, or ``[len(token_ids), vocab]`` with ``all_logits``.
+
+        Raises:
+            ValueError: no tokens, or the sequence is closed.
+            OutOfBlocksError: the free and evictable blocks cannot hold the new tokens (nothing is written then).
+        """
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("feed needs at least one token")
+        if self._closed:
+            raise ValueError(f"sequence {self.request_id!r} is closed")
+        start = self.num_tokens
+        blocks = self._kv.allocate_slots(self._req, len(ids))
+        if blocks is None:
+            raise OutOfBlocksError(
+                f"no KV blocks left for tokens {start}..{start + len(ids) - 1} of a forced sequence "
+                f"({self._kv.num_free_blocks} free, {self._kv.num_evictable_blocks} evictable)"
+            )
+        self._req.all_token_ids.extend(ids)
+        batch = [ScheduledRequest(ids, start, blocks.block_ids, self.request_id, self._prompt_len)]
+        return self._runner.execute(batch, all_logits=all_logits)
+
+    def close(self) -> None:
+        """Free the sequence's blocks (idempotent); :meth:`feed` fails afterwards."""
+        if not self._closed:
+            self._closed = True
+            self._kv.free(self._req)
+
+    def __enter__(self) -> ForcedSequence:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
