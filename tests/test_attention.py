@@ -148,15 +148,15 @@ class Harness:
         fmt = get_format(self.fmt)
         true_v = r.v[:s] if self.layer.has_value else r.k[:s]
         for tensor, st, x in () if edited else (("key", k_st, r.k[:s]), (value_name, v_st, true_v)):
-            qx = fmt.quantize(x)
+            qx = fmt.quantize(x, kind=tensor)
             assert torch.equal(self.raw(name, tensor), qx.codes)
             if qx.scale is not None:
                 assert torch.equal(self.raw(name, tensor + "_scale"), qx.scale)
             # the stored basis is element-wise (exact); the original basis goes through a matmul by R.T,
             # whose float32 rounding may depend on how many rows are decoded at once
             assert torch.equal(self.stored(name, tensor, rotated=True),
-                               fmt.dequantize_rotated(qx.codes, qx.scale, torch.float32))
-            torch.testing.assert_close(st, fmt.dequantize(qx.codes, qx.scale, torch.float32), atol=1e-6, rtol=1e-6)
+                               fmt.dequantize_rotated(qx.codes, qx.scale, torch.float32, kind=tensor))
+            torch.testing.assert_close(st, fmt.dequantize(qx.codes, qx.scale, torch.float32, kind=tensor), atol=1e-6, rtol=1e-6)
             if self.fmt not in ROTATED:
                 assert torch.equal(st, self.stored(name, tensor, rotated=True))
         # same values (original basis, while the op attended in the rotated one): tight
@@ -467,7 +467,7 @@ def test_write_kv_puts_rows_at_their_slots(fmt: str) -> None:
     write_kv(cache, layer, k, v, torch.tensor(slots))
     fmt_ = get_format(fmt)
     for name, x in (("key", k), ("value", v)):
-        qx = fmt_.quantize(x)
+        qx = fmt_.quantize(x, kind=name)
         for i, s in enumerate(slots):
             blk, off = divmod(s, 3)
             assert torch.equal(cache[name][blk, off], qx.codes[i])
@@ -476,11 +476,11 @@ def test_write_kv_puts_rows_at_their_slots(fmt: str) -> None:
         back = read_kv(cache, layer, name, torch.tensor([[3, 0], [1, 2]]), torch.float32)
         assert back.shape == (2, 2, 3, 2, 8)
         scale0 = qx.scale[0] if qx.scale is not None else None
-        torch.testing.assert_close(back[0, 0, 1], fmt_.dequantize(qx.codes[0], scale0, torch.float32))
+        torch.testing.assert_close(back[0, 0, 1], fmt_.dequantize(qx.codes[0], scale0, torch.float32, kind=name))
         # rotated=True: the stored basis, x @ R for the rotated formats, x itself for the others
         rot = read_kv(cache, layer, name, torch.tensor([[3, 0], [1, 2]]), torch.float32, rotated=True)
         assert rot.shape == back.shape
-        assert torch.equal(rot[0, 0, 1], fmt_.dequantize_rotated(qx.codes[0], scale0, torch.float32))
+        assert torch.equal(rot[0, 0, 1], fmt_.dequantize_rotated(qx.codes[0], scale0, torch.float32, kind=name))
         r = fmt_.rotation(8, torch.float32, "cpu")
         if fmt in ROTATED:
             assert r is not None

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kvpage.errors import KVPageError, UnknownKVFormatError
 from kvpage.formats import (
+    BlockFormat,
     Fp8Format,
     Fp8PerTokenHeadFormat,
     FloatFormat,
@@ -38,6 +39,7 @@ from kvpage.formats import (
     format_aliases,
     get_format,
     register_format,
+    TokenFormat,
 )
 from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 
@@ -217,14 +219,14 @@ def test_bits_per_value_at_head_dim_64(name: str) -> None:
 def test_float_format_round_trip() -> None:
     x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(0))
     f32 = get_format("float32")
-    q = f32.quantize(x)
+    q = f32.quantize(x, kind="key")
     assert q.scale is None and q.codes.dtype == torch.float32 and torch.equal(q.codes, x)
     assert f32.rotation(8, torch.float32, "cpu") is None
-    assert torch.equal(f32.dequantize_rotated(q.codes, None, torch.float32), x)
+    assert torch.equal(f32.dequantize_rotated(q.codes, None, torch.float32, kind="key"), x)
     bf = get_format("bf16")
-    q = bf.quantize(x)
+    q = bf.quantize(x, kind="key")
     assert q.codes.dtype == torch.bfloat16
-    back = bf.dequantize(q.codes, None, torch.float32)
+    back = bf.dequantize(q.codes, None, torch.float32, kind="key")
     assert back.dtype == torch.float32
     assert torch.all((back - x).abs() <= 2.0**-8 * x.abs())  # one rounding to 8 mantissa bits
 
@@ -333,10 +335,10 @@ def test_stored_basis_of_a_row_does_not_depend_on_the_batch() -> None:
         for seed, d in ((1, 128), (5, 128), (11, 128), (16, 128), (0, 96), (2, 80)):
             x = torch.randn(40, 3, d, generator=torch.Generator().manual_seed(seed))
             whole = fmt.to_stored_basis(x)
-            q = fmt.quantize(x)
+            q = fmt.quantize(x, kind="key")
             for i in range(x.shape[0]):
                 assert torch.equal(fmt.to_stored_basis(x[i:i + 1]), whole[i:i + 1]), (name, seed, i)
-                qi = fmt.quantize(x[i:i + 1])
+                qi = fmt.quantize(x[i:i + 1], kind="key")
                 assert torch.equal(qi.codes, q.codes[i:i + 1]), (name, seed, i)
                 assert torch.equal(qi.scale.view(torch.int16), q.scale[i:i + 1].view(torch.int16)), (name, seed, i)
 
@@ -378,7 +380,7 @@ def _check_scale(name: str, y: torch.Tensor, s: torch.Tensor) -> None:
 def _check_bound(name: str, x: torch.Tensor) -> None:
     """Scale and per-element bound in the stored basis, and the original-basis error equal to it in L2."""
     fmt = get_format(name)
-    q = fmt.quantize(x)
+    q = fmt.quantize(x, kind="key")
     assert q.codes.dtype == torch.uint8 and q.codes.shape == x.shape
     y = fmt.to_stored_basis(x)
     x64, y64 = x.double(), y.double()
@@ -389,7 +391,7 @@ def _check_bound(name: str, x: torch.Tensor) -> None:
         # (plus a few float32 subnormal spacings, 2**-149 each, for rows that are themselves subnormal)
         assert torch.all((y64 - x64 @ r).abs() <= 1e-6 * x64.norm(dim=-1, keepdim=True) + 2.0**-145)
     _check_scale(name, y, q.scale)
-    y_hat = fmt.dequantize_rotated(q.codes, q.scale, torch.float32)
+    y_hat = fmt.dequantize_rotated(q.codes, q.scale, torch.float32, kind="key")
     assert y_hat.dtype == torch.float32 and y_hat.shape == x.shape
     assert torch.isfinite(y_hat).all()
     err = (y_hat.double() - y64).abs()
@@ -405,7 +407,7 @@ def _check_bound(name: str, x: torch.Tensor) -> None:
     worst = (err - bound - slack).max()
     assert worst <= 0, f"{name}: error exceeds the documented bound by {float(worst)}"
     # the original basis: x_hat = y_hat @ R.T, and R orthonormal keeps the error's L2 norm
-    back = fmt.dequantize(q.codes, q.scale, torch.float32)
+    back = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
     assert back.dtype == torch.float32 and back.shape == x.shape
     assert torch.isfinite(back).all()
     if name in PLAIN:
@@ -447,11 +449,11 @@ def test_non_power_of_two_head_dim_random_and_outliers(name: str, head_dim: int)
     _check_bound(name, x)
     _check_bound(name, xo)
     fmt = get_format(name)
-    q = fmt.quantize(xo)
+    q = fmt.quantize(xo, kind="key")
     amax = xo.abs().amax(-1)
     assert torch.allclose(q.scale.float(), amax / QMAX[name], rtol=2.0**-11)
     # the outlier itself comes back within a tiny relative error
-    back = fmt.dequantize(q.codes, q.scale, torch.float32)
+    back = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
     rel = ((back[..., -1] - xo[..., -1]).abs() / xo[..., -1].abs()).max()
     assert rel <= (2.0**-4 if KIND[name] == "fp8" else 1 / 254 + 1e-3)
 
@@ -463,7 +465,7 @@ def test_non_power_of_two_head_dim_random_and_outliers_rotated(name: str, head_d
     _check_bound(name, x)
     _check_bound(name, xo)
     fmt = get_format(name)
-    q = fmt.quantize(xo)
+    q = fmt.quantize(xo, kind="key")
     # the last lane sits in the last (smallest) Hadamard block, of size b: it spreads over those b lanes
     # as +-outlier/sqrt(b) and sets the scale
     b = _blocks(head_dim)[-1]
@@ -472,7 +474,7 @@ def test_non_power_of_two_head_dim_random_and_outliers_rotated(name: str, head_d
     assert torch.all(y.abs().amax(-1) >= xo[..., -1].abs() / b**0.5)
     assert torch.all(y[..., head_dim - b:].abs().amin(-1) >= 0.8 * xo[..., -1].abs() / b**0.5)
     # the outlier itself comes back within a small relative error (measured at most 1.6e-3 int8, 2.1e-2 fp8)
-    back = fmt.dequantize(q.codes, q.scale, torch.float32)
+    back = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
     rel = ((back[..., -1] - xo[..., -1]).abs() / xo[..., -1].abs()).max()
     assert rel <= (2.0**-4 if KIND[name] == "fp8" else 1 / 254 + 1e-3)
 
@@ -484,16 +486,16 @@ def test_int8_error_is_much_smaller_than_fp8_on_gaussian_rows(pair: tuple[str, s
     errs = {}
     for name in pair:
         f = get_format(name)
-        q = f.quantize(x)
-        errs[KIND[name]] = (f.dequantize(q.codes, q.scale, torch.float32) - x).abs().mean().item()
+        q = f.quantize(x, kind="key")
+        errs[KIND[name]] = (f.dequantize(q.codes, q.scale, torch.float32, kind="key") - x).abs().mean().item()
     assert 0 < errs["int8"] < errs["fp8"]
     assert errs["int8"] < 0.01 and errs["fp8"] < 0.05
 
 
 def _rms_error(name: str, x: torch.Tensor) -> float:
     f = get_format(name)
-    q = f.quantize(x)
-    return (f.dequantize(q.codes, q.scale, torch.float32) - x).pow(2).mean().sqrt().item()
+    q = f.quantize(x, kind="key")
+    return (f.dequantize(q.codes, q.scale, torch.float32, kind="key") - x).pow(2).mean().sqrt().item()
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
@@ -520,12 +522,12 @@ def test_rotation_reduces_int8_error_with_outlier_channel(head_dim: int) -> None
 @given(x=kv_rows(outlier=False), split=st.integers(0, 4))
 def test_quantization_is_deterministic_and_per_row(name: str, x: torch.Tensor, split: int) -> None:
     fmt = get_format(name)
-    a, b = fmt.quantize(x), fmt.quantize(x.clone())
+    a, b = fmt.quantize(x, kind="key"), fmt.quantize(x.clone(), kind="key")
     assert torch.equal(a.codes, b.codes)
     assert torch.equal(a.scale.view(torch.int16), b.scale.view(torch.int16))  # same bytes
     # a token's bytes do not depend on which other tokens share the call (prefill vs decode)
     split = min(split, x.shape[0])
-    parts = [fmt.quantize(p) for p in (x[:split], x[split:]) if p.shape[0]]
+    parts = [fmt.quantize(p, kind="key") for p in (x[:split], x[split:]) if p.shape[0]]
     assert torch.equal(torch.cat([p.codes for p in parts]), a.codes)
     assert torch.equal(torch.cat([p.scale for p in parts]).view(torch.int16), a.scale.view(torch.int16))
 
@@ -535,30 +537,30 @@ def test_quantization_is_deterministic_and_per_row(name: str, x: torch.Tensor, s
 def test_storage_dtype_is_uint8_for_any_input_dtype(name: str, in_dtype: torch.dtype) -> None:
     x = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(2)).to(in_dtype)
     fmt = get_format(name)
-    q = fmt.quantize(x)
+    q = fmt.quantize(x, kind="key")
     assert q.codes.dtype == torch.uint8 and q.scale.dtype == torch.float16
     # the input dtype only changes the values coded, never the arithmetic: same as quantizing x.float()
-    q32 = fmt.quantize(x.float())
+    q32 = fmt.quantize(x.float(), kind="key")
     assert torch.equal(q.codes, q32.codes) and torch.equal(q.scale, q32.scale)
     for out in (torch.float32, torch.bfloat16):
-        assert fmt.dequantize(q.codes, q.scale, out).dtype == out
-        assert fmt.dequantize_rotated(q.codes, q.scale, out).dtype == out
-    ref = fmt.dequantize(q.codes, q.scale, torch.float32)
-    assert torch.allclose(fmt.dequantize(q.codes, q.scale, torch.bfloat16).float(), ref, rtol=2**-7, atol=2**-7)
+        assert fmt.dequantize(q.codes, q.scale, out, kind="key").dtype == out
+        assert fmt.dequantize_rotated(q.codes, q.scale, out, kind="key").dtype == out
+    ref = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
+    assert torch.allclose(fmt.dequantize(q.codes, q.scale, torch.bfloat16, kind="key").float(), ref, rtol=2**-7, atol=2**-7)
 
 
 def test_known_codes() -> None:
     """A few hand-computed encodings (independent of the implementation's arithmetic)."""
     # int8: row [-2, 0.5, 1] -> scale 2/127, codes round(x * 127 / 2) = -127, 32 (31.75), 64 (63.5 -> even 64)
     x = torch.tensor([[[-2.0, 0.5, 1.0]]])
-    q = get_format("int8").quantize(x)
+    q = get_format("int8").quantize(x, kind="key")
     s = torch.tensor(2.0 / 127).half()
     assert q.scale.item() == s.item()
     codes = q.codes.view(torch.int8).flatten().tolist()
     expected = [round(v / s.item()) for v in (-2.0, 0.5, 1.0)]
     assert codes == expected and codes[0] == -127
     # fp8: row [448, -1, 0] -> scale 1.0, codes are the e4m3fn bit patterns 0x7E, 0xB8, 0x00
-    q = get_format("fp8_per_token_head").quantize(torch.tensor([[[448.0, -1.0, 0.0]]]))
+    q = get_format("fp8_per_token_head").quantize(torch.tensor([[[448.0, -1.0, 0.0]]]), kind="key")
     assert q.scale.item() == 1.0
     assert q.codes.flatten().tolist() == [0x7E, 0xB8, 0x00]
 
@@ -567,22 +569,22 @@ def test_known_codes_rotated() -> None:
     """Hand-computed rotated encodings at head_dim 4: ``R = H4 / 2`` with H4 rows
     ``[1,1,1,1], [1,-1,1,-1], [1,1,-1,-1], [1,-1,-1,1]``, so ``y = x @ R`` is exact here."""
     # int8: [3, 1, 0, 0] -> y = (3 H4[0] + H4[1]) / 2 = [2, 1, 2, 1]; scale 2/127, codes round(y / s)
-    q = get_format("int8_rotated").quantize(torch.tensor([[[3.0, 1.0, 0.0, 0.0]]]))
+    q = get_format("int8_rotated").quantize(torch.tensor([[[3.0, 1.0, 0.0, 0.0]]]), kind="key")
     s = torch.tensor(2.0 / 127).half()
     assert q.scale.item() == s.item()
     assert q.codes.view(torch.int8).flatten().tolist() == [round(v / s.item()) for v in (2.0, 1.0, 2.0, 1.0)]
     assert q.codes.view(torch.int8).flatten().tolist()[0] == 127
     # [1, 0, 0, -1] -> y = (H4[0] - H4[3]) / 2 = [0, 1, 1, 0]: scale 1/127, codes 0, 127, 127, 0
-    q = get_format("int8_rotated").quantize(torch.tensor([[[1.0, 0.0, 0.0, -1.0]]]))
+    q = get_format("int8_rotated").quantize(torch.tensor([[[1.0, 0.0, 0.0, -1.0]]]), kind="key")
     assert q.scale.item() == torch.tensor(1.0 / 127).half().item()
     assert q.codes.view(torch.int8).flatten().tolist() == [0, 127, 127, 0]
     # fp8: [896, 0, 0, 0] -> y = 448 H4[0] = [448] * 4: scale 1.0, codes 0x7E (448) four times
-    q = get_format("fp8").quantize(torch.tensor([[[896.0, 0.0, 0.0, 0.0]], [[0.0, -896.0, 0.0, 0.0]]]))
+    q = get_format("fp8").quantize(torch.tensor([[[896.0, 0.0, 0.0, 0.0]], [[0.0, -896.0, 0.0, 0.0]]]), kind="key")
     assert q.scale.flatten().tolist() == [1.0, 1.0]
     # [0, -896, 0, 0] -> y = -448 H4[1] = [-448, 448, -448, 448]: 0xFE, 0x7E, 0xFE, 0x7E
     assert q.codes.flatten().tolist() == [0x7E] * 4 + [0xFE, 0x7E, 0xFE, 0x7E]
     # and both decode back exactly
-    back = get_format("fp8").dequantize(q.codes, q.scale, torch.float32)
+    back = get_format("fp8").dequantize(q.codes, q.scale, torch.float32, kind="key")
     assert back.flatten().tolist() == [896.0, 0.0, 0.0, 0.0, 0.0, -896.0, 0.0, 0.0]
 
 
@@ -610,10 +612,10 @@ def test_c23_fp8_saturates_never_inf_nan(name: str) -> None:
     fmt = get_format(name)
     big = 448.0 * FP16_MAX  # largest magnitude a float16 scale can represent
     x = _c23_rows()
-    q = fmt.quantize(x)
+    q = fmt.quantize(x, kind="key")
     s = q.scale.float()
-    y_hat = fmt.dequantize_rotated(q.codes, q.scale, torch.float32)
-    back = fmt.dequantize(q.codes, q.scale, torch.float32)
+    y_hat = fmt.dequantize_rotated(q.codes, q.scale, torch.float32, kind="key")
+    back = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
 
     assert torch.isfinite(s).all() and (s > 0).all()
     assert torch.isfinite(y_hat).all() and torch.isfinite(back).all(), "fp8 produced inf/NaN"
@@ -664,10 +666,10 @@ def test_c23_fp8_saturates_never_inf_nan(name: str) -> None:
 def test_any_finite_or_infinite_input_decodes_finite(vals: list[float], name: str) -> None:
     x = torch.tensor(vals, dtype=torch.float32).view(1, 1, -1)
     fmt = get_format(name)
-    q = fmt.quantize(x)
+    q = fmt.quantize(x, kind="key")
     y = fmt.to_stored_basis(x)
-    y_hat = fmt.dequantize_rotated(q.codes, q.scale, torch.float32)
-    back = fmt.dequantize(q.codes, q.scale, torch.float32)
+    y_hat = fmt.dequantize_rotated(q.codes, q.scale, torch.float32, kind="key")
+    back = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
     assert torch.isfinite(q.scale.float()).all() and torch.isfinite(y).all()
     assert torch.isfinite(y_hat).all() and torch.isfinite(back).all()
     limit = QMAX[name] * q.scale.float().unsqueeze(-1)
@@ -689,26 +691,26 @@ def test_all_zero_token_has_finite_scale_and_decodes_to_zero(name: str, zero: fl
     fmt = get_format(name)
     x = torch.full((3, 2, 80), zero)
     x[1] = torch.randn(2, 80, generator=torch.Generator().manual_seed(4))  # neighbours do not matter
-    q = fmt.quantize(x)
+    q = fmt.quantize(x, kind="key")
     for t in (0, 2):
         assert torch.all(q.scale[t].float() == SCALE_FLOOR)
         if KIND[name] == "int8":
             assert torch.all(q.codes[t] == 0)
         else:  # +0 (0x00) or -0 (0x80) in e4m3fn
             assert torch.all((q.codes[t] & 0x7F) == 0)
-        back = fmt.dequantize(q.codes[t], q.scale[t], torch.float32)
+        back = fmt.dequantize(q.codes[t], q.scale[t], torch.float32, kind="key")
         assert torch.all(back == 0) and torch.isfinite(back).all()
-        assert torch.all(fmt.dequantize_rotated(q.codes[t], q.scale[t], torch.float32) == 0)
+        assert torch.all(fmt.dequantize_rotated(q.codes[t], q.scale[t], torch.float32, kind="key") == 0)
     assert torch.all(q.scale[1].float() > SCALE_FLOOR)  # the random neighbour got a real scale
 
 
 def test_int8_saturates_inf_to_127_scale() -> None:
     fmt = get_format("int8")
     x = torch.tensor([[[float("inf"), -float("inf"), 1.0, 0.0]]])
-    q = fmt.quantize(x)
+    q = fmt.quantize(x, kind="key")
     assert q.scale.item() == FP16_MAX
     assert q.codes.view(torch.int8).flatten().tolist() == [127, -127, 0, 0]
-    back = fmt.dequantize(q.codes, q.scale, torch.float32)
+    back = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
     assert back.flatten().tolist() == [127 * FP16_MAX, -127 * FP16_MAX, 0.0, 0.0]
 
 
@@ -717,10 +719,10 @@ def test_int8_rotated_saturates_inf_to_127_scale() -> None:
     ``y = [0.5, L + 0.5, -0.5, L - 0.5]`` -> scale 65504, codes ``[0, 127, 0, 127]``, and
     ``y_hat @ R.T = [L, -L, 0, 0]``: the infinities saturate to exactly +-127 * scale here too."""
     fmt = get_format("int8_rotated")
-    q = fmt.quantize(torch.tensor([[[float("inf"), -float("inf"), 1.0, 0.0]]]))
+    q = fmt.quantize(torch.tensor([[[float("inf"), -float("inf"), 1.0, 0.0]]]), kind="key")
     assert q.scale.item() == FP16_MAX
     assert q.codes.view(torch.int8).flatten().tolist() == [0, 127, 0, 127]
-    back = fmt.dequantize(q.codes, q.scale, torch.float32)
+    back = fmt.dequantize(q.codes, q.scale, torch.float32, kind="key")
     assert back.flatten().tolist() == [127 * FP16_MAX, -127 * FP16_MAX, 0.0, 0.0]
 
 
@@ -728,9 +730,17 @@ def test_formats_are_kvformat_instances() -> None:
     for name in available_formats():
         f = get_format(name)
         assert isinstance(f, KVFormat)
+        # exactly one of the two interfaces: block-wise for the quantize-on-seal formats, token-wise for the rest
+        block_wise = name in ("int4", "int2")
+        assert isinstance(f, BlockFormat) == block_wise and isinstance(f, TokenFormat) == (not block_wise)
         assert f.quantized == (name in QUANTIZED or name.endswith("_static") or name in ("int4", "int2"))
         assert isinstance(f.version, int) and f.version >= 1
-        assert (f.rotation(8, torch.float32, "cpu") is not None) == (name in ROTATED)
+        if isinstance(f, TokenFormat):
+            assert (f.rotation(8, torch.float32, "cpu") is not None) == (name in ROTATED)
+        else:  # the token interface is not there at all (it used to raise TypeError)
+            assert not hasattr(f, "quantize") and not hasattr(f, "rotation")
+        # equal when they store the same bytes the same way
+        assert f == get_format(name) and hash(f) == hash(get_format(name))
     # the rotated formats store different bytes under the names int8/fp8 used for plain rows before:
     # their version (part of the layout fingerprint) moved on, so old stores are never read as rotated
     assert get_format("fp8").version == 2 and get_format("int8").version == 3  # int8: plain again, after 2 = rotated

@@ -27,7 +27,7 @@ from kvpage.formats.kivi import (
     value_group_size,
 )
 from kvpage.ops.attention import AttentionMetadata, paged_attention
-from kvpage.ops.sealed_attention import SealContext
+from kvpage.ops.sealed_attention import SealContext, sealed_attention
 from kvpage.spec import CacheSpec
 
 SEALED = ["int4", "int2"]
@@ -230,8 +230,8 @@ def _reference_context(x: torch.Tensor, s: int, bs: int, name: str, kind: str, w
     for j in range(nfull):
         blk = xh[j * bs:(j + 1) * bs]
         if j == 0:
-            q = int8.quantize(blk)
-            parts.append(int8.dequantize(q.codes, q.scale, torch.float64))
+            q = int8.quantize(blk, kind=kind)
+            parts.append(int8.dequantize(q.codes, q.scale, torch.float64, kind=kind))
         elif j >= nfull - window_blocks:
             parts.append(blk.double())
         else:
@@ -273,8 +273,8 @@ def test_attention_matches_float64_reference(name: str, residual: int, bs: int, 
                                        slot_mapping=[blocks[p // bs] * bs + p % bs for p in range(pos, s)],
                                        block_size=bs)
         plan = table.plan([blocks], [s], [n])
-        out = paged_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, layer_index=0,
-                              seal=SealContext(plan, pool))
+        out = sealed_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, pool.context(plan),
+                               layer_index=0)
         table.finish()
         kr = _reference_context(k, s, bs, name, "key", w)
         vr = _reference_context(v, s, bs, name, "value", w)
@@ -304,8 +304,8 @@ def test_c22_sealed_blocks_identical_whatever_the_path(name: str) -> None:
             s = pos + n
             meta = AttentionMetadata.build(block_tables=[[0, 1, 2, 3, 4]], seq_lens=[s], query_lens=[n],
                                            slot_mapping=list(range(pos, s)), block_size=bs)
-            paged_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, layer_index=0,
-                            seal=SealContext(table.plan([[0, 1, 2, 3, 4]], [s], [n]), pool))
+            ctx = pool.context(table.plan([[0, 1, 2, 3, 4]], [s], [n]))
+            sealed_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, ctx, layer_index=0)
             table.finish()
             pos = s
         results.append({n: t.clone() for n, t in caches[0].items()})
@@ -314,15 +314,34 @@ def test_c22_sealed_blocks_identical_whatever_the_path(name: str) -> None:
             assert torch.equal(t.view(torch.uint8), other[n].view(torch.uint8)), n
 
 
-def test_sealed_layer_without_tail_is_a_clear_error() -> None:
+def test_each_attention_op_refuses_the_other_kind_of_format() -> None:
     spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int4")
     caches = CacheController(spec).initialize_kv_cache(2)
     meta = AttentionMetadata.build(block_tables=[[0]], seq_lens=[1], query_lens=[1], slot_mapping=[0], block_size=4)
     x = torch.randn(1, 1, 8)
-    with pytest.raises(KVCacheLayoutError, match="layer 0: format int4 .* tail pool"):
-        paged_attention(x, x, x, caches[0], spec.layer(0), meta, layer_index=0)
-    with pytest.raises(TypeError, match="seal"):
-        get_format("int4").quantize(x)
+    with pytest.raises(KVCacheLayoutError, match="layer 3: format int4 is block-wise.*sealed_attention"):
+        paged_attention(x, x, x, caches[0], spec.layer(0), meta, layer_index=3)
+    assert not hasattr(get_format("int4"), "quantize")  # block-wise formats have no token interface at all
+    # sealed_attention: a context without this layer's tail, or a plan for another batch, is refused before writing
+    table = TailTable(4, num_slots=2, num_sink_slots=1, window_blocks=0)
+    pool = TailPool(spec, table, torch.float32)
+    ctx = pool.context(table.plan([[0]], [1], [1]))
+    with pytest.raises(KVCacheLayoutError, match="layer 0: .*SealContext has none for it"):
+        sealed_attention(x, x, x, caches[0], spec.layer(0), meta, SealContext(ctx.plan, {}, ctx.sink_format),
+                         layer_index=0)
+    two = AttentionMetadata.build(block_tables=[[0], [1]], seq_lens=[1, 1], query_lens=[1, 1], slot_mapping=[0, 4],
+                                  block_size=4)
+    with pytest.raises(KVCacheLayoutError, match="plan covers 1 requests, the batch has 2"):
+        sealed_attention(torch.cat([x, x]), torch.cat([x, x]), torch.cat([x, x]), caches[0], spec.layer(0), two, ctx,
+                         layer_index=0)
+    with pytest.raises(KVCacheLayoutError, match="layer 0: new k must be"):
+        sealed_attention(x, torch.randn(1, 2, 8), x, caches[0], spec.layer(0), meta, ctx, layer_index=0)
+    assert not any(t.any() for t in caches[0].values()) and not any(t.any() for t in pool.layers[0].values())
+    # and a token-wise layer is refused by sealed_attention
+    int8 = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int8")
+    with pytest.raises(KVCacheLayoutError, match="layer 0: format int8 is token-wise.*paged_attention"):
+        sealed_attention(x, x, x, CacheController(int8).initialize_kv_cache(2)[0], int8.layer(0), meta, ctx,
+                         layer_index=0)
 
 
 # -- the tail table -------------------------------------------------------------------------------
@@ -346,16 +365,17 @@ def test_tail_table_exact_accounting_and_reuse() -> None:
 
 def test_tail_table_reclaims_dead_blocks_then_errors_when_all_are_open() -> None:
     live = {1, 2}
-    t = TailTable(block_size=4, num_slots=2, num_sink_slots=0, window_blocks=0, is_live=lambda b: b in live)
-    t.plan([[1], [2]], [2, 2], [2, 2])
+    is_live = lambda b: b in live  # noqa: E731 (the device pool's view, passed to each plan)
+    t = TailTable(block_size=4, num_slots=2, num_sink_slots=0, window_blocks=0)
+    t.plan([[1], [2]], [2, 2], [2, 2], is_live=is_live)
     t.finish()
     live.discard(1)                              # request 1 finished: its open block is dead
-    t.plan([[3]], [1], [1])                      # reuses the dead block's slot
+    t.plan([[3]], [1], [1], is_live=is_live)     # reuses the dead block's slot
     t.finish()
     assert t.slot_of(1) is None and t.slot_of(3) is not None and t.num_used == 2
     live.add(3)
     with pytest.raises(OutOfBlocksError, match="tail pool is full"):
-        t.plan([[4]], [1], [1])
+        t.plan([[4]], [1], [1], is_live=is_live)
 
 
 def test_window_copies_move_with_the_request_and_give_way_under_pressure() -> None:
@@ -450,26 +470,38 @@ def test_int4_prefix_from_a_tier_never_reads_the_first_block_without_its_8bit_co
     second = LLM(smollm2, kv_cache_dtype="int4", progress=False, max_num_seqs=2, kv_disk_dir=str(tmp_path / "kv"))
     again = second.generate([prompt], params)[0]
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert second.engine.manager.stats().tier_hits.get("disk", 0) == 0
+    assert second.kv_cache_stats().tier_hits.get("disk", 0) == 0
     # On the device, with the first block's copy held, the prefix is a hit as usual.
     hit = second.generate([prompt], params)[0]
     assert hit.metrics.cached_tokens == 96 and hit.outputs[0].token_ids == cold.outputs[0].token_ids
     second.close()
 
 
-def test_manager_drops_a_match_whose_first_block_fails_the_check() -> None:
+def test_sealed_group_uses_a_match_only_behind_a_first_block_with_its_copy() -> None:
+    """The quantize-on-seal group manager's prefix policy, through the KV-cache manager: a device match is
+    used only while its first block holds an 8-bit copy; tiers serve a prefix only after such a hit; only
+    prompt blocks are indexed."""
+    from kvpage.cache.groups import SealedGroupManager, manager_for
     from kvpage.cache.manager import KVCacheManager, KVRequest
 
-    m = KVCacheManager(8, 4)
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int4")
+    group = manager_for(spec.main, max_num_seqs=2, residual_tokens=0)
+    assert isinstance(group, SealedGroupManager)
+    m = KVCacheManager(8, 4, groups=[group])
     a = KVRequest("a", list(range(10)))
-    m.allocate_slots(a, 10, m.match_prefix(a))
+    blocks = m.allocate_slots(a, 10, m.match_prefix(a))
+    assert blocks is not None
     m.cache_blocks(a, 10)
     b = KVRequest("b", list(range(10)))
-    assert len(m.match_prefix(b).block_ids) == 2
-    m.first_block_ok = lambda blk: False
+    assert m.match_prefix(b).block_ids == () and not m.allows_external_prefix(m.match_prefix(b))  # no copy yet
+    group.table.plan([blocks.block_ids], [10], [10])  # the step that wrote a's blocks made the first block's copy
+    group.table.finish()
+    assert len(m.match_prefix(b).block_ids) == 2 and m.allows_external_prefix(m.match_prefix(b))
+    group.on_blocks_allocated([blocks.block_ids[0]])  # handed out anew: the copy is gone with the content
     assert m.match_prefix(b).block_ids == ()
-    m.first_block_ok = lambda blk: True
-    assert len(m.match_prefix(b).block_ids) == 2
+    c = KVRequest("c", list(range(100, 110)), num_prompt_tokens=5)
+    m.allocate_slots(c, 10)
+    assert m.cache_blocks(c, 10) == 1  # one full prompt block; block 2 holds generated tokens
 
 
 def test_a_first_block_read_this_step_keeps_its_8bit_copy() -> None:
@@ -488,16 +520,17 @@ def test_a_first_block_read_this_step_keeps_its_8bit_copy() -> None:
 
 def test_sink_copies_of_idle_blocks_go_before_those_in_use() -> None:
     in_use = {0}
-    t = TailTable(block_size=2, num_slots=4, num_sink_slots=2, window_blocks=0, is_in_use=lambda b: b in in_use)
-    t.plan([[0, 1]], [3], [3])   # block 0: first block of a running request
+    view = {"is_in_use": lambda b: b in in_use}  # the device pool's view, passed to each plan
+    t = TailTable(block_size=2, num_slots=4, num_sink_slots=2, window_blocks=0)
+    t.plan([[0, 1]], [3], [3], **view)   # block 0: first block of a running request
     t.finish()
-    t.plan([[4, 5]], [3], [3])   # block 4: first block of a request that then finishes (cached, idle)
+    t.plan([[4, 5]], [3], [3], **view)   # block 4: first block of a request that then finishes (cached, idle)
     t.finish()
-    t.plan([[0, 1]], [4], [1])   # the running request reads block 0 again (most recently used now)
+    t.plan([[0, 1]], [4], [1], **view)   # the running request reads block 0 again (most recently used now)
     t.finish()
-    t.plan([[0, 1, 2]], [5], [1])
+    t.plan([[0, 1, 2]], [5], [1], **view)
     t.finish()
-    t.plan([[8, 9]], [3], [3])   # a third first block: block 4's copy goes, block 0's stays
+    t.plan([[8, 9]], [3], [3], **view)   # a third first block: block 4's copy goes, block 0's stays
     t.finish()
     assert t.sink_of(0) is not None and t.sink_of(8) is not None and t.sink_of(4) is None
 

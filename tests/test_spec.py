@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from kvpage.cache.controller import CacheController
 from kvpage.errors import KVCacheLayoutError, UnknownKVFormatError
 from kvpage.formats import get_format
 from kvpage.ops.attention import AttentionMetadata, paged_attention
-from kvpage.spec import CacheConfig, CacheSpec, LayerSpec
+from kvpage.spec import CacheSpec, LayerSpec
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -186,6 +185,8 @@ def test_fingerprint_stable_across_processes() -> None:
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout.strip().splitlines()[-1]) == here
 
+
+
 #: Fingerprints of released layouts (3 layers, 2 kv heads, head_dim 64, model "m"): stored records are keyed by
 #: them, so a refactor of the spec or formats must leave them alone (they changed only with a format's version).
 PINNED = {
@@ -210,24 +211,23 @@ def test_fingerprints_of_released_layouts_are_unchanged(key: tuple[str, int, boo
     assert spec.fingerprint == PINNED[key]
 
 
-
+def test_layer_spec_holds_the_format_object() -> None:
+    by_name = LayerSpec(2, 16, 4, "INT8_PER_TOKEN_HEAD")  # a name is resolved once, here
+    by_object = LayerSpec(2, 16, 4, get_format("int8"))
+    assert by_name == by_object and hash(by_name) == hash(by_object)
+    assert by_name.format == get_format("int8") and by_name.kv_format == "int8"
+    assert by_name.describe() == by_object.describe()
+    assert LayerSpec(2, 16, 4, "fp8") != by_name
+    with pytest.raises(UnknownKVFormatError):
+        LayerSpec(2, 16, 4, "int3")
 # -- C04: draft bf16 beside fp8 main ------------------------------------------------------------
-
-
-@dataclass
-class _ModelCfg:
-    num_layers: int = 3
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    dtype: torch.dtype = torch.float32
-    name: str = "toy"
 
 
 def test_c04_draft_bf16_beside_fp8() -> None:
     bs, heads, dim = 4, 2, 32
-    cfg = CacheConfig(block_size=bs, kv_cache_dtype="fp8", draft_kv_cache_dtype="bfloat16")
     # the model dtype is float32: nothing may fall back to it
-    spec = CacheSpec.from_configs(_ModelCfg(num_kv_heads=heads, head_dim=dim), cfg, num_draft_layers=2)
+    spec = CacheSpec.build(num_layers=3, num_kv_heads=heads, head_dim=dim, model_dtype=torch.float32, block_size=bs,
+                           kv_cache_dtype="fp8", num_draft_layers=2, draft_kv_cache_dtype="bfloat16", model_name="toy")
     main, draft = spec.main, spec.draft
     assert draft is not None
     assert (main.layer.kv_format, draft.layer.kv_format) == ("fp8", "bfloat16")
@@ -271,7 +271,7 @@ def test_c04_draft_bf16_beside_fp8() -> None:
         stored_k = cache["key"].view(-1, heads, dim)[slots]
         stored_v = cache["value"].view(-1, heads, dim)[slots]
         if i == 0:  # fp8 codes + scales
-            qk, qv = get_format("fp8").quantize(k), get_format("fp8").quantize(v)
+            qk, qv = get_format("fp8").quantize(k, kind="key"), get_format("fp8").quantize(v, kind="value")
             assert torch.equal(stored_k, qk.codes) and torch.equal(stored_v, qv.codes)
             assert torch.equal(cache["key_scale"].view(-1, heads)[slots], qk.scale)
             assert torch.equal(cache["value_scale"].view(-1, heads)[slots], qv.scale)
@@ -288,11 +288,11 @@ def test_c04_draft_bf16_beside_fp8() -> None:
 
 
 def test_draft_defaults_to_main_format_not_model_dtype() -> None:
-    cfg = CacheConfig(block_size=8, kv_cache_dtype="int8")
-    spec = CacheSpec.from_configs(_ModelCfg(dtype=torch.bfloat16), cfg, num_draft_layers=1)
+    toy = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 32, "model_dtype": torch.bfloat16, "block_size": 8,
+           "num_draft_layers": 1, "model_name": "toy"}
+    spec = CacheSpec.build(**toy, kv_cache_dtype="int8")
     assert spec.draft is not None and spec.draft.layer.kv_format == "int8"
-    cfg = CacheConfig(block_size=8, kv_cache_dtype="auto", draft_kv_cache_dtype="fp8")
-    spec = CacheSpec.from_configs(_ModelCfg(dtype=torch.bfloat16), cfg, num_draft_layers=1)
+    spec = CacheSpec.build(**toy, kv_cache_dtype="auto", draft_kv_cache_dtype="fp8")
     assert spec.main.layer.kv_format == "bfloat16" and spec.draft.layer.kv_format == "fp8"
     assert spec.model_name == "toy" and spec.block_size == 8
 
@@ -382,7 +382,7 @@ def test_validate_block_counts() -> None:
 
 def test_construction_errors() -> None:
     for bad in ({"kv_heads": 0}, {"head_dim": -1}, {"block_size": 0}):
-        kw = {"kv_heads": 2, "head_dim": 8, "block_size": 4, "kv_format": "int8", **bad}
+        kw = {"kv_heads": 2, "head_dim": 8, "block_size": 4, "format": "int8", **bad}
         with pytest.raises(ValueError, match=next(iter(bad))):
             LayerSpec(**kw)
     with pytest.raises(ValueError):
@@ -390,7 +390,7 @@ def test_construction_errors() -> None:
     with pytest.raises(ValueError):
         CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, num_draft_layers=-1)
     with pytest.raises(ValueError, match="block_size"):
-        CacheConfig(block_size=0)
+        CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=0)
     with pytest.raises(UnknownKVFormatError):
         CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, kv_cache_dtype="int3")
     with pytest.raises(UnknownKVFormatError):

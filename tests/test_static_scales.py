@@ -18,14 +18,21 @@ from hypothesis import strategies as st
 
 from kvpage.cache.controller import CacheController
 from kvpage.errors import KVCacheLayoutError, StaticScalesError
-from kvpage.formats import Fp8StaticFormat, Int8StaticFormat, canonical_format_name, get_format
+from kvpage.formats import Fp8StaticFormat, Int8StaticFormat, LayerScales, StaticScaleFormat, canonical_format_name, get_format
 from kvpage.ops.attention import AttentionMetadata, paged_attention, read_kv
-from kvpage.scales import LayerScales, StaticScales
+from kvpage.scales import StaticScales
 from kvpage.spec import CacheSpec, LayerSpec
 
 STATIC = ["int8_static", "fp8_static"]
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 Q_HEADS, KV_HEADS = 9, 3
+
+
+def _bound(fmt: str, key_scale: torch.Tensor, value_scale: torch.Tensor | None = None) -> StaticScaleFormat:
+    """``fmt`` bound to these K (and V, default the same) scales, as ``CacheSpec.layer(i)`` binds a layer's."""
+    f = get_format(fmt)
+    assert isinstance(f, StaticScaleFormat)
+    return f.bind(LayerScales(key_scale, key_scale if value_scale is None else value_scale))
 
 
 def _spec(fmt: str, scales: StaticScales | None, *, layers: int = 1, head_dim: int = 64, block_size: int = 16,
@@ -63,8 +70,8 @@ def test_static_formats_store_uint8_codes_only_8_bits_per_value(fmt: str, head_d
     assert sorted(caches[1]) == ["key", "value"] and caches[1]["key"].dtype == torch.uint8
     assert ctrl.device_bytes == 3 * spec.bytes_per_block
     want = (KV_HEADS, head_dim) if fmt == "int8_static" else ()
-    assert tuple(spec.layer(1).static_scale("key").shape) == want
-    assert spec.layer(1).static_scale("key").dtype == torch.float32
+    assert tuple(spec.layer(1).static_scales.key.shape) == want
+    assert spec.layer(1).static_scales.key.dtype == torch.float32
 
 
 def test_static_scale_from_absmax() -> None:
@@ -95,7 +102,7 @@ def test_c03_missing_scale_in_a_file_names_the_file_layer_and_tensor(tmp_path: P
     absmax = {i: torch.full((KV_HEADS, 64), 3.0) for i in (0, 1, 2)}
     path = StaticScales(absmax, absmax, kind="absmax").save(tmp_path / "s.safetensors")
     spec = _spec("int8_static", StaticScales.load(path), layers=3)  # complete: loads
-    assert spec.layer(2).static_scale("key").shape == (KV_HEADS, 64)
+    assert spec.layer(2).static_scales.key.shape == (KV_HEADS, 64)
     with pytest.raises(StaticScalesError, match=r"layer 3 \(main group.*'layers\.3\.k_absmax'.*cover layers 0-2") as e:
         CacheSpec.build(num_layers=4, num_kv_heads=KV_HEADS, head_dim=64, kv_cache_dtype="int8_static",
                         static_scales=path)
@@ -128,9 +135,9 @@ def test_c03_draft_layers_need_their_own_scales() -> None:
         _spec("float32", None, layers=4, draft=2, draft_fmt="fp8_static")
     both = StaticScales({**{i: 0.1 for i in range(4)}, 4: 0.3, 5: 0.4}, {i: 0.2 for i in range(6)})
     spec = _spec("int8_static", both, layers=4, draft=2)
-    assert float(spec.layer(5).static_scale("key")[0, 0]) == pytest.approx(0.4)
-    assert float(spec.layer(4).static_scale("key")[2, 63]) == pytest.approx(0.3)
-    assert float(spec.layer(3).static_scale("key")[1, 1]) == pytest.approx(0.1)
+    assert float(spec.layer(5).static_scales.key[0, 0]) == pytest.approx(0.4)
+    assert float(spec.layer(4).static_scales.key[2, 63]) == pytest.approx(0.3)
+    assert float(spec.layer(3).static_scales.key[1, 1]) == pytest.approx(0.1)
     # each draft layer's op reads its own scales
     ctrl = CacheController(spec)
     ctrl.initialize_kv_cache(2)
@@ -162,10 +169,13 @@ def test_c03_bad_scale_is_an_error_naming_layer_and_tensor(fmt: str, kind: str, 
 @pytest.mark.parametrize("fmt", STATIC)
 def test_c03_never_a_silent_default(fmt: str) -> None:
     x = torch.randn(2, KV_HEADS, 64)
-    with pytest.raises(StaticScalesError, match="none was given"):
-        get_format(fmt).quantize(x)
-    with pytest.raises(StaticScalesError):
-        get_format(fmt).dequantize(torch.zeros(2, KV_HEADS, 64, dtype=torch.uint8), None, torch.float32)
+    unbound = get_format(fmt)  # the registry's instance describes the layout but holds no scales
+    assert isinstance(unbound, StaticScaleFormat) and not unbound.is_bound
+    for kind in ("key", "value"):
+        with pytest.raises(StaticScalesError, match="none was given"):
+            unbound.quantize(x, kind=kind)
+        with pytest.raises(StaticScalesError):
+            unbound.dequantize(torch.zeros(2, KV_HEADS, 64, dtype=torch.uint8), None, torch.float32, kind=kind)
     # a LayerSpec built by hand (no scales bound): the op refuses, naming the layer, before writing anything
     layer = LayerSpec(KV_HEADS, 64, 4, fmt)
     assert layer.needs_static_scales and layer.static_scales is None
@@ -175,18 +185,23 @@ def test_c03_never_a_silent_default(fmt: str) -> None:
         paged_attention(torch.randn(2, Q_HEADS, 64), x, x, cache, layer, meta, layer_index=7)
     assert not any(t.any() for t in cache.values())
     with pytest.raises(StaticScalesError, match="none"):
-        layer.static_scale("key")
+        read_kv(cache, layer, "key", torch.tensor([1]), torch.float32)
     # a group's shared LayerSpec has none either: the per-layer one from CacheSpec.layer(i) does
     spec = _spec(fmt, StaticScales.uniform(1, 0.1, 0.2))
     assert spec.main.layer.static_scales is None and spec.layer(0).static_scales is not None
+    assert not spec.main.layer.format.is_bound and spec.layer(0).format.is_bound
+    # binding returns a new instance; the registry's stays unbound
+    assert spec.layer(0).format != spec.main.layer.format and not get_format(fmt).is_bound
 
 
 def test_static_scales_do_not_fit_other_formats_or_shapes() -> None:
-    scales = LayerScales(torch.full((KV_HEADS, 64), 0.1), torch.full((KV_HEADS, 64), 0.1))
-    with pytest.raises(ValueError, match="takes no static scales"):
-        LayerSpec(KV_HEADS, 64, 16, "int8", static_scales=scales)
+    per_channel = torch.full((KV_HEADS, 64), 0.1)
+    assert not hasattr(get_format("int8"), "bind")  # only static-scale formats take scales
     with pytest.raises(StaticScalesError, match="do not fit fp8_static"):
-        LayerSpec(KV_HEADS, 64, 16, "fp8_static", static_scales=scales)
+        LayerSpec(KV_HEADS, 64, 16, _bound("fp8_static", per_channel))
+    with pytest.raises(StaticScalesError, match="do not fit int8_static"):
+        LayerSpec(KV_HEADS, 32, 16, _bound("int8_static", per_channel))
+    assert LayerSpec(KV_HEADS, 64, 16, _bound("int8_static", per_channel)).static_scales is not None
     # formats without static scales ignore them: same spec, same fingerprint as without
     plain = _spec("int8", None)
     assert _spec("int8", StaticScales.uniform(1, 0.1, 0.2)) == plain
@@ -247,8 +262,8 @@ def test_scales_file_errors(tmp_path: Path) -> None:
     scales_file = tmp_path / "scales.safetensors"
     save_file({"layers.0.k_scale": torch.tensor(0.02), "layers.0.v_scale": torch.tensor([0.5])}, str(scales_file))
     spec = _spec("fp8_static", StaticScales.load(scales_file))
-    assert float(spec.layer(0).static_scale("key")) == pytest.approx(0.02)
-    assert float(spec.layer(0).static_scale("value")) == 0.5
+    assert float(spec.layer(0).static_scales.key) == pytest.approx(0.02)
+    assert float(spec.layer(0).static_scales.value) == 0.5
 
 
 # -- C23 and the documented error bounds -------------------------------------------------------------
@@ -261,18 +276,19 @@ def test_c23_beyond_range_saturates_and_zeros_decode_to_zero(fmt: str, qmax: flo
     big = 1e30
     limit = qmax * 0.5
     x = torch.tensor([[[big, -big, float("inf"), -float("inf")], [3 * limit, -limit, 2.0, -0.0]]])  # [1, 2, 4]
-    q = f.quantize(x, scale)
+    f = _bound(fmt, scale)
+    q = f.quantize(x, kind="key")
     assert q.scale is None and q.codes.dtype == torch.uint8 and q.codes.shape == x.shape
-    back = f.dequantize(q.codes, scale, torch.float32)
+    back = f.dequantize(q.codes, None, torch.float32, kind="key")
     assert torch.isfinite(back).all()
     assert back[0, 0].tolist() == [limit, -limit, limit, -limit]
     assert back[0, 1].tolist() == [limit, -limit, 2.0, 0.0]  # 3x the range saturates; the edge itself is exact
     if fmt == "fp8_static":
         assert not torch.any((q.codes & 0x7F) == 0x7F), "e4m3fn NaN code stored"
     zeros = torch.zeros(5, 2, 4, dtype=torch.bfloat16)
-    qz = f.quantize(zeros, scale)
+    qz = f.quantize(zeros, kind="value")
     assert not qz.codes.any()
-    dz = f.dequantize(qz.codes, scale, torch.float32)
+    dz = f.dequantize(qz.codes, None, torch.float32, kind="value")
     assert torch.equal(dz, torch.zeros(5, 2, 4))
 
 
@@ -299,8 +315,8 @@ def _check_static_bound(fmt: str, x: torch.Tensor, shrink: float) -> None:
     f = get_format(fmt)
     absmax = x.abs().amax(dim=0) * shrink                                    # [H, D]
     s = f.scale_from_absmax(absmax)
-    q = f.quantize(x, s)
-    back = f.dequantize(q.codes, s, torch.float32)
+    q = f.bind(LayerScales(s, s)).quantize(x, kind="key")
+    back = f.bind(LayerScales(s, s)).dequantize(q.codes, None, torch.float32, kind="key")
     assert back.shape == x.shape and torch.isfinite(back).all()
     x64, b64, s64 = x.double(), back.double(), s.double()
     limit = f.qmax * s64
@@ -348,8 +364,9 @@ def test_per_channel_int8_keeps_small_channels_fine_beside_an_outlier() -> None:
     absmax = x.abs().amax(dim=0)
     i8, f8 = get_format("int8_static"), get_format("fp8_static")
     s8, sf = i8.scale_from_absmax(absmax), f8.scale_from_absmax(absmax)
-    err8 = (i8.dequantize(i8.quantize(x, s8).codes, s8, torch.float32) - x).abs()
-    errf = (f8.dequantize(f8.quantize(x, sf).codes, sf, torch.float32) - x).abs()
+    b8, bf = _bound("int8_static", s8), _bound("fp8_static", sf)
+    err8 = (b8.dequantize(b8.quantize(x, kind="key").codes, None, torch.float32, kind="key") - x).abs()
+    errf = (bf.dequantize(bf.quantize(x, kind="key").codes, None, torch.float32, kind="key") - x).abs()
     others = torch.ones(96, dtype=torch.bool)
     others[7] = False
     assert float(err8[..., others].max()) <= float(s8[:, others].max()) / 2 + 1e-6
@@ -507,7 +524,7 @@ def test_calibrated_static_formats_match_float32_greedy_on_a_short_prompt(smollm
     assert agree >= 6, f"{fmt}: greedy tokens agree with float32 for only {agree} of {len(ref)}"
     # the scales the engine quantized with are the calibrated ones
     want = get_format(fmt).scale_from_absmax(StaticScales.load(calibrated).key[3])
-    assert torch.equal(llm.spec.layer(3).static_scale("key"), want)
+    assert torch.equal(llm.spec.layer(3).static_scales.key, want)
 
 
 @pytest.mark.slow
@@ -521,14 +538,14 @@ def test_c12_scales_survive_a_reset_of_the_whole_pool(smollm2) -> None:
     prompt = llm.chat_prompt("Name three rivers in Europe.")
     first = llm.generate([prompt], params)[0].outputs[0].token_ids
     fingerprint = llm.spec.fingerprint
-    old = llm.runner.caches[0]["key"]
+    old = llm.kv_caches[0]["key"]
     llm.reset_kv_cache()  # free and re-allocate every block; the prefix cache is emptied
-    new = llm.runner.caches[0]["key"]
+    new = llm.kv_caches[0]["key"]
     assert new.data_ptr() != old.data_ptr() and not new.any()
-    assert llm.engine.manager.stats().num_free == 24
+    assert llm.kv_cache_stats().num_free == 24
     for i in range(cfg.num_layers):
-        assert torch.equal(llm.spec.layer(i).static_scale("key"), torch.tensor(0.02))  # float32 0.02, exactly
-        assert torch.equal(llm.spec.layer(i).static_scale("value"), torch.tensor(0.04))
+        assert torch.equal(llm.spec.layer(i).static_scales.key, torch.tensor(0.02))  # float32 0.02, exactly
+        assert torch.equal(llm.spec.layer(i).static_scales.value, torch.tensor(0.04))
     assert llm.spec.fingerprint == fingerprint
     again = llm.generate([prompt], params)[0]
     assert again.metrics.cached_tokens == 0  # really recomputed from an empty pool

@@ -7,10 +7,12 @@ Two objects:
   calibrated **absolute maxima** ``[kv_heads, head_dim]`` (what ``kvpage
   calibrate`` writes; one file serves both formats) or ready **scales** (set
   programmatically, e.g. vLLM's ``k_scale = 0.02``). It is format-independent.
-* :class:`LayerScales` -- one layer's resolved scales in its format's shape
-  (float32 ``[kv_heads, head_dim]`` for ``int8_static``, ``[]`` for
-  ``fp8_static``), bound to that layer's :class:`~kvpage.spec.LayerSpec` by
-  :class:`~kvpage.spec.CacheSpec`, which is where the attention op reads them.
+* :class:`~kvpage.formats.static.LayerScales` (defined beside the formats that
+  use it) -- one layer's resolved scales in its format's shape (float32
+  ``[kv_heads, head_dim]`` for ``int8_static``, ``[]`` for ``fp8_static``), made
+  by :meth:`StaticScales.resolve`. :class:`~kvpage.spec.CacheSpec` binds them to
+  that layer's format (:meth:`~kvpage.formats.StaticScaleFormat.bind`), which is
+  what the attention op quantizes and dequantizes with.
 
 Because the scales live in the spec -- not in the pool tensors -- freeing and
 re-allocating the pool keeps them (vLLM issue 25800, case C12), and the spec's
@@ -28,10 +30,8 @@ with string metadata ``kvpage_scales`` (file version), ``kind`` (``absmax`` or
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -39,67 +39,13 @@ import torch
 
 from kvpage.errors import StaticScalesError
 from kvpage.formats.base import KEY, VALUE
-from kvpage.formats.static import StaticScaleFormat
+from kvpage.formats.static import LayerScales, StaticScaleFormat, scales_digest
 
 #: Version of the scales file layout (metadata ``kvpage_scales``).
 SCALES_FILE_VERSION = "1"
 #: ``absmax``: calibrated max |x| per (kv head, channel); ``scale``: dequantization scales as the format uses them.
 ScaleKind = Literal["absmax", "scale"]
 _NAME = re.compile(r"^layers\.(\d+)\.([kv])_(absmax|scale)$")
-
-
-def _digest(parts: list[tuple[str, torch.Tensor | None]]) -> str:
-    h = hashlib.sha256()
-    for name, t in parts:
-        h.update(name.encode())
-        if t is None:
-            h.update(b"\x00none")
-            continue
-        c = t.detach().to("cpu", torch.float32).contiguous()
-        h.update(repr(tuple(c.shape)).encode())
-        h.update(c.numpy().tobytes())
-    return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class LayerScales:
-    """One layer's static K/V scales, resolved for its format (what the attention op multiplies codes by).
-
-    Build with :meth:`StaticScales.resolve`; equality and hashing go by ``sha256``, computed
-    once, so treat the tensors as read-only (the spec's fingerprint would no longer match them).
-
-    Attributes:
-        key: float32 key scale, shape ``format.static_scale_shape(kv_heads, head_dim)``
-            (``[kv_heads, head_dim]`` for ``int8_static``, ``[]`` for ``fp8_static``), CPU.
-        value: float32 value scale of the same shape, or ``None`` for a key-only layer.
-        sha256: digest of both tensors' shapes and float32 bytes.
-    """
-
-    key: torch.Tensor = field(compare=False, repr=False)
-    value: torch.Tensor | None = field(compare=False, repr=False)
-    sha256: str = ""
-    _on_device: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if not self.sha256:
-            object.__setattr__(self, "sha256", _digest([(KEY, self.key), (VALUE, self.value)]))
-
-    def get(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The ``key`` or ``value`` scale on ``device`` (copied there once, then reused).
-
-        Raises:
-            KeyError: ``name`` is not ``key``/``value``, or ``value`` of a key-only layer.
-        """
-        dev = torch.device(device)
-        memo = (name, str(dev))
-        t = self._on_device.get(memo)
-        if t is None:
-            src = {KEY: self.key, VALUE: self.value}.get(name)
-            if src is None:
-                raise KeyError(f"no static {name!r} scale in this layer (key-only layers have no value scale)")
-            t = src if src.device == dev else src.to(dev)
-            self._on_device[memo] = t
-        return t
 
 
 class StaticScales:
@@ -145,7 +91,7 @@ class StaticScales:
         parts: list[tuple[str, torch.Tensor | None]] = [("kind", None), (kind, None)]
         for which, d in (("k", self.key), ("v", self.value)):
             parts += [(f"{i}.{which}", d[i]) for i in sorted(d)]
-        self.sha256: str = _digest(parts)
+        self.sha256: str = scales_digest(parts)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod

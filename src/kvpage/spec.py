@@ -18,9 +18,12 @@ Static-scale formats (``int8_static``, ``fp8_static``) quantize with per-layer
 calibrated scales (:mod:`kvpage.scales`). Those are part of the layout: a
 :class:`CacheSpec` of such a format cannot be built without a checked scale for
 every one of its layers (main and draft), :meth:`CacheSpec.layer` hands each
-layer a :class:`LayerSpec` with its own scales bound (where the attention op
-reads them), they outlive any (re-)allocation of the pool, and the fingerprint
-covers their SHA-256.
+layer a :class:`LayerSpec` whose format object is bound to its own scales
+(:meth:`~kvpage.formats.StaticScaleFormat.bind`; the attention op codes with
+it), they outlive any (re-)allocation of the pool, and the fingerprint covers
+their SHA-256.
+
+Imports only :mod:`kvpage.formats`, :mod:`kvpage.scales` and :mod:`kvpage.errors`.
 """
 from __future__ import annotations
 
@@ -36,84 +39,78 @@ from typing import Any
 import torch
 
 from kvpage.errors import KVCacheLayoutError, StaticScalesError
-from kvpage.formats import KVFormat, StaticScaleFormat, TensorSpec, canonical_format_name, get_format
-from kvpage.scales import LayerScales, StaticScales
+from kvpage.formats import KVFormat, LayerScales, StaticScaleFormat, TensorSpec, get_format
+from kvpage.scales import StaticScales
 
 #: Bumped when the meaning of a spec field changes; part of every fingerprint.
 SPEC_VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LayerSpec:
-    """Layout of one attention layer's cache, per block.
+    """Layout of one attention layer's cache, per block, and the format object that writes and reads it.
 
-    Attributes:
+    Args:
         kv_heads: key/value heads (GQA: fewer than query heads).
         head_dim: channels per head.
         block_size: tokens per block.
-        kv_format: canonical format name (``auto`` already resolved).
+        format: the :class:`~kvpage.formats.KVFormat`, or a name/alias resolved by
+            :func:`~kvpage.formats.get_format` (``auto`` means float32 here; resolve it
+            against the model dtype first, as :meth:`CacheSpec.build` does).
         has_value: ``False`` for a key-only (latent) layer.
-        static_scales: this layer's calibrated K/V scales, for static-scale formats
-            (``int8_static``, ``fp8_static``) only; bound by :meth:`CacheSpec.layer`.
-            A group's shared :class:`LayerSpec` has none.
+
+    Attributes:
+        format: the format instance. For static-scale formats (``int8_static``,
+            ``fp8_static``) it is bound to this layer's calibrated scales in the
+            :class:`LayerSpec` of :meth:`CacheSpec.layer`; a group's shared one is unbound.
+
+    Raises:
+        ValueError: a non-positive size.
+        UnknownKVFormatError: an unknown format name.
+        StaticScalesError: bound static scales whose shapes do not fit ``kv_heads``/``head_dim``.
     """
 
     kv_heads: int
     head_dim: int
     block_size: int
-    kv_format: str
+    format: KVFormat
     has_value: bool = True
-    static_scales: LayerScales | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        for name in ("kv_heads", "head_dim", "block_size"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"LayerSpec.{name} must be positive, got {getattr(self, name)}")
-        if self.static_scales is not None:
-            fmt = self.format
-            if not isinstance(fmt, StaticScaleFormat):
-                raise ValueError(f"format {self.kv_format} takes no static scales")
-            want = fmt.static_scale_shape(self.kv_heads, self.head_dim)
-            got = [self.static_scales.key] + ([self.static_scales.value] if self.has_value else [])
+    def __init__(
+        self, kv_heads: int, head_dim: int, block_size: int, format: KVFormat | str, has_value: bool = True
+    ) -> None:
+        for name, v in (("kv_heads", kv_heads), ("head_dim", head_dim), ("block_size", block_size)):
+            if int(v) <= 0:
+                raise ValueError(f"LayerSpec.{name} must be positive, got {v}")
+        fmt = get_format(format) if isinstance(format, str) else format
+        object.__setattr__(self, "kv_heads", kv_heads)
+        object.__setattr__(self, "head_dim", head_dim)
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "format", fmt)
+        object.__setattr__(self, "has_value", has_value)
+        if isinstance(fmt, StaticScaleFormat) and fmt.scales is not None:
+            want = fmt.static_scale_shape(kv_heads, head_dim)
+            got = [fmt.scales.key] + ([fmt.scales.value] if has_value else [])
             if any(t is None or tuple(t.shape) != want for t in got):
                 raise StaticScalesError(
                     f"static scales of shape {[None if t is None else list(t.shape) for t in got]} do not fit "
-                    f"{self.kv_format} with kv_heads {self.kv_heads}, head_dim {self.head_dim} (expected {list(want)})"
+                    f"{fmt.name} with kv_heads {kv_heads}, head_dim {head_dim} (expected {list(want)})"
                 )
+
+    @property
+    def kv_format(self) -> str:
+        """Canonical format name (``format.name``), as written in specs and fingerprints."""
+        return self.format.name
 
     @property
     def needs_static_scales(self) -> bool:
         """Whether the format quantizes with per-layer calibrated scales (``int8_static``, ``fp8_static``)."""
         return isinstance(self.format, StaticScaleFormat)
 
-    def static_scale(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """The static scale the format multiplies tensor ``name``'s codes by, or ``None`` for other formats.
-
-        Args:
-            name: ``"key"`` or ``"value"``.
-            device: where the scale is wanted (the cache's device).
-
-        Returns:
-            float32 ``[kv_heads, head_dim]`` (``int8_static``) or ``[]`` (``fp8_static``);
-            ``None`` when the format has no static scales.
-
-        Raises:
-            StaticScalesError: a static-scale format whose scales are not bound (a
-                group's shared spec, or one built by hand without them).
-        """
-        if not self.needs_static_scales:
-            return None
-        if self.static_scales is None:
-            raise StaticScalesError(
-                f"format {self.kv_format} needs its layer's calibrated static scales, but this LayerSpec has none: "
-                f"use CacheSpec.layer(i) of a spec built with static_scales=... (kv_cache_scales / --kv-cache-scales)"
-            )
-        return self.static_scales.get(name, device)
-
-    @cached_property
-    def format(self) -> KVFormat:
-        """The :class:`~kvpage.formats.KVFormat` instance that reads and writes this layer."""
-        return get_format(self.kv_format)
+    @property
+    def static_scales(self) -> LayerScales | None:
+        """The calibrated K/V scales bound to this layer's static-scale format; ``None`` for other formats or unbound."""
+        return self.format.scales if isinstance(self.format, StaticScaleFormat) else None
 
     @cached_property
     def tensors(self) -> tuple[TensorSpec, ...]:
@@ -218,32 +215,10 @@ class LayerGroupSpec:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """User-facing cache settings (engine flags).
-
-    Attributes:
-        block_size: tokens per block (page).
-        kv_cache_dtype: format name or alias for main layers (``auto`` = model dtype).
-        draft_kv_cache_dtype: format for draft/MTP layers; ``None`` = same as main.
-        kv_cache_scales: static K/V scales (a scales file path or a
-            :class:`~kvpage.scales.StaticScales`) for ``int8_static`` / ``fp8_static``.
-    """
-
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    draft_kv_cache_dtype: str | None = None
-    kv_cache_scales: str | Path | StaticScales | None = None
-
-    def __post_init__(self) -> None:
-        if int(self.block_size) <= 0:
-            raise ValueError(f"block_size must be a positive number of tokens, got {self.block_size}")
-
-
-@dataclass(frozen=True)
 class CacheSpec:
     """Layout of a whole KV cache: layer groups sharing one block table.
 
-    Build it with :meth:`build` or :meth:`from_configs`; everything else is derived.
+    Build it with :meth:`build`; everything else is derived.
 
     Attributes:
         groups: ``main`` first, then ``draft`` if any; contiguous global layer indices.
@@ -297,7 +272,7 @@ class CacheSpec:
                     fmt, layer_index=i, kv_heads=g.layer.kv_heads, head_dim=g.layer.head_dim,
                     has_value=g.layer.has_value, group=g.name,
                 )
-                layer_specs[i] = replace(g.layer, static_scales=scales)
+                layer_specs[i] = replace(g.layer, format=fmt.bind(scales))
         if not layer_specs:
             object.__setattr__(self, "static_scales", None)  # unused scales must not change equality or fingerprint
         object.__setattr__(self, "_layer_specs", layer_specs)
@@ -333,31 +308,15 @@ class CacheSpec:
         """
         if num_layers <= 0 or num_draft_layers < 0:
             raise ValueError(f"need num_layers > 0 and num_draft_layers >= 0, got {num_layers}, {num_draft_layers}")
-        main_fmt = canonical_format_name(kv_cache_dtype, model_dtype)
+        main_fmt = get_format(kv_cache_dtype, model_dtype)
         main = LayerSpec(num_kv_heads, head_dim, block_size, main_fmt, has_value)
         groups = [LayerGroupSpec("main", 0, num_layers, main)]
         if num_draft_layers:
-            draft_fmt = canonical_format_name(draft_kv_cache_dtype, model_dtype) if draft_kv_cache_dtype else main_fmt
+            draft_fmt = get_format(draft_kv_cache_dtype, model_dtype) if draft_kv_cache_dtype else main_fmt
             draft = LayerSpec(num_kv_heads, head_dim, block_size, draft_fmt, has_value)
             groups.append(LayerGroupSpec("draft", num_layers, num_draft_layers, draft))
         scales = None if static_scales is None else StaticScales.coerce(static_scales)
         return cls(tuple(groups), block_size, model_name, scales)
-
-    @classmethod
-    def from_configs(cls, model_config: Any, cache_config: CacheConfig, *, num_draft_layers: int = 0) -> CacheSpec:
-        """Spec from a model config (``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype``) and a :class:`CacheConfig`."""
-        return cls.build(
-            num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            model_dtype=model_config.dtype,
-            block_size=cache_config.block_size,
-            kv_cache_dtype=cache_config.kv_cache_dtype,
-            num_draft_layers=num_draft_layers,
-            draft_kv_cache_dtype=cache_config.draft_kv_cache_dtype,
-            model_name=getattr(model_config, "name", "") or "",
-            static_scales=cache_config.kv_cache_scales,
-        )
 
     # -- derived layout ------------------------------------------------------------------
     @property

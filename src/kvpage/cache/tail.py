@@ -26,74 +26,24 @@ are dropped, so a reused block id can never show another request's tokens.
 
 :class:`TailTable` is the tensor-free bookkeeping; :class:`TailPool` adds the
 per-layer tensors. Both are driven once per forward pass by :meth:`TailTable.plan`,
-whose :class:`SealPlan` every layer then applies.
+whose :class:`~kvpage.ops.seal_plan.SealPlan` every layer then applies.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvpage.errors import KVPageError, OutOfBlocksError
-from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, get_format
+from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat, Int8Format
+from kvpage.ops.seal_plan import RequestRead, SealPlan
+from kvpage.ops.sealed_attention import SealContext
 from kvpage.spec import CacheSpec
 
-#: Format of first-block (sink) copies.
-SINK_FORMAT = "int8"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestRead:
-    """Where request ``i``'s context is read from after this step's writes.
-
-    Attributes:
-        full_ids: ``[num_full]`` int64 pool ids of its full (sealed) blocks, in order.
-        fp_blocks: ``(block index, slot)`` of full blocks read from a 16-bit window copy.
-        sink_slot: sink slot of its first block, or ``None`` (read the quantized block).
-        open_slot: slot of its partial last block, or ``None`` when the context fills whole blocks.
-        open_len: tokens in the partial block (0 when ``open_slot`` is ``None``).
-    """
-
-    full_ids: torch.Tensor
-    fp_blocks: tuple[tuple[int, int], ...]
-    sink_slot: int | None
-    open_slot: int | None
-    open_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class SealPlan:
-    """What one forward pass writes and reads, shared by every quantize-on-seal layer.
-
-    Row indices address this step's new tokens (``[num_tokens]``, in batch order), flat
-    tail rows (``slot * block_size + offset``) or flat sink rows likewise.
-
-    Attributes:
-        tail_dst: ``[n]`` int64 tail rows receiving new tokens.
-        tail_src: ``[n]`` int64 new-token rows written there.
-        seal_ids: ``[m]`` int64 pool blocks sealed this step.
-        seal_from_new_dst / seal_from_new_src: rows of the ``[m * block_size]`` seal batch
-            taken from new tokens.
-        seal_from_tail_dst / seal_from_tail_src: rows of the seal batch taken from tail rows
-            (tokens written in earlier steps).
-        sink_pos: ``[k]`` int64 indices into ``seal_ids`` of first blocks getting a sink copy.
-        sink_slots: ``[k]`` int64 their sink slots.
-        reads: one :class:`RequestRead` per request.
-    """
-
-    tail_dst: torch.Tensor
-    tail_src: torch.Tensor
-    seal_ids: torch.Tensor
-    seal_from_new_dst: torch.Tensor
-    seal_from_new_src: torch.Tensor
-    seal_from_tail_dst: torch.Tensor
-    seal_from_tail_src: torch.Tensor
-    sink_pos: torch.Tensor
-    sink_slots: torch.Tensor
-    reads: tuple[RequestRead, ...]
+#: Format of first-block (sink) copies: int8 per (token, head), unrotated.
+SINK_FORMAT = Int8Format()
 
 
 def _long(xs: Sequence[int], device: torch.device | str) -> torch.Tensor:
@@ -379,7 +329,7 @@ class TailPool:
     ``key``/``value`` ``[S * block_size, kv_heads, head_dim]`` in :func:`tail_dtype`;
     ``sink_key``/``sink_value`` ``[K * block_size, kv_heads, head_dim]`` uint8 and
     ``sink_key_scale``/``sink_value_scale`` ``[K * block_size, kv_heads]`` float16 (the
-    ``int8`` format's rotated per-token codes).
+    ``int8`` format's per-token codes).
 
     Args:
         spec: the cache layout; only layers whose format seals get tensors.
@@ -397,14 +347,14 @@ class TailPool:
         self.spec = spec
         self.table = table
         self.dtype = tail_dtype(model_dtype)
-        self.sink_format = get_format(SINK_FORMAT)
+        self.sink_format = SINK_FORMAT
         if table.block_size != spec.block_size:
             raise ValueError(f"tail block_size {table.block_size} != spec block_size {spec.block_size}")
         self.layers: dict[int, dict[str, torch.Tensor]] = {}
         rows, sink_rows = table.num_slots * table.block_size, table.num_sink_slots * table.block_size
         for i in range(spec.num_layers):
             ls = spec.layer(i)
-            if not ls.format.seals:
+            if not isinstance(ls.format, BlockFormat):
                 continue
             t: dict[str, torch.Tensor] = {}
             for kind in (KEY, VALUE) if ls.has_value else (KEY,):
@@ -415,6 +365,13 @@ class TailPool:
             self.layers[i] = t
         if not self.layers:
             raise ValueError("the cache spec has no quantize-on-seal layer; it needs no tail pool")
+
+    def context(self, plan: SealPlan) -> SealContext:
+        """What :func:`~kvpage.ops.sealed_attention.sealed_attention` needs for one step: ``plan``, the tensors, the sink format.
+
+        No side effects; the context refers to (does not copy) this pool's tensors.
+        """
+        return SealContext(plan=plan, tails=self.layers, sink_format=self.sink_format)
 
     @property
     def nbytes(self) -> int:
@@ -427,7 +384,7 @@ class TailPool:
         total, item = 0, tail_dtype(model_dtype).itemsize
         for i in range(spec.num_layers):
             ls = spec.layer(i)
-            if ls.format.seals:
+            if isinstance(ls.format, BlockFormat):
                 per_row = ls.kv_heads * (num_slots * ls.head_dim * item + num_sink_slots * (ls.head_dim + 2))
                 total += (2 if ls.has_value else 1) * spec.block_size * per_row
         return total

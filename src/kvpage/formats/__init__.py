@@ -21,17 +21,39 @@ name                  aliases                                     bits/value (he
 :func:`get_format` resolves any accepted spelling (case-insensitive) to a
 format instance; an unknown name raises
 :class:`~kvpage.errors.UnknownKVFormatError` listing the valid names.
+
+Every format is a :class:`KVFormat` (layout) and exactly one of
+:class:`TokenFormat` (rows coded when written: float, ``int8``/``fp8`` and the
+static-scale formats, whose calibrated scales are bound to the instance with
+:meth:`StaticScaleFormat.bind`) or :class:`BlockFormat` (blocks coded whole when
+they fill: ``int4``, ``int2``). This package imports only :mod:`kvpage.errors`.
 """
 from __future__ import annotations
 
 import torch
 
 from kvpage.errors import UnknownKVFormatError
-from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.base import (
+    KEY,
+    KEY_SCALE,
+    VALUE,
+    VALUE_SCALE,
+    BlockFormat,
+    KVFormat,
+    QuantizedRows,
+    TensorSpec,
+    TokenFormat,
+)
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
 from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int4Format, SealedFormat
 from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8RotatedFormat
-from kvpage.formats.static import Fp8StaticFormat, Int8StaticFormat, StaticScaleFormat, needs_static_scales
+from kvpage.formats.static import (
+    Fp8StaticFormat,
+    Int8StaticFormat,
+    LayerScales,
+    StaticScaleFormat,
+    needs_static_scales,
+)
 
 #: Quantized formats by canonical name; :func:`register_format` adds more.
 _QUANTIZED: dict[str, type[KVFormat]] = {}
@@ -131,9 +153,12 @@ __all__ = [
     "SealedFormat",
     "KEY_ZERO",
     "VALUE_ZERO",
+    "BlockFormat",
     "KVFormat",
+    "LayerScales",
     "QuantizedRows",
     "TensorSpec",
+    "TokenFormat",
     "available_formats",
     "canonical_format_name",
     "format_aliases",

@@ -1,15 +1,21 @@
-"""The KV-format interface: what a ``kv_cache_dtype`` stores per block and how it (de)quantizes.
+"""The KV-format interfaces: what a ``kv_cache_dtype`` stores per block and how it writes and reads it.
 
-A format answers two questions for the rest of kvpage:
+:class:`KVFormat` is what every format answers -- its **layout**
+(:meth:`KVFormat.tensor_specs`: the tensors one layer needs per block, from which
+:class:`~kvpage.spec.CacheSpec` builds every allocation, byte count and
+fingerprint, so no other code decides a cache dtype) and its accounting. Formats
+then split by what they do with values:
 
-1. **Layout** -- :meth:`KVFormat.tensor_specs` lists the tensors one layer needs
-   per block (name, per-block shape, dtype). :class:`~kvpage.spec.CacheSpec`
-   builds every allocation, byte count and fingerprint from that list, so no
-   other code decides a cache dtype.
-2. **Values** -- :meth:`KVFormat.quantize` turns ``[num_tokens, kv_heads,
-   head_dim]`` keys or values into stored codes (+ scales), and
-   :meth:`KVFormat.dequantize` turns them back. The attention op is the only
-   caller.
+* :class:`TokenFormat` -- **token-wise**: each token's key or value row is
+  quantized when it is written (:meth:`TokenFormat.quantize`) and stored in its
+  slot; :meth:`TokenFormat.dequantize` reads rows back. Float, per-token int8/fp8
+  and static-scale formats.
+* :class:`BlockFormat` -- **block-wise**: a whole block is quantized once, when it
+  fills (:meth:`BlockFormat.seal`), and read whole (:meth:`BlockFormat.unseal`);
+  until then its tokens live in a full-precision tail (``int4``, ``int2``).
+
+The attention ops (:mod:`kvpage.ops`) are the only callers of the value methods.
+Imports nothing from kvpage but itself.
 
 Per-block layout (token-major, "NHD", as vLLM's CPU and FlashAttention caches):
 ``key``/``value`` ``[block_size, kv_heads, head_dim]``, scales
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,7 +42,7 @@ class TensorSpec:
     """One cache tensor of one layer, per block.
 
     Attributes:
-        name: ``"key"``, ``"value"``, ``"key_scale"`` or ``"value_scale"``.
+        name: ``"key"``, ``"value"``, ``"key_scale"``, ``"value_scale"`` (or a format's own, e.g. ``"key_zero"``).
         shape: per-block shape (the leading ``num_blocks`` dim is not included).
         dtype: storage dtype.
     """
@@ -57,12 +64,12 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class QuantizedRows:
-    """Stored form of ``[num_tokens, kv_heads, head_dim]`` keys or values.
+    """Stored form of ``[num_tokens, kv_heads, head_dim]`` keys or values (a :class:`TokenFormat`'s output).
 
     Attributes:
         codes: ``[num_tokens, kv_heads, head_dim]`` in the format's storage dtype.
-        scale: ``[num_tokens, kv_heads]`` float16 dequantization scales, or
-            ``None`` for unquantized formats.
+        scale: ``[num_tokens, kv_heads]`` float16 dequantization scales stored beside the codes,
+            or ``None`` when the format stores none per token (float and static-scale formats).
     """
 
     codes: torch.Tensor
@@ -70,11 +77,14 @@ class QuantizedRows:
 
 
 class KVFormat(ABC):
-    """A KV-cache storage format (one ``kv_cache_dtype``).
+    """A KV-cache storage format (one ``kv_cache_dtype``): layout and accounting.
 
-    Subclasses set the class attributes and implement the four methods. A
-    format instance is immutable and cheap; :func:`kvpage.formats.get_format`
-    returns it.
+    Subclasses set the class attributes and implement :meth:`tensor_specs`; they
+    derive from :class:`TokenFormat` or :class:`BlockFormat`, never from this
+    class directly. A format instance is immutable and cheap;
+    :func:`kvpage.formats.get_format` returns it. Two instances are equal when
+    they store the same bytes the same way (same class and name, and for a
+    static-scale format the same bound scales).
 
     Attributes:
         name: canonical name, as written in specs and fingerprints.
@@ -82,18 +92,15 @@ class KVFormat(ABC):
         quantized: whether the format stores codes plus scales.
         version: bumped whenever stored bytes change meaning; part of the
             layout fingerprint, so stores never mix versions.
-        seals: whether blocks are quantized whole when they fill (``int4``/``int2``,
-            :mod:`kvpage.formats.kivi`), which routes the layer through the tail pool.
         preferred_block_size: the block size ``LLM`` uses when none is given.
         default_residual_tokens: the full-precision window (``kv_quant_residual_tokens``)
-            used when none is given; only quantize-on-seal formats read it.
+            used when none is given; only block-wise formats read it.
     """
 
-    name: ClassVar[str]
+    name: str
     aliases: ClassVar[tuple[str, ...]] = ()
     quantized: ClassVar[bool] = False
     version: ClassVar[int] = 1
-    seals: ClassVar[bool] = False
     preferred_block_size: ClassVar[int] = 16
     default_residual_tokens: ClassVar[int] = 0
 
@@ -101,7 +108,7 @@ class KVFormat(ABC):
     def tensor_specs(
         self, *, block_size: int, kv_heads: int, head_dim: int, has_value: bool = True
     ) -> tuple[TensorSpec, ...]:
-        """Tensors one layer needs per block, in allocation order.
+        """Tensors one layer needs per block, in allocation order (no side effects).
 
         Args:
             block_size: tokens per block.
@@ -110,39 +117,6 @@ class KVFormat(ABC):
             has_value: ``False`` for key-only layers (MLA-style latent cache):
                 no value tensor and no value scale is listed.
         """
-
-    @abstractmethod
-    def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """Encode ``x`` ``[num_tokens, kv_heads, head_dim]`` (any float dtype) for storage."""
-
-    @abstractmethod
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Decode stored rows back to ``dtype``.
-
-        Args:
-            codes: ``[..., kv_heads, head_dim]`` storage dtype.
-            scale: ``[..., kv_heads]`` float16, or ``None`` for unquantized formats.
-            dtype: the compute dtype to return.
-
-        Returns:
-            ``[..., kv_heads, head_dim]`` in ``dtype``.
-        """
-
-    def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
-        """The orthonormal ``[head_dim, head_dim]`` matrix stored rows are rotated by, or ``None``.
-
-        When not ``None``, :meth:`dequantize_rotated` returns ``x @ R`` rather
-        than ``x``; attention rotates its queries by the same ``R`` and its
-        output back by ``R.T`` (see :mod:`kvpage.formats.rotation`).
-        """
-        return None
-
-    def dequantize_rotated(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Decode stored rows in the format's rotated basis (``x @ R``; ``x`` itself when :meth:`rotation` is ``None``).
-
-        Same arguments and shapes as :meth:`dequantize`; the attention op's fast path.
-        """
-        return self.dequantize(codes, scale, dtype)
 
     def bits_per_value(self, *, block_size: int, kv_heads: int, head_dim: int) -> float:
         """Stored bits per cached value, everything counted (codes, scales, packing).
@@ -158,8 +132,8 @@ class KVFormat(ABC):
     ) -> float:
         """Bits per cached value that one sequence of ``num_tokens`` tokens really costs, everything counted.
 
-        For formats that store every token in its block (all per-token formats) this is
-        :meth:`bits_per_value`. Quantize-on-seal formats (:mod:`kvpage.formats.kivi`) override it to
+        For formats that store every token in its block (all token-wise formats) this is
+        :meth:`bits_per_value`. Block-wise formats (:mod:`kvpage.formats.kivi`) override it to
         add what they keep beside the pool: the full-precision tail of the last, partial block,
         the full-precision window of the most recent ``residual_tokens`` tokens and the 8-bit
         copy of the first block.
@@ -170,5 +144,123 @@ class KVFormat(ABC):
         """
         return self.bits_per_value(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
 
+    def _identity(self) -> tuple[object, ...]:
+        """What equality and hashing compare: the class and the name (subclasses add bound state)."""
+        return (type(self), self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVFormat) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+class TokenFormat(KVFormat):
+    """A token-wise format: each key or value row is coded on its own when written, and decoded on read.
+
+    A row's stored bytes depend on that row alone (never on the other rows written in
+    the same call), so prefill, chunked prefill and decode store identical blocks.
+    ``kind`` (``"key"`` or ``"value"``) says which tensor a row belongs to; only
+    static-scale formats, whose scale differs between K and V, read it.
+    """
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor, *, kind: str) -> QuantizedRows:
+        """Encode ``x`` ``[num_tokens, kv_heads, head_dim]`` (any float dtype) for storage; ``x`` is not modified.
+
+        Args:
+            x: keys or values (RoPE already applied to keys).
+            kind: ``"key"`` or ``"value"``.
+
+        Raises:
+            StaticScalesError: a static-scale format not bound to its layer's scales.
+        """
+
+    @abstractmethod
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, *, kind: str
+    ) -> torch.Tensor:
+        """Decode stored rows back to ``dtype`` (the original basis); the inputs are not modified.
+
+        Args:
+            codes: ``[..., kv_heads, head_dim]`` storage dtype.
+            scale: ``[..., kv_heads]`` float16 as stored beside the codes, or ``None`` for
+                formats that store no per-token scale.
+            dtype: the compute dtype to return.
+            kind: ``"key"`` or ``"value"``.
+
+        Returns:
+            ``[..., kv_heads, head_dim]`` in ``dtype``.
+
+        Raises:
+            StaticScalesError: a static-scale format not bound to its layer's scales.
+        """
+
+    def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+        """The orthonormal ``[head_dim, head_dim]`` matrix stored rows are rotated by, or ``None``.
+
+        When not ``None``, :meth:`dequantize_rotated` returns ``x @ R`` rather
+        than ``x``; attention rotates its queries by the same ``R`` and its
+        output back by ``R.T`` (see :mod:`kvpage.formats.rotation`).
+        """
+        return None
+
+    def dequantize_rotated(
+        self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, *, kind: str
+    ) -> torch.Tensor:
+        """Decode stored rows in the format's rotated basis (``x @ R``; ``x`` itself when :meth:`rotation` is ``None``).
+
+        Same arguments and shapes as :meth:`dequantize`; the attention op's fast path.
+        """
+        return self.dequantize(codes, scale, dtype, kind=kind)
+
+
+class BlockFormat(KVFormat):
+    """A block-wise (quantize-on-seal) format: a block is coded whole, once, when it fills.
+
+    A sealed block's bytes depend on its own ``block_size`` tokens alone, so it can be
+    shared by the prefix cache and copied by the tiers like any block. Until a block
+    fills its tokens live in a full-precision tail outside the pool
+    (:mod:`kvpage.cache.tail`), and attention reads it through
+    :func:`kvpage.ops.sealed_attention.sealed_attention`.
+    """
+
+    @abstractmethod
+    def names(self, kind: str) -> tuple[str, ...]:
+        """Names of the per-block tensors holding ``kind`` (``"key"`` or ``"value"``), as :meth:`seal` returns them.
+
+        Raises:
+            ValueError: another ``kind``.
+        """
+
+    @abstractmethod
+    def seal(self, blocks: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+        """Quantize whole blocks; ``blocks`` is not modified.
+
+        Args:
+            blocks: ``[num_blocks, block_size, kv_heads, head_dim]`` keys or values (any float dtype).
+            kind: ``"key"`` or ``"value"``.
+
+        Returns:
+            tensor name (:meth:`names`) -> ``[num_blocks, *per_block_shape]`` (see :meth:`~KVFormat.tensor_specs`).
+        """
+
+    @abstractmethod
+    def unseal(
+        self, tensors: Mapping[str, torch.Tensor], kind: str, dtype: torch.dtype, head_dim: int
+    ) -> torch.Tensor:
+        """Dequantize sealed blocks; the inputs are not modified.
+
+        Args:
+            tensors: tensor name (:meth:`names`) -> ``[..., *per_block_shape]`` (as :meth:`seal`
+                returns them or the pool holds them).
+            kind: ``"key"`` or ``"value"``.
+            dtype: compute dtype of the result.
+            head_dim: channels per head (packed rows may carry padding).
+
+        Returns:
+            ``[..., block_size, kv_heads, head_dim]`` in ``dtype``.
+        """

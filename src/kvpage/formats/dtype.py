@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpage.formats.base import KEY, VALUE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.base import KEY, VALUE, QuantizedRows, TensorSpec, TokenFormat
 
 #: canonical name -> torch dtype of the unquantized formats.
 FLOAT_DTYPES: dict[str, torch.dtype] = {
@@ -29,7 +29,7 @@ FLOAT_ALIASES: dict[str, str] = {
 }
 
 
-class FloatFormat(KVFormat):
+class FloatFormat(TokenFormat):
     """Keys and values stored as-is in ``dtype``; no scales.
 
     Round trip: exact when the input already has ``dtype``; otherwise the
@@ -44,7 +44,7 @@ class FloatFormat(KVFormat):
         if dtype not in names:
             raise ValueError(f"unquantized KV formats are {sorted(FLOAT_DTYPES)}; got dtype {dtype}")
         self.dtype = dtype
-        self.name = names[dtype]  # type: ignore[misc]  # per-instance canonical name
+        self.name = names[dtype]  # per-instance canonical name
 
     def tensor_specs(
         self, *, block_size: int, kv_heads: int, head_dim: int, has_value: bool = True
@@ -56,10 +56,12 @@ class FloatFormat(KVFormat):
             specs.append(TensorSpec(VALUE, shape, self.dtype))
         return tuple(specs)
 
-    def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """Cast ``x`` ``[N, H, D]`` to the storage dtype; no scale."""
+    def quantize(self, x: torch.Tensor, *, kind: str) -> QuantizedRows:
+        """Cast ``x`` ``[N, H, D]`` to the storage dtype; no scale (``kind`` is not read)."""
         return QuantizedRows(x.to(self.dtype), None)
 
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Cast stored ``[..., H, D]`` to ``dtype``."""
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, *, kind: str
+    ) -> torch.Tensor:
+        """Cast stored ``[..., H, D]`` to ``dtype`` (``scale`` and ``kind`` are not read)."""
         return codes.to(dtype)

@@ -53,7 +53,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat, TensorSpec
 
 #: Zero-point tensor names of the quantize-on-seal formats.
 KEY_ZERO, VALUE_ZERO = "key_zero", "value_zero"
@@ -150,12 +150,13 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return vals.flatten(-2)[..., :n]
 
 
-class SealedFormat(KVFormat):
-    """Base of the quantize-on-seal formats: whole blocks are quantized once, when full.
+class SealedFormat(BlockFormat):
+    """Base of the KIVI block-wise formats: whole blocks are quantized once, when full.
 
-    Written per block with :meth:`seal` and read with :meth:`unseal`; the per-token
-    :meth:`quantize`/:meth:`dequantize` interface does not apply (they raise). The attention
-    op routes layers whose format has ``seals = True`` through :mod:`kvpage.cache.tail`.
+    Written per block with :meth:`seal` and read with :meth:`unseal` (the
+    :class:`~kvpage.formats.base.BlockFormat` interface); the attention op for
+    these layers is :func:`kvpage.ops.sealed_attention.sealed_attention`, which
+    keeps the open block's tokens in the tail pool (:mod:`kvpage.cache.tail`).
 
     Attributes:
         bits: code width (4 or 2).
@@ -169,7 +170,6 @@ class SealedFormat(KVFormat):
             kept as in KVQuant, IntactKV and SKVQ).
     """
 
-    seals: ClassVar[bool] = True
     quantized = True
     bits: ClassVar[int]
     preferred_block_size: ClassVar[int] = 32
@@ -200,9 +200,12 @@ class SealedFormat(KVFormat):
             ]
         return tuple(specs)
 
-    @staticmethod
-    def names(kind: str) -> tuple[str, str, str]:
-        """``(codes, scale, zero)`` tensor names of ``kind`` (``"key"`` or ``"value"``)."""
+    def names(self, kind: str) -> tuple[str, str, str]:
+        """``(codes, scale, zero)`` tensor names of ``kind`` (``"key"`` or ``"value"``).
+
+        Raises:
+            ValueError: another ``kind``.
+        """
         if kind == KEY:
             return KEY, KEY_SCALE, KEY_ZERO
         if kind == VALUE:
@@ -211,11 +214,11 @@ class SealedFormat(KVFormat):
 
     # -- values ----------------------------------------------------------------------------------
 
-    def seal(self, x: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
-        """Quantize whole blocks.
+    def seal(self, blocks: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+        """Quantize whole blocks; ``blocks`` is not modified.
 
         Args:
-            x: ``[num_blocks, block_size, kv_heads, head_dim]`` keys or values (any float dtype;
+            blocks: ``[num_blocks, block_size, kv_heads, head_dim]`` keys or values (any float dtype;
                 computed in float32).
             kind: ``"key"`` (per channel over the block's tokens) or ``"value"`` (per token
                 in groups of :func:`value_group_size` channels).
@@ -224,7 +227,7 @@ class SealedFormat(KVFormat):
             tensor name -> ``[num_blocks, *per_block_shape]`` (see :meth:`tensor_specs`).
         """
         codes_name, scale_name, zero_name = self.names(kind)
-        x = x.float()
+        x = blocks.float()
         d = x.shape[-1]
         if kind == KEY:
             codes, scale, zero = quantize_asymmetric(x, 1, self.bits)          # scale/zero [m, 1, kv, D]
@@ -238,11 +241,13 @@ class SealedFormat(KVFormat):
             zero_name: zero.squeeze(-1),
         }
 
-    def unseal(self, t: Mapping[str, torch.Tensor], kind: str, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
-        """Dequantize sealed blocks.
+    def unseal(
+        self, tensors: Mapping[str, torch.Tensor], kind: str, dtype: torch.dtype, head_dim: int
+    ) -> torch.Tensor:
+        """Dequantize sealed blocks; the inputs are not modified.
 
         Args:
-            t: tensor name -> ``[..., *per_block_shape]`` (as :meth:`seal` returns or the pool holds).
+            tensors: tensor name -> ``[..., *per_block_shape]`` (as :meth:`seal` returns or the pool holds).
             kind: ``"key"`` or ``"value"``.
             dtype: compute dtype of the result.
             head_dim: channels per head (packed rows may carry padding).
@@ -251,21 +256,13 @@ class SealedFormat(KVFormat):
             ``[..., block_size, kv_heads, head_dim]`` in ``dtype``.
         """
         codes_name, scale_name, zero_name = self.names(kind)
-        codes = unpack(t[codes_name], self.bits, head_dim).float()             # [..., bs, kv, D]
-        scale, zero = decode_scale(t[scale_name]), t[zero_name].float()
+        codes = unpack(tensors[codes_name], self.bits, head_dim).float()       # [..., bs, kv, D]
+        scale, zero = decode_scale(tensors[scale_name]), tensors[zero_name].float()
         if kind == KEY:
             return (codes * scale.unsqueeze(-3) + zero.unsqueeze(-3)).to(dtype)
         g = value_group_size(head_dim)
         grouped = codes.unflatten(-1, (head_dim // g, g))                       # [..., bs, kv, G, g]
         return (grouped * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(-2).to(dtype)
-
-    def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """Not available: quantize-on-seal formats write whole blocks (:meth:`seal`)."""
-        raise TypeError(f"{self.name} is quantized per block when a block fills; use seal(), not quantize()")
-
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Not available: read sealed blocks with :meth:`unseal`."""
-        raise TypeError(f"{self.name} blocks are read with unseal(), not dequantize()")
 
     # -- accounting -------------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, KVFormat, QuantizedRows, TensorSpec
+from kvpage.formats.base import KEY, KEY_SCALE, VALUE, VALUE_SCALE, QuantizedRows, TensorSpec, TokenFormat
 from kvpage.formats.codes import decode_e4m3, decode_int8, encode_e4m3, encode_int8
 from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 
@@ -51,7 +51,7 @@ SCALE_FLOOR = 2.0**-14
 FP16_MAX = 65504.0
 
 
-class PerTokenFormat(KVFormat):
+class PerTokenFormat(TokenFormat):
     """Shared layout, rotation and scale arithmetic of the dynamic per-(token, head) 8-bit formats.
 
     Subclasses set ``qmax``, ``rotate`` and implement :meth:`encode` / :meth:`decode`
@@ -92,20 +92,29 @@ class PerTokenFormat(KVFormat):
             y = hadamard_transform(y).clamp_(-limit, limit)
         return y
 
-    def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """``x`` ``[N, H, D]`` (any float dtype) -> uint8 codes ``[N, H, D]`` and float16 scales ``[N, H]``."""
+    def quantize(self, x: torch.Tensor, *, kind: str) -> QuantizedRows:
+        """``x`` ``[N, H, D]`` (any float dtype) -> uint8 codes ``[N, H, D]`` and float16 scales ``[N, H]`` (keys and values alike)."""
         y = self.to_stored_basis(x)
         s16 = (y.abs().amax(dim=-1) / self.qmax).clamp(min=SCALE_FLOOR).to(torch.float16)
         return QuantizedRows(self.encode(y / s16.float().unsqueeze(-1)), s16)
 
-    def dequantize_rotated(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Codes ``[..., H, D]`` and scales ``[..., H]`` -> ``y_hat = decode(codes) * scale`` in ``dtype`` (stored basis)."""
-        assert scale is not None
+    def dequantize_rotated(
+        self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, *, kind: str
+    ) -> torch.Tensor:
+        """Codes ``[..., H, D]`` and scales ``[..., H]`` -> ``y_hat = decode(codes) * scale`` in ``dtype`` (stored basis).
+
+        Raises:
+            ValueError: ``scale`` is ``None`` (these formats store one per token and head).
+        """
+        if scale is None:
+            raise ValueError(f"{self.name} rows decode with the float16 scale stored beside them; none was given")
         return self.decode(codes, dtype) * scale.to(dtype).unsqueeze(-1)
 
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, *, kind: str
+    ) -> torch.Tensor:
         """Codes ``[..., H, D]`` and scales ``[..., H]`` -> ``x_hat = y_hat @ R.T`` in ``dtype`` (the original basis)."""
-        y = self.dequantize_rotated(codes, scale, dtype)
+        y = self.dequantize_rotated(codes, scale, dtype, kind=kind)
         if not self.rotate:
             return y
         return y @ hadamard_rotation(y.shape[-1], dtype, str(y.device)).T
@@ -132,7 +141,7 @@ class Int8Format(PerTokenFormat):
     mode on GPL-3 (``benchmarks/ACCURACY.md``), so the plain one is the default ``int8``.
     """
 
-    name: ClassVar[str] = "int8"
+    name = "int8"
     aliases: ClassVar[tuple[str, ...]] = ("int8_per_token_head",)
     #: 3: plain rows again (1: plain, 2: Hadamard-rotated, now ``int8_rotated``).
     version: ClassVar[int] = 3
@@ -153,7 +162,7 @@ class Fp8Format(PerTokenFormat):
     half-step of 2^-4; e4m3 subnormals are spaced 2^-9 * s).
     """
 
-    name: ClassVar[str] = "fp8"
+    name = "fp8"
     aliases: ClassVar[tuple[str, ...]] = ("fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3", "block_wise_fp8")
     #: 2: rows are Hadamard-rotated (version 1 stored plain rows under this name).
     version: ClassVar[int] = 2
@@ -171,7 +180,7 @@ class Int8RotatedFormat(Int8Format):
     PR 21038), so the one scale fits all channels better.
     """
 
-    name: ClassVar[str] = "int8_rotated"
+    name = "int8_rotated"
     aliases: ClassVar[tuple[str, ...]] = ()
     version: ClassVar[int] = 1
     rotate: ClassVar[bool] = True
@@ -180,7 +189,7 @@ class Int8RotatedFormat(Int8Format):
 class Fp8PerTokenHeadFormat(Fp8Format):
     """Plain (unrotated) per-(token, head) e4m3: vLLM's ``fp8_per_token_head``. Error ``|x - x_hat| <= 2**-4 |x| + 2**-10 s``."""
 
-    name: ClassVar[str] = "fp8_per_token_head"
+    name = "fp8_per_token_head"
     aliases: ClassVar[tuple[str, ...]] = ()
     version: ClassVar[int] = 1
     rotate: ClassVar[bool] = False

@@ -14,6 +14,9 @@ newest token sees exactly what later steps will see.
 The cache tensors are checked against the layer's
 :class:`~kvpage.spec.LayerSpec` before any data is touched; a mismatch raises
 :class:`~kvpage.errors.KVCacheLayoutError` naming the layer (case C02).
+
+This op serves token-wise formats (:class:`~kvpage.formats.TokenFormat`); layers
+of block-wise formats go through :func:`kvpage.ops.sealed_attention.sealed_attention`.
 """
 from __future__ import annotations
 
@@ -25,9 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.errors import KVCacheLayoutError, StaticScalesError
-from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE
+from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, StaticScaleFormat, TokenFormat
 from kvpage.ops.causal import request_attention
-from kvpage.ops.sealed_attention import SealContext, sealed_attention
 from kvpage.spec import LayerSpec
 
 
@@ -107,20 +109,39 @@ class AttentionMetadata:
         return self.query_start_loc[-1] == self.num_requests
 
 
+def _token_format(spec: LayerSpec, layer_index: int | None = None) -> TokenFormat:
+    """The layer's format as a :class:`~kvpage.formats.TokenFormat`.
+
+    Raises:
+        KVCacheLayoutError: a block-wise format (read through :mod:`kvpage.ops.sealed_attention`).
+    """
+    fmt = spec.format
+    if not isinstance(fmt, TokenFormat):
+        where = "" if layer_index is None else f"layer {layer_index}: "
+        raise KVCacheLayoutError(
+            f"{where}format {spec.kv_format} is block-wise (quantized when a block fills); its layers are written "
+            f"and read by kvpage.ops.sealed_attention.sealed_attention with the step's SealContext, not paged_attention"
+        )
+    return fmt
+
+
 def write_kv(
     cache: Mapping[str, torch.Tensor], spec: LayerSpec, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor
 ) -> None:
     """Quantize ``k``/``v`` ``[num_tokens, kv_heads, head_dim]`` per the layer's format and store them at their slots.
 
-    Codes and scales of a token are written together. ``v`` is ``None`` for key-only layers.
-    Static-scale formats quantize with the layer's calibrated scale (``spec.static_scale``).
+    Codes and scales of a token are written together (in place into ``cache``). ``v`` is ``None``
+    for key-only layers. Static-scale formats quantize with the scales bound to ``spec.format``.
+
+    Raises:
+        KVCacheLayoutError: the layer's format is block-wise.
+        StaticScalesError: a static-scale format with no scales bound.
     """
-    fmt = spec.format
+    fmt = _token_format(spec)
     rows = [(KEY, KEY_SCALE, k)] + ([(VALUE, VALUE_SCALE, v)] if spec.has_value else [])
     for name, scale_name, x in rows:
         assert x is not None
-        static = spec.static_scale(name, x.device)  # int8_static / fp8_static: the layer's scale; else None
-        q = fmt.quantize(x) if static is None else fmt.quantize(x, static)  # type: ignore[call-arg]
+        q = fmt.quantize(x, kind=name)
         t = cache[name]
         t.view(-1, *t.shape[2:]).index_copy_(0, slot_mapping, q.codes)
         if q.scale is not None:
@@ -137,29 +158,43 @@ def read_kv(
     *,
     rotated: bool = False,
 ) -> torch.Tensor:
-    """Dequantize the blocks ``block_ids`` (any shape ``[...]``) of tensor ``name`` (``key``/``value``).
+    """Dequantize the blocks ``block_ids`` (any shape ``[...]``) of tensor ``name`` (``key``/``value``); no side effects.
 
     Args:
         rotated: return values in the format's stored (rotated) basis ``x @ R``
-            instead of ``x`` (see :meth:`~kvpage.formats.KVFormat.rotation`);
+            instead of ``x`` (see :meth:`~kvpage.formats.TokenFormat.rotation`);
             the attention op reads this way and rotates its queries instead.
 
     Returns:
         ``[..., block_size, kv_heads, head_dim]`` in ``dtype``.
+
+    Raises:
+        KVCacheLayoutError: the layer's format is block-wise.
+        StaticScalesError: a static-scale format with no scales bound.
     """
+    fmt = _token_format(spec)
     codes = cache[name][block_ids]
     scale_name = KEY_SCALE if name == KEY else VALUE_SCALE
-    # per-block scales where the format stores them, else the layer's static scale (None for float formats)
-    scale = cache[scale_name][block_ids] if scale_name in cache else spec.static_scale(name, codes.device)
-    decode = spec.format.dequantize_rotated if rotated else spec.format.dequantize
-    return decode(codes, scale, dtype)
+    # the per-token scales where the format stores them; float and static-scale formats store none
+    scale = cache[scale_name][block_ids] if scale_name in cache else None
+    decode = fmt.dequantize_rotated if rotated else fmt.dequantize
+    return decode(codes, scale, dtype, kind=name)
 
 
-def _check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
-    if spec.needs_static_scales and spec.static_scales is None:
+def check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    """Check ``q``/``k``/``v`` against the layer's spec before anything is written (shared by both attention ops).
+
+    Raises:
+        StaticScalesError: a static-scale format with no scales bound (names the layer).
+        KVCacheLayoutError: ``v`` given to a key-only layer (or missing), or a shape that disagrees
+            with ``kv_heads``/``head_dim`` or with the number of new tokens (names the layer).
+    """
+    fmt = spec.format
+    if isinstance(fmt, StaticScaleFormat) and not fmt.is_bound:
         raise StaticScalesError(
             f"layer {layer_index}: format {spec.kv_format} needs the layer's calibrated static scales, but the "
-            f"LayerSpec has none (use CacheSpec.layer({layer_index}) of a spec built with static_scales=...)"
+            f"LayerSpec's format has none bound (use CacheSpec.layer({layer_index}) of a spec built with "
+            f"static_scales=...)"
         )
     want = (spec.kv_heads, spec.head_dim)
     if (v is not None) != spec.has_value:
@@ -192,9 +227,8 @@ def paged_attention(
     *,
     layer_index: int,
     scale: float | None = None,
-    seal: SealContext | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this step's tokens over the paged cache, after writing their K/V.
+    """Causal attention of this step's tokens over the paged cache, after writing their K/V (token-wise formats).
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` queries (RoPE applied), compute dtype.
@@ -206,8 +240,6 @@ def paged_attention(
         meta: batch layout (see :class:`AttentionMetadata`).
         layer_index: global layer index, for error messages.
         scale: softmax scale; default ``head_dim ** -0.5``.
-        seal: the step's seal plan and tail pool, required by quantize-on-seal layers
-            (``int4``, ``int2``; see :mod:`kvpage.ops.sealed_attention`), ignored by others.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Query ``j`` of a
@@ -215,20 +247,14 @@ def paged_attention(
         keys ``0 .. s - n + j`` (GQA: each kv head serves ``num_heads / kv_heads`` query heads).
 
     Raises:
-        KVCacheLayoutError: the cache tensors or q/k/v disagree with ``spec``
-            (checked before anything is written), or a quantize-on-seal layer gets no ``seal``.
+        KVCacheLayoutError: the cache tensors or q/k/v disagree with ``spec``, or the layer's
+            format is block-wise (use :func:`~kvpage.ops.sealed_attention.sealed_attention`);
+            checked before anything is written.
+        StaticScalesError: a static-scale format with no scales bound.
     """
+    fmt = _token_format(spec, layer_index)
     spec.validate(cache, layer_index=layer_index)
-    _check_inputs(spec, layer_index, q, k, v)
-    if spec.format.seals:
-        if seal is None or layer_index not in seal.pool.layers:
-            raise KVCacheLayoutError(
-                f"layer {layer_index}: format {spec.kv_format} quantizes blocks when they fill and needs the "
-                f"full-precision tail pool (kvpage.cache.tail.TailPool) of this step; none was given"
-            )
-        return sealed_attention(
-            q, k, v, cache, spec, meta.query_start_loc, seal, layer_index=layer_index, scale=scale
-        )
+    check_inputs(spec, layer_index, q, k, v)
     write_kv(cache, spec, k, v, meta.slot_mapping)
     value_name = VALUE if spec.has_value else KEY
     # Attention math runs in float32 on the CPU (bfloat16 SDPA there is 5-10x slower, and less exact),
@@ -236,7 +262,7 @@ def paged_attention(
     adtype = torch.float32 if q.device.type == "cpu" else q.dtype
     qa = q.to(adtype)                                                          # [T, H, D]
     # Rotated formats store x @ R (R orthonormal): attend with q @ R, rotate the output back by R.T.
-    rot = spec.format.rotation(spec.head_dim, adtype, q.device)
+    rot = fmt.rotation(spec.head_dim, adtype, q.device)
     if rot is not None:
         qa = qa @ rot                                                          # [T, H, D]
     bs = spec.block_size

@@ -1,11 +1,11 @@
 """Attention over quantize-on-seal layers (``int4``, ``int2``): sealed blocks plus the full-precision tail.
 
-Write (once per layer, following the step's :class:`~kvpage.cache.tail.SealPlan`):
+Write (once per layer, following the step's :class:`~kvpage.ops.seal_plan.SealPlan`):
 
 1. blocks that fill this step are gathered whole -- earlier tokens from their tail
    slot, new tokens from this step -- rounded to the tail dtype (so a block's bytes
    do not depend on whether prefill or decode filled it), sealed
-   (:meth:`~kvpage.formats.kivi.SealedFormat.seal`) and written to the pool; first
+   (:meth:`~kvpage.formats.BlockFormat.seal`) and written to the pool; first
    blocks also get their 8-bit sink copy;
 2. new tokens of open blocks and window blocks go to their tail slots.
 
@@ -16,6 +16,11 @@ attention itself is the reference path of :mod:`kvpage.ops.attention`: float32
 on the CPU, each request over exactly its own context. This is the KIVI read
 (quantized history + full-precision residual, concatenated) built first as a
 dequantize-then-SDPA reference, as the research notes recommend.
+
+Everything beside the pool tensors arrives in a :class:`SealContext` (the plan,
+the layers' tail tensors, the sink format); this module imports nothing from
+:mod:`kvpage.cache` (the tail pool builds the context:
+:meth:`kvpage.cache.tail.TailPool.context`).
 """
 from __future__ import annotations
 
@@ -24,38 +29,54 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.cache.tail import RequestRead, SealPlan, TailPool
-from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE
+from kvpage.errors import KVCacheLayoutError
+from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat, TokenFormat
+from kvpage.ops.attention import AttentionMetadata, check_inputs
 from kvpage.ops.causal import request_attention
+from kvpage.ops.seal_plan import RequestRead, SealPlan
 from kvpage.spec import LayerSpec
 
 
 @dataclass(frozen=True, slots=True)
 class SealContext:
-    """What a quantize-on-seal layer needs beside its pool tensors for one forward pass.
+    """What quantize-on-seal layers need beside their pool tensors for one forward pass.
 
     Attributes:
         plan: the step's plan (shared by all layers).
-        pool: the tail pool (its ``layers[layer_index]`` holds this layer's tail and sink tensors).
+        tails: global layer index -> that layer's tail tensors (name -> tensor): ``key``/``value``
+            ``[S * block_size, kv_heads, head_dim]`` 16-bit rows, ``sink_key``/``sink_value``
+            ``[K * block_size, kv_heads, head_dim]`` codes and ``sink_key_scale``/``sink_value_scale``
+            ``[K * block_size, kv_heads]`` in ``sink_format``'s layout (rows flat as
+            ``slot * block_size + offset``). Written in place by :func:`sealed_attention`.
+        sink_format: the token-wise format of the first-block (sink) copies (``int8``).
     """
 
     plan: SealPlan
-    pool: TailPool
+    tails: Mapping[int, Mapping[str, torch.Tensor]]
+    sink_format: TokenFormat
+
+
+def _scale_name(kind: str) -> str:
+    return KEY_SCALE if kind == KEY else VALUE_SCALE
 
 
 def write_sealed(
-    cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], pool: TailPool, spec: LayerSpec,
-    kind: str, x: torch.Tensor, plan: SealPlan,
+    cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
+    block_size: int, kind: str, x: torch.Tensor, plan: SealPlan,
 ) -> None:
-    """Seal the blocks this step fills and store the other new tokens in their tail slots.
+    """Seal the blocks this step fills and store the other new tokens in their tail slots (in place).
 
     Args:
         cache: the layer's pool tensors (``[num_blocks, *per_block_shape]``).
-        tail: the layer's tail tensors (see :class:`~kvpage.cache.tail.TailPool`).
+        tail: the layer's tail tensors (see :class:`SealContext`).
+        fmt: the layer's block-wise format.
+        sink_format: the format of first-block copies.
+        block_size: tokens per block.
         kind: ``"key"`` or ``"value"``.
         x: ``[num_tokens, kv_heads, head_dim]`` this step's keys or values.
+        plan: the step's plan.
     """
-    fmt, bs = spec.format, spec.block_size
+    bs = block_size
     rows = tail[kind]                                                          # [S*bs, Hkv, D]
     xt = x.to(rows.dtype)
     m = plan.seal_ids.numel()
@@ -64,31 +85,31 @@ def write_sealed(
         data[plan.seal_from_new_dst] = xt[plan.seal_from_new_src]
         data[plan.seal_from_tail_dst] = rows[plan.seal_from_tail_src]
         blocks = data.view(m, bs, *x.shape[1:])                                # [m, bs, Hkv, D]
-        for name, t in fmt.seal(blocks, kind).items():                         # type: ignore[attr-defined]
+        for name, t in fmt.seal(blocks, kind).items():
             cache[name].index_copy_(0, plan.seal_ids, t)
         if plan.sink_pos.numel():
-            q = pool.sink_format.quantize(blocks[plan.sink_pos].flatten(0, 1))  # [k*bs, Hkv, D]
+            q = sink_format.quantize(blocks[plan.sink_pos].flatten(0, 1), kind=kind)  # [k*bs, Hkv, D]
+            assert q.scale is not None  # the sink format stores a scale per token and head
             dst = (plan.sink_slots[:, None] * bs + torch.arange(bs, device=x.device)).flatten()
             tail["sink_" + kind].index_copy_(0, dst, q.codes)
-            tail["sink_" + (KEY_SCALE if kind == KEY else VALUE_SCALE)].index_copy_(0, dst, q.scale)
+            tail["sink_" + _scale_name(kind)].index_copy_(0, dst, q.scale)
     rows.index_copy_(0, plan.tail_dst, xt[plan.tail_src])
 
 
 def read_sealed(
-    cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], pool: TailPool, spec: LayerSpec,
-    kind: str, read: RequestRead, dtype: torch.dtype,
+    cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
+    spec: LayerSpec, kind: str, read: RequestRead, dtype: torch.dtype,
 ) -> torch.Tensor:
-    """One request's context keys or values, ``[seq_len, kv_heads, head_dim]`` in ``dtype``."""
-    fmt, bs, d = spec.format, spec.block_size, spec.head_dim
-    names = fmt.names(kind)                                                    # type: ignore[attr-defined]
+    """One request's context keys or values, ``[seq_len, kv_heads, head_dim]`` in ``dtype`` (no side effects)."""
+    bs, d = spec.block_size, spec.head_dim
     rows = tail[kind]
-    full = fmt.unseal({n: cache[n][read.full_ids] for n in names}, kind, dtype, d)  # type: ignore[attr-defined]
+    full = fmt.unseal({n: cache[n][read.full_ids] for n in fmt.names(kind)}, kind, dtype, d)  # [nf, bs, Hkv, D]
     for j, slot in read.fp_blocks:
         full[j] = rows[slot * bs:(slot + 1) * bs]
     if read.sink_slot is not None:
         a = read.sink_slot * bs
-        scale_name = "sink_" + (KEY_SCALE if kind == KEY else VALUE_SCALE)
-        full[0] = pool.sink_format.dequantize(tail["sink_" + kind][a:a + bs], tail[scale_name][a:a + bs], dtype)
+        codes, scales = tail["sink_" + kind][a:a + bs], tail["sink_" + _scale_name(kind)][a:a + bs]
+        full[0] = sink_format.dequantize(codes, scales, dtype, kind=kind)
     out = full.flatten(0, 1)                                                   # [nf*bs, Hkv, D]
     if read.open_slot is not None:
         a = read.open_slot * bs
@@ -102,28 +123,57 @@ def sealed_attention(
     v: torch.Tensor | None,
     cache: Mapping[str, torch.Tensor],
     spec: LayerSpec,
-    query_start_loc: tuple[int, ...],
-    seal: SealContext,
+    meta: AttentionMetadata,
+    ctx: SealContext,
     *,
     layer_index: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V through the seal plan, then attend (shapes as :func:`~kvpage.ops.attention.paged_attention`).
+    """Write this step's K/V through the seal plan, then attend (block-wise formats).
 
-    Inputs are already validated by the caller.
+    Args and result as :func:`~kvpage.ops.attention.paged_attention` (``q`` ``[T, H, D]``,
+    ``k``/``v`` ``[T, Hkv, D]``, result ``[T, H, D]`` in ``q.dtype``), plus ``ctx``: the
+    step's plan, tail tensors and sink format. ``meta.slot_mapping`` is not read: the
+    plan says where every token goes. Writes the pool tensors in ``cache`` and the
+    layer's tail tensors in ``ctx`` in place.
+
+    Raises:
+        KVCacheLayoutError: the cache tensors or q/k/v disagree with ``spec``, the layer's
+            format is token-wise (use :func:`~kvpage.ops.attention.paged_attention`), ``ctx``
+            holds no tail tensors for this layer, or its plan covers another number of
+            requests than ``meta``; checked before anything is written.
     """
-    tail = seal.pool.layers[layer_index]
-    plan = seal.plan
-    write_sealed(cache, tail, seal.pool, spec, KEY, k, plan)
+    fmt = spec.format
+    if not isinstance(fmt, BlockFormat):
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: format {spec.kv_format} is token-wise; its layers are written and read by "
+            f"kvpage.ops.attention.paged_attention, not sealed_attention"
+        )
+    spec.validate(cache, layer_index=layer_index)
+    check_inputs(spec, layer_index, q, k, v)
+    tail = ctx.tails.get(layer_index)
+    if tail is None:
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: format {spec.kv_format} quantizes blocks when they fill and needs this layer's "
+            f"full-precision tail tensors, but the SealContext has none for it (layers {sorted(ctx.tails)})"
+        )
+    plan = ctx.plan
+    if len(plan.reads) != meta.num_requests:
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: the seal plan covers {len(plan.reads)} requests, the batch has {meta.num_requests}"
+        )
+    bs = spec.block_size
+    write_sealed(cache, tail, fmt, ctx.sink_format, bs, KEY, k, plan)
     if spec.has_value:
         assert v is not None
-        write_sealed(cache, tail, seal.pool, spec, VALUE, v, plan)
+        write_sealed(cache, tail, fmt, ctx.sink_format, bs, VALUE, v, plan)
     adtype = torch.float32 if q.device.type == "cpu" else q.dtype
     qa = q.to(adtype)
     out = torch.empty_like(qa)
+    qsl = meta.query_start_loc
     for i, read in enumerate(plan.reads):
-        a, b = query_start_loc[i], query_start_loc[i + 1]
-        keys = read_sealed(cache, tail, seal.pool, spec, KEY, read, adtype)    # [s, Hkv, D]
-        vals = read_sealed(cache, tail, seal.pool, spec, VALUE, read, adtype) if spec.has_value else keys
+        a, b = qsl[i], qsl[i + 1]
+        keys = read_sealed(cache, tail, fmt, ctx.sink_format, spec, KEY, read, adtype)    # [s, Hkv, D]
+        vals = read_sealed(cache, tail, fmt, ctx.sink_format, spec, VALUE, read, adtype) if spec.has_value else keys
         out[a:b] = request_attention(qa[a:b], keys, vals, scale)                # [n, H, D]
     return out.to(q.dtype)

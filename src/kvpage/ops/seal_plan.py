@@ -1,0 +1,63 @@
+"""The tensor plan of one forward pass over quantize-on-seal (block-wise) layers: what is sealed, written, read.
+
+:class:`SealPlan` and its per-request :class:`RequestRead` are plain index
+tensors, made once per step by the tail's bookkeeping
+(:meth:`kvpage.cache.tail.TailTable.plan`) and applied by every block-wise layer
+(:mod:`kvpage.ops.sealed_attention`). Imports nothing from kvpage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRead:
+    """Where request ``i``'s context is read from after this step's writes.
+
+    Attributes:
+        full_ids: ``[num_full]`` int64 pool ids of its full (sealed) blocks, in order.
+        fp_blocks: ``(block index, slot)`` of full blocks read from a 16-bit window copy.
+        sink_slot: sink slot of its first block, or ``None`` (read the quantized block).
+        open_slot: slot of its partial last block, or ``None`` when the context fills whole blocks.
+        open_len: tokens in the partial block (0 when ``open_slot`` is ``None``).
+    """
+
+    full_ids: torch.Tensor
+    fp_blocks: tuple[tuple[int, int], ...]
+    sink_slot: int | None
+    open_slot: int | None
+    open_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class SealPlan:
+    """What one forward pass writes and reads, shared by every quantize-on-seal layer.
+
+    Row indices address this step's new tokens (``[num_tokens]``, in batch order), flat
+    tail rows (``slot * block_size + offset``) or flat sink rows likewise.
+
+    Attributes:
+        tail_dst: ``[n]`` int64 tail rows receiving new tokens.
+        tail_src: ``[n]`` int64 new-token rows written there.
+        seal_ids: ``[m]`` int64 pool blocks sealed this step.
+        seal_from_new_dst / seal_from_new_src: rows of the ``[m * block_size]`` seal batch
+            taken from new tokens.
+        seal_from_tail_dst / seal_from_tail_src: rows of the seal batch taken from tail rows
+            (tokens written in earlier steps).
+        sink_pos: ``[k]`` int64 indices into ``seal_ids`` of first blocks getting a sink copy.
+        sink_slots: ``[k]`` int64 their sink slots.
+        reads: one :class:`RequestRead` per request.
+    """
+
+    tail_dst: torch.Tensor
+    tail_src: torch.Tensor
+    seal_ids: torch.Tensor
+    seal_from_new_dst: torch.Tensor
+    seal_from_new_src: torch.Tensor
+    seal_from_tail_dst: torch.Tensor
+    seal_from_tail_src: torch.Tensor
+    sink_pos: torch.Tensor
+    sink_slots: torch.Tensor
+    reads: tuple[RequestRead, ...]
