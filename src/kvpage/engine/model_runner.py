@@ -4,9 +4,8 @@ It turns the scheduler's view (each request's new tokens, how many of its
 tokens are already cached, its block table) into the model's inputs
 (concatenated ``input_ids`` and ``positions``) and the attention op's
 :class:`~kvpage.ops.attention.AttentionMetadata`, and hands the model an
-:class:`~kvpage.model.attention_fn.AttentionFn` that runs
-:func:`~kvpage.ops.attention.paged_attention` on each layer's cache
-(:func:`~kvpage.ops.sealed_attention.sealed_attention` for block-wise formats).
+:class:`~kvpage.model.attention_fn.AttentionFn` that sends each layer to its
+group's :class:`~kvpage.engine.backends.AttentionBackend`.
 """
 from __future__ import annotations
 
@@ -15,12 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.cache.controller import LayerCache
-from kvpage.cache.tail import TailPool
-from kvpage.errors import KVCacheLayoutError
-from kvpage.formats import BlockFormat
-from kvpage.ops.attention import AttentionMetadata, paged_attention
-from kvpage.ops.sealed_attention import SealContext, sealed_attention
+from kvpage.engine.backends import AttentionBackend, StepLayout
+from kvpage.ops.attention import AttentionMetadata
 from kvpage.spec import CacheSpec
 
 
@@ -47,32 +42,40 @@ class ScheduledRequest:
 
 
 class ModelRunner:
-    """Runs a Llama-family model on the paged cache.
+    """Runs a model family on the paged cache, one attention backend per layer group.
 
     Args:
         model: has ``forward(input_ids [T], positions [T], attn) -> hidden [T, hidden]``
             and ``compute_logits(hidden [N, hidden]) -> float32 [N, vocab]``.
         spec: the cache layout.
-        caches: global layer index -> that layer's cache tensors (from the controller).
+        backends: one per layer group of ``spec`` (:func:`~kvpage.engine.backends.backend_for`); each
+            :meth:`execute` begins and ends a step on every backend and routes each layer to its group's.
         device: where inputs are built.
-        tail: the full-precision tail pool, required when a layer's format quantizes on seal
-            (``int4``, ``int2``; :mod:`kvpage.cache.tail`); each :meth:`execute` plans its
-            writes once and every layer follows that plan.
+
+    Raises:
+        ValueError: the backends do not cover every layer of ``spec`` exactly once.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         spec: CacheSpec,
-        caches: dict[int, LayerCache],
+        backends: Sequence[AttentionBackend],
         device: torch.device,
-        tail: TailPool | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
-        self.caches = caches
+        self.backends = tuple(backends)
         self.device = device
-        self.tail = tail
+        self._by_layer: dict[int, AttentionBackend] = {}
+        for b in self.backends:
+            for i in b.group.layer_indices:
+                if i in self._by_layer:
+                    raise ValueError(f"layer {i} has two attention backends")
+                self._by_layer[i] = b
+        missing = [i for i in range(spec.num_layers) if i not in self._by_layer]
+        if missing:
+            raise ValueError(f"layers {missing} have no attention backend")
 
     def build_metadata(self, batch: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``input_ids`` ``[T]`` int64, ``positions`` ``[T]`` int64 and the attention metadata for ``batch``."""
@@ -113,35 +116,26 @@ class ModelRunner:
             ``i``'s rows are ``query_start_loc[i]:query_start_loc[i+1]``).
         """
         input_ids, positions, meta = self.build_metadata(batch)
-        caches, spec = self.caches, self.spec
-        ctx: SealContext | None = None
-        if self.tail is not None:
-            plan = self.tail.table.plan(
-                [r.block_ids for r in batch],
-                meta.seq_lens,
-                meta.query_lens,
-                device=self.device,
-                owners=[r.request_id for r in batch],
-                prompt_lens=[r.num_prompt_tokens for r in batch],
-            )
-            ctx = self.tail.context(plan)
+        step = StepLayout(
+            meta=meta,
+            block_tables=tuple(r.block_ids for r in batch),
+            owners=tuple(r.request_id for r in batch),
+            prompt_lens=tuple(r.num_prompt_tokens for r in batch),
+        )
+        by_layer = self._by_layer
 
         def attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            layer = spec.layer(layer_index)
-            if isinstance(layer.format, BlockFormat):
-                if ctx is None:
-                    raise KVCacheLayoutError(
-                        f"layer {layer_index}: format {layer.kv_format} quantizes blocks when they fill and needs "
-                        f"the full-precision tail pool (ModelRunner(tail=...)); none was given"
-                    )
-                return sealed_attention(q, k, v, caches[layer_index], layer, meta, ctx, layer_index=layer_index)
-            return paged_attention(q, k, v, caches[layer_index], layer, meta, layer_index=layer_index)
+            return by_layer[layer_index].attend(layer_index, q, k, v)
 
+        started: list[AttentionBackend] = []
         try:
+            for b in self.backends:
+                b.begin_step(step, self.device)
+                started.append(b)
             hidden = self.model(input_ids, positions, attn)                  # [T, hidden]
         finally:
-            if self.tail is not None:
-                self.tail.table.finish()
+            for b in started:
+                b.end_step()
         if all_logits:
             return self.model.compute_logits(hidden)                          # [T, vocab]
         last = torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1

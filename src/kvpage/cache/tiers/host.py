@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpage.cache.controller import CacheController
-from kvpage.cache.tiers.connector import OffloadManager
+from kvpage.cache.tiers.offload import OffloadManager
 from kvpage.cache.tiers.host_pool import HostBlockPool
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.cache.tiers.stores import BlockData, KVStore, open_store
@@ -128,17 +128,6 @@ def store_tier_name(url: str) -> str:
     return "redis" if scheme in ("redis", "rediss", "unix") else "disk"
 
 
-def seals_blocks(controller: CacheController) -> bool:
-    """Whether any layer group's format is quantize-on-seal (a ``BlockFormat``, e.g. ``int4``, ``int2``).
-
-    Such formats keep a sequence's partial last block in a full-precision tail
-    pool outside the block tensors, so swap preemption (which copies block
-    tensors only) cannot restore it; their requests are recomputed instead.
-    Sealed full blocks are ordinary pool blocks and go to every tier.
-    """
-    return any(isinstance(g.layer.format, BlockFormat) for g in controller.spec.groups)
-
-
 def build_offload(
     controller: CacheController,
     *,
@@ -152,6 +141,7 @@ def build_offload(
     load_deadline_s: float = 30.0,
     store_options: dict[str, Any] | None = None,
     queue: TransferQueue | None = None,
+    supports_swap: bool = True,
 ) -> OffloadManager | None:
     """Allocate the host tier, open the stores and return the :class:`OffloadManager` (``None`` when no tier is asked for).
 
@@ -160,7 +150,7 @@ def build_offload(
         swap_space: host tier size in GiB (vLLM's ``swap_space``); 0 = no host tier.
         kv_offload_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
         preemption_mode: ``recompute`` or ``swap`` (needs ``swap_space > 0``). With a
-            quantize-on-seal format (:func:`seals_blocks`) ``swap`` falls back to recompute.
+            layer group that cannot swap (``supports_swap=False``) ``swap`` falls back to recompute.
         kv_disk_dir: directory of a :class:`~kvpage.cache.tiers.stores.disk.DiskStore`, or ``None``.
         kv_disk_max_bytes: size cap of the disk store in bytes (LRU), ``None`` = unbounded.
         kv_store: ``redis://host:port/db`` of a shared :class:`~kvpage.cache.tiers.stores.redis.RedisStore`, or ``None``.
@@ -168,6 +158,8 @@ def build_offload(
         load_deadline_s: how long an aborted request's loading blocks wait for their load (C10).
         store_options: extra keyword options for the Redis store (``ttl_seconds``, ``timeout_s``, ...).
         queue: the transfer queue (default synchronous).
+        supports_swap: whether every layer group's blocks can be swapped out and back
+            (``KVCacheManager.supports_swap``; block-wise formats keep a tail pool outside them).
 
     Raises:
         ValueError: bad sizes, policy or mode; ``swap`` without a host tier.
@@ -186,7 +178,7 @@ def build_offload(
         raise ValueError("kv_disk_max_bytes needs kv_disk_dir")
     if n_host == 0 and kv_disk_dir is None and not kv_store:
         return None
-    if config.preemption_mode == "swap" and seals_blocks(controller):
+    if config.preemption_mode == "swap" and not supports_swap:
         logger.warning("preemption_mode='swap' falls back to 'recompute' for quantize-on-seal KV formats "
                        "(%s): a request's partial last block lives in the tail pool, outside the swappable blocks",
                        ", ".join(sorted({g.layer.kv_format for g in controller.spec.groups})))
