@@ -113,7 +113,7 @@ def main() -> int:
             rows["cold"].append((t, c))
             t, c, tok = ask(tiered, prefix, QUESTIONS[1])
             rows["device hit"].append((t, c))
-            tiered.engine.manager.reset_prefix_cache()
+            tiered.reset_prefix_cache()
             t, c, tok_h = ask(tiered, prefix, QUESTIONS[2])
             rows["host hit"].append((t, c))
             t, c, tok_d = ask(disk_only, prefix, QUESTIONS[2])
@@ -131,7 +131,7 @@ def main() -> int:
             ttft = statistics.median(t for t, _ in vals)
             print(f"{name:<16} {ttft:>8.3f} {cold / ttft:>26.1f}x {vals[-1][1]:>14}")
         s = tiered.engine.stats().kv
-        print(f"tiered engine: tier hits (blocks) {s.tier_hits}; bytes moved {s.tier_bytes}")
+        print(f"tiered engine: tier hits (blocks) {s.tier_hits}; bytes moved {s.tiers.tier_bytes}")
         print(f"same first token from cold, host, disk and Redis: {same}")
         for llm in (tiered, disk_only, redis_only):
             llm.close()

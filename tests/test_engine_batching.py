@@ -50,10 +50,10 @@ def test_shared_prefix_outputs_identical(smollm2, reference, name, kwargs):
     llm = LLM(smollm2, kv_cache_dtype="float32", num_blocks=256, progress=False, **kwargs)
     outs = llm.generate(_prompts(llm), PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == reference, name
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
     prompt_len = outs[0].metrics.prompt_tokens
-    stats = llm.engine.manager.stats()
-    if llm.engine.manager.enable_caching:
+    stats = llm.kv_cache_stats()
+    if llm.engine_config.enable_prefix_caching:
         # Requests admitted in the first step find nothing (blocks are indexed only once written, C18);
         # later ones hit the full blocks of the shared chat prefix written so far: whole blocks, never
         # past the shared prefix, all of it once the first request's prefill is done.
@@ -79,8 +79,8 @@ def test_small_pool_preempts_and_outputs_stay_identical(smollm2, reference):
     outs = llm.generate(_prompts(llm), PARAMS)
     assert llm.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
-    assert llm.engine.manager.num_in_use_blocks == 0
-    s = llm.engine.manager.stats()
+    assert llm.kv_cache_stats().num_in_use == 0
+    s = llm.kv_cache_stats()
     assert s.num_free + s.num_evictable + s.num_in_use == s.num_blocks == 19
 
 
@@ -106,9 +106,9 @@ def test_stream_deltas_add_up_and_closing_aborts(smollm2):
     # closing the stream early aborts what is still running and frees its blocks
     stream = llm.generate_stream(prompts, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     next(stream)
-    assert llm.engine.manager.num_in_use_blocks > 0
+    assert llm.kv_cache_stats().num_in_use > 0
     stream.close()
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -122,5 +122,5 @@ def test_abort_reports_reason_and_frees(smollm2):
     out = llm.engine.abort_request(req.request_id)
     assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
     assert len(out.outputs[0].token_ids) == 2
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
     assert llm.engine.abort_request(req.request_id) is None   # already finished: nothing to do

@@ -79,7 +79,7 @@ def test_decode_ppl_equals_full_sequence_reference(smollm2, ids, decode_auto):
 @pytest.mark.slow
 def test_blocks_all_freed_after_eval(decode_auto):
     llm, _ = decode_auto
-    s = llm.engine.manager.stats()
+    s = llm.kv_cache_stats()
     assert s.num_in_use == 0 and s.num_free == s.num_blocks == llm.num_blocks
     assert s.requests == 1  # the eval's one request was admitted through the manager
 
@@ -92,7 +92,7 @@ def test_chunked_equals_decode_unquantized(smollm2, ids, decode_auto, chunk_size
     r = evaluate_perplexity(llm, ids, mode="chunked", chunk_size=chunk_size, progress=False)
     assert r.mode == "chunked" and r.chunk_size == chunk_size and r.num_predictions == dec.num_predictions
     assert r.ppl == pytest.approx(dec.ppl, rel=1e-4)
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
 
 
 @pytest.mark.slow
@@ -113,7 +113,7 @@ def test_result_cost_fields(smollm2, decode_auto):
 def test_blocks_freed_when_a_step_fails(smollm2, ids, monkeypatch):
     llm = _llm(smollm2)
     calls = {"n": 0}
-    real = llm.runner.execute
+    real = llm.engine.runner.execute
 
     def failing(batch, **kw):
         calls["n"] += 1
@@ -121,10 +121,10 @@ def test_blocks_freed_when_a_step_fails(smollm2, ids, monkeypatch):
             raise RuntimeError("boom")
         return real(batch, **kw)
 
-    monkeypatch.setattr(llm.runner, "execute", failing)
+    monkeypatch.setattr(llm.engine.runner, "execute", failing)
     with pytest.raises(RuntimeError, match="boom"):
         evaluate_perplexity(llm, ids, progress=False)
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
 
 
 @pytest.mark.slow
@@ -138,7 +138,7 @@ def test_bad_inputs_fail_before_running(smollm2, ids):
         evaluate_perplexity(llm, ids[:8], mode="prefill", progress=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         evaluate_perplexity(llm, [1, 10**9], progress=False)
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
 
 
 def _fake(name: str, canonical: str, bits: float, ppl: float) -> PerplexityResult:

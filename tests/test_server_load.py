@@ -100,7 +100,7 @@ def test_64_concurrent_streams_with_8_disconnects(smollm2) -> None:
             assert time.monotonic() < deadline, "requests still running 30 s after every client finished"
             time.sleep(0.05)
         stats = llm.engine.stats()  # idle now: safe to read from this thread
-        in_use = llm.engine.manager.num_in_use_blocks
+        in_use = llm.kv_cache_stats().num_in_use
 
     kept = [r for r in results if not r["disconnected"]]
     gone = [r for r in results if r["disconnected"]]

@@ -54,9 +54,9 @@ def test_greedy_outputs_identical_from_every_tier(smollm2, fmt: str, tmp_path: P
     n = _full_blocks(a)
     assert _run(a) == ref  # cold: computed, then written through to host, disk and Redis
     s = a.engine.stats().kv
-    assert s.blocks_stored >= n and s.tier_bytes["store_write"] == 2 * s.blocks_stored * a.spec.bytes_per_block
+    assert s.blocks_stored >= n and s.tiers.tier_bytes["store_write"] == 2 * s.blocks_stored * a.spec.bytes_per_block
     assert _run(a) == ref and a.engine.stats().kv.tier_hits["device"] == n
-    a.engine.manager.reset_prefix_cache()
+    a.reset_prefix_cache()
     assert _run(a) == ref and a.engine.stats().kv.tier_hits["host"] == n
     a.close()
     disk = _llm(smollm2, fmt, kv_disk_dir=tmp_path)  # a restart: only the disk is left
@@ -95,8 +95,8 @@ def test_two_engines_share_redis_and_another_layout_never_reads_it(smollm2, redi
     other_ref = _llm(smollm2, "bfloat16").generate([prompt], params)[0]
     got = other.generate([prompt], params)[0]
     s = other.engine.stats().kv
-    assert s.tier_hits["redis"] == 0 and s.store_rejected == 0 and got.metrics.cached_tokens == 0
-    redis_store = other.offload.stores[0][1]
+    assert s.tier_hits["redis"] == 0 and s.tiers.store_rejected == 0 and got.metrics.cached_tokens == 0
+    redis_store = other.kv_connector.offload.stores[0][1]
     assert redis_store.stats.hits == 0 and redis_store.stats.puts == s.blocks_stored  # its own layout, beside
     assert got.outputs[0].token_ids == other_ref.outputs[0].token_ids
     reader.close()
@@ -118,12 +118,12 @@ def test_redis_killed_mid_run_requests_finish_identical_to_no_store(smollm2, red
         if out.finished:
             finals[out.request_id] = out.outputs[0].token_ids
     assert sorted(finals.values()) == sorted(ref[:2])
-    llm.engine.manager.reset_prefix_cache()  # the next requests would need Redis for their prefix
+    llm.reset_prefix_cache()  # the next requests would need Redis for their prefix
     outs = llm.generate(prompts, PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == ref
     s = llm.engine.stats().kv
-    assert s.store_errors > 0 and s.tier_hits["redis"] == 0
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert s.tiers.store_errors > 0 and s.tier_hits["redis"] == 0
+    assert llm.kv_cache_stats().num_in_use == 0
     llm.close()
 
 
@@ -134,7 +134,7 @@ def test_flipped_byte_in_a_disk_record_is_detected_recomputed_and_counted(smollm
     n = _full_blocks(writer)
     assert n >= 3
     # flip one byte in the middle of the record of the prefix's third block
-    store = writer.offload.stores[0][1]
+    store = writer.kv_connector.offload.stores[0][1]
     req = KVRequest("probe", _prompt(writer, QUESTIONS[0])["prompt_token_ids"])
     KVCacheManager(1, writer.spec.block_size).match_prefix(req)  # computes req.block_hashes
     path = store.path_for(store.key(req.block_hashes[2]))
@@ -145,7 +145,7 @@ def test_flipped_byte_in_a_disk_record_is_detected_recomputed_and_counted(smollm
     out = reader.generate([_prompt(reader, QUESTIONS[0])], PARAMS)[0]
     assert out.outputs[0].token_ids == ref  # blocks 2.. recomputed
     s = reader.engine.stats().kv
-    assert s.store_rejected == 1 and s.tier_hits["disk"] == 2 and out.metrics.cached_tokens == 32
+    assert s.tiers.store_rejected == 1 and s.tier_hits["disk"] == 2 and out.metrics.cached_tokens == 32
     text = ServerMetrics(reader.engine.stats, "m").render().decode()
     assert "kvpage:store_rejected_records_total 1.0" in text
     assert 'kvpage:tier_hits_total{tier="disk"} 2.0' in text
@@ -166,9 +166,9 @@ def test_swap_preemption_outputs_identical_to_no_preemption(smollm2) -> None:
     assert [o.outputs[0].token_ids for o in outs] == ref
     st = llm.engine.stats()
     assert st.num_preemptions > 0
-    assert st.kv.swapped_out_blocks > 0 and st.kv.swapped_in_blocks > 0
-    assert st.kv.swapped_in_blocks <= st.kv.swapped_out_blocks
-    assert st.kv.num_in_use == 0 and st.kv.num_host_busy == 0  # every swapped copy was freed
+    assert st.kv.tiers.swapped_out_blocks > 0 and st.kv.tiers.swapped_in_blocks > 0
+    assert st.kv.tiers.swapped_in_blocks <= st.kv.tiers.swapped_out_blocks
+    assert st.kv.num_in_use == 0 and st.kv.tiers.num_host_busy == 0  # every swapped copy was freed
     assert st.kv.num_free + st.kv.num_evictable == 12
 
 
@@ -216,14 +216,19 @@ def test_bad_tier_arguments_fail_before_the_model_loads(kwargs: dict, match: str
 def test_tier_metrics_are_exported_from_engine_stats() -> None:
     m = KVCacheManager(4, 4)
     stats = m.stats()
-    assert stats.tier_hits == {"device": 0} and stats.store_rejected == 0
+    assert stats.tier_hits == {"device": 0} and stats.tiers is None
+    from dataclasses import replace
     from types import SimpleNamespace
 
+    from kvpage.cache.tiers.types import OffloadStats
+
+    tiers = OffloadStats(tier_hits={"host": 2, "redis": 1}, tier_bytes={"device_to_host": 10, "store_read": 7},
+                         store_rejected=4, store_errors=0, num_host_blocks=0, num_host_free=0, num_host_evictable=0,
+                         num_host_busy=0, backups=0, backups_dropped=0, swapped_out_blocks=0, swapped_in_blocks=0,
+                         swap_fallbacks=0, pending_transfers=0)
+    kv = replace(stats, tier_hits={"device": 3, "host": 2, "redis": 1}, tiers=tiers)
     snap = SimpleNamespace(num_running=0, num_waiting=0, kv_usage=0.0, num_preemptions=0, prompt_tokens=0,
-                           generation_tokens=0, kv=stats.__class__(**{
-                               **{f: getattr(stats, f) for f in stats.__dataclass_fields__},
-                               "tier_hits": {"device": 3, "host": 2, "redis": 1},
-                               "tier_bytes": {"device_to_host": 10, "store_read": 7}, "store_rejected": 4}))
+                           generation_tokens=0, kv=kv)
     text = ServerMetrics(lambda: snap, "m").render().decode()
     for line in ('kvpage:tier_hits_total{tier="device"} 3.0', 'kvpage:tier_hits_total{tier="host"} 2.0',
                  'kvpage:tier_hits_total{tier="redis"} 1.0', 'kvpage:tier_bytes_total{direction="device_to_host"} 10.0',

@@ -15,14 +15,16 @@ import torch
 
 from kvpage.cache.controller import CacheAllocationError, CacheController
 from kvpage.cache.manager import KVCacheManager, KVRequest
-from kvpage.cache.tiers.connector import OffloadManager
-from kvpage.cache.tiers.host import HostTier, build_offload, host_blocks_for_swap_space, seals_blocks
+from kvpage.cache.tiers.connector import TieredConnector
+from kvpage.cache.tiers.host import HostTier, build_offload, host_blocks_for_swap_space
 from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
+from kvpage.cache.tiers.offload import OffloadManager
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.cache.tiers.stores import DiskStore, open_store
 from kvpage.cache.tiers.transfer import TransferQueue, TransferState
 from kvpage.errors import KVPageError, OutOfBlocksError
-from kvpage.formats import TensorSpec, available_formats
+from kvpage.engine.kv_cache import SchedulerKVCache
+from kvpage.formats import BlockFormat, TensorSpec, available_formats
 from kvpage.spec import CacheSpec
 
 FORMATS = available_formats()
@@ -81,15 +83,15 @@ def assert_block_equal(a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int
         assert torch.equal(a[key], b[key]), f"layer {key[0]} tensor {key[1]} differs"
 
 
-def check(m: KVCacheManager) -> None:
+def check(m: SchedulerKVCache) -> None:
     """The manager's and the host pool's invariants."""
-    m.pool.validate()
+    m.manager.pool.validate()
     assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == m.num_blocks
-    if m.offload is not None and m.offload.host is not None:
-        m.offload.host.validate()
+    if m.connector is not None and m.connector.offload.host is not None:
+        m.connector.offload.host.validate()
 
 
-def admit(m: KVCacheManager, req: KVRequest) -> tuple[tuple[int, ...], int]:
+def admit(m: SchedulerKVCache, req: KVRequest) -> tuple[tuple[int, ...], int]:
     """Admit ``req`` for all its tokens; return its block table and the tokens served from the cache/tiers."""
     match = m.match_prefix(req)
     blocks = m.allocate_slots(req, len(req.all_token_ids) - match.num_computed_tokens, match)
@@ -99,13 +101,18 @@ def admit(m: KVCacheManager, req: KVRequest) -> tuple[tuple[int, ...], int]:
 
 def tiered(spec: CacheSpec, num_blocks: int, host_blocks: int, *, policy: str = "write_through",
            mode: str = "recompute", stores=(), queue: TransferQueue | None = None, clock=None,
-           threshold: int = 2) -> tuple[CacheController, OffloadManager, KVCacheManager]:
+           threshold: int = 2) -> tuple[CacheController, OffloadManager, SchedulerKVCache]:
     ctrl = make_controller(spec, num_blocks)
     ctrl.initialize_host_cache(host_blocks)
     kw = {} if clock is None else {"clock": clock}
     off = OffloadManager(HostTier(ctrl), HostBlockPool(host_blocks), list(stores),
                          OffloadConfig(policy, threshold, mode, load_deadline_s=5.0), queue, **kw)
-    return ctrl, off, KVCacheManager(num_blocks, BS, offload=off)
+    return ctrl, off, with_tiers(num_blocks, off)
+
+
+def with_tiers(num_blocks: int, off: OffloadManager) -> SchedulerKVCache:
+    """The scheduler's KV cache: a device manager with the tier connector around it."""
+    return SchedulerKVCache(KVCacheManager(num_blocks, BS, record_block_changes=True), TieredConnector(off, BS))
 
 
 def tokens(n: int, start: int = 100) -> list[int]:
@@ -221,9 +228,11 @@ def test_c07_scales_survive_swap_preemption(fmt: str) -> None:
     byte-identical into other device blocks; quantize-on-seal formats are recomputed instead."""
     spec = make_spec(fmt)
     ctrl = make_controller(spec, 8)
-    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, preemption_mode="swap")
+    sealed = any(isinstance(g.layer.format, BlockFormat) for g in spec.groups)
+    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, preemption_mode="swap",
+                        supports_swap=not sealed)
     assert off is not None and off.host.num_blocks == 6
-    m = KVCacheManager(8, BS, offload=off)
+    m = with_tiers(8, off)
     req = KVRequest("a", tokens(2 * BS + 2))  # two full blocks + a partial one
     table, _ = admit(m, req)
     fill_random(ctrl.device_caches, list(table), seed=4)
@@ -233,10 +242,10 @@ def test_c07_scales_survive_swap_preemption(fmt: str) -> None:
     m.reset_prefix_cache()  # nothing evictable yet: the request holds its blocks
     assert m.preempt(req, num_computed_tokens=computed)
     st = m.stats()
-    if seals_blocks(ctrl):  # the partial block lives outside the pool: recompute, never a swap
-        assert st.swapped_out_blocks == 0 and off.config.preemption_mode == "recompute"
+    if sealed:  # the partial block lives outside the pool: recompute, never a swap
+        assert st.tiers.swapped_out_blocks == 0 and off.config.preemption_mode == "recompute"
         return
-    assert st.swapped_out_blocks == 3 and st.num_in_use == 0 and off.is_swapped("a")
+    assert st.tiers.swapped_out_blocks == 3 and st.num_in_use == 0 and off.is_swapped("a")
     m.reset_prefix_cache()  # evict its two cached full blocks from the device too
     fill_random(ctrl.device_caches, list(range(8)), seed=5)
     req.all_token_ids.append(7)  # it goes on where it stopped
@@ -249,7 +258,7 @@ def test_c07_scales_survive_swap_preemption(fmt: str) -> None:
         assert_block_equal(block_bytes(ctrl.device_caches, new), old, spec)
     st = m.stats()
     # its swapped copies are free again; the write_through backups of its 2 full blocks stay cached
-    assert (st.swapped_in_blocks, st.num_host_free, st.num_host_evictable, st.num_host_busy) == (3, 4, 2, 0)
+    assert (st.tiers.swapped_in_blocks, st.tiers.num_host_free, st.tiers.num_host_evictable, st.tiers.num_host_busy) == (3, 4, 2, 0)
     assert not off.is_swapped("a")
     check(m)
 
@@ -398,16 +407,16 @@ def test_c10_aborted_request_blocks_wait_for_their_load(ending: str, tmp_path: P
     assert blocks is not None and blocks.num_computed_tokens == 4 * BS
     loading = list(blocks.block_ids[:4])
     (load,) = q.pending
-    assert m.is_loading(req) and m.pool.num_cached == 0  # C18: not indexed before the KV is there
+    assert m.is_loading(req) and m.manager.pool.num_cached == 0  # C18: not indexed before the KV is there
     m.free(req)  # aborted while its 4 blocks load
     st = m.stats()
-    assert (st.num_in_use, st.num_orphaned_blocks, st.num_free) == (4, 4, 4)
-    taken = m.pool.allocate(4)  # every other block can be handed out; the loading ones cannot
-    assert not set(loading) & set(taken) and m.pool.num_free == 0
-    m.pool.release(taken)
+    assert (st.num_in_use, st.tiers.num_held_blocks, st.num_free) == (4, 4, 4)
+    taken = m.manager.pool.allocate(4)  # every other block can be handed out; the loading ones cannot
+    assert not set(loading) & set(taken) and m.manager.pool.num_free == 0
+    m.manager.pool.release(taken)
     clock.now += 4.9
     m.poll()
-    assert m.stats().num_orphaned_blocks == 4  # neither completed nor past the deadline
+    assert m.stats().tiers.num_held_blocks == 4  # neither completed nor past the deadline
     if ending == "load_completes":
         load.complete()
         m.poll()
@@ -421,8 +430,8 @@ def test_c10_aborted_request_blocks_wait_for_their_load(ending: str, tmp_path: P
         for b in loading:  # ... and never writes into blocks that went back to the pool
             assert_block_equal(block_bytes(ctrl.device_caches, b), sentinel[b], spec)
     st = m.stats()
-    assert (st.num_in_use, st.num_orphaned_blocks, st.num_free, st.num_evictable) == (0, 0, 8, 0)
-    assert m.pool.num_cached == 0
+    assert (st.num_in_use, st.tiers.num_held_blocks, st.num_free, st.num_evictable) == (0, 0, 8, 0)
+    assert m.manager.pool.num_cached == 0
     check(m)
 
 
@@ -461,11 +470,11 @@ def test_load_finishing_indexes_the_loaded_blocks_only_then() -> None:
     b = KVRequest("b", tokens(3 * BS))
     blocks = m.allocate_slots(b, BS, m.match_prefix(b))
     assert blocks.num_computed_tokens == 2 * BS
-    assert m.cache_blocks(b, 2 * BS) == 0 and m.pool.num_cached == 0  # loads in flight: nothing indexed
+    assert m.cache_blocks(b, 2 * BS) == 0 and m.manager.pool.num_cached == 0  # loads in flight: nothing indexed
     other = KVRequest("c", tokens(2 * BS + 1))
     assert m.match_prefix(other).block_ids == ()  # no device hit on blocks still loading
     m.wait_for_loads([b])
-    assert not m.is_loading(b) and m.pool.num_cached == 2
+    assert not m.is_loading(b) and m.manager.pool.num_cached == 2
     assert m.match_prefix(other).block_ids == blocks.block_ids[:2]
     check(m)
 
@@ -489,7 +498,7 @@ def test_write_policies_back_up_at_the_right_moment(policy: str, after_cache: in
     m.free(b)
     m.reset_prefix_cache()
     assert off.host.num_cached == after_evict
-    assert m.stats().tier_bytes["device_to_host"] == 2 * spec.bytes_per_block
+    assert m.stats().tiers.tier_bytes["device_to_host"] == 2 * spec.bytes_per_block
     check(m)
 
 
@@ -530,7 +539,7 @@ def test_store_miss_at_read_time_cuts_the_loaded_run(tmp_path: Path) -> None:
     victim.unlink()  # gone between the probe and the read (another process, the LRU cap)
     blocks = m.allocate_slots(req, 1, match)
     assert blocks.num_computed_tokens == 2 * BS  # blocks 0-1 loaded, 2-3 are recomputed
-    assert len(blocks.block_ids) == 5 and m.pool.num_cached == 2
+    assert len(blocks.block_ids) == 5 and m.manager.pool.num_cached == 2
     assert blocks.num_tokens == 2 * BS + 1  # slots from what arrived; the blocks for the rest are its already
     more = m.allocate_slots(req, 2 * BS)  # the scheduler widens the chunk by the shortfall: no new block
     assert more.new_block_ids == () and more.num_tokens == 4 * BS + 1
@@ -687,8 +696,8 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
     m.fence()
     m.poll()
     st = m.stats()
-    assert (st.num_in_use, st.num_orphaned_blocks, st.pending_transfers, st.num_host_busy) == (0, 0, 0, 0)
+    assert (st.num_in_use, st.tiers.num_held_blocks, st.tiers.pending_transfers, st.tiers.num_host_busy) == (0, 0, 0, 0)
     assert checked > 50  # the checks really ran, on KV from the device, the host tier, swap-ins (and the disk)
-    assert st.tier_hits["device"] > 0 and st.tier_hits["host"] > 0 and st.swapped_in_blocks > 0
+    assert st.tier_hits["device"] > 0 and st.tier_hits["host"] > 0 and st.tiers.swapped_in_blocks > 0
     assert st.tier_hits.get("disk", 0) > 0 or not stores
     check(m)
