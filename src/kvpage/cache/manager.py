@@ -1,65 +1,40 @@
 """``KVCacheManager``: the device blocks of every request — prefix matching, slots, indexing, freeing.
 
-Modelled on vLLM v1's ``KVCacheManager`` (``get_computed_blocks`` /
-``allocate_slots`` / ``cache_blocks`` / ``free``) over the tensor-free
-:class:`~kvpage.cache.prefix_cache.PrefixBlockPool`; block ids index the
-tensors the :class:`~kvpage.cache.controller.CacheController` allocated. One
-:class:`~kvpage.cache.groups.GroupManager` per layer group says where its kind
-of layer differs (which part of a match it can use, which blocks may be
-indexed, what a re-used block id invalidates). Tiers are not here: the
-scheduler calls the tier connector around this class
-(:class:`~kvpage.engine.kv_cache.SchedulerKVCache`).
+Modelled on vLLM v1's ``KVCacheManager`` over the tensor-free
+:class:`~kvpage.cache.prefix_cache.PrefixBlockPool`, with one
+:class:`~kvpage.cache.groups.GroupManager` per layer group for what differs
+between kinds of layers. Tiers are not here: the scheduler calls the tier
+connector around this class (:class:`~kvpage.engine.kv_cache.SchedulerKVCache`).
 
-A request's token regions (``bs`` = block size)::
+A request's token regions and life::
 
-    [0, num_cached)            device prefix hits (match_prefix), whole blocks
-    [num_cached, +external)    blocks a tier connector loads (allocate_slots(num_external_tokens=...))
-    [.., num_tokens)           slots reserved for tokens the model computes
-    cache_blocks(req, n)       full blocks inside [0, n) enter the prefix index
+    [0, num_cached)          m = match_prefix(req): device hits, whole blocks, at most len-1 tokens
+    [num_cached, +external)  allocate_slots(req, n, m, num_external_tokens=e): blocks a tier loads
+    [.., num_tokens)         slots for tokens the model computes (None: no room; preempt and retry)
+    cache_blocks(req, n)     after a forward pass: full blocks inside [0, n) enter the prefix index
+    free(req) / preempt(req) finished or aborted / recompute later (full blocks stay cached)
 
-One request's life::
-
-    m = mgr.match_prefix(req)                          # cached full blocks, at most len-1 tokens
-    blocks = mgr.allocate_slots(req, n_new, m)         # None: not enough blocks (preempt someone, retry)
-    ... forward pass writes KV for tokens [m.num_cached_tokens, m.num_cached_tokens + n_new) ...
-    mgr.cache_blocks(req, num_computed_tokens)         # newly full, written blocks enter the index
-    mgr.allocate_slots(req, 1); forward; mgr.cache_blocks(req, len(req.all_token_ids))   # decode
-    mgr.free(req)                                      # finished or aborted (mgr.preempt(req) to recompute later)
-
-Invariants (tested after every operation by the state-machine test):
-
-* ``num_free_blocks + num_evictable_blocks + num_in_use_blocks == num_blocks``;
-* a block is indexed only after :meth:`KVCacheManager.cache_blocks` reports
-  its KV written, and only full blocks are hashed (cases C15, C18);
-* a match never returns a block whose tokens (or any earlier token of the
-  chain, salt or extra keys) differ from the request's, even under a hash collision;
-* :meth:`KVCacheManager.allocate_slots` is atomic: it returns ``None`` and
-  changes nothing when the blocks don't fit;
-* once every request is freed and every held block released, ``num_in_use_blocks == 0``.
+Invariants (checked after every operation by the state-machine test): free +
+evictable + in use = total blocks; only full, written blocks are indexed (C15,
+C18); a match never returns a block whose tokens, prefix, salt or extra keys
+differ, even under a hash collision; ``allocate_slots`` is atomic; once every
+request is freed and every held block released, no block is in use.
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvpage.cache.block_table import BlockTable
+from kvpage.cache.events import KVEventBus
 from kvpage.cache.groups import FullAttentionManager, GroupManager
-from kvpage.cache.hashing import BlockHashFn, hash_block_tokens, root_hash
-from kvpage.cache.prefix_cache import ROOT, BlockKey, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
+from kvpage.cache.hashing import BlockHashFn, hash_block_tokens
+from kvpage.cache.prefix_cache import ROOT, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
+from kvpage.cache.prefix_index import PrefixIndex
 from kvpage.cache.requests import KVCacheBlocks, KVCacheStats, KVRequest, MatchResult, SupportsKVCache
 
-__all__ = [
-    "BlockRemoved",
-    "BlockStored",
-    "KVCacheBlocks",
-    "KVCacheEvent",
-    "KVCacheManager",
-    "KVCacheStats",
-    "KVRequest",
-    "MatchResult",
-    "SupportsKVCache",
-]
+__all__ = ["BlockRemoved", "BlockStored", "KVCacheBlocks", "KVCacheEvent", "KVCacheManager", "KVCacheStats",
+           "KVRequest", "MatchResult", "SupportsKVCache"]
 
 
 @dataclass(slots=True)
@@ -70,7 +45,6 @@ class _ReqState:
     num_tokens: int  # slots reserved
     num_cached_blocks: int  # block_ids[:num_cached_blocks] are indexed (or deduplicated / given up on)
     parent: int  # block that holds the prefix up to num_cached_blocks (ROOT at 0)
-    extra: tuple  # (cache_salt, extra_keys)
     anchors: list[int] = field(default_factory=list)  # extra refs on indexed twins of our duplicate blocks
     stop_caching: bool = False  # a hash collision stopped this request's chain
 
@@ -111,17 +85,13 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.hash_fn = hash_fn
         self.groups: tuple[GroupManager, ...] = tuple(groups) if groups is not None else (FullAttentionManager(),)
         if not self.groups:
             raise ValueError("a KVCacheManager needs at least one group manager")
-        self._events: deque[KVCacheEvent] | None = deque(maxlen=max_buffered_events) if enable_events else None
-        self._subscribers: list[Callable[[KVCacheEvent], None]] = []
-        self._record = record_block_changes
-        self._stored_now: list[tuple[int, bytes]] = []
-        self._evicted_now: list[tuple[int, bytes]] = []
         self.pool = PrefixBlockPool(num_blocks)
-        self._wire_events()
+        self.index = PrefixIndex(self.pool, block_size, hash_fn)
+        self.events = KVEventBus(self.pool, buffer=enable_events, max_buffered=max_buffered_events,
+                                 record_changes=record_block_changes)
         self._reqs: dict[str, _ReqState] = {}
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
         self._device_hit_blocks = 0
@@ -145,7 +115,7 @@ class KVCacheManager:
 
     @property
     def num_in_use_blocks(self) -> int:
-        """Blocks some request (or a tier load, see :meth:`hold`) references."""
+        """Blocks some request references (or :meth:`free` kept for a tier load)."""
         return self.pool.num_in_use
 
     @property
@@ -159,11 +129,7 @@ class KVCacheManager:
         return all(g.supports_swap for g in self.groups)
 
     def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed for ``num_tokens`` tokens.
-
-        Raises:
-            ValueError: ``num_tokens < 0``.
-        """
+        """Blocks needed for ``num_tokens`` tokens (``ValueError`` if negative)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.block_size)
@@ -180,19 +146,10 @@ class KVCacheManager:
         """Device counters since construction (see :class:`~kvpage.cache.requests.KVCacheStats`; ``tiers`` is ``None``)."""
         p = self.pool
         return KVCacheStats(
-            num_blocks=p.num_blocks,
-            num_free=p.num_free,
-            num_evictable=p.num_evictable,
-            num_in_use=p.num_in_use,
-            usage=p.usage,
-            requests=self._requests,
-            prefix_queries=self._queries,
-            prefix_hits=self._hits,
-            hit_rate=self._hits / self._queries if self._queries else 0.0,
-            blocks_stored=self._stored,
-            evictions=p.num_evictions,
-            preemptions=self._preemptions,
-            tier_hits={"device": self._device_hit_blocks},
+            num_blocks=p.num_blocks, num_free=p.num_free, num_evictable=p.num_evictable, num_in_use=p.num_in_use,
+            usage=p.usage, requests=self._requests, prefix_queries=self._queries, prefix_hits=self._hits,
+            hit_rate=self._hits / self._queries if self._queries else 0.0, blocks_stored=self._stored,
+            evictions=p.num_evictions, preemptions=self._preemptions, tier_hits={"device": self._device_hit_blocks},
         )
 
     # -- per-request views -----------------------------------------------------------------------
@@ -202,77 +159,28 @@ class KVCacheManager:
         return request_id in self._reqs
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        """The request's block table.
-
-        Raises:
-            KeyError: unknown (or freed) request.
-        """
+        """The request's block table (``KeyError`` if it holds none)."""
         return tuple(self._reqs[request_id].block_ids)
 
     def block_table(self, request_id: str) -> BlockTable:
-        """A copy of the request's table as a :class:`~kvpage.cache.block_table.BlockTable` (for slot mappings).
-
-        Raises:
-            KeyError: unknown (or freed) request.
-        """
+        """A copy of the request's table as a :class:`~kvpage.cache.block_table.BlockTable` (``KeyError`` if none)."""
         st = self._reqs[request_id]
         return BlockTable(self.block_size, list(st.block_ids), st.num_tokens)
 
-    # -- hashing ---------------------------------------------------------------------------------
-
     def block_hashes(self, request: SupportsKVCache, num_blocks: int) -> list[bytes]:
-        """``request.block_hashes``, extended to at least ``num_blocks`` full blocks (never a partial one).
-
-        Raises:
-            ValueError: the request has more hashes than full blocks (its tokens were edited).
-        """
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
-        bs = self.block_size
-        if len(hashes) > len(tokens) // bs:
-            raise ValueError(
-                f"request {request.request_id!r} has {len(hashes)} block hashes but only {len(tokens)} tokens; "
-                "all_token_ids must be append-only"
-            )
-        if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
-            for i in range(len(hashes), num_blocks):
-                parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], request.extra_keys)
-                hashes.append(parent)
-        return hashes
-
-    def _key(self, request: SupportsKVCache, i: int, parent: int, extra: tuple) -> BlockKey:
-        """Block ``i``'s index key: ``(parent block, its tokens, (salt, extra keys))``."""
-        bs = self.block_size
-        return (parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), extra)
-
-    def _lookup_chain(self, request: SupportsKVCache, num_blocks: int) -> list[int]:
-        """The longest chain of indexed blocks equal to the request's first ``num_blocks`` blocks."""
-        hashes = self.block_hashes(request, num_blocks)
-        extra = (request.cache_salt, request.extra_keys)
-        out: list[int] = []
-        parent = ROOT
-        for i in range(num_blocks):
-            b = self.pool.lookup(hashes[i], self._key(request, i, parent, extra))
-            if b is None:
-                break
-            out.append(b)
-            parent = b
-        return out
+        """The request's chained hashes of its first ``num_blocks`` full blocks (see :class:`PrefixIndex`)."""
+        return self.index.block_hashes(request, num_blocks)
 
     # -- the scheduler's verbs -------------------------------------------------------------------
 
     def match_prefix(self, request: SupportsKVCache) -> MatchResult:
         """The longest chain of cached full blocks whose tokens equal the request's (vLLM's ``get_computed_blocks``).
 
-        At most ``len(all_token_ids) - 1`` tokens, block aligned: the last token
-        is always computed so that the step yields logits. Each hit is checked
-        against the stored tokens, parent block, salt and extra keys, so a hash
+        At most ``len(all_token_ids) - 1`` tokens, block aligned (the last token
+        is always computed, for logits); each hit is token-checked, so a hash
         collision is a miss; every group manager may shorten the match
-        (:meth:`~kvpage.cache.groups.GroupManager.usable_prefix`). Takes no
-        reference (side-effect free apart from extending ``request.block_hashes``);
-        pass the result straight to :meth:`allocate_slots`. Stats are counted
-        when the request is admitted.
+        (:meth:`~kvpage.cache.groups.GroupManager.usable_prefix`). No side
+        effects apart from extending ``request.block_hashes``.
 
         Returns:
             The matched blocks (empty with caching off).
@@ -280,7 +188,7 @@ class KVCacheManager:
         max_blocks = max(len(request.all_token_ids) - 1, 0) // self.block_size
         if not self.enable_caching or not max_blocks:
             return MatchResult()
-        out = self._lookup_chain(request, max_blocks)
+        out = self.index.lookup_chain(request, max_blocks)
         usable = min(g.usable_prefix(out) for g in self.groups)
         return MatchResult(tuple(out[:usable]), usable * self.block_size)
 
@@ -296,7 +204,7 @@ class KVCacheManager:
             return
         if not self.enable_caching or match.num_cached_tokens > len(request.all_token_ids) - 1:
             raise ValueError(f"match of {match.num_cached_tokens} tokens is not valid for this request")
-        if self._lookup_chain(request, len(match.block_ids)) != list(match.block_ids):
+        if self.index.lookup_chain(request, len(match.block_ids)) != list(match.block_ids):
             raise ValueError(
                 f"stale match for request {request.request_id!r}: a matched block was evicted since "
                 "match_prefix; call match_prefix again right before allocate_slots"
@@ -327,11 +235,7 @@ class KVCacheManager:
 
     def can_allocate(self, request: SupportsKVCache, num_new_tokens: int, match: MatchResult | None = None,
                      *, num_external_tokens: int = 0) -> bool:
-        """Whether :meth:`allocate_slots` with the same arguments would succeed now. No side effects.
-
-        Raises:
-            ValueError: as :meth:`allocate_slots`.
-        """
+        """Whether :meth:`allocate_slots` with the same arguments would succeed now (no side effects; same errors)."""
         need, available = self._plan(request, num_new_tokens, match, num_external_tokens)
         return need <= available
 
@@ -345,16 +249,12 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Reserve slots for ``num_new_tokens`` more tokens of the request; admit it on its first call.
 
-        On the first call (the request holds no blocks) the matched prefix
-        blocks are referenced (leaving the evictable set) and the request then
-        holds ``match.num_cached_tokens + num_external_tokens + num_new_tokens``
-        slots; the blocks after the match that cover the external tokens are
-        the first new blocks (a tier connector loads into them). Later calls
-        (decode steps, prefill chunks) add ``num_new_tokens`` slots after the
-        reserved ones. New blocks come from the free list first, then by
-        evicting cached unreferenced blocks, leaves first, least recently used
-        first (vLLM v1 ``allocate_slots``); every group manager is told which
-        block ids were handed out.
+        The first call references the matched blocks and reserves
+        ``match.num_cached_tokens + num_external_tokens + num_new_tokens`` slots
+        (the first new blocks receive the external tokens); later calls add
+        ``num_new_tokens``. New blocks come from the free list, then by evicting
+        cached unreferenced blocks, leaves first, LRU (vLLM v1); every group
+        manager is told which ids were handed out.
 
         Args:
             request: the request.
@@ -389,7 +289,6 @@ class KVCacheManager:
             num_tokens=m.num_cached_tokens + num_external_tokens + num_new_tokens,
             num_cached_blocks=len(m.block_ids),
             parent=m.block_ids[-1] if m.block_ids else ROOT,
-            extra=(request.cache_salt, request.extra_keys),
         )
         self._reqs[request.request_id] = st
         self._device_hit_blocks += len(m.block_ids)
@@ -407,40 +306,24 @@ class KVCacheManager:
         return new
 
     def shrink_slots(self, request: SupportsKVCache, num_tokens: int) -> None:
-        """Give back the last ``num_tokens`` reserved slots of the request, keeping its blocks.
-
-        A tier load that was cut short leaves the request owning blocks for
-        tokens it will now compute; the next :meth:`allocate_slots` of those
-        tokens takes no block.
-
-        Raises:
-            KeyError: the request holds no blocks.
-            ValueError: ``num_tokens`` outside ``[0, reserved slots - indexed tokens]``.
-        """
+        """Give back the last ``num_tokens`` reserved slots, keeping the blocks (a tier load was cut short: the
+        tokens are computed instead, and re-reserving them takes no block). ``ValueError`` past the indexed ones."""
         st = self._reqs[request.request_id]
         if not 0 <= num_tokens <= st.num_tokens - st.num_cached_blocks * self.block_size:
             raise ValueError(f"cannot give back {num_tokens} of {st.num_tokens} slots")
         st.num_tokens -= num_tokens
 
     def num_tokens(self, request_id: str) -> int:
-        """Slots the request holds, in tokens.
-
-        Raises:
-            KeyError: unknown (or freed) request.
-        """
+        """Slots the request holds, in tokens (``KeyError`` if it holds none)."""
         return self._reqs[request_id].num_tokens
 
     @property
     def records_block_changes(self) -> bool:
         """Whether :meth:`take_block_changes` is fed (``record_block_changes``)."""
-        return self._record
+        return self.events.records_changes
 
     def count_external_hits(self, num_tokens: int) -> None:
-        """Count ``num_tokens`` tokens a tier served to the request just admitted as prefix hits.
-
-        Raises:
-            ValueError: ``num_tokens < 0``.
-        """
+        """Count ``num_tokens`` (>= 0) tokens a tier served to the request just admitted as prefix hits."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         self._hits += num_tokens
@@ -448,17 +331,11 @@ class KVCacheManager:
     def cache_blocks(self, request: SupportsKVCache, num_computed_tokens: int, *, max_blocks: int | None = None) -> int:
         """Index the request's blocks that became full now that KV is written for ``num_computed_tokens`` tokens.
 
-        Call after each forward pass. Only blocks lying entirely within the
-        first ``num_computed_tokens`` tokens are hashed and indexed (a partial
-        block never is, C15; a block still being prefilled never is, C18), and
-        only as far as every group manager allows
-        (:meth:`~kvpage.cache.groups.GroupManager.max_indexable_tokens`).
-        When another block with the same tokens and prefix is already indexed
-        (two requests computed it concurrently), that entry stays and the
-        request's copy is not indexed (vLLM); the request then references the
-        indexed twin until it is freed, so its later blocks can chain onto it.
-        A hash collision (same hash, other contents) stops indexing this
-        request's chain.
+        Only blocks lying entirely within the first ``num_computed_tokens``
+        tokens are indexed (C15, C18), as far as every group manager allows
+        (:meth:`~kvpage.cache.groups.GroupManager.max_indexable_tokens`); an
+        equal block indexed already is referenced instead, and a hash collision
+        stops the request's chain (:meth:`PrefixIndex.insert_chain`).
 
         Args:
             request: an allocated request.
@@ -487,44 +364,20 @@ class KVCacheManager:
             num_full = min(num_full, max_blocks)
         if num_full <= st.num_cached_blocks:
             return 0
-        hashes = self.block_hashes(request, num_full)
-        stored = 0
-        for i in range(st.num_cached_blocks, num_full):
-            b = st.block_ids[i]
-            holder = self.pool.insert(b, hashes[i], self._key(request, i, st.parent, st.extra))
-            if holder is None:  # collision: another prefix owns this hash
-                st.stop_caching = True
-                break
-            if holder == b:
-                stored += 1
-                if self._record:
-                    self._stored_now.append((b, hashes[i]))
-            else:  # an equal block is indexed already: chain onto it
-                self.pool.touch([holder])
-                st.anchors.append(holder)
-            st.parent = holder
-            st.num_cached_blocks = i + 1
-        self._stored += stored
-        return stored
+        res = self.index.insert_chain(request, st.block_ids, st.num_cached_blocks, num_full, st.parent)
+        st.anchors.extend(res.twins)
+        st.parent, st.num_cached_blocks, st.stop_caching = res.parent, res.num_done, res.collided
+        self._stored += res.num_stored
+        return res.num_stored
 
     def free(self, request: SupportsKVCache | str, *, keep: Sequence[int] = ()) -> bool:
-        """Release the request's blocks (finished or aborted); unknown requests are ignored.
+        """Release the request's blocks (finished or aborted); returns whether it held any.
 
-        Blocks are released tail first (then the indexed twins it referenced),
-        so a request's deepest cached blocks are the first evicted; cached
-        blocks become evictable, others return to the free list. The request's
+        Tail first, then the indexed twins it referenced, so its deepest cached
+        blocks are evicted first; cached blocks become evictable, others free.
         ``block_hashes`` are kept (a preempted request re-hits its prefix).
-
-        Args:
-            request: the request or its id.
-            keep: blocks of the request that stay referenced (a tier is still loading into them);
-                give them back with :meth:`release_held` (case C10).
-
-        Returns:
-            Whether the request held blocks.
-
-        Raises:
-            ValueError: ``keep`` names a block the request does not hold.
+        ``keep``: its blocks that stay referenced because a tier still loads into
+        them, given back by :meth:`release_held` (C10; ``ValueError`` if not its own).
         """
         rid = request if isinstance(request, str) else request.request_id
         st = self._reqs.get(rid)
@@ -545,19 +398,10 @@ class KVCacheManager:
             self.pool.release(list(block_ids))
 
     def preempt(self, request: SupportsKVCache | str, *, keep: Sequence[int] = ()) -> bool:
-        """Free a running request to recompute it later (vLLM v1's preemption); counts a preemption.
+        """:meth:`free` a running request to recompute it later (vLLM v1), counting a preemption if it held blocks.
 
-        Its written full blocks stay cached (if :meth:`cache_blocks` saw them),
-        so its next :meth:`match_prefix` hits them unless they were evicted.
-        (Swap preemption copies the blocks to the host tier first: the tier
-        connector's ``swap_out``, called by the scheduler before this.)
-
-        Args:
-            request: the request or its id.
-            keep: blocks that stay referenced, as in :meth:`free`.
-
-        Returns:
-            Whether the request held blocks (only then is a preemption counted).
+        Its indexed blocks stay cached, so its next :meth:`match_prefix` hits
+        them unless evicted (a swap preemption's ``swap_out`` runs before this).
         """
         if not self.free(request, keep=keep):
             return False
@@ -565,22 +409,11 @@ class KVCacheManager:
         return True
 
     def evict(self, num_blocks: int) -> int:
-        """Evict up to ``num_blocks`` evictable cached blocks (leaves first, LRU) to the free list.
-
-        Returns:
-            Blocks evicted.
-
-        Raises:
-            ValueError: ``num_blocks < 0``.
-        """
+        """Evict up to ``num_blocks`` evictable cached blocks (leaves first, LRU); returns how many (``ValueError`` if < 0)."""
         return len(self.pool.evict(num_blocks))
 
     def reset_prefix_cache(self) -> int:
-        """Evict every evictable cached block (vLLM's ``reset_prefix_cache``); blocks in use stay cached.
-
-        Returns:
-            Blocks evicted.
-        """
+        """Evict every evictable cached block (vLLM's ``reset_prefix_cache``; blocks in use stay); returns how many."""
         return len(self.pool.evict_all())
 
     def reset(self) -> None:
@@ -597,50 +430,15 @@ class KVCacheManager:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def _wire_events(self) -> None:
-        """Build events only when someone listens (the pool skips them otherwise)."""
-        listening = self._events is not None or self._subscribers or self._record
-        self.pool.on_event = self._emit if listening else None
-
-    def _emit(self, event: KVCacheEvent) -> None:
-        if self._record and isinstance(event, BlockRemoved):
-            self._evicted_now.append((event.block_id, event.block_hash))
-        if self._events is not None:
-            self._events.append(event)
-        for cb in self._subscribers:
-            cb(event)
-
     def take_block_changes(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
-        """``(stored, evicted)`` ``(block id, hash)`` pairs since the last call, in order (needs ``record_block_changes``).
-
-        An evicted block's id may already be handed out again, but its KV is
-        unchanged until the next forward pass writes it (a tier may still copy it).
-        """
-        stored, evicted = self._stored_now, self._evicted_now
-        self._stored_now, self._evicted_now = [], []
-        return stored, evicted
+        """``(stored, evicted)`` ``(block id, hash)`` pairs since the last call (needs ``record_block_changes``); an
+        evicted block's KV is intact until the next forward pass, so a tier may still copy it."""
+        return self.events.take_changes()
 
     def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` with every future :class:`BlockStored` / :class:`BlockRemoved`, in order.
-
-        Returns:
-            A function that unsubscribes it.
-        """
-        self._subscribers.append(callback)
-        self._wire_events()
-
-        def unsubscribe() -> None:
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-            self._wire_events()
-
-        return unsubscribe
+        """Call ``callback`` with every future :class:`BlockStored` / :class:`BlockRemoved`; returns an unsubscriber."""
+        return self.events.subscribe(callback)
 
     def drain_events(self) -> Iterator[KVCacheEvent]:
-        """Buffered events since the last drain, oldest first (empty unless ``enable_events=True``).
-
-        The buffer is emptied as the iterator is consumed.
-        """
-        buf = self._events
-        while buf:
-            yield buf.popleft()
+        """Buffered events since the last drain, oldest first (empty unless ``enable_events=True``)."""
+        return self.events.drain()
