@@ -286,7 +286,7 @@ class CacheSpec:
         head_dim: int,
         model_dtype: torch.dtype = torch.float32,
         block_size: int = 16,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str | KVFormat = "auto",
         num_draft_layers: int = 0,
         draft_kv_cache_dtype: str | None = None,
         has_value: bool = True,
@@ -296,6 +296,8 @@ class CacheSpec:
         """Spec for ``num_layers`` main layers and ``num_draft_layers`` draft/MTP layers.
 
         Args:
+            kv_cache_dtype: the main layers' format: a name or alias, or the format object itself
+                (the engine resolves it once, in :class:`~kvpage.engine.config.EngineConfig`).
             static_scales: calibrated K/V scales (or a scales file path) for
                 ``int8_static`` / ``fp8_static`` groups, keyed by global layer
                 index (draft layers follow the main ones); ignored by other formats.
@@ -308,7 +310,7 @@ class CacheSpec:
         """
         if num_layers <= 0 or num_draft_layers < 0:
             raise ValueError(f"need num_layers > 0 and num_draft_layers >= 0, got {num_layers}, {num_draft_layers}")
-        main_fmt = get_format(kv_cache_dtype, model_dtype)
+        main_fmt = kv_cache_dtype if isinstance(kv_cache_dtype, KVFormat) else get_format(kv_cache_dtype, model_dtype)
         main = LayerSpec(num_kv_heads, head_dim, block_size, main_fmt, has_value)
         groups = [LayerGroupSpec("main", 0, num_layers, main)]
         if num_draft_layers:

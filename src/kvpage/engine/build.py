@@ -95,7 +95,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
     spec = CacheSpec.build(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
         model_dtype=config.torch_dtype, block_size=config.block_size_resolved,
-        kv_cache_dtype=config.kv_format.name, model_name=Path(loaded.path).name,
+        kv_cache_dtype=config.kv_format, model_name=Path(loaded.path).name,
         static_scales=config.static_scales,
     )
     controller = CacheController(spec, device)
