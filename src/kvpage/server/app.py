@@ -239,9 +239,8 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         the :class:`~kvpage.server.metrics.ServerMetrics`.
     """
     name = served_model_name or default_model_name(llm)
-    engine = AsyncEngine(llm)
-    metrics = ServerMetrics(engine.stats, name)
-    engine.observer = metrics
+    metrics = ServerMetrics(lambda: engine.stats(), name)  # scraped only once the engine below exists
+    engine = AsyncEngine(llm, observer=metrics)
     vocab_size = int(llm.config.vocab_size)
     context_tokens = min(int(llm.max_model_len), int(llm.max_cache_tokens))
 
