@@ -9,7 +9,7 @@ meaning is the same (``kv_cache_dtype``, ``block_size``, ``swap_space``,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +50,48 @@ def _is_int(x: object) -> bool:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Cache, scheduling, tier and runtime settings of one engine (see :class:`~kvpage.engine.llm.LLM` for each).
+    """Cache, scheduling, tier and runtime settings of one engine.
 
     Built with user values, it validates every field in ``__post_init__`` and
     resolves the derived ones: :attr:`torch_dtype`, :attr:`kv_format` (the one
     format object every layer spec holds), :attr:`block_size_resolved` and
     :attr:`residual_tokens`. Static scales given as a path are read here.
+
+    Attributes:
+        kv_cache_dtype: KV format name or alias (see :mod:`kvpage.formats`).
+        kv_cache_scales: calibrated static K/V scales for ``int8_static`` / ``fp8_static``:
+            a scales file from ``kvpage calibrate`` (safetensors) or a
+            :class:`~kvpage.scales.StaticScales`; required by those formats, ignored by others
+            (vLLM's ``k_scale``/``v_scale``, FastDeploy's ``cache_int8`` scales).
+        kv_quant_residual_tokens: full-precision window of quantize-on-seal formats
+            (``int4``, ``int2``) in tokens: the sealed blocks covering the most recent
+            ``kv_quant_residual_tokens`` tokens keep a 16-bit copy that attention reads
+            (KIVI's residual). ``None`` = the format's measured default (int4 0, int2 32);
+            ignored by other formats.
+        block_size: tokens per block; ``None`` = 16, or the format's preferred size
+            (32 for ``int4``/``int2``, whose key quantization group is the block).
+        kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
+            the block count is the largest that fits, scales included.
+        num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
+        dtype: compute dtype of the model: ``auto`` (float32), ``float32``, ``bfloat16``, ``float16``.
+        max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
+        num_threads: torch CPU threads (>= 1); ``None`` leaves torch's setting (sets it process-wide).
+        device: ``"cpu"`` or ``"cuda"``.
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per forward pass (the scheduler's per-step budget).
+        enable_chunked_prefill: split long prompts across steps.
+        enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
+        swap_space: host (CPU) tier in GiB (vLLM's ``swap_space``); 0 = none. Blocks go there
+            by ``kv_offload_policy`` and come back on a prefix hit (see :mod:`kvpage.cache.tiers.connector`).
+        kv_offload_policy: ``write_through`` (back up each block when cached),
+            ``write_through_selective`` (once used twice) or ``write_back`` (on device
+            eviction) -- SGLang HiCache's write policies.
+        preemption_mode: ``recompute`` or ``swap`` (vLLM's; ``swap`` copies a preempted
+            request's blocks to the host tier and needs ``swap_space > 0``; quantize-on-seal
+            formats fall back to recompute).
+        kv_disk_dir: directory of a persistent, checksummed disk store of blocks (survives restarts).
+        kv_disk_max_bytes: size cap of the disk store in bytes (LRU); ``None`` = unbounded.
+        kv_store: ``redis://host:port/db`` of a Redis store shared between instances (LMCache's remote backend).
 
     Raises:
         ValueError: a bad field (the message names it).
@@ -150,6 +186,11 @@ class EngineConfig:
                 raise ValueError("kv_disk_max_bytes needs kv_disk_dir")
         if self.kv_store is not None and not str(self.kv_store).lower().startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_store must be a redis://host:port/db URL, got {self.kv_store!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The settings a user gives (the derived fields excluded)."""
+        return tuple(f.name for f in fields(cls) if f.init)
 
     @property
     def has_tiers(self) -> bool:

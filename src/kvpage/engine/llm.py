@@ -43,44 +43,11 @@ class LLM:
             safetensors); ``None`` loads the bundled SmolLM2-135M-Instruct GGUF;
             a :class:`~kvpage.model.loader.LoadedModel` is used as is (several
             engines can share one set of weights; its dtype must match ``dtype``).
-        kv_cache_dtype: KV format name or alias (see :mod:`kvpage.formats`).
-        kv_cache_scales: calibrated static K/V scales for ``int8_static`` / ``fp8_static``:
-            a scales file from ``kvpage calibrate`` (safetensors) or a
-            :class:`~kvpage.scales.StaticScales`; required by those formats, ignored by others
-            (vLLM's ``k_scale``/``v_scale``, FastDeploy's ``cache_int8`` scales).
-        kv_quant_residual_tokens: full-precision window of quantize-on-seal formats
-            (``int4``, ``int2``) in tokens: the sealed blocks covering the most recent
-            ``kv_quant_residual_tokens`` tokens keep a 16-bit copy that attention reads
-            (KIVI's residual). ``None`` = the format's measured default (int4 0, int2 32);
-            ignored by other formats.
-        block_size: tokens per block; ``None`` = 16, or the format's preferred size
-            (32 for ``int4``/``int2``, whose key quantization group is the block).
-        kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
-            the block count is the largest that fits, scales included.
-        num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
-        dtype: compute dtype of the model: ``auto`` (float32), ``float32``, ``bfloat16``, ``float16``.
-        max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
-        num_threads: torch CPU threads (>= 1); ``None`` leaves torch's setting (sets it process-wide).
-        device: ``"cpu"`` or ``"cuda"``.
-        max_num_seqs: requests running at once.
-        max_num_batched_tokens: tokens per forward pass (the scheduler's per-step budget).
-        enable_chunked_prefill: split long prompts across steps.
-        enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
-        swap_space: host (CPU) tier in GiB (vLLM's ``swap_space``); 0 = none. Blocks go there
-            by ``kv_offload_policy`` and come back on a prefix hit (see :mod:`kvpage.cache.tiers.connector`).
-        kv_offload_policy: ``write_through`` (back up each block when cached),
-            ``write_through_selective`` (once used twice) or ``write_back`` (on device
-            eviction) -- SGLang HiCache's write policies.
-        preemption_mode: ``recompute`` or ``swap`` (vLLM's; ``swap`` copies a preempted
-            request's blocks to the host tier and needs ``swap_space > 0``; quantize-on-seal
-            formats fall back to recompute).
-        kv_disk_dir: directory of a persistent, checksummed disk store of blocks (survives restarts).
-        kv_disk_max_bytes: size cap of the disk store in bytes (LRU); ``None`` = unbounded.
-        kv_store: ``redis://host:port/db`` of a Redis store shared between instances (LMCache's remote backend).
-
         progress: show a progress bar while loading the model.
-        config: a ready :class:`~kvpage.engine.config.EngineConfig` instead of the keyword settings
-            (every other keyword above is an :class:`~kvpage.engine.config.EngineConfig` field).
+        config: a ready :class:`~kvpage.engine.config.EngineConfig`, or none and its fields as keywords
+            (vLLM's names: ``kv_cache_dtype``, ``block_size``, ``kv_cache_memory_bytes``, ``num_blocks``,
+            ``dtype``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``swap_space``,
+            ``preemption_mode``, ...; each is documented there).
 
     Raises:
         ModelNotFoundError: the model path does not exist (or the bundled model is not installed).
@@ -103,6 +70,10 @@ class LLM:
 
         if config is not None and engine_args:
             raise ValueError(f"give either config or engine settings, not both (got {sorted(engine_args)})")
+        unknown = sorted(set(engine_args) - set(EngineConfig.field_names()))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}; engine settings are "
+                            f"{', '.join(EngineConfig.field_names())}")
         cfg = config if config is not None else EngineConfig(**engine_args)  # fails before the model loads
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but this torch build sees no CUDA device; use device='cpu'")
