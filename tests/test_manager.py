@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpage.cache.block_pool import BlockTable
+from kvpage.cache.block_table import BlockTable
 from kvpage.cache.hashing import hash_block_chain
 from kvpage.cache.manager import (
     BlockRemoved,
@@ -215,7 +215,7 @@ def test_c17_shared_prefix_freed_in_either_order_returns_each_block_once(first: 
     stored = [e for e in m.drain_events() if isinstance(e, BlockStored)]
     m.reset_prefix_cache()
     removed = [e for e in m.drain_events() if isinstance(e, BlockRemoved)]
-    free = list(m.pool._free)
+    free = m.pool._ids.free_ids()
     assert len(free) == len(set(free)) == 8  # every block once
     assert sorted((e.block_id, e.block_hash) for e in removed) == sorted((e.block_id, e.block_hash) for e in stored)
     assert m.stats().evictions == len(stored) == 3

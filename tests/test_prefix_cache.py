@@ -74,10 +74,10 @@ def test_allocate_zero_negative_and_out_of_blocks_is_atomic() -> None:
         pool.allocate(-1)
     ids = make_chain(pool, ["x", "y"])
     pool.release(reversed(ids))
-    before = (counts(pool), list(pool._free), list(pool._idle), dict(pool._index))
+    before = (counts(pool), pool._ids.free_ids(), list(pool._idle), dict(pool._index))
     with pytest.raises(OutOfBlocksError, match="need 4 blocks, only 1 free \\+ 2 evictable of 3"):
         pool.allocate(4)
-    assert (counts(pool), list(pool._free), list(pool._idle), dict(pool._index)) == before
+    assert (counts(pool), pool._ids.free_ids(), list(pool._idle), dict(pool._index)) == before
     assert len(pool.allocate(3)) == 3  # exactly free + evictable fits
     with pytest.raises(ValueError):
         pool.evict(-1)
@@ -203,7 +203,7 @@ def test_evict_all_returns_every_block_once() -> None:
     pool.release(c2 + [c1[0]])
     evicted = pool.evict_all()
     assert sorted(evicted) == sorted(c1 + c2) and len(set(evicted)) == 4
-    assert sorted(pool._free) == list(range(6)) and len(pool._free) == 6
+    assert sorted(pool._ids.free_ids()) == list(range(6)) and pool.num_free == 6
     assert sorted(e.block_id for e in events if isinstance(e, BlockRemoved)) == sorted(c1 + c2)
     assert pool.evict_all() == []
     pool.validate()

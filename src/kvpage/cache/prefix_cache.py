@@ -36,10 +36,11 @@ tokens in its radix tree — we do the latter with the former as the key).
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvpage.cache.idpool import IdPool
 from kvpage.errors import OutOfBlocksError
 
 #: Parent id of a request's first block.
@@ -102,12 +103,9 @@ class PrefixBlockPool:
     """
 
     def __init__(self, num_blocks: int, on_event: Callable[[KVCacheEvent], None] | None = None) -> None:
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self._ids = IdPool(num_blocks, what="block")  # free = never cached or evicted; taken = in use or evictable
         self.num_blocks = num_blocks
         self.on_event = on_event
-        self._free: deque[int] = deque(range(num_blocks))
-        self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._key: list[BlockKey | None] = [None] * num_blocks
         self._children = [0] * num_blocks  # cached children per block
@@ -124,7 +122,7 @@ class PrefixBlockPool:
     @property
     def num_free(self) -> int:
         """Blocks in the free list (ref 0, not cached)."""
-        return len(self._free)
+        return self._ids.num_free
 
     @property
     def num_evictable(self) -> int:
@@ -134,7 +132,7 @@ class PrefixBlockPool:
     @property
     def num_in_use(self) -> int:
         """Blocks with ref count > 0."""
-        return self.num_blocks - len(self._free) - len(self._idle)
+        return self._ids.num_taken - len(self._idle)
 
     @property
     def num_cached(self) -> int:
@@ -152,8 +150,7 @@ class PrefixBlockPool:
         Raises:
             ValueError: ``block_id`` out of range.
         """
-        self._check_id(block_id)
-        return self._ref[block_id]
+        return self._ids.ref_count(block_id)
 
     def block_hash(self, block_id: int) -> bytes | None:
         """The hash ``block_id`` is indexed under, or ``None`` if it is not cached.
@@ -180,8 +177,7 @@ class PrefixBlockPool:
         return key[0]
 
     def _check_id(self, b: int) -> None:
-        if not 0 <= b < self.num_blocks:
-            raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
+        self._ids.check(b)
 
     # -- prefix index ----------------------------------------------------------------------------
 
@@ -217,15 +213,13 @@ class PrefixBlockPool:
             ValueError: ``block_id`` is out of range, free or already cached; or
                 the parent is not a cached, in-use block.
         """
-        self._check_id(block_id)
-        if self._ref[block_id] <= 0:
+        if self._ids.ref_count(block_id) <= 0:
             raise ValueError(f"block {block_id} is free; only an in-use block with written KV can be cached")
         if self._hash[block_id] is not None:
             raise ValueError(f"block {block_id} is already cached")
         parent = key[0]
         if parent != ROOT:
-            self._check_id(parent)
-            if self._hash[parent] is None or self._ref[parent] <= 0:
+            if self._ids.ref_count(parent) <= 0 or self._hash[parent] is None:
                 raise ValueError(f"parent block {parent} of block {block_id} must be cached and in use")
         existing = self._index.get(block_hash)
         if existing is not None:
@@ -255,16 +249,16 @@ class PrefixBlockPool:
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free) + len(self._idle):
+        free = self._ids.num_free
+        if n > free + len(self._idle):
             raise OutOfBlocksError(
-                f"need {n} blocks, only {len(self._free)} free + {len(self._idle)} evictable of {self.num_blocks}"
+                f"need {n} blocks, only {free} free + {len(self._idle)} evictable of {self.num_blocks}"
             )
-        k = min(n, len(self._free))
-        out = [self._free.popleft() for _ in range(k)]
-        if n > k:
-            out.extend(self._evict_leaves(n - k))
-        for b in out:
-            self._ref[b] = 1
+        out = self._ids.take(min(n, free), ref=1)
+        if n > free:
+            evicted = self._evict_leaves(n - free)
+            self._ids.incref(evicted)
+            out.extend(evicted)
         if self.on_allocate is not None and out:
             self.on_allocate(out)
         return out
@@ -282,23 +276,25 @@ class PrefixBlockPool:
                 an evictable block's parent is not in use; nothing is changed.
         """
         ids = list(block_ids)
+        n, refs = self.num_blocks, self._ids.refs
         pending: dict[int, int] = {}
         for b in ids:
-            self._check_id(b)
-            if self._ref[b] + pending.get(b, 0) == 0:
+            if not 0 <= b < n:
+                self._ids.check(b)
+            if refs[b] + pending.get(b, 0) == 0:
                 if self._hash[b] is None:
                     raise ValueError(f"block {b} is free; cannot add a reference")
                 p = self._parent(b)
-                if p != ROOT and self._ref[p] + pending.get(p, 0) == 0:
+                if p != ROOT and refs[p] + pending.get(p, 0) == 0:
                     raise ValueError(f"cannot reference block {b} before its evictable parent {p}")
             pending[b] = pending.get(b, 0) + 1
-        for b in ids:
-            if self._ref[b] == 0:
+        for b in pending:  # (each block once: an evictable one leaves the evictable set before any increment)
+            if refs[b] == 0:
                 del self._idle[b]
                 p = self._parent(b)
                 if p != ROOT:
                     self._children_in_use[p] += 1
-            self._ref[b] += 1
+        self._ids.incref(ids)
 
     def release(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference from each block, in the order given.
@@ -317,14 +313,28 @@ class PrefixBlockPool:
                 evictable while one of its cached children stays in use
                 (release a chain tail first); nothing is changed.
         """
-        ids = list(block_ids)
-        drops: dict[int, int] = {}
-        for b in ids:
-            self._check_id(b)
-            drops[b] = drops.get(b, 0) + 1
-            if drops[b] > self._ref[b]:
-                raise ValueError(f"block {b} freed more times than it is referenced (double free)")
-        idle_now = [b for b, d in drops.items() if d == self._ref[b] and self._hash[b] is not None]
+        released = self._ids.decref(block_ids, veto=self._refuse_pinned_release)
+        hashes = self._hash
+        uncached = [b for b in released if hashes[b] is None]
+        if uncached:
+            self._ids.put(uncached)
+        for b in released:
+            if hashes[b] is not None:
+                p = self._parent(b)
+                if p != ROOT:
+                    self._children_in_use[p] -= 1
+                self._idle[b] = None  # most recent
+                # a parent released earlier in this same call must stay after its child
+                # (an idle parent of a just-released block can only come from this call)
+                while p != ROOT and p in self._idle:
+                    self._idle.move_to_end(p)
+                    p = self._parent(p)
+        return released
+
+    def _refuse_pinned_release(self, drops: dict[int, int]) -> None:
+        """Raise ``ValueError`` if ``drops`` would make a cached block evictable while a cached child stays in use."""
+        refs, hashes = self._ids.refs, self._hash
+        idle_now = [b for b, d in drops.items() if d == refs[b] and hashes[b] is not None]
         if idle_now:
             in_use_children = {b: self._children_in_use[b] for b in idle_now}
             for b in idle_now:
@@ -334,24 +344,6 @@ class PrefixBlockPool:
             pinned = [b for b, c in in_use_children.items() if c > 0]
             if pinned:
                 raise ValueError(f"blocks {pinned} still have cached children in use; release a chain tail first")
-        released = []
-        for b in ids:
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                released.append(b)
-                if self._hash[b] is None:
-                    self._free.append(b)
-                else:
-                    p = self._parent(b)
-                    if p != ROOT:
-                        self._children_in_use[p] -= 1
-                    self._idle[b] = None  # most recent
-                    # a parent released earlier in this same call must stay after its child
-                    # (an idle parent of a just-released block can only come from this call)
-                    while p != ROOT and p in self._idle:
-                        self._idle.move_to_end(p)
-                        p = self._parent(p)
-        return released
 
     # -- eviction --------------------------------------------------------------------------------
 
@@ -370,7 +362,7 @@ class PrefixBlockPool:
         if n < 0:
             raise ValueError(f"cannot evict a negative number of blocks ({n})")
         out = self._evict_leaves(min(n, len(self._idle)))
-        self._free.extend(out)
+        self._ids.put(out)
         return out
 
     def evict_all(self) -> list[int]:
@@ -416,14 +408,13 @@ class PrefixBlockPool:
         Raises:
             AssertionError: an invariant is broken; the message says which.
         """
-        free = list(self._free)
-        free_set = set(free)
-        assert len(free) == len(free_set), "a block is in the free list twice"
+        self._ids.validate()
+        free_set = set(self._ids.free_ids())
         assert self.num_free + self.num_evictable + self.num_in_use == self.num_blocks
         children = [0] * self.num_blocks
         children_in_use = [0] * self.num_blocks
         for b in range(self.num_blocks):
-            r, h, k = self._ref[b], self._hash[b], self._key[b]
+            r, h, k = self._ids.ref_count(b), self._hash[b], self._key[b]
             assert r >= 0, f"block {b}: negative ref count {r}"
             assert (h is None) == (k is None), f"block {b}: hash and key disagree"
             assert (b in free_set) == (r == 0 and h is None), f"block {b}: ref {r}, cached {h is not None}, free list"
@@ -436,7 +427,8 @@ class PrefixBlockPool:
                     children[parent] += 1
                     children_in_use[parent] += r > 0
                     if r > 0:
-                        assert self._ref[parent] > 0, f"block {b} is in use but its parent {parent} is evictable"
+                        parent_ref = self._ids.ref_count(parent)
+                        assert parent_ref > 0, f"block {b} is in use but its parent {parent} is evictable"
         assert len(self._index) == sum(h is not None for h in self._hash), "index holds a block that is not cached"
         assert children == self._children, "cached-children counts are off"
         assert children_in_use == self._children_in_use, "in-use cached-children counts are off"

@@ -36,6 +36,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from kvpage.cache.idpool import IdPool
 from kvpage.errors import KVPageError, OutOfBlocksError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat, Int8Format
 from kvpage.ops.seal_plan import RequestRead, SealPlan
@@ -88,10 +89,10 @@ class TailTable:
         self.window_blocks = window_blocks
         self.is_live = is_live
         self.is_in_use = is_in_use
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._slots = IdPool(num_slots, what="tail slot", lifo=True)  # a freed slot is reused first
         self._slot: dict[int, int] = {}                       # block id -> 16-bit slot
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
-        self._free_sink = list(range(num_sink_slots - 1, -1, -1))
+        self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
         self._release_after: list[int] = []                  # slots to free once the current plan ran
 
@@ -131,18 +132,18 @@ class TailTable:
         slot = self._slot.pop(b, None)
         if slot is not None:
             self._window.pop(b, None)
-            self._free.append(slot)
+            self._slots.put([slot])
 
     def _drop_sink(self, b: int) -> None:
         slot = self._sink.pop(b, None)
         if slot is not None:
-            self._free_sink.append(slot)
+            self._sink_slots.put([slot])
 
     def _live(self, b: int) -> bool:
         return True if self.is_live is None else bool(self.is_live(b))
 
     def _take_slot(self, b: int, protected: set[int]) -> int:
-        if not self._free:
+        if not self._slots.num_free:
             victim = next((x for x in self._slot if x not in protected and not self._live(x)), None)
             if victim is None:
                 victim = next((x for x in self._window if x not in protected), None)
@@ -152,12 +153,12 @@ class TailTable:
                     f"requests; run fewer requests at once (max_num_seqs) or give the tail more slots"
                 )
             self._drop_fp(victim)
-        slot = self._free.pop()
+        (slot,) = self._slots.take(1)
         self._slot[b] = slot
         return slot
 
     def _take_sink(self, b: int, protected: set[int]) -> int | None:
-        if not self._free_sink:
+        if not self._sink_slots.num_free:
             victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
             if victim is None and self.is_in_use is not None:
                 victim = next((x for x in self._sink if x not in protected and not self.is_in_use(x)), None)
@@ -166,7 +167,7 @@ class TailTable:
             if victim is None:
                 return None
             self._drop_sink(victim)
-        slot = self._free_sink.pop()
+        (slot,) = self._sink_slots.take(1)
         self._sink[b] = slot
         return slot
 

@@ -31,9 +31,10 @@ tenant salt and the extra keys, as vLLM's CPU offload and LMCache key theirs.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
+from kvpage.cache.idpool import IdPool
 from kvpage.errors import OutOfBlocksError
 
 
@@ -57,12 +58,9 @@ class HostBlockPool:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self._ids = IdPool(num_blocks, what="host block")  # free: FREE blocks; ref counts: loads reading a block
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
         self._state = [HostBlockState.FREE] * num_blocks
-        self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # cached: its hash; writing: the hash it will hold
         self._index: dict[bytes, int] = {}
         self._writing_hash: dict[bytes, int] = {}  # hash -> block being written for it (dedupe of backups)
@@ -74,7 +72,7 @@ class HostBlockPool:
     @property
     def num_free(self) -> int:
         """Blocks holding nothing."""
-        return len(self._free)
+        return self._ids.num_free
 
     @property
     def num_evictable(self) -> int:
@@ -84,7 +82,7 @@ class HostBlockPool:
     @property
     def num_busy(self) -> int:
         """Blocks being written, pinned by a load, or owned by a swapped request."""
-        return self.num_blocks - len(self._free) - len(self._lru)
+        return self._ids.num_taken - len(self._lru)
 
     @property
     def num_cached(self) -> int:
@@ -111,12 +109,10 @@ class HostBlockPool:
         Raises:
             ValueError: out of range.
         """
-        self._check(block_id)
-        return self._ref[block_id]
+        return self._ids.ref_count(block_id)
 
     def _check(self, b: int) -> None:
-        if not 0 <= b < self.num_blocks:
-            raise ValueError(f"host block id {b} out of range [0, {self.num_blocks})")
+        self._ids.check(b)
 
     # -- index -----------------------------------------------------------------------------------
     def lookup(self, block_hash: bytes) -> int | None:
@@ -138,7 +134,7 @@ class HostBlockPool:
     # -- allocation ------------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
         """Whether :meth:`allocate` of ``n`` blocks would succeed now."""
-        return 0 <= n <= len(self._free) + len(self._lru)
+        return 0 <= n <= self._ids.num_free + len(self._lru)
 
     def allocate(self, n: int, block_hashes: Iterable[bytes | None] | None = None) -> list[int]:
         """Take ``n`` blocks into the **writing** state: free ones first, then evict least recently used cached ones.
@@ -167,12 +163,11 @@ class HostBlockPool:
             raise ValueError("a block hash is repeated or already in the host tier")
         if not self.can_allocate(n):
             raise OutOfBlocksError(
-                f"need {n} host blocks, only {len(self._free)} free + {len(self._lru)} evictable of "
+                f"need {n} host blocks, only {self._ids.num_free} free + {len(self._lru)} evictable of "
                 f"{self.num_blocks} ({self.num_busy} busy: copies in flight, pinned by loads or owned by "
                 "swapped requests)"
             )
-        k = min(n, len(self._free))
-        out = [self._free.popleft() for _ in range(k)]
+        out = self._ids.take(min(n, self._ids.num_free))
         while len(out) < n:
             b, _ = self._lru.popitem(last=False)
             h = self._hash[b]
@@ -205,7 +200,6 @@ class HostBlockPool:
             self._to_free(block_id)
         elif h is None:
             self._state[block_id] = HostBlockState.OWNED
-            self._ref[block_id] = 0
         else:
             del self._writing_hash[h]
             self._state[block_id] = HostBlockState.CACHED
@@ -230,8 +224,7 @@ class HostBlockPool:
     def _to_free(self, b: int) -> None:
         self._state[b] = HostBlockState.FREE
         self._hash[b] = None
-        self._ref[b] = 0
-        self._free.append(b)
+        self._ids.put([b])
 
     # -- pins (loads reading a block) ------------------------------------------------------------
     def pin(self, block_ids: Iterable[int]) -> None:
@@ -245,10 +238,10 @@ class HostBlockPool:
             self._check(b)
             if self._state[b] not in (HostBlockState.CACHED, HostBlockState.OWNED):
                 raise ValueError(f"host block {b} is {self._state[b].value}; only cached or owned blocks can be read")
-        for b in ids:
-            if self._state[b] is HostBlockState.CACHED and self._ref[b] == 0:
+        for b in dict.fromkeys(ids):  # (each block once: a cached one leaves the LRU before any increment)
+            if self._state[b] is HostBlockState.CACHED and self._ids.ref_count(b) == 0:
                 del self._lru[b]
-            self._ref[b] += 1
+        self._ids.incref(ids)
 
     def unpin(self, block_ids: Iterable[int]) -> None:
         """Drop a load's reference; a cached block with no reference left becomes evictable (most recent).
@@ -256,16 +249,8 @@ class HostBlockPool:
         Raises:
             ValueError: a block is not pinned; nothing changes.
         """
-        ids = list(block_ids)
-        drops: dict[int, int] = {}
-        for b in ids:
-            self._check(b)
-            drops[b] = drops.get(b, 0) + 1
-            if drops[b] > self._ref[b]:
-                raise ValueError(f"host block {b} unpinned more often than pinned")
-        for b in ids:
-            self._ref[b] -= 1
-            if self._ref[b] == 0 and self._state[b] is HostBlockState.CACHED:
+        for b in self._ids.decref(block_ids, verb="unpinned"):
+            if self._state[b] is HostBlockState.CACHED:
                 self._lru[b] = None
 
     # -- owned blocks (swap preemption) ----------------------------------------------------------
@@ -282,8 +267,8 @@ class HostBlockPool:
             st = self._state[b]
             if not (st is HostBlockState.OWNED or (st is HostBlockState.WRITING and self._hash[b] is None)):
                 raise ValueError(f"host block {b} is {st.value}, not owned by a swapped request")
-            if self._ref[b]:
-                raise ValueError(f"host block {b} is still read by {self._ref[b]} load(s)")
+            if self._ids.ref_count(b):
+                raise ValueError(f"host block {b} is still read by {self._ids.ref_count(b)} load(s)")
         for b in ids:
             if self._state[b] is HostBlockState.WRITING:
                 self._free_on_ack.add(b)
@@ -298,10 +283,10 @@ class HostBlockPool:
             AssertionError: an invariant is broken.
         """
         assert self.num_free + self.num_evictable + self.num_busy == self.num_blocks
-        free = set(self._free)
-        assert len(free) == len(self._free), "a host block is in the free list twice"
+        self._ids.validate()
+        free = set(self._ids.free_ids())
         for b in range(self.num_blocks):
-            st, r, h = self._state[b], self._ref[b], self._hash[b]
+            st, r, h = self._state[b], self._ids.ref_count(b), self._hash[b]
             assert (b in free) == (st is HostBlockState.FREE), f"host block {b}: {st.value} vs free list"
             assert r >= 0
             if st is HostBlockState.CACHED:
