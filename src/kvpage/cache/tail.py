@@ -59,11 +59,6 @@ class TailTable:
         num_slots: 16-bit slots (open blocks + window copies).
         num_sink_slots: 8-bit first-block slots (0 disables sink copies).
         window_blocks: sealed blocks per request that keep their 16-bit copy.
-        is_live: ``block_id -> bool``, whether a block's content is still held (in use or
-            cached); entries of dead blocks are reclaimed first. ``None`` treats all as live.
-        is_in_use: ``block_id -> bool``, whether a running request holds the block; a first
-            block's 8-bit copy is taken from an idle cached block before one in use.
-            ``None`` treats all as in use.
 
     Raises:
         ValueError: negative sizes, or ``num_slots < 1``.
@@ -75,8 +70,6 @@ class TailTable:
         num_slots: int,
         num_sink_slots: int,
         window_blocks: int,
-        is_live: Callable[[int], bool] | None = None,
-        is_in_use: Callable[[int], bool] | None = None,
     ) -> None:
         if block_size <= 0 or num_slots < 1 or num_sink_slots < 0 or window_blocks < 0:
             raise ValueError(
@@ -87,8 +80,8 @@ class TailTable:
         self.num_slots = num_slots
         self.num_sink_slots = num_sink_slots
         self.window_blocks = window_blocks
-        self.is_live = is_live
-        self.is_in_use = is_in_use
+        self._is_live: Callable[[int], bool] | None = None    # the pool's views, for the plan being made
+        self._is_in_use: Callable[[int], bool] | None = None
         self._slots = IdPool(num_slots, what="tail slot", lifo=True)  # a freed slot is reused first
         self._slot: dict[int, int] = {}                       # block id -> 16-bit slot
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
@@ -140,7 +133,7 @@ class TailTable:
             self._sink_slots.put([slot])
 
     def _live(self, b: int) -> bool:
-        return True if self.is_live is None else bool(self.is_live(b))
+        return True if self._is_live is None else bool(self._is_live(b))
 
     def _take_slot(self, b: int, protected: set[int]) -> int:
         if not self._slots.num_free:
@@ -160,8 +153,9 @@ class TailTable:
     def _take_sink(self, b: int, protected: set[int]) -> int | None:
         if not self._sink_slots.num_free:
             victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
-            if victim is None and self.is_in_use is not None:
-                victim = next((x for x in self._sink if x not in protected and not self.is_in_use(x)), None)
+            if victim is None and self._is_in_use is not None:
+                in_use = self._is_in_use
+                victim = next((x for x in self._sink if x not in protected and not in_use(x)), None)
             if victim is None:
                 victim = next((x for x in self._sink if x not in protected), None)
             if victim is None:
@@ -181,6 +175,9 @@ class TailTable:
         device: torch.device | str = "cpu",
         owners: Sequence[Hashable] | None = None,
         prompt_lens: Sequence[int] | None = None,
+        *,
+        is_live: Callable[[int], bool] | None = None,
+        is_in_use: Callable[[int], bool] | None = None,
     ) -> SealPlan:
         """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
 
@@ -194,12 +191,32 @@ class TailTable:
             prompt_lens: per request, its prompt length in tokens: blocks made of prompt
                 tokens only get no window copy; default 0 (every token counts as generated,
                 as in ``kvpage eval``'s decode mode).
+            is_live: ``block_id -> bool``, the device pool's view: whether a block's content is still
+                held (in use or cached); entries of dead blocks are reclaimed first. ``None`` treats all as live.
+            is_in_use: ``block_id -> bool``, the pool's view: whether a request references the block; a
+                first block's 8-bit copy is taken from an idle cached block before one in use.
+                ``None`` treats all as in use.
 
         Raises:
             KVPageError: a request continues a partial block that has no open slot (its
                 earlier tokens were never written through the tail).
             OutOfBlocksError: no slot can be freed for an open block.
         """
+        self._is_live, self._is_in_use = is_live, is_in_use
+        try:
+            return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens)
+        finally:
+            self._is_live = self._is_in_use = None
+
+    def _plan(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        device: torch.device | str,
+        owners: Sequence[Hashable] | None,
+        prompt_lens: Sequence[int] | None,
+    ) -> SealPlan:
         bs, w = self.block_size, self.window_blocks
         tail_dst: list[int] = []
         tail_src: list[int] = []
@@ -337,13 +354,15 @@ class TailPool:
         table: the bookkeeping (its block size must be the spec's).
         model_dtype: the model's compute dtype (decides :func:`tail_dtype`).
         device: where the tensors live.
+        layers: global indices of the layers to serve (one layer group's); default every block-wise layer.
 
     Raises:
-        ValueError: the spec has no quantize-on-seal layer, or block sizes differ.
+        ValueError: the layers include none in a block-wise format, or block sizes differ.
     """
 
     def __init__(
-        self, spec: CacheSpec, table: TailTable, model_dtype: torch.dtype, device: torch.device | str = "cpu"
+        self, spec: CacheSpec, table: TailTable, model_dtype: torch.dtype, device: torch.device | str = "cpu",
+        layers: Sequence[int] | None = None,
     ) -> None:
         self.spec = spec
         self.table = table
@@ -353,7 +372,7 @@ class TailPool:
             raise ValueError(f"tail block_size {table.block_size} != spec block_size {spec.block_size}")
         self.layers: dict[int, dict[str, torch.Tensor]] = {}
         rows, sink_rows = table.num_slots * table.block_size, table.num_sink_slots * table.block_size
-        for i in range(spec.num_layers):
+        for i in range(spec.num_layers) if layers is None else layers:
             ls = spec.layer(i)
             if not isinstance(ls.format, BlockFormat):
                 continue
@@ -380,10 +399,11 @@ class TailPool:
         return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.values())
 
     @staticmethod
-    def bytes_for(spec: CacheSpec, model_dtype: torch.dtype, num_slots: int, num_sink_slots: int) -> int:
-        """Bytes a :class:`TailPool` of these sizes allocates for ``spec`` (for memory budgets)."""
+    def bytes_for(spec: CacheSpec, model_dtype: torch.dtype, num_slots: int, num_sink_slots: int,
+                  layers: Sequence[int] | None = None) -> int:
+        """Bytes a :class:`TailPool` of these sizes allocates for ``spec``'s ``layers`` (for memory budgets)."""
         total, item = 0, tail_dtype(model_dtype).itemsize
-        for i in range(spec.num_layers):
+        for i in range(spec.num_layers) if layers is None else layers:
             ls = spec.layer(i)
             if isinstance(ls.format, BlockFormat):
                 per_row = ls.kv_heads * (num_slots * ls.head_dim * item + num_sink_slots * (ls.head_dim + 2))
