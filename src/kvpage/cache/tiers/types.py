@@ -54,6 +54,9 @@ class StoreLike(Protocol):
     def put(self, items: Sequence[tuple[Any, Any]]) -> None:
         """Batched write."""
 
+    def close(self) -> None:
+        """Release connections and handles."""
+
 
 @dataclass(frozen=True, slots=True)
 class BlockLoad:
