@@ -180,14 +180,13 @@ def _cmd_formats(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     """``kvpage eval``: perplexity of a text per KV format (see :mod:`kvpage.eval`), table + results.json + PNG."""
-    import inspect
     import platform
     import time
     from pathlib import Path
 
     import torch
 
-    from kvpage.engine.llm import LLM, resolve_dtype
+    from kvpage.engine.config import resolve_dtype
     from kvpage.eval import evaluate_formats, format_table, plot_ppl_vs_bits, text_token_ids, write_results_json
     from kvpage.formats import canonical_format_name
     from kvpage.model.loader import load_model
@@ -212,10 +211,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         llm_kwargs["kv_cache_scales"] = args.kv_cache_scales
     if args.kv_quant_residual_tokens is not None:
         llm_kwargs["kv_quant_residual_tokens"] = args.kv_quant_residual_tokens
-    accepted = inspect.signature(LLM.__init__).parameters
-    for key in llm_kwargs:
-        if key not in accepted:
-            raise ValueError(f"--{key.replace('_', '-')} is not supported by this kvpage's LLM")
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=dtype, progress=args.progress)
     ids = text_token_ids(loaded.tokenizer, text, args.tokens)

@@ -266,7 +266,8 @@ class CacheSpec:
                         f"layer {i} ({g.name} group): format {fmt.name} needs calibrated static scales "
                         f"(tensor 'layers.{i}.k_absmax'), but none were given. Pass kv_cache_scales=FILE "
                         f"(--kv-cache-scales FILE; make one with `kvpage calibrate --text FILE --out FILE`) or "
-                        f"static_scales=StaticScales(...); kvpage never uses a default scale of 1.0"
+                        f"kv_cache_scales=StaticScales(...) (CacheSpec.build(static_scales=...)); kvpage never uses a "
+                        f"default scale of 1.0"
                     )
                 scales = self.static_scales.resolve(
                     fmt, layer_index=i, kv_heads=g.layer.kv_heads, head_dim=g.layer.head_dim,
