@@ -23,8 +23,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from kvpage import LLM, SamplingParams  # noqa: E402
-from kvpage.cache.manager import KVRequest  # noqa: E402
-from kvpage.engine.model_runner import ScheduledRequest  # noqa: E402
 from kvpage.model.loader import load_model  # noqa: E402
 
 PROMPTS = [
@@ -40,17 +38,15 @@ PROMPTS = [
 
 
 def teacher_forced(llm: LLM, prompt: list[int], answer: list[int]) -> torch.Tensor:
-    """``[len(answer), vocab]`` logits, the reference answer fed one token per step through the real cache path."""
-    ids = prompt + answer
-    req = KVRequest("tf", list(ids))
-    blocks = llm.engine.manager.allocate_slots(req, len(ids)).block_ids
-    try:
-        rows = [llm.runner.execute([ScheduledRequest(prompt, 0, blocks)])[0]]
-        for t in range(len(prompt), len(ids) - 1):
-            rows.append(llm.runner.execute([ScheduledRequest([ids[t]], t, blocks)])[0])
-    finally:
-        llm.engine.manager.free(req)
-    return torch.stack(rows)
+    """``[len(answer), vocab]`` logits, the reference answer fed one token per step through the real cache path.
+
+    Uses :meth:`LLM.open_sequence` (blocks from the engine's pool, never prefix-indexed, freed on exit).
+    """
+    with llm.open_sequence(prompt_len=len(prompt)) as seq:
+        rows = [seq.feed(prompt)]
+        for t in answer[:-1]:
+            rows.append(seq.feed([t]))
+    return torch.cat(rows)
 
 
 def main() -> int:

@@ -8,6 +8,8 @@ from kvpage import LLM, SamplingParams
 from kvpage.errors import PromptTooLongError, UnknownKVFormatError
 from kvpage.model.loader import ModelNotFoundError
 
+from _forced import divergence, teacher_forced_logits
+
 CHAT_PROMPTS = [
     "What is the capital of France, and what is it famous for?",
     "Explain in two sentences how a hash table works.",
@@ -27,69 +29,38 @@ def engines(smollm2):
 
 @pytest.fixture(scope="module")
 def greedy_outputs(engines):
-    """32 greedy tokens per prompt and format, one request at a time (no batch-shape noise)."""
-    return {
-        fmt: [llm.chat(p, GREEDY32)[0].outputs[0].token_ids for p in CHAT_PROMPTS] for fmt, llm in engines.items()
-    }
-
-
-def _teacher_forced_logits(llm: LLM, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:
-    """``[len(answer), vocab]`` logits predicting each answer token, fed the reference answer step by step.
-
-    Blocks come from the engine's manager (never indexed, freed after), so the prefix cache stays intact.
-    """
-    from kvpage.cache.manager import KVRequest
-    from kvpage.engine.model_runner import ScheduledRequest
-
-    ids = prompt_ids + answer
-    req = KVRequest("teacher-forced", list(ids))
-    blocks = llm.engine.manager.allocate_slots(req, len(ids)).block_ids
-    try:
-        rows = [llm.runner.execute([ScheduledRequest(prompt_ids, 0, blocks)])[0]]
-        for t in range(len(prompt_ids), len(ids) - 1):
-            rows.append(llm.runner.execute([ScheduledRequest([ids[t]], t, blocks)])[0])
-    finally:
-        llm.engine.manager.free(req)
-    return torch.stack(rows)
+    """32 greedy float32-cache tokens per chat prompt, one request at a time (no batch-shape noise)."""
+    return {"float32": [engines["float32"].chat(p, GREEDY32)[0].outputs[0].token_ids for p in CHAT_PROMPTS]}
 
 
 @pytest.mark.slow
-def test_int8_and_fp8_greedy_match_float32(greedy_outputs, engines):
-    ref = greedy_outputs["float32"]
-    same = {fmt: sum(a == b for a, b in zip(ref, outs)) for fmt, outs in greedy_outputs.items()}
-    # Teacher-forced: every format predicts each position of the float32 answer; count argmax
-    # flips and the mean KL divergence from the float32 cache's distribution.
-    ref_logits = [
-        _teacher_forced_logits(engines["float32"], engines["float32"].chat_prompt(p)["prompt_token_ids"], a)
-        for p, a in zip(CHAT_PROMPTS, ref)
-    ]
+def test_int8_and_fp8_track_float32_teacher_forced(greedy_outputs, engines):
+    """Every format is fed the float32 cache's 32-token answers; argmax flips and mean KL per position.
+
+    Not exact greedy agreement: this model's top-1/top-2 margins are 0.00-0.08 logits where answers
+    diverge, so whether a lossy format keeps a whole answer depends on the CPU's float rounding (int8
+    kept 1 of 5 with AVX-512 kernels and 2 of 5 with forced AVX2 on one machine; the old floor was 3).
+    Measured on 160 positions (default AVX-512 dispatch / forced AVX2 / ATEN_CPU_CAPABILITY=default):
+    flips int8 4 / 3 / 2, fp8 6 / 6 / 6; KL int8 0.00113 / 0.00107 / 0.00107, fp8 0.00476 / 0.00574 /
+    0.00520. Bounds leave about 2x (tests/_forced.py).
+    """
+    ref_llm = engines["float32"]
+    prompts = [ref_llm.chat_prompt(p)["prompt_token_ids"] for p in CHAT_PROMPTS]
+    answers = greedy_outputs["float32"]
+    assert all(len(t) == 32 or t[-1] == 2 for t in answers)
+    ref = torch.cat([teacher_forced_logits(ref_llm, p, a) for p, a in zip(prompts, answers)])
+    positions = ref.shape[0]
     flips, kl = {}, {}
     for fmt in ("int8", "fp8"):
-        logits = [
-            _teacher_forced_logits(engines[fmt], engines[fmt].chat_prompt(p)["prompt_token_ids"], a)
-            for p, a in zip(CHAT_PROMPTS, ref)
-        ]
-        flips[fmt] = sum(int((x.argmax(-1) != r.argmax(-1)).sum()) for x, r in zip(logits, ref_logits))
-        kl[fmt] = float(
-            torch.stack(
-                [
-                    torch.nn.functional.kl_div(x.log_softmax(-1), r.log_softmax(-1), log_target=True,
-                                               reduction="none").sum(-1).mean()
-                    for x, r in zip(logits, ref_logits)
-                ]
-            ).mean()
-        )
-    positions = sum(len(a) for a in ref)
-    print(f"\ngreedy 32-token outputs identical to the float32 cache: {same}; teacher-forced argmax flips "
-          f"out of {positions}: {flips}; mean KL: {kl}")
-    assert all(len(t) == 32 or t[-1] == 2 for t in ref)
-    assert same["float32"] == 5
-    # Plain per-(token, head) int8 (the default layout) kept 3 of 5 answers whole when measured; its
-    # teacher-forced KL stays far below fp8's, which is the stabler comparison.
-    assert same["int8"] >= 3, same
-    assert flips["int8"] <= flips["fp8"] and kl["int8"] < kl["fp8"]
-    assert kl["int8"] < 2e-3 and kl["fp8"] < 1e-2, kl
-    assert flips["fp8"] <= 0.05 * positions, flips
+        x = torch.cat([teacher_forced_logits(engines[fmt], p, a) for p, a in zip(prompts, answers)])
+        flips[fmt], kl[fmt] = divergence(x, ref)
+    print(f"\nteacher-forced argmax flips out of {positions}: {flips}; mean KL: {kl}")
+    # forced through the same cache path as generation: float32 picks its own greedy tokens at every position
+    assert ref.argmax(-1).tolist() == [t for a in answers for t in a]
+    assert all(llm.kv_cache_stats().num_in_use == 0 for llm in engines.values())  # forced blocks freed
+    assert flips["int8"] <= 0.0625 * positions and flips["fp8"] <= 0.1 * positions, flips
+    assert kl["int8"] < 2.5e-3 and kl["fp8"] < 1.2e-2, kl
+    assert kl["int8"] < kl["fp8"], kl  # same bits per value; int8's 256 levels per row beat e4m3's (4-5x in KL)
 
 
 @pytest.mark.slow

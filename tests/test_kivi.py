@@ -30,6 +30,8 @@ from kvpage.ops.attention import AttentionMetadata, paged_attention
 from kvpage.ops.sealed_attention import SealContext, sealed_attention
 from kvpage.spec import CacheSpec
 
+from _forced import divergence, teacher_forced_logits
+
 SEALED = ["int4", "int2"]
 
 
@@ -449,9 +451,16 @@ def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -
     hit = llm.generate([prompt], params)[0]
     assert hit.metrics.cached_tokens == 64  # two full blocks, the first with its 8-bit copy still held
     assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
-    ref = LLM(smollm2, kv_cache_dtype="float32", progress=False, max_num_seqs=4).generate([prompt], params)[0]
-    agree = sum(a == b for a, b in zip(ref.outputs[0].token_ids, cold.outputs[0].token_ids))
-    assert agree >= 6 if name == "int4" else agree >= 2
+    # Close to the float32 cache, teacher-forced on its 12-token answer (not exact greedy agreement: on
+    # this token-range prompt the top-2 logits nearly tie, so a flip depends on the CPU's rounding).
+    # Measured (default AVX-512 dispatch / forced AVX2): int4 flips 0 / 0, KL 0.0029 / 0.0039;
+    # int2 flips 1 / 4, KL 0.114 / 0.130. A broken read (wrong block or scale) gives KL of whole nats.
+    ref_llm = LLM(smollm2, kv_cache_dtype="float32", progress=False, max_num_seqs=4)
+    answer = ref_llm.generate([prompt], params)[0].outputs[0].token_ids
+    ids = prompt["prompt_token_ids"]
+    flips, kl = divergence(teacher_forced_logits(llm, ids, answer), teacher_forced_logits(ref_llm, ids, answer))
+    max_flips, max_kl = {"int4": (2, 0.01), "int2": (6, 0.3)}[name]
+    assert flips <= max_flips and kl < max_kl, (name, flips, kl)
 
 
 @pytest.mark.slow

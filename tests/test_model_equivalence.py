@@ -11,6 +11,8 @@ from kvpage.model.config import ModelConfig
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.loader import apply_chat_template, load_model
 
+from _forced import divergence
+
 TOLERANCE = 1e-3  # max abs logit difference, float32
 
 TEXT = (
@@ -162,17 +164,24 @@ def test_greedy_answer_float32(smollm2, prompts):
 
 @pytest.mark.slow
 def test_bfloat16_model_tracks_float32(smollm2, prompts, reference_logits):
+    """bf16 weights and activations vs float32, teacher-forced on float32's 16-token answer.
+
+    Not an exact greedy comparison (float32's own answer has top-1/top-2 margins down to 0.04, so a
+    bf16 greedy answer matching it depends on rounding). Measured over the prompt and answer
+    (default AVX-512 dispatch / forced AVX2): 0 / 0 argmax flips of 59, mean KL 0.0016 / 0.0015.
+    """
     loaded = load_model(smollm2.path, dtype=torch.bfloat16, progress=False)
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    question = prompts["question"]
     with torch.inference_mode():
-        logits = run(loaded.model, DenseAttention(loaded.config, torch.bfloat16), prompts["question"])
-        answer = loaded.tokenizer.decode(greedy(loaded.model, prompts["question"], 7))
+        ids = question + greedy(smollm2.model, question, 16)
+        ref = run(smollm2.model, DenseAttention(smollm2.config, torch.float32), ids)
+        logits = run(loaded.model, DenseAttention(loaded.config, torch.bfloat16), ids)
     assert logits.dtype == torch.float32
-    ref = reference_logits["question"]
-    agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, agree
-    assert (logits - ref).abs().max().item() < 2.0  # bf16 rounding through 30 layers, not a wrong weight
-    assert answer.startswith("The capital of France is Paris")
+    # bf16 rounding through 30 layers, not a wrong weight: transformers' float32 logits on the prompt
+    assert (logits[: len(question)] - reference_logits["question"]).abs().max().item() < 2.0
+    flips, kl = divergence(logits[:-1], ref[:-1])  # row i predicts ids[i + 1]
+    assert flips <= 0.05 * (len(ids) - 1) and kl < 4e-3, (flips, kl)
 
 
 # -- tiny random models: RoPE scaling variants and untied heads, no checkpoint needed --------------

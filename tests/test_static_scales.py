@@ -23,6 +23,8 @@ from kvpage.ops.attention import AttentionMetadata, paged_attention, read_kv
 from kvpage.scales import StaticScales
 from kvpage.spec import CacheSpec, LayerSpec
 
+from _forced import divergence, teacher_forced_logits
+
 STATIC = ["int8_static", "fp8_static"]
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 Q_HEADS, KV_HEADS = 9, 3
@@ -451,12 +453,7 @@ def test_c22_static_scales_prefill_chunked_and_decode_dequantize_identically(fmt
         assert float((out2 - base_out).abs().max()) > 1e-3
 
 
-# -- the bundled model: calibrate, C12, greedy agreement ---------------------------------------------
-
-
-def _agreement(a: list[int], b: list[int]) -> int:
-    """Tokens the two greedy outputs share before the first difference."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+# -- the bundled model: calibrate, C12, closeness to float32 -----------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -510,18 +507,24 @@ def test_calibrate_writes_finite_positive_absmax_of_the_right_shapes(smollm2, ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", STATIC)
-def test_calibrated_static_formats_match_float32_greedy_on_a_short_prompt(smollm2, calibrated: Path, fmt: str) -> None:
+def test_calibrated_static_formats_track_float32_on_a_short_prompt(smollm2, calibrated: Path, fmt: str) -> None:
+    """Teacher-forced on the float32 cache's 8-token answer: argmax flips and mean KL per position.
+
+    Not exact greedy agreement, which depends on the CPU's float rounding at near-tie positions.
+    Measured (default AVX-512 dispatch / forced AVX2): flips 0 / 0 of 8 for both; KL int8_static
+    0.0509 / 0.0509, fp8_static 0.0049 / 0.0051 (tests/_forced.py). Bounds leave 2-3x.
+    """
     from kvpage import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0)
     ref_llm = LLM(smollm2, kv_cache_dtype="float32", num_blocks=16, progress=False)
-    prompt = ref_llm.chat_prompt("What is the capital of France?")
-    ref = ref_llm.generate([prompt], params)[0].outputs[0].token_ids
+    prompt = ref_llm.chat_prompt("What is the capital of France?")["prompt_token_ids"]
+    answer = ref_llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
     llm = LLM(smollm2, kv_cache_dtype=fmt, kv_cache_scales=calibrated, num_blocks=16, progress=False)
     assert llm.spec.main.layer.kv_format == fmt and llm.kv_bytes_per_token == 30 * 2 * 3 * 64
-    out = llm.generate([prompt], params)[0].outputs[0].token_ids
-    agree = _agreement(ref, out)
-    assert agree >= 6, f"{fmt}: greedy tokens agree with float32 for only {agree} of {len(ref)}"
+    flips, kl = divergence(teacher_forced_logits(llm, prompt, answer), teacher_forced_logits(ref_llm, prompt, answer))
+    max_kl = {"int8_static": 0.12, "fp8_static": 0.015}[fmt]
+    assert flips <= 2 and kl < max_kl, f"{fmt}: {flips} of {len(answer)} argmax flips, mean KL {kl:.4f}"
     # the scales the engine quantized with are the calibrated ones
     want = get_format(fmt).scale_from_absmax(StaticScales.load(calibrated).key[3])
     assert torch.equal(llm.spec.layer(3).static_scales.key, want)
