@@ -78,7 +78,7 @@ def test_batched_equals_one_at_a_time(engines):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     single = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == single
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
 
 
 @pytest.mark.slow
@@ -92,7 +92,7 @@ def test_small_cache_preempts_and_recomputes_with_same_outputs(smollm2):
     got = small.generate(prompts, params)
     assert small.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in big.generate(prompts, params)]
-    assert small.engine.manager.num_in_use_blocks == 0
+    assert small.kv_cache_stats().num_in_use == 0
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_prompt_longer_than_cache_is_a_clear_error(smollm2):
     llm = LLM(smollm2, kv_cache_dtype="int8", num_blocks=4, block_size=16, progress=False)
     with pytest.raises(PromptTooLongError, match="kv_cache_memory_bytes"):
         llm.generate({"prompt_token_ids": list(range(100, 160))}, SamplingParams(max_tokens=8))
-    assert llm.engine.manager.num_in_use_blocks == 0
+    assert llm.kv_cache_stats().num_in_use == 0
     with pytest.raises(PromptTooLongError, match="max_model_len"):
         LLM(smollm2, num_blocks=4, max_model_len=32, progress=False).generate(
             {"prompt_token_ids": list(range(100, 140))}
@@ -180,7 +180,7 @@ def test_bad_engine_arguments_are_clear_errors(smollm2):
         llm.generate({"prompt_token_ids": [-1]})
     with pytest.raises(ValueError, match="empty prompt"):
         llm.chat("   ")
-    assert llm.engine.manager.num_in_use_blocks == 0 and not llm.engine.has_unfinished_requests()
+    assert llm.kv_cache_stats().num_in_use == 0 and not llm.engine.has_unfinished_requests()
 
 
 def test_cli_rejects_bad_numbers_before_loading(capsys, monkeypatch):

@@ -569,3 +569,25 @@ def test_cli_refuses_a_static_format_without_scales(capsys: pytest.CaptureFixtur
     assert main(["generate", "hi", "--kv-cache-dtype", "int8_static", "--model", "/nonexistent.gguf"]) == 2
     err = capsys.readouterr().err
     assert "layer 0" in err and "int8_static" in err and "--kv-cache-scales" in err
+
+
+@pytest.mark.slow
+def test_cli_eval_takes_scales_and_the_residual_window(calibrated: Path, tmp_path: Path) -> None:
+    """Regression (tester run): ``kvpage eval`` checked --kv-cache-scales and --kv-quant-residual-tokens against
+    LLM.__init__'s parameters, which became EngineConfig fields, and refused both; static formats could not be
+    evaluated from the CLI."""
+    import contextlib
+    import io
+    import json
+
+    from kvpage.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["eval", "--text", str(GPL3), "--tokens", "48", "--formats", "int8_static,int2",
+                   "--kv-cache-scales", str(calibrated), "--kv-quant-residual-tokens", "0", "--out", str(tmp_path),
+                   "--threads", "1", "--no-progress"])
+    assert rc == 0, buf.getvalue()
+    rows = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert {"auto", "int8_static", "int2"} <= set(rows) and rows["int2"]["residual_tokens"] == 0
+    assert abs(rows["int8_static"]["delta_ppl_percent"]) < 5
