@@ -182,6 +182,13 @@ class HostBlockPool:
                 self._writing_hash[h] = b
         return out
 
+    def _writing(self, block_id: int) -> bytes | None:
+        """The hash of a **writing** block (``None`` for an owned one); ``ValueError`` if it is not being written."""
+        self._check(block_id)
+        if self._state[block_id] is not HostBlockState.WRITING:
+            raise ValueError(f"host block {block_id} is {self._state[block_id].value}, not being written")
+        return self._hash[block_id]
+
     def finish_write(self, block_id: int) -> None:
         """Acknowledge the copy into a **writing** block: it becomes cached (indexed, most recent) or owned.
 
@@ -191,10 +198,7 @@ class HostBlockPool:
         Raises:
             ValueError: the block is not being written.
         """
-        self._check(block_id)
-        if self._state[block_id] is not HostBlockState.WRITING:
-            raise ValueError(f"host block {block_id} is {self._state[block_id].value}, not being written")
-        h = self._hash[block_id]
+        h = self._writing(block_id)
         if block_id in self._free_on_ack:
             self._free_on_ack.discard(block_id)
             self._to_free(block_id)
@@ -212,10 +216,7 @@ class HostBlockPool:
         Raises:
             ValueError: the block is not being written.
         """
-        self._check(block_id)
-        if self._state[block_id] is not HostBlockState.WRITING:
-            raise ValueError(f"host block {block_id} is {self._state[block_id].value}, not being written")
-        h = self._hash[block_id]
+        h = self._writing(block_id)
         if h is not None:
             del self._writing_hash[h]
         self._free_on_ack.discard(block_id)
