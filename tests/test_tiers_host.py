@@ -701,3 +701,32 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
     assert st.tier_hits["device"] > 0 and st.tier_hits["host"] > 0 and st.tiers.swapped_in_blocks > 0
     assert st.tier_hits.get("disk", 0) > 0 or not stores
     check(m)
+
+
+def test_swap_preemption_comes_back_with_prefix_caching_off() -> None:
+    """Regression (review of issue 10): a request swapped out by preemption is swapped back in even when prefix
+    caching is off (its own host blocks are no prefix hit); only the host and store lookups need caching. The
+    refactored match gated the whole connector on caching and recomputed such requests instead."""
+    spec = make_spec("bfloat16")
+    ctrl = make_controller(spec, 8)
+    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, preemption_mode="swap")
+    assert off is not None
+    m = SchedulerKVCache(KVCacheManager(8, BS, enable_caching=False, record_block_changes=True),
+                         TieredConnector(off, BS))
+    req = KVRequest("a", tokens(2 * BS + 2))
+    table, _ = admit(m, req)
+    fill_random(ctrl.device_caches, list(table), seed=6)
+    before = [block_bytes(ctrl.device_caches, b) for b in table]
+    computed = len(req.all_token_ids)
+    assert m.preempt(req, num_computed_tokens=computed) and off.is_swapped("a")
+    fill_random(ctrl.device_caches, list(range(8)), seed=7)
+    req.all_token_ids.append(7)
+    match = m.match_prefix(req)
+    assert (match.num_cached_tokens, match.num_loaded_tokens, [ld.tier for ld in match.loads]) == \
+        (0, computed, ["swap"] * 3)
+    blocks = m.allocate_slots(req, len(req.all_token_ids) - computed, match)
+    assert blocks is not None and blocks.num_computed_tokens == computed
+    for old, new in zip(before, blocks.block_ids[:3]):
+        assert_block_equal(block_bytes(ctrl.device_caches, new), old, spec)
+    assert m.stats().tiers.swapped_in_blocks == 3 and m.manager.pool.num_cached == 0  # nothing indexed
+    check(m)

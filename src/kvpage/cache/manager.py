@@ -193,8 +193,9 @@ class KVCacheManager:
         return MatchResult(tuple(out[:usable]), usable * self.block_size)
 
     def allows_external_prefix(self, match: MatchResult) -> bool:
-        """Whether a tier may serve the blocks after ``match`` (every group manager agrees)."""
-        return self.enable_caching and all(g.allows_external_prefix(len(match.block_ids)) for g in self.groups)
+        """Whether a tier may serve the blocks after ``match`` (every group manager agrees; a swap-in of the
+        request's own blocks needs no prefix caching, a lookup by hash does: see :attr:`enable_caching`)."""
+        return all(g.allows_external_prefix(len(match.block_ids)) for g in self.groups)
 
     def _check_match(self, request: SupportsKVCache, match: MatchResult) -> None:
         """Raise if ``match`` is no longer what the index holds (a block was evicted since)."""

@@ -153,7 +153,10 @@ class SchedulerKVCache:
         n = len(request.all_token_ids)
         max_blocks = max(n - 1, 0) // self.block_size
         d = len(m.block_ids)
-        hashes = self.manager.block_hashes(request, max_blocks)[d:max_blocks] if max_blocks > d else []
+        # hashed lookups (host tier, stores) only with prefix caching; a swapped-out request's own blocks always
+        hashes: list[bytes] = []
+        if self.manager.enable_caching and max_blocks > d:
+            hashes = self.manager.block_hashes(request, max_blocks)[d:]
         return TieredMatch(m, c.get_num_new_matched_tokens(request.request_id, hashes, m.num_cached_tokens, n - 1))
 
     def _split(self, match: TieredMatch | MatchResult | None) -> tuple[MatchResult | None, ExternalMatch]:
