@@ -195,7 +195,7 @@ class SchedulerKVCache:
             c.check(ext)
         blocks = self.manager.allocate_slots(request, num_new_tokens, m, num_external_tokens=ext.num_tokens)
         if blocks is None or not admitting:
-            if blocks is not None and c is not None:
+            if blocks is not None:
                 self._sync_block_changes()
             return blocks
         m = m or MatchResult()
@@ -230,13 +230,13 @@ class SchedulerKVCache:
         c = self.connector
         limit = None if c is None else c.loading_from(request.request_id)
         n = self.manager.cache_blocks(request, num_computed_tokens, max_blocks=limit)
-        if c is not None:
-            self._sync_block_changes()
+        self._sync_block_changes()
         return n
 
     def _sync_block_changes(self) -> None:
-        """Hand the manager's newly evicted and stored blocks to the connector, evictions first."""
-        assert self.connector is not None
+        """Hand the manager's newly evicted and stored blocks to the connector, evictions first (none without one)."""
+        if self.connector is None:
+            return
         stored, evicted = self.manager.take_block_changes()
         if evicted:
             self.connector.on_blocks_evicted(evicted)
@@ -279,11 +279,14 @@ class SchedulerKVCache:
     def free(self, request: SupportsKVCache | str) -> bool:
         """Release the request's blocks; the connector keeps those still receiving loads (C10)."""
         rid = request if isinstance(request, str) else request.request_id
-        keep: tuple[int, ...] = ()
-        if self.connector is not None:
-            self._loaded.pop(rid, None)
-            keep = self.connector.request_finished(rid)
-        return self.manager.free(request, keep=keep)
+        return self.manager.free(request, keep=self._finish_loads(rid, preempted=False))
+
+    def _finish_loads(self, rid: str, *, preempted: bool) -> tuple[int, ...]:
+        """Forget the request's pending indexing; the device blocks the connector keeps for loads still in flight."""
+        if self.connector is None:
+            return ()
+        self._loaded.pop(rid, None)
+        return self.connector.request_finished(rid, preempted=preempted)
 
     def preempt(self, request: SupportsKVCache | str, num_computed_tokens: int | None = None) -> bool:
         """Free a running request to resume it later (see :meth:`KVCacheManager.preempt`).
@@ -308,22 +311,16 @@ class SchedulerKVCache:
                 self.wait_for_loads([rid])  # its blocks must hold their KV before they are copied out
             table = self.manager.block_ids(rid)
             c.swap_out(rid, table[: self.blocks_for(num_computed_tokens)], num_computed_tokens)
-        keep: tuple[int, ...] = ()
-        if c is not None:
-            self._loaded.pop(rid, None)
-            keep = c.request_finished(rid, preempted=True)
-        return self.manager.preempt(request, keep=keep)
+        return self.manager.preempt(request, keep=self._finish_loads(rid, preempted=True))
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` evictable device blocks (``write_back`` saves them first)."""
         n = self.manager.evict(num_blocks)
-        if self.connector is not None:
-            self._sync_block_changes()
+        self._sync_block_changes()
         return n
 
     def reset_prefix_cache(self) -> int:
         """Evict every evictable device block (``write_back`` saves them first)."""
         n = self.manager.reset_prefix_cache()
-        if self.connector is not None:
-            self._sync_block_changes()
+        self._sync_block_changes()
         return n
