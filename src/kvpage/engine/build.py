@@ -71,12 +71,6 @@ class BuiltEngine:
         return sum(t.nbytes for t in self.tails.values())
 
 
-def _tail_sizes(group: GroupManager) -> tuple[int, int]:
-    """``(16-bit slots, sink slots)`` of a block-wise group's tail."""
-    assert isinstance(group, SealedGroupManager)
-    return group.table.num_slots, group.table.num_sink_slots
-
-
 def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Module) -> BuiltEngine:
     """Assemble the engine for ``loaded`` (config, tokenizer, name) running ``model`` (already on its device).
 
@@ -102,8 +96,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
     groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens)
                    for g in spec.groups)
     sealed = [g for g in groups if isinstance(g, SealedGroupManager)]
-    tail_bytes = sum(TailPool.bytes_for(spec, config.torch_dtype, *_tail_sizes(g), layers=g.group.layer_indices)
-                     for g in sealed if g.group is not None)
+    tail_bytes = sum(TailPool.bytes_for(spec, config.torch_dtype, g.table.num_slots, g.table.num_sink_slots,
+                                        layers=g.layers) for g in sealed)
     num_blocks = config.num_blocks
     if num_blocks is None:
         num_blocks = controller.num_blocks_for_budget(max(0, config.kv_budget_bytes - tail_bytes)).num_blocks
@@ -128,10 +122,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
     tails: dict[str, TailPool] = {}
     backends = []
     for g in groups:
-        assert g.group is not None
         tail = None
         if isinstance(g, SealedGroupManager):
-            tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.group.layer_indices)
+            tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.layers)
             tails[g.name] = tail
         backends.append(backend_for(spec, g, caches, tail=tail, is_live=manager.is_live, is_in_use=manager.is_in_use))
     runner = ModelRunner(model, spec, backends, device)

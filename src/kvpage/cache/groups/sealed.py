@@ -38,6 +38,8 @@ class SealedGroupManager(GroupManager):
         window_blocks: int,
     ) -> None:
         super().__init__(group)
+        #: Global indices of the group's layers (whose tail tensors it books).
+        self.layers: range = group.layer_indices
         self.table = TailTable(group.layer.block_size, num_slots, num_sink_slots, window_blocks)
 
     @property
