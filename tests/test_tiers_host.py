@@ -229,7 +229,7 @@ def test_c07_scales_survive_swap_preemption(fmt: str) -> None:
     spec = make_spec(fmt)
     ctrl = make_controller(spec, 8)
     sealed = any(isinstance(g.layer.format, BlockFormat) for g in spec.groups)
-    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, preemption_mode="swap",
+    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, config=OffloadConfig(preemption_mode="swap"),
                         supports_swap=not sealed)
     assert off is not None and off.host.num_blocks == 6
     m = with_tiers(8, off)
@@ -302,11 +302,11 @@ def test_swap_space_sizing_and_bad_tier_arguments() -> None:
     with pytest.raises(ValueError, match="holds no block"):
         host_blocks_for_swap_space(ctrl, 1e-12)
     with pytest.raises(ValueError, match="kv_offload_policy must be one of"):
-        build_offload(ctrl, swap_space=0.001, kv_offload_policy="lazy")
+        build_offload(ctrl, swap_space=0.001, config=OffloadConfig(write_policy="lazy"))
     with pytest.raises(ValueError, match="preemption_mode must be one of"):
-        build_offload(ctrl, swap_space=0.001, preemption_mode="pause")
+        build_offload(ctrl, swap_space=0.001, config=OffloadConfig(preemption_mode="pause"))
     with pytest.raises(ValueError, match="needs a host tier"):
-        build_offload(ctrl, preemption_mode="swap")
+        build_offload(ctrl, config=OffloadConfig(preemption_mode="swap"))
     with pytest.raises(ValueError, match="write_through_threshold"):
         OffloadConfig(write_through_threshold=0)
     assert build_offload(ctrl) is None  # no tier asked for: no offload manager at all
@@ -709,7 +709,7 @@ def test_swap_preemption_comes_back_with_prefix_caching_off() -> None:
     refactored match gated the whole connector on caching and recomputed such requests instead."""
     spec = make_spec("bfloat16")
     ctrl = make_controller(spec, 8)
-    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, preemption_mode="swap")
+    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, config=OffloadConfig(preemption_mode="swap"))
     assert off is not None
     m = SchedulerKVCache(KVCacheManager(8, BS, enable_caching=False, record_block_changes=True),
                          TieredConnector(off, BS))

@@ -107,8 +107,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
     caches = dict(controller.initialize_kv_cache(num_blocks))
 
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
-        controller, swap_space=config.swap_space, kv_offload_policy=config.kv_offload_policy,
-        preemption_mode=config.preemption_mode,
+        controller, swap_space=config.swap_space, config=config.offload,
         kv_disk_dir=None if config.kv_disk_dir is None else str(config.kv_disk_dir),
         kv_disk_max_bytes=config.kv_disk_max_bytes, kv_store=config.kv_store,
         supports_swap=all(g.supports_swap for g in groups),

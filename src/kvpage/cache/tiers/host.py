@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvpage.cache.controller import CacheController
@@ -132,13 +133,10 @@ def build_offload(
     controller: CacheController,
     *,
     swap_space: float = 0.0,
-    kv_offload_policy: str = "write_through",
-    preemption_mode: str = "recompute",
+    config: OffloadConfig | None = None,
     kv_disk_dir: str | None = None,
     kv_disk_max_bytes: int | None = None,
     kv_store: str | None = None,
-    write_through_threshold: int = 2,
-    load_deadline_s: float = 30.0,
     store_options: dict[str, Any] | None = None,
     queue: TransferQueue | None = None,
     supports_swap: bool = True,
@@ -148,29 +146,22 @@ def build_offload(
     Args:
         controller: the engine's controller (device caches already allocated).
         swap_space: host tier size in GiB (vLLM's ``swap_space``); 0 = no host tier.
-        kv_offload_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
-        preemption_mode: ``recompute`` or ``swap`` (needs ``swap_space > 0``). With a
-            layer group that cannot swap (``supports_swap=False``) ``swap`` falls back to recompute.
+        config: the write policy, preemption mode (``swap`` needs ``swap_space > 0``; with a layer
+            group that cannot swap, ``supports_swap=False``, it falls back to recompute), threshold and
+            load deadline, validated already (``EngineConfig.offload``); default ``OffloadConfig()``.
         kv_disk_dir: directory of a :class:`~kvpage.cache.tiers.stores.disk.DiskStore`, or ``None``.
         kv_disk_max_bytes: size cap of the disk store in bytes (LRU), ``None`` = unbounded.
         kv_store: ``redis://host:port/db`` of a shared :class:`~kvpage.cache.tiers.stores.redis.RedisStore`, or ``None``.
-        write_through_threshold: uses before ``write_through_selective`` backs a block up.
-        load_deadline_s: how long an aborted request's loading blocks wait for their load (C10).
         store_options: extra keyword options for the Redis store (``ttl_seconds``, ``timeout_s``, ...).
         queue: the transfer queue (default synchronous).
         supports_swap: whether every layer group's blocks can be swapped out and back
             (``KVCacheManager.supports_swap``; block-wise formats keep a tail pool outside them).
 
     Raises:
-        ValueError: bad sizes, policy or mode; ``swap`` without a host tier.
+        ValueError: bad sizes; ``swap`` without a host tier; a disk cap without a disk store.
         CacheAllocationError: the host tier could not be allocated for some layer group (case C08).
     """
-    config = OffloadConfig(
-        write_policy=kv_offload_policy,
-        write_through_threshold=write_through_threshold,
-        preemption_mode=preemption_mode,
-        load_deadline_s=load_deadline_s,
-    )
+    config = config or OffloadConfig()
     n_host = host_blocks_for_swap_space(controller, swap_space)
     if config.preemption_mode == "swap" and n_host == 0:
         raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
@@ -182,7 +173,7 @@ def build_offload(
         logger.warning("preemption_mode='swap' falls back to 'recompute' for quantize-on-seal KV formats "
                        "(%s): a request's partial last block lives in the tail pool, outside the swappable blocks",
                        ", ".join(sorted({g.layer.kv_format for g in controller.spec.groups})))
-        config = OffloadConfig(config.write_policy, config.write_through_threshold, "recompute", config.load_deadline_s)
+        config = replace(config, preemption_mode="recompute")
     stores: list[tuple[str, KVStore]] = []
     try:
         if kv_disk_dir is not None:
