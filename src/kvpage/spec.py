@@ -214,6 +214,17 @@ class LayerGroupSpec:
         return self.num_layers * self.layer.bytes_per_block
 
 
+def missing_scales_error(format_name: str, layer_index: int = 0, group: str = "main") -> StaticScalesError:
+    """The error of a static-scale format given no calibrated scales (names the layer, the tensor and the fixes)."""
+    return StaticScalesError(
+        f"layer {layer_index} ({group} group): format {format_name} needs calibrated static scales "
+        f"(tensor 'layers.{layer_index}.k_absmax'), but none were given. Pass kv_cache_scales=FILE "
+        f"(--kv-cache-scales FILE; make one with `kvpage calibrate --text FILE --out FILE`) or "
+        f"kv_cache_scales=StaticScales(...) (CacheSpec.build(static_scales=...)); kvpage never uses a "
+        f"default scale of 1.0"
+    )
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """Layout of a whole KV cache: layer groups sharing one block table.
@@ -262,13 +273,7 @@ class CacheSpec:
                 continue
             for i in g.layer_indices:
                 if self.static_scales is None:
-                    raise StaticScalesError(
-                        f"layer {i} ({g.name} group): format {fmt.name} needs calibrated static scales "
-                        f"(tensor 'layers.{i}.k_absmax'), but none were given. Pass kv_cache_scales=FILE "
-                        f"(--kv-cache-scales FILE; make one with `kvpage calibrate --text FILE --out FILE`) or "
-                        f"kv_cache_scales=StaticScales(...) (CacheSpec.build(static_scales=...)); kvpage never uses a "
-                        f"default scale of 1.0"
-                    )
+                    raise missing_scales_error(fmt.name, i, g.name)
                 scales = self.static_scales.resolve(
                     fmt, layer_index=i, kv_heads=g.layer.kv_heads, head_dim=g.layer.head_dim,
                     has_value=g.layer.has_value, group=g.name,

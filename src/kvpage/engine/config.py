@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from kvpage.cache.tiers.policy import OffloadConfig
-from kvpage.formats import KVFormat, canonical_format_name, get_format
+from kvpage.formats import KVFormat, StaticScaleFormat, canonical_format_name, get_format
 from kvpage.scales import StaticScales
-from kvpage.spec import CacheSpec
+from kvpage.spec import missing_scales_error
 
 #: KV budget when neither ``kv_cache_memory_bytes`` nor ``num_blocks`` is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
@@ -161,9 +161,8 @@ class EngineConfig:
         self._check_tiers()
         scales = None if self.kv_cache_scales is None else StaticScales.coerce(self.kv_cache_scales)
         put("static_scales", scales)
-        if scales is None:  # a static-scale format without scales fails here, before any model loads
-            CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=1, model_dtype=self.torch_dtype,
-                            block_size=self.block_size_resolved, kv_cache_dtype=fmt.name)
+        if scales is None and isinstance(fmt, StaticScaleFormat):  # fails here, before any model loads
+            raise missing_scales_error(fmt.name)
 
     def _check_positive_int(self, name: str, value: Any, *, allow_none: bool = False) -> None:
         if value is None and allow_none:
@@ -200,4 +199,4 @@ class EngineConfig:
     @property
     def kv_budget_bytes(self) -> int:
         """The KV budget in bytes (``kv_cache_memory_bytes``, else :data:`DEFAULT_KV_CACHE_BYTES`)."""
-        return DEFAULT_KV_CACHE_BYTES if self.kv_cache_memory_bytes is None else int(self.kv_cache_memory_bytes)
+        return DEFAULT_KV_CACHE_BYTES if self.kv_cache_memory_bytes is None else self.kv_cache_memory_bytes
