@@ -109,7 +109,7 @@ class AttentionMetadata:
         return self.query_start_loc[-1] == self.num_requests
 
 
-def _token_format(spec: LayerSpec, layer_index: int | None = None) -> TokenFormat:
+def token_format(spec: LayerSpec, layer_index: int | None = None) -> TokenFormat:
     """The layer's format as a :class:`~kvpage.formats.TokenFormat`.
 
     Raises:
@@ -137,7 +137,7 @@ def write_kv(
         KVCacheLayoutError: the layer's format is block-wise.
         StaticScalesError: a static-scale format with no scales bound.
     """
-    fmt = _token_format(spec)
+    fmt = token_format(spec)
     rows = [(KEY, KEY_SCALE, k)] + ([(VALUE, VALUE_SCALE, v)] if spec.has_value else [])
     for name, scale_name, x in rows:
         assert x is not None
@@ -172,7 +172,7 @@ def read_kv(
         KVCacheLayoutError: the layer's format is block-wise.
         StaticScalesError: a static-scale format with no scales bound.
     """
-    fmt = _token_format(spec)
+    fmt = token_format(spec)
     codes = cache[name][block_ids]
     scale_name = KEY_SCALE if name == KEY else VALUE_SCALE
     # the per-token scales where the format stores them; float and static-scale formats store none
@@ -252,7 +252,7 @@ def paged_attention(
             checked before anything is written.
         StaticScalesError: a static-scale format with no scales bound.
     """
-    fmt = _token_format(spec, layer_index)
+    fmt = token_format(spec, layer_index)
     spec.validate(cache, layer_index=layer_index)
     check_inputs(spec, layer_index, q, k, v)
     write_kv(cache, spec, k, v, meta.slot_mapping)

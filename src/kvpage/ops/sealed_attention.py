@@ -117,6 +117,45 @@ def read_sealed(
     return out
 
 
+def sealed_attention_checks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    cache: Mapping[str, torch.Tensor],
+    spec: LayerSpec,
+    meta: AttentionMetadata,
+    ctx: SealContext,
+    *,
+    layer_index: int,
+) -> tuple[BlockFormat, Mapping[str, torch.Tensor]]:
+    """Every check :func:`sealed_attention` makes before writing; returns the layer's format and tail tensors.
+
+    Shared by the attention backends that serve block-wise layers. No side effects.
+
+    Raises:
+        KVCacheLayoutError: as listed in :func:`sealed_attention`.
+    """
+    fmt = spec.format
+    if not isinstance(fmt, BlockFormat):
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: format {spec.kv_format} is token-wise; its layers are written and read by "
+            f"kvpage.ops.attention.paged_attention, not sealed_attention"
+        )
+    spec.validate(cache, layer_index=layer_index)
+    check_inputs(spec, layer_index, q, k, v)
+    tail = ctx.tails.get(layer_index)
+    if tail is None:
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: format {spec.kv_format} quantizes blocks when they fill and needs this layer's "
+            f"full-precision tail tensors, but the SealContext has none for it (layers {sorted(ctx.tails)})"
+        )
+    if len(ctx.plan.reads) != meta.num_requests:
+        raise KVCacheLayoutError(
+            f"layer {layer_index}: the seal plan covers {len(ctx.plan.reads)} requests, the batch has {meta.num_requests}"
+        )
+    return fmt, tail
+
+
 def sealed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -143,25 +182,8 @@ def sealed_attention(
             holds no tail tensors for this layer, or its plan covers another number of
             requests than ``meta``; checked before anything is written.
     """
-    fmt = spec.format
-    if not isinstance(fmt, BlockFormat):
-        raise KVCacheLayoutError(
-            f"layer {layer_index}: format {spec.kv_format} is token-wise; its layers are written and read by "
-            f"kvpage.ops.attention.paged_attention, not sealed_attention"
-        )
-    spec.validate(cache, layer_index=layer_index)
-    check_inputs(spec, layer_index, q, k, v)
-    tail = ctx.tails.get(layer_index)
-    if tail is None:
-        raise KVCacheLayoutError(
-            f"layer {layer_index}: format {spec.kv_format} quantizes blocks when they fill and needs this layer's "
-            f"full-precision tail tensors, but the SealContext has none for it (layers {sorted(ctx.tails)})"
-        )
+    fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
     plan = ctx.plan
-    if len(plan.reads) != meta.num_requests:
-        raise KVCacheLayoutError(
-            f"layer {layer_index}: the seal plan covers {len(plan.reads)} requests, the batch has {meta.num_requests}"
-        )
     bs = spec.block_size
     write_sealed(cache, tail, fmt, ctx.sink_format, bs, KEY, k, plan)
     if spec.has_value:

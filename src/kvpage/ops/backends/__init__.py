@@ -1,0 +1,52 @@
+"""Attention backends, one per layer group, chosen from the layer's spec and the device (as vLLM selects them).
+
+=============  =====================================================================
+name           what it is
+=============  =====================================================================
+``reference``  PyTorch gather + dequantize + SDPA (:mod:`.reference`): every format,
+               every device; the oracle of the tests
+``cpu``        kvpage's C++ kernels (:mod:`.cpu`): fused paged decode over codes and
+               scales, fused quantized writes
+``auto``       ``cpu`` where it serves the layer, else ``reference``
+=============  =====================================================================
+"""
+from __future__ import annotations
+
+import torch
+
+from kvpage.ops.backends.base import AttentionBackend
+from kvpage.ops.backends.cpu import CpuBackend, cpu_backend
+from kvpage.ops.backends.reference import ReferenceBackend
+from kvpage.spec import LayerSpec
+
+#: Values ``attention_backend`` takes.
+BACKEND_NAMES = ("auto", "reference", "cpu")
+
+
+def select_backend(name: str, spec: LayerSpec, device: torch.device | str) -> AttentionBackend:
+    """The backend ``name`` for layers of ``spec`` on ``device``.
+
+    ``"auto"`` takes ``cpu`` when it serves the layer and ``reference`` otherwise. Side effect: asking
+    for (or auto-selecting on) the CPU compiles the kernels on first use.
+
+    Raises:
+        ValueError: an unknown name, or a named backend that cannot serve the layer's format on
+            ``device`` (the message names both and why; case C27).
+    """
+    dev = torch.device(device)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
+    if name == "reference":
+        return ReferenceBackend()
+    why = CpuBackend.unsupported(spec, dev)
+    if why is None:
+        backend = cpu_backend()
+        if backend is not None:
+            return backend
+        why = "its C++ kernels could not be built on this machine"
+    if name == "cpu":
+        raise ValueError(f"attention backend 'cpu' cannot serve kv_cache_dtype {spec.kv_format!r} on {dev}: {why}")
+    return ReferenceBackend()
+
+
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "CpuBackend", "ReferenceBackend", "select_backend"]

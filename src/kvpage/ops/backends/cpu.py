@@ -1,0 +1,267 @@
+"""The ``cpu`` attention backend: kvpage's own C++ kernels (:mod:`kvpage.ops.cpu`) on the hot path.
+
+Decode rows and short query runs (up to :data:`KERNEL_MAX_QUERY` new tokens of a
+request, e.g. speculative verification) of the whole batch attend in **one kernel
+call per layer**, reading codes and scales straight from the blocks through the
+block table with an online softmax; the float context is never materialized.
+Longer query runs (prefill chunks) are compute-bound and go, one request at a
+time, through the reference gather + SDPA path, which uses the BLAS.
+
+Writes: float formats scatter with ``index_copy_``; the dynamic 8-bit formats
+(``int8``, ``fp8``, ``int8_rotated``, ``fp8_per_token_head``) quantize and store in
+one fused kernel call per tensor, byte-identical to their Python ``quantize``
+(rotated formats rotate first with the same butterflies); static-scale formats
+and the quantize-on-seal formats write through the reference code.
+
+Formats the kernels read: ``float32``/``bfloat16``/``float16``, every per-token and
+static 8-bit format, ``int4``/``int2`` (sealed blocks, 16-bit tail and window
+copies, int8 first-block copies). Anything else is refused by
+:meth:`CpuBackend.unsupported` with the reason.
+
+Per-step tensors (context lengths, query offsets, which rows the kernel takes,
+the sealed formats' per-block source table) are built once per step and shared
+by every layer of the group.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, FloatFormat, SealedFormat, StaticScaleFormat, TokenFormat
+from kvpage.formats.codes import E4M3_QMAX, INT8_QMAX
+from kvpage.formats.per_token import PerTokenFormat
+from kvpage.ops.attention import AttentionMetadata, check_inputs, read_kv, token_format, write_kv
+from kvpage.ops.backends.base import AttentionBackend
+from kvpage.ops.causal import request_attention
+from kvpage.ops.cpu.build import load_kernels
+from kvpage.ops.sealed_attention import SealContext, read_sealed, sealed_attention_checks, write_sealed
+from kvpage.spec import LayerSpec
+
+#: Requests with at most this many new tokens attend in the fused kernel; longer runs use SDPA.
+KERNEL_MAX_QUERY = 32
+
+# element encodings of the kernels (paged_attention.cpp: enum Enc)
+_F32, _BF16, _F16, _I8, _E4M3 = 0, 1, 2, 3, 4
+_FLOAT_ENC = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
+
+
+def _code_encoding(qmax: float) -> int | None:
+    return {INT8_QMAX: _I8, E4M3_QMAX: _E4M3}.get(qmax)
+
+
+def token_encoding(fmt: TokenFormat) -> int | None:
+    """The kernels' element encoding of a token-wise format, or ``None`` when they cannot read it."""
+    if isinstance(fmt, FloatFormat):
+        return _FLOAT_ENC.get(fmt.dtype)
+    if isinstance(fmt, (PerTokenFormat, StaticScaleFormat)):
+        return _code_encoding(fmt.qmax)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _StepRows:
+    """One step's batch as the kernel takes it."""
+
+    seq_lens: torch.Tensor          # [B] int64
+    query_start_loc: torch.Tensor   # [B + 1] int64
+    kernel_rows: torch.Tensor       # [b] int64 requests the kernel serves
+    sdpa_rows: tuple[int, ...]      # requests with longer query runs
+
+
+@dataclass(frozen=True, slots=True)
+class _SealedSources:
+    """Per logical block of each request: 0 = sealed pool block, 1 = 16-bit tail slot, 2 = int8 sink slot."""
+
+    kind: torch.Tensor   # [B, W] uint8
+    index: torch.Tensor  # [B, W] int64
+
+
+class CpuBackend(AttentionBackend):
+    """Fused paged-attention kernels for the CPU (see the module docstring).
+
+    Args:
+        kernels: the compiled extension (:func:`kvpage.ops.cpu.build.load_kernels`).
+    """
+
+    name = "cpu"
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+        self._rows: tuple[AttentionMetadata, _StepRows] | None = None
+        self._sources: tuple[SealContext, _SealedSources] | None = None
+        self._chan: dict[tuple[int, str], torch.Tensor] = {}
+
+    @classmethod
+    def unsupported(cls, spec: LayerSpec, device: torch.device) -> str | None:
+        """Why not: a device other than the CPU, kernels that did not build, or a format they cannot read."""
+        if torch.device(device).type != "cpu":
+            return f"it runs on the CPU only, not on {device}"
+        fmt = spec.format
+        if isinstance(fmt, TokenFormat):
+            if token_encoding(fmt) is None:
+                return f"its kernels do not read format {spec.kv_format}"
+        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 4)):
+            return f"its kernels do not read format {spec.kv_format}"
+        if spec.head_dim > 512:
+            return f"its kernels take head_dim up to 512, not {spec.head_dim}"
+        if load_kernels() is None:
+            return "its C++ kernels could not be built on this machine (see the warning above)"
+        return None
+
+    # -- per-step state ---------------------------------------------------------------------------
+
+    def _step_rows(self, meta: AttentionMetadata) -> _StepRows:
+        if self._rows is not None and self._rows[0] is meta:
+            return self._rows[1]
+        qsl = meta.query_start_loc
+        fused = [i for i in range(meta.num_requests) if qsl[i + 1] - qsl[i] <= KERNEL_MAX_QUERY]
+        rows = _StepRows(
+            seq_lens=torch.tensor(meta.seq_lens, dtype=torch.long),
+            query_start_loc=torch.tensor(qsl, dtype=torch.long),
+            kernel_rows=torch.tensor(fused, dtype=torch.long),
+            sdpa_rows=tuple(i for i in range(meta.num_requests) if qsl[i + 1] - qsl[i] > KERNEL_MAX_QUERY),
+        )
+        self._rows = (meta, rows)
+        return rows
+
+    def _sealed_sources(self, ctx: SealContext, meta: AttentionMetadata) -> _SealedSources:
+        if self._sources is not None and self._sources[0] is ctx:
+            return self._sources[1]
+        bs = meta.block_size
+        width = max((-(-s // bs) for s in meta.seq_lens), default=0)
+        kinds: list[list[int]] = []
+        index: list[list[int]] = []
+        for read in ctx.plan.reads:
+            # the order of read_sealed: pool blocks, then window copies, then the sink copy of block 0
+            ids = read.full_ids.tolist()
+            kind = [0] * len(ids)
+            for j, slot in read.fp_blocks:
+                kind[j], ids[j] = 1, slot
+            if read.sink_slot is not None:
+                kind[0], ids[0] = 2, read.sink_slot
+            if read.open_slot is not None:
+                kind.append(1)
+                ids.append(read.open_slot)
+            pad = width - len(ids)
+            kinds.append(kind + [0] * pad)
+            index.append(ids + [0] * pad)
+        src = _SealedSources(torch.tensor(kinds, dtype=torch.uint8).reshape(len(kinds), width),
+                             torch.tensor(index, dtype=torch.long).reshape(len(index), width))
+        self._sources = (ctx, src)
+        return src
+
+    def _static_channels(self, fmt: StaticScaleFormat, spec: LayerSpec, layer_index: int, kind: str) -> torch.Tensor:
+        """The bound static scale of ``kind`` as a contiguous float32 ``[kv_heads, head_dim]`` (cached per layer)."""
+        key = (layer_index, kind)
+        t = self._chan.get(key)
+        if t is None:
+            t = fmt.scale(kind, "cpu").float().expand(spec.kv_heads, spec.head_dim).contiguous()
+            self._chan[key] = t
+        return t
+
+    # -- token-wise formats -----------------------------------------------------------------------
+
+    def _write(self, cache: Mapping[str, torch.Tensor], spec: LayerSpec, fmt: TokenFormat,
+               k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor) -> None:
+        if isinstance(fmt, FloatFormat):
+            for name, x in ((KEY, k), (VALUE, v)):
+                if x is not None:
+                    t = cache[name]
+                    t.view(-1, *t.shape[2:]).index_copy_(0, slots, x.to(t.dtype))
+            return
+        if not isinstance(fmt, PerTokenFormat):
+            write_kv(cache, spec, k, v, slots)
+            return
+        enc = _code_encoding(fmt.qmax)
+        for name, scale_name, x in ((KEY, KEY_SCALE, k), (VALUE, VALUE_SCALE, v)):
+            if x is None:
+                continue
+            y = fmt.to_stored_basis(x) if fmt.rotate else x.float()
+            t, s = cache[name], cache[scale_name]
+            self.kernels.write_rows(t, s, y.contiguous(), slots, enc, fmt.qmax)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
+        spec: LayerSpec, meta: AttentionMetadata, *, layer_index: int,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`; the cache tensors are checked against ``spec`` before writing."""
+        fmt = token_format(spec, layer_index)
+        spec.validate(cache, layer_index=layer_index)
+        check_inputs(spec, layer_index, q, k, v)
+        self._write(cache, spec, fmt, k, v, meta.slot_mapping)
+        rows = self._step_rows(meta)
+        qa = q.float()
+        rot = fmt.rotation(spec.head_dim, torch.float32, q.device)
+        if rot is not None:
+            qa = qa @ rot
+        qa = qa.contiguous()
+        out = torch.empty_like(qa)
+        value_name = VALUE if spec.has_value else KEY
+        if rows.kernel_rows.numel():
+            enc = token_encoding(fmt)
+            kchan = vchan = None
+            if isinstance(fmt, StaticScaleFormat):
+                kchan = self._static_channels(fmt, spec, layer_index, KEY)
+                vchan = self._static_channels(fmt, spec, layer_index, value_name)
+            self.kernels.paged_attention(
+                out, qa, cache[KEY], cache[value_name], cache.get(KEY_SCALE),
+                cache.get(VALUE_SCALE if spec.has_value else KEY_SCALE), kchan, vchan,
+                meta.block_tables, rows.seq_lens, rows.query_start_loc, rows.kernel_rows, enc, spec.head_dim**-0.5,
+            )
+        bs = spec.block_size
+        for i in rows.sdpa_rows:
+            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            s = meta.seq_lens[i]
+            ids = meta.block_tables[i, : -(-s // bs)]
+            keys = read_kv(cache, spec, KEY, ids, torch.float32, rotated=True).flatten(0, 1)[:s]
+            vals = read_kv(cache, spec, value_name, ids, torch.float32, rotated=True).flatten(0, 1)[:s]
+            out[a:b] = request_attention(qa[a:b], keys, vals, None)
+        if rot is not None:
+            out = out @ rot.T
+        return out.to(q.dtype)
+
+    # -- quantize-on-seal formats -----------------------------------------------------------------
+
+    def forward_sealed(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
+        spec: LayerSpec, meta: AttentionMetadata, ctx: SealContext, *, layer_index: int,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward_sealed`."""
+        fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
+        bs = spec.block_size
+        write_sealed(cache, tail, fmt, ctx.sink_format, bs, KEY, k, ctx.plan)
+        if v is not None:
+            write_sealed(cache, tail, fmt, ctx.sink_format, bs, VALUE, v, ctx.plan)
+        rows = self._step_rows(meta)
+        qa = q.float().contiguous()
+        out = torch.empty_like(qa)
+        if rows.kernel_rows.numel():
+            src = self._sealed_sources(ctx, meta)
+            has_value = spec.has_value
+            vn = VALUE if has_value else KEY
+            vs = fmt.names(vn)
+            ks = fmt.names(KEY)
+            tail_v = tail[vn]
+            self.kernels.sealed_attention(
+                out, qa, cache[ks[0]], cache[ks[1]], cache[ks[2]], cache[vs[0]], cache[vs[1]], cache[vs[2]],
+                tail[KEY], tail_v, tail["sink_" + KEY], tail["sink_" + KEY_SCALE],
+                tail["sink_" + vn], tail["sink_" + (VALUE_SCALE if has_value else KEY_SCALE)],
+                src.kind, src.index, rows.seq_lens, rows.query_start_loc, rows.kernel_rows,
+                fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, spec.head_dim**-0.5,
+            )
+        for i in rows.sdpa_rows:
+            read = ctx.plan.reads[i]
+            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            keys = read_sealed(cache, tail, fmt, ctx.sink_format, spec, KEY, read, torch.float32)
+            vals = read_sealed(cache, tail, fmt, ctx.sink_format, spec, VALUE, read, torch.float32) if spec.has_value else keys
+            out[a:b] = request_attention(qa[a:b], keys, vals, None)
+        return out.to(q.dtype)
+
+
+def cpu_backend() -> CpuBackend | None:
+    """A :class:`CpuBackend` over the compiled kernels, or ``None`` when they could not be built."""
+    kernels = load_kernels()
+    return None if kernels is None else CpuBackend(kernels)

@@ -1,0 +1,97 @@
+"""Compile-on-first-use of kvpage's CPU kernels (``paged_attention.cpp``), cached per machine.
+
+The kernels are a C++ extension built with ``torch.utils.cpp_extension.load``
+(ninja and the system C++ compiler; ``ninja`` is a kvpage dependency). The build
+is tuned to the CPU it runs on (``-march=native``), so its cache folder is keyed by
+the source, the compiler flags, the torch version and the CPU's feature flags:
+a machine with other instructions builds its own copy instead of loading one
+that would fault. The folder is ``$KVPAGE_EXTENSIONS_DIR`` when set, else
+``~/.cache/kvpage/extensions``.
+
+When the extension cannot be built (no compiler, no ninja, a failed compile)
+:func:`load_kernels` warns once, naming the cause, and returns ``None``; callers
+fall back to the reference PyTorch path. ``KVPAGE_CPU_KERNELS=0`` skips the
+build altogether.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+#: Compiler flags: ``-fopenmp-simd`` lets ``#pragma omp simd`` vectorize reductions without fast-math.
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17")
+
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``), or the platform's description where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """A short hash of what the binary depends on: source, flags, torch version, CPU features."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where the compiled extension of this machine lives (created when missing)."""
+    root = Path(os.environ.get("KVPAGE_EXTENSIONS_DIR") or Path.home() / ".cache" / "kvpage" / "extensions")
+    d = root / f"cpu_kernels_{build_key()}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load_kernels() -> ModuleType | None:
+    """The compiled CPU kernels module, building it on first use; ``None`` (after one warning) when it cannot be built.
+
+    Thread-safe; the result (module or failure) is remembered for the process. Side effect: the first
+    call may compile for ~30-60 s and writes the build folder (:func:`build_dir`).
+    """
+    with _lock:
+        if "mod" in _state:
+            return _state["mod"]
+        mod: ModuleType | None = None
+        if os.environ.get("KVPAGE_CPU_KERNELS", "1") == "0":
+            _state["mod"] = None
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            d = build_dir()
+            mod = load(
+                name=f"kvpage_cpu_{build_key()}",
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                build_directory=str(d),
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
+            warnings.warn(
+                f"kvpage's CPU attention kernels could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
+                f"attention falls back to the reference PyTorch path (slower, same results)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            mod = None
+        _state["mod"] = mod
+        return mod

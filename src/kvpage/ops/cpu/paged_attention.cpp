@@ -1,0 +1,508 @@
+// kvpage CPU kernels: paged attention that reads KV codes and scales straight from the blocks, and the
+// fused write of new K/V into their slots.
+//
+// Attention (decode rows and short query runs, e.g. speculative verification): one call per layer for
+// the whole batch. Work items are (request, kv head, context split); each walks its blocks through the
+// block table, decodes one block at a time into a small float buffer (never a float copy of the
+// context), and folds it into an online softmax (Milakov & Gimelshein 2018; FlashAttention's
+// running max / running sum) for every query head of its GQA group. Long contexts are split over the
+// context when there are fewer work items than threads and merged afterwards (flash-decoding).
+// Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them.
+//
+// Numerics: float32 throughout; exp is a Cephes-style polynomial (relative error ~2e-7) so the
+// compiler can vectorize it; dot products are vectorized reductions (another summation order than
+// SDPA's, within float32 rounding).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Storage encodings of one element (token-wise formats and tail rows).
+enum Enc : int64_t { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, E4M3 = 4 };
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float exp_neg(float x) {
+  // e^x for x <= 0 (a score minus the running max), Cephes expf's polynomial; x < -87 gives ~0.
+  x = x < -87.0f ? -87.0f : x;
+  float t = x * 1.44269504088896341f;
+  float n = std::floor(t + 0.5f);
+  float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float e4m3_to_float(uint8_t c) {
+  // float8_e4m3fn: bias 7, no inf; 0x7f / 0xff are NaN. Exact: magnitude = m * 2^-9 (subnormal) or
+  // (8 + m) * 2^(e - 1) * 2^-9.
+  int32_t e = (c >> 3) & 15, m = c & 7;
+  int32_t mag = e ? ((8 + m) << (e - 1)) : m;
+  float v = static_cast<float>(mag) * (1.0f / 512.0f);
+  v = (c & 0x80) ? -v : v;
+  return ((c & 0x7f) == 0x7f) ? std::numeric_limits<float>::quiet_NaN() : v;
+}
+
+struct Ue5m3Table {
+  float v[256];
+  Ue5m3Table() {
+    for (int c = 0; c < 256; ++c) v[c] = std::ldexp(1.0f + (c & 7) / 8.0f, (c >> 3) - 16);
+  }
+};
+const Ue5m3Table& ue5m3() {
+  static const Ue5m3Table t;
+  return t;
+}
+
+// One row of D elements of encoding E at p, times `scale` -> out (float32).
+template <int E>
+inline void decode_row(const uint8_t* p, float scale, float* out, int64_t D) {
+  if constexpr (E == F32) {
+    const float* s = reinterpret_cast<const float*>(p);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = s[d] * scale;
+  } else if constexpr (E == BF16) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(p);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = bf16_bits_to_float(s[d]) * scale;
+  } else if constexpr (E == F16) {
+    const c10::Half* s = reinterpret_cast<const c10::Half*>(p);
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(s[d]) * scale;
+  } else if constexpr (E == I8) {
+    const int8_t* s = reinterpret_cast<const int8_t*>(p);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(s[d]) * scale;
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = e4m3_to_float(p[d]) * scale;
+  }
+}
+
+inline int64_t elem_size(int64_t enc) { return enc == F32 ? 4 : (enc == BF16 || enc == F16) ? 2 : 1; }
+
+// ---- sources: where a request's block `blk` (tokens off .. off+nt-1 of it) of kv head h comes from ----
+
+// Token-wise formats: every block from the pool through the block table.
+template <int E>
+struct TokenSource {
+  const uint8_t* key;
+  const uint8_t* value;        // == key for key-only layers
+  const c10::Half* key_scale;  // [NB, bs, Hkv] or nullptr
+  const c10::Half* value_scale;
+  const float* key_chan;       // [Hkv, D] static per-channel scale or nullptr
+  const float* value_chan;
+  const int64_t* tables;       // [B, W]
+  int64_t W, bs, Hkv, D, esize;
+
+  void load(int64_t r, int64_t blk, int64_t h, int64_t off, int64_t nt, float* kb, float* vb) const {
+    const int64_t id = tables[r * W + blk];
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t row = (id * bs + off + i) * Hkv + h;
+      const float ks = key_scale ? static_cast<float>(key_scale[row]) : 1.0f;
+      const float vs = value_scale ? static_cast<float>(value_scale[row]) : 1.0f;
+      decode_row<E>(key + row * D * esize, ks, kb + i * D, D);
+      decode_row<E>(value + row * D * esize, vs, vb + i * D, D);
+      if (key_chan) {
+        const float* c = key_chan + h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kb[i * D + d] *= c[d];
+      }
+      if (value_chan) {
+        const float* c = value_chan + h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) vb[i * D + d] *= c[d];
+      }
+    }
+  }
+};
+
+// Quantize-on-seal formats (KIVI int4/int2): sealed pool blocks, 16-bit tail rows (window copies and the
+// open block) and int8 sink copies of first blocks, chosen per logical block by src_kind / src_idx.
+template <int BITS, int TAIL>
+struct SealedSource {
+  const uint8_t* key;          // [NB, bs, Hkv, P]
+  const uint8_t* key_scale;    // [NB, Hkv, D] UE5M3
+  const c10::Half* key_zero;   // [NB, Hkv, D]
+  const uint8_t* value;        // [NB, bs, Hkv, P]
+  const uint8_t* value_scale;  // [NB, bs, Hkv, Gv]
+  const c10::Half* value_zero; // [NB, bs, Hkv, Gv]
+  const uint8_t* tail_key;     // [S*bs, Hkv, D] TAIL encoding
+  const uint8_t* tail_value;
+  const uint8_t* sink_key;     // [K*bs, Hkv, D] int8
+  const c10::Half* sink_key_scale;  // [K*bs, Hkv]
+  const uint8_t* sink_value;
+  const c10::Half* sink_value_scale;
+  const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 sink slot
+  const int64_t* src_idx;      // [B, W]
+  bool has_value;
+  int64_t W, bs, Hkv, D, P, Gv;
+
+  static inline void unpack_row(const uint8_t* row, int64_t D, float* codes) {
+    if constexpr (BITS == 4) {
+      for (int64_t c = 0; c + 1 < D; c += 2) {
+        const uint8_t b = row[c >> 1];
+        codes[c] = static_cast<float>(b & 15);
+        codes[c + 1] = static_cast<float>(b >> 4);
+      }
+      if (D & 1) codes[D - 1] = static_cast<float>(row[(D - 1) >> 1] & 15);
+    } else {
+      for (int64_t c = 0; c < D; ++c) codes[c] = static_cast<float>((row[c >> 2] >> (2 * (c & 3))) & 3);
+    }
+  }
+
+  void load(int64_t r, int64_t blk, int64_t h, int64_t off, int64_t nt, float* kb, float* vb) const {
+    const uint8_t kind = src_kind[r * W + blk];
+    const int64_t idx = src_idx[r * W + blk];
+    constexpr int64_t tsz = 2;
+    if (kind == 1) {
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t row = (idx * bs + off + i) * Hkv + h;
+        decode_row<TAIL>(tail_key + row * D * tsz, 1.0f, kb + i * D, D);
+        if (has_value) decode_row<TAIL>(tail_value + row * D * tsz, 1.0f, vb + i * D, D);
+      }
+      return;
+    }
+    if (kind == 2) {
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t row = (idx * bs + off + i) * Hkv + h;
+        decode_row<I8>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
+        if (has_value) decode_row<I8>(sink_value + row * D, static_cast<float>(sink_value_scale[row]), vb + i * D, D);
+      }
+      return;
+    }
+    const float* lut = ue5m3().v;
+    float ks[512], kz[512];
+    const int64_t kh = (idx * Hkv + h) * D;
+    for (int64_t c = 0; c < D; ++c) {
+      ks[c] = lut[key_scale[kh + c]];
+      kz[c] = static_cast<float>(key_zero[kh + c]);
+    }
+    const int64_t gs = D / Gv;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t row = (idx * bs + off + i) * Hkv + h;
+      float* kr = kb + i * D;
+      unpack_row(key + row * P, D, kr);
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) kr[c] = kr[c] * ks[c] + kz[c];
+      if (!has_value) continue;
+      float* vr = vb + i * D;
+      unpack_row(value + row * P, D, vr);
+      for (int64_t g = 0; g < Gv; ++g) {
+        const float s = lut[value_scale[row * Gv + g]];
+        const float z = static_cast<float>(value_zero[row * Gv + g]);
+        float* x = vr + g * gs;
+#pragma omp simd
+        for (int64_t c = 0; c < gs; ++c) x[c] = x[c] * s + z;
+      }
+    }
+  }
+};
+
+struct Batch {
+  const float* q;               // [T, H, D]
+  float* out;                   // [T, H, D]
+  const int64_t* seq_lens;      // [B]
+  const int64_t* qsl;           // [B + 1]
+  int64_t H, Hkv, D, bs;
+  float sm_scale;
+};
+
+// Online-softmax attention of request r's queries (all n of them, rows j*G+g) for kv head h over
+// context tokens [t0, t1); state m/l [n*G], acc [n*G, D] is updated in place.
+template <class Src>
+void attend_range(const Src& src, const Batch& b, int64_t r, int64_t h, int64_t t0, int64_t t1,
+                  float* m, float* l, float* acc, std::vector<float>& kb, std::vector<float>& vb,
+                  std::vector<float>& sc, bool has_value) {
+  const int64_t D = b.D, bs = b.bs, G = b.H / b.Hkv;
+  const int64_t s = b.seq_lens[r], q0 = b.qsl[r], n = b.qsl[r + 1] - q0;
+  for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
+    const int64_t a = std::max(t0, blk * bs), e = std::min(t1, (blk + 1) * bs);
+    const int64_t nt = e - a;
+    src.load(r, blk, h, a - blk * bs, nt, kb.data(), vb.data());
+    const float* vals = has_value ? vb.data() : kb.data();
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
+      if (lim <= 0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = j * G + g;
+        const float* qv = b.q + ((q0 + j) * b.H + h * G + g) * D;
+        float mx = NEG_INF;
+        for (int64_t t = 0; t < lim; ++t) {
+          const float* kr = kb.data() + t * D;
+          float dsum = 0.0f;
+#pragma omp simd reduction(+ : dsum)
+          for (int64_t d = 0; d < D; ++d) dsum += qv[d] * kr[d];
+          sc[t] = dsum * b.sm_scale;
+          mx = std::max(mx, sc[t]);
+        }
+        const float mnew = std::max(m[row], mx);
+        const float corr = m[row] == NEG_INF ? 0.0f : exp_neg(m[row] - mnew);
+        float psum = 0.0f;
+#pragma omp simd reduction(+ : psum)
+        for (int64_t t = 0; t < lim; ++t) {
+          sc[t] = exp_neg(sc[t] - mnew);
+          psum += sc[t];
+        }
+        l[row] = l[row] * corr + psum;
+        m[row] = mnew;
+        float* ac = acc + row * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ac[d] *= corr;
+        for (int64_t t = 0; t < lim; ++t) {
+          const float p = sc[t];
+          const float* vr = vals + t * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ac[d] += p * vr[d];
+        }
+      }
+    }
+  }
+}
+
+template <class Src>
+void run(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bool has_value) {
+  const int64_t D = b.D, G = b.H / b.Hkv, Hkv = b.Hkv;
+  const int64_t threads = at::get_num_threads();
+  // Work items: (request, kv head, split). Decode rows of long contexts split when items are scarce.
+  struct Item { int64_t r, h, t0, t1, slot; };
+  std::vector<Item> items;
+  std::vector<int64_t> first(nreq + 1, 0);
+  const int64_t min_split = 256;
+  for (int64_t i = 0; i < nreq; ++i) {
+    const int64_t r = reqs[i], s = b.seq_lens[r], n = b.qsl[r + 1] - b.qsl[r];
+    int64_t splits = 1;
+    if (n == 1 && nreq * Hkv < 2 * threads && s >= 2 * min_split) {
+      splits = std::min<int64_t>((2 * threads + nreq * Hkv - 1) / (nreq * Hkv), s / min_split);
+    }
+    first[i + 1] = first[i] + splits;
+    int64_t chunk = (s + splits - 1) / splits;
+    chunk = (chunk + b.bs - 1) / b.bs * b.bs;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t p = 0; p < splits; ++p) {
+        const int64_t t0 = p * chunk, t1 = std::min(s, (p + 1) * chunk);
+        if (t0 < t1) items.push_back({r, h, t0, t1, (first[i] + p) * Hkv + h});
+      }
+  }
+  // per (split slot): state for n*G rows; only split requests have n == 1, so size rows by max n.
+  int64_t max_rows = 1;
+  for (int64_t i = 0; i < nreq; ++i) max_rows = std::max(max_rows, (b.qsl[reqs[i] + 1] - b.qsl[reqs[i]]) * G);
+  const int64_t nslots = first[nreq] * Hkv;
+  std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kb(b.bs * D), vb(b.bs * D), sc(b.bs);
+    for (int64_t w = begin; w < end; ++w) {
+      const Item& it = items[w];
+      attend_range(src, b, it.r, it.h, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
+                   A.data() + it.slot * max_rows * D, kb, vb, sc, has_value);
+    }
+  });
+  // merge splits and write out
+  at::parallel_for(0, nreq * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / Hkv, h = w % Hkv, r = reqs[i];
+      const int64_t q0 = b.qsl[r], n = b.qsl[r + 1] - q0, splits = first[i + 1] - first[i];
+      for (int64_t row = 0; row < n * G; ++row) {
+        float mx = NEG_INF;
+        for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, M[((first[i] + p) * Hkv + h) * max_rows + row]);
+        float lsum = 0.0f;
+        std::fill(o.begin(), o.end(), 0.0f);
+        for (int64_t p = 0; p < splits; ++p) {
+          const int64_t slot = (first[i] + p) * Hkv + h;
+          const float mp = M[slot * max_rows + row];
+          if (mp == NEG_INF) continue;
+          const float f = exp_neg(mp - mx);
+          lsum += L[slot * max_rows + row] * f;
+          const float* a = A.data() + (slot * max_rows + row) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += a[d] * f;
+        }
+        const int64_t j = row / G, g = row % G;
+        float* dst = b.out + ((q0 + j) * b.H + h * G + g) * D;
+        const float inv = 1.0f / lsum;
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+      }
+    }
+  });
+}
+
+const float* opt_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+const c10::Half* opt_half(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const c10::Half*>(t->data_ptr()) : nullptr;
+}
+
+Batch make_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& seq_lens, const at::Tensor& qsl,
+                 int64_t Hkv, int64_t bs, double sm_scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, H, D]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(), "out must match q");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && qsl.scalar_type() == at::kLong, "seq_lens/query_start_loc must be int64");
+  TORCH_CHECK(q.size(1) % Hkv == 0, "query heads must be a multiple of kv heads");
+  return Batch{q.data_ptr<float>(), out.data_ptr<float>(), seq_lens.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(),
+               q.size(1), Hkv, q.size(2), bs, static_cast<float>(sm_scale)};
+}
+
+}  // namespace
+
+// Attention over token-wise format blocks (float32/bf16/fp16 rows, int8/e4m3 codes with optional float16
+// per-(token, head) scales and optional float32 per-channel static scales [Hkv, D]).
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor value,
+                     c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale,
+                     c10::optional<at::Tensor> key_chan, c10::optional<at::Tensor> value_chan,
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs,
+                     int64_t enc, double sm_scale) {
+  TORCH_CHECK(key.dim() == 4 && key.is_contiguous() && value.is_contiguous(), "key/value must be contiguous [NB, bs, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables must be int64");
+  TORCH_CHECK(elem_size(enc) == key.element_size(), "encoding does not match the key tensor's dtype");
+  const int64_t bs = key.size(1), Hkv = key.size(2), D = key.size(3);
+  Batch b = make_batch(out, q, seq_lens, query_start_loc, Hkv, bs, sm_scale);
+  TORCH_CHECK(b.D == D, "head_dim of q and the cache differ");
+  const bool has_value = true;
+  auto go = [&](auto tag) {
+    constexpr int E = decltype(tag)::value;
+    TokenSource<E> src{static_cast<const uint8_t*>(key.data_ptr()), static_cast<const uint8_t*>(value.data_ptr()),
+                       opt_half(key_scale), opt_half(value_scale), opt_ptr(key_chan), opt_ptr(value_chan),
+                       block_tables.data_ptr<int64_t>(), block_tables.size(1), bs, Hkv, D, elem_size(enc)};
+    run(src, b, reqs.data_ptr<int64_t>(), reqs.numel(), has_value);
+  };
+  switch (enc) {
+    case F32: go(std::integral_constant<int, F32>{}); break;
+    case BF16: go(std::integral_constant<int, BF16>{}); break;
+    case F16: go(std::integral_constant<int, F16>{}); break;
+    case I8: go(std::integral_constant<int, I8>{}); break;
+    case E4M3: go(std::integral_constant<int, E4M3>{}); break;
+    default: TORCH_CHECK(false, "unknown encoding ", enc);
+  }
+}
+
+// Attention over quantize-on-seal (KIVI) layers: see SealedSource. Key-only layers pass has_value=false
+// (value tensors are then not read; pass the key tensors in their place).
+void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor key_scale, at::Tensor key_zero,
+                      at::Tensor value, at::Tensor value_scale, at::Tensor value_zero, at::Tensor tail_key,
+                      at::Tensor tail_value, at::Tensor sink_key, at::Tensor sink_key_scale, at::Tensor sink_value,
+                      at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor seq_lens,
+                      at::Tensor query_start_loc, at::Tensor reqs, int64_t bits, int64_t tail_enc, bool has_value,
+                      double sm_scale) {
+  const int64_t bs = key.size(1), Hkv = key.size(2), P = key.size(3), D = key_scale.size(2);
+  TORCH_CHECK(D <= 512, "head_dim above 512");
+  TORCH_CHECK(src_kind.scalar_type() == at::kByte && src_idx.scalar_type() == at::kLong, "src_kind uint8, src_idx int64");
+  TORCH_CHECK(tail_key.element_size() == 2, "tail rows must be 16-bit");
+  Batch b = make_batch(out, q, seq_lens, query_start_loc, Hkv, bs, sm_scale);
+  TORCH_CHECK(b.D == D, "head_dim of q and the cache differ");
+  const int64_t Gv = has_value ? value_scale.size(3) : 1;
+  auto go = [&](auto bt, auto tt) {
+    constexpr int BITS = decltype(bt)::value;
+    constexpr int TAIL = decltype(tt)::value;
+    SealedSource<BITS, TAIL> src{
+        key.data_ptr<uint8_t>(), key_scale.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(key_zero.data_ptr()),
+        value.data_ptr<uint8_t>(), value_scale.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(value_zero.data_ptr()),
+        static_cast<const uint8_t*>(tail_key.data_ptr()), static_cast<const uint8_t*>(tail_value.data_ptr()),
+        sink_key.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_key_scale.data_ptr()),
+        sink_value.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_value_scale.data_ptr()),
+        src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), has_value, src_kind.size(1), bs, Hkv, D, P, Gv};
+    run(src, b, reqs.data_ptr<int64_t>(), reqs.numel(), has_value);
+  };
+  TORCH_CHECK(bits == 4 || bits == 2, "bits must be 4 or 2");
+  TORCH_CHECK(tail_enc == F16 || tail_enc == BF16, "tail rows must be float16 or bfloat16");
+  if (bits == 4 && tail_enc == F16) go(std::integral_constant<int, 4>{}, std::integral_constant<int, F16>{});
+  else if (bits == 4) go(std::integral_constant<int, 4>{}, std::integral_constant<int, BF16>{});
+  else if (tail_enc == F16) go(std::integral_constant<int, 2>{}, std::integral_constant<int, F16>{});
+  else go(std::integral_constant<int, 2>{}, std::integral_constant<int, BF16>{});
+}
+
+// Fused write of token-wise formats: new rows x [N, Hkv, D] (float32, already in the stored basis) go to
+// slots [N] of cache [NB*bs, Hkv, D]. Float encodings cast; int8/e4m3 compute the float16 per-(token,
+// head) scale s = max(amax / qmax, 2^-14) and codes with the rounded scale, as the Python formats do
+// (kvpage.formats.per_token), bit for bit.
+void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
+                double qmax) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "x must be contiguous float32 [N, Hkv, D]");
+  TORCH_CHECK(cache.is_contiguous() && elem_size(enc) == cache.element_size(), "cache dtype does not match the encoding");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "slots must be int64 [N]");
+  const int64_t N = x.size(0), Hkv = x.size(1), D = x.size(2);
+  TORCH_CHECK(D <= 512, "head_dim above 512");
+  const int64_t rows_total = cache.numel() / (Hkv * D);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < rows_total, "slot ", sl[i], " out of range");
+  const float* xs = x.data_ptr<float>();
+  uint8_t* base = static_cast<uint8_t*>(cache.data_ptr());
+  c10::Half* sc = scale.has_value() ? reinterpret_cast<c10::Half*>(scale->data_ptr()) : nullptr;
+  const float fq = static_cast<float>(qmax);
+  at::parallel_for(0, N * Hkv, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / Hkv, h = w % Hkv;
+      const float* src = xs + w * D;
+      const int64_t drow = sl[i] * Hkv + h;
+      uint8_t* dst = base + drow * D * elem_size(enc);
+      if (enc == F32) {
+        std::memcpy(dst, src, D * 4);
+      } else if (enc == BF16) {
+        c10::BFloat16* o = reinterpret_cast<c10::BFloat16*>(dst);
+        for (int64_t d = 0; d < D; ++d) o[d] = c10::BFloat16(src[d]);
+      } else if (enc == F16) {
+        c10::Half* o = reinterpret_cast<c10::Half*>(dst);
+        for (int64_t d = 0; d < D; ++d) o[d] = c10::Half(src[d]);
+      } else {
+        // rows are clamped to qmax * 65504 first (an inf saturates), as PerTokenFormat.to_stored_basis does
+        const float limit = fq * 65504.0f;
+        float row[512];
+        for (int64_t d = 0; d < D; ++d) row[d] = src[d] > limit ? limit : (src[d] < -limit ? -limit : src[d]);
+        float amax = 0.0f;
+        bool nan = false;
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = std::fabs(row[d]);
+          nan |= std::isnan(a);
+          amax = a > amax ? a : amax;
+        }
+        float s = amax / fq;
+        s = nan ? std::numeric_limits<float>::quiet_NaN() : (s < 6.103515625e-05f ? 6.103515625e-05f : s);
+        const c10::Half s16(s);
+        if (sc) sc[drow] = s16;
+        const float sf = static_cast<float>(s16);
+        if (enc == I8) {
+          for (int64_t d = 0; d < D; ++d) {
+            float y = std::nearbyint(row[d] / sf);
+            y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
+            dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::isnan(y) ? 0.0f : y));
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            float y = row[d] / sf;
+            y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
+            const c10::Float8_e4m3fn f(y);
+            dst[d] = f.x;
+          }
+        }
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over token-wise format blocks (CPU)");
+  m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
+  m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
+}

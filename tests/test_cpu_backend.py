@@ -1,0 +1,240 @@
+"""The ``cpu`` attention backend against the ``reference`` one and against float64 attention (case C27).
+
+Every format is run through both backends on identical inputs, each over its own copy
+of the cache, for batches that mix context lengths 1, block_size - 1, block_size,
+block_size + 1 and longer ones, decode rows with prefix-cached contexts, short query runs
+(chunked prefill, speculative verification) and long ones (which the cpu backend sends to
+SDPA), GQA ratios 1, 3 and 4 and head_dim 64, 96 and 128. Block tables come from a
+shuffled pool and caches are NaN-filled, so a read of an unwritten slot shows up.
+
+What must hold:
+
+* the cache bytes each backend writes are identical (the fused write quantizes as the
+  Python formats do, bit for bit);
+* the outputs agree within 2e-5 relative to the output's scale: both read the same stored
+  values and differ only in summation order and the kernel's polynomial exp;
+* each backend's output is within the format's bound of float64 attention over the
+  unquantized K/V (the bounds of ``tests/test_attention.py`` and ``tests/test_kivi.py``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import warnings
+
+import pytest
+import torch
+
+from kvpage.cache.controller import CacheController
+from kvpage.cache.tail import TailPool, TailTable
+from kvpage.formats import get_format
+from kvpage.ops.attention import AttentionMetadata
+from kvpage.ops.backends import BACKEND_NAMES, CpuBackend, ReferenceBackend, select_backend
+from kvpage.ops.backends import cpu as cpu_module
+from kvpage.ops.cpu import build as cpu_build
+from kvpage.scales import StaticScales
+from kvpage.spec import CacheSpec
+
+TOKEN_FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
+                 "int8_static", "fp8_static"]
+SEALED_FORMATS = ["int4", "int2"]
+# Output error against float64 attention over the unquantized K/V (unit-normal q/k/v), per format.
+LOOSE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3, "int8": 0.06, "fp8": 0.25, "int8_rotated": 0.06,
+         "fp8_per_token_head": 0.25, "int8_static": 0.08, "fp8_static": 0.3, "int4": 0.35, "int2": 1.2}
+
+# The kernels must build wherever `make test` runs (a fresh machine has the compiler and ninja); only an
+# explicit KVPAGE_CPU_KERNELS=0 skips the tests that need them.
+pytestmark = pytest.mark.skipif(os.environ.get("KVPAGE_CPU_KERNELS") == "0", reason="KVPAGE_CPU_KERNELS=0")
+
+
+def test_the_kernels_build_here() -> None:
+    assert cpu_module.cpu_backend() is not None, "kvpage's CPU kernels did not build (see the RuntimeWarning)"
+
+
+def _static_scales(fmt: str, kv_heads: int, head_dim: int) -> StaticScales | None:
+    """Calibrated-looking absolute maxima (unit-normal data stays below 4.5 but for rare samples)."""
+    if not fmt.endswith("_static"):
+        return None
+    absmax = 4.5 + torch.rand(kv_heads, head_dim, generator=torch.Generator().manual_seed(9))
+    return StaticScales({0: absmax}, {0: absmax}, kind="absmax")
+
+
+def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
+    """Dense causal attention in float64: query ``j`` (position ``first + j``) sees keys ``0 .. first + j``."""
+    n, h, d = q.shape
+    rep = h // k.shape[1]
+    kx, vx = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    sc = torch.einsum("nhd,shd->hns", q.double(), kx) / math.sqrt(d)
+    mask = torch.arange(k.shape[0])[None, :] <= (first + torch.arange(n))[:, None]
+    return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
+
+
+class Pair:
+    """The same layer, cache and tail state twice: once for the reference backend, once for the cpu one."""
+
+    def __init__(self, fmt: str, *, kv_heads: int, head_dim: int, block_size: int, num_blocks: int) -> None:
+        scales = _static_scales(fmt, kv_heads, head_dim)
+        self.spec = CacheSpec.build(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                    kv_cache_dtype=fmt, static_scales=scales)
+        self.layer = self.spec.layer(0)
+        self.sealed = fmt in SEALED_FORMATS
+        self.caches = [CacheController(self.spec, fill_value=float("nan")).initialize_kv_cache(num_blocks)[0]
+                       for _ in range(2)]
+        self.backends = [ReferenceBackend(), select_backend("cpu", self.layer, "cpu")]
+        if self.sealed:
+            self.tables = [TailTable(block_size, num_slots=24, num_sink_slots=8, window_blocks=1) for _ in range(2)]
+            self.pools = [TailPool(self.spec, t, torch.float32) for t in self.tables]
+
+    def step(self, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        bs = self.spec.block_size
+        slots = [tables[i][p // bs] * bs + p % bs for i in range(len(tables))
+                 for p in range(seq_lens[i] - query_lens[i], seq_lens[i])]
+        meta = AttentionMetadata.build(block_tables=tables, seq_lens=seq_lens, query_lens=query_lens,
+                                       slot_mapping=slots, block_size=bs)
+        outs = []
+        for i, backend in enumerate(self.backends):
+            if self.sealed:
+                ctx = self.pools[i].context(self.tables[i].plan(tables, seq_lens, query_lens))
+                outs.append(backend.forward_sealed(q, k, v, self.caches[i], self.layer, meta, ctx, layer_index=0))
+                self.tables[i].finish()
+            else:
+                outs.append(backend.forward(q, k, v, self.caches[i], self.layer, meta, layer_index=0))
+        return outs
+
+    def assert_same_bytes(self) -> None:
+        for name, t in self.caches[0].items():
+            a, b = t.view(torch.uint8), self.caches[1][name].view(torch.uint8)
+            assert torch.equal(a, b), f"cache tensor {name} differs between the backends"
+        if self.sealed:
+            for layer, tails in self.pools[0].layers.items():
+                for name, t in tails.items():
+                    assert torch.equal(t.view(torch.uint8), self.pools[1].layers[layer][name].view(torch.uint8)), name
+
+
+def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+              block_size: int, seed: int = 0) -> None:
+    """Prefill each request's cached part, then one step of ``query_lens`` new tokens; check both backends."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = block_size
+    nb = sum(math.ceil(s / bs) for s in lens) + 3
+    pair = Pair(fmt, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, num_blocks=nb)
+    ids = list(range(nb))
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for s in lens:
+        tables.append(ids[at:at + math.ceil(s / bs)])
+        at += math.ceil(s / bs)
+    full = [(torch.randn(s, heads, head_dim, generator=gen), torch.randn(s, kv_heads, head_dim, generator=gen),
+             torch.randn(s, kv_heads, head_dim, generator=gen)) for s in lens]
+    cached = [s - n for s, n in zip(lens, query_lens)]
+    pre = [i for i, c in enumerate(cached) if c > 0]
+    if pre:  # the prefix-cached part, written by each backend's own path
+        cat = lambda j: torch.cat([full[i][j][: cached[i]] for i in pre])  # noqa: E731
+        pair.step([tables[i] for i in pre], [cached[i] for i in pre], [cached[i] for i in pre], cat(0), cat(1), cat(2))
+    cat = lambda j: torch.cat([full[i][j][cached[i]:] for i in range(len(lens))])  # noqa: E731
+    ref, got = pair.step(tables, lens, query_lens, cat(0), cat(1), cat(2))
+    pair.assert_same_bytes()
+    scale = ref.abs().max().item()
+    assert torch.isfinite(got).all()
+    assert (got - ref).abs().max().item() <= 2e-5 * scale, fmt
+    # both within the format's bound of float64 attention over the unquantized K/V
+    a = 0
+    for i, s in enumerate(lens):
+        n = query_lens[i]
+        want = float64_attention(full[i][0][s - n:], full[i][1], full[i][2], s - n)
+        for out in (ref, got):
+            assert (out[a:a + n].double() - want).abs().max().item() < LOOSE[fmt], (fmt, s, n)
+        a += n
+
+
+@pytest.mark.parametrize("fmt", TOKEN_FORMATS + SEALED_FORMATS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 96), (8, 2, 128)])
+def test_c27_decode_batch_matches_reference_and_float64(fmt: str, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Case C27: decode rows of contexts 1, bs-1, bs, bs+1 and longer, in one batch."""
+    bs = 8 if fmt in SEALED_FORMATS else 16
+    lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 70]
+    run_batch(fmt, lens=lens, query_lens=[1] * len(lens), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+              block_size=bs)
+
+
+@pytest.mark.parametrize("fmt", TOKEN_FORMATS + SEALED_FORMATS)
+def test_c27_mixed_batch_of_decode_chunks_and_prefill(fmt: str) -> None:
+    """Decode rows, short query runs over cached prefixes (kernel), a long chunk and a whole prefill (SDPA)."""
+    bs = 8 if fmt in SEALED_FORMATS else 16
+    lens = [40, 23, 90, 45, 17]
+    query_lens = [1, 3, 40, 45, 8]
+    run_batch(fmt, lens=lens, query_lens=query_lens, heads=9, kv_heads=3, head_dim=64, block_size=bs, seed=3)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "fp8", "int4"])
+def test_long_contexts_split_over_the_context_match(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more threads than work items the kernel splits long contexts and merges the parts."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        bs = 8 if fmt == "int4" else 16
+        run_batch(fmt, lens=[1500], query_lens=[1], heads=4, kv_heads=1, head_dim=64, block_size=bs, seed=5)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int8_rotated", "fp8_per_token_head"])
+def test_fused_write_is_byte_identical_to_the_format_quantize(fmt: str) -> None:
+    """Extremes included: zeros (the scale floor), +-inf (saturation), huge and tiny magnitudes."""
+    f = get_format(fmt)
+    x = torch.randn(40, 3, 64)
+    x[0] = 0
+    x[1, 0, 5], x[2, 1, 7] = math.inf, -math.inf
+    x[3] *= 1e6
+    x[4] *= 1e-6
+    x[5, 2] = 65504.0 * 500
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=3, head_dim=64, block_size=8, kv_cache_dtype=fmt)
+    cache = CacheController(spec).initialize_kv_cache(6)[0]
+    slots = torch.randperm(48)[:40]
+    select_backend("cpu", spec.layer(0), "cpu")._write(cache, spec.layer(0), f, x, x.clone(), slots)
+    want = f.quantize(x, kind="key")
+    assert torch.equal(cache["key"].view(-1, 3, 64)[slots], want.codes)
+    assert torch.equal(cache["key_scale"].view(-1, 3)[slots].view(torch.int16), want.scale.view(torch.int16))
+
+
+def test_selection_auto_cpu_and_reference() -> None:
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int8")
+    assert BACKEND_NAMES == ("auto", "reference", "cpu")
+    assert isinstance(select_backend("auto", spec.layer(0), "cpu"), CpuBackend)
+    assert isinstance(select_backend("reference", spec.layer(0), "cpu"), ReferenceBackend)
+    assert isinstance(select_backend("auto", spec.layer(0), "cuda"), ReferenceBackend)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        select_backend("flash", spec.layer(0), "cpu")
+
+
+def test_c27_a_backend_that_cannot_serve_refuses_at_start_naming_format_and_device() -> None:
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"'cpu' cannot serve kv_cache_dtype 'fp8' on cuda"):
+        select_backend("cpu", spec.layer(0), "cuda")
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.utils.cpp_extension as ext
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu_build, "_state", {})
+    monkeypatch.setattr(ext, "load", broken)
+    with pytest.warns(RuntimeWarning, match="could not be built.*no compiler here.*reference"):
+        assert cpu_build.load_kernels() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_build.load_kernels() is None  # remembered: no second warning, no second build
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int8")
+    assert isinstance(select_backend("auto", spec.layer(0), "cpu"), ReferenceBackend)
+    with pytest.raises(ValueError, match="could not be built"):
+        select_backend("cpu", spec.layer(0), "cpu")
+
+
+def test_the_build_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = cpu_build.build_key()
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "another cpu")
+    assert cpu_build.build_key() != key
