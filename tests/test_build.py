@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpage.cache.groups import FullAttentionManager, SealedGroupManager
-from kvpage.engine.backends import AttentionBackend, SealedAttentionBackend
+from kvpage.engine.group_attention import GroupAttention, SealedGroupAttention
 from kvpage.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvpage.engine.model_runner import ModelRunner
 from kvpage.errors import OutOfBlocksError, StaticScalesError, UnknownKVFormatError
@@ -52,7 +52,7 @@ def test_derived_fields_resolve_once() -> None:
 
 def test_model_runner_needs_one_backend_per_layer() -> None:
     spec = CacheSpec.build(num_layers=2, num_kv_heads=1, head_dim=4, num_draft_layers=1)
-    main = AttentionBackend(spec, spec.main, {})
+    main = GroupAttention(spec, spec.main, {})
     with pytest.raises(ValueError, match=r"layers \[2\] have no attention backend"):
         ModelRunner(torch.nn.Identity(), spec, [main], torch.device("cpu"))
     with pytest.raises(ValueError, match="two attention backends"):
@@ -61,7 +61,7 @@ def test_model_runner_needs_one_backend_per_layer() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,manager_cls,backend_cls", [
-    ("int8", FullAttentionManager, AttentionBackend), ("int4", SealedGroupManager, SealedAttentionBackend),
+    ("int8", FullAttentionManager, GroupAttention), ("int4", SealedGroupManager, SealedGroupAttention),
 ])
 def test_build_picks_group_managers_and_backends_from_the_spec(smollm2, fmt, manager_cls, backend_cls) -> None:
     from kvpage.engine.llm import LLM

@@ -90,7 +90,7 @@ def collect_kv_absmax(
     from tqdm.auto import tqdm
 
     from kvpage.cache.controller import CacheController
-    from kvpage.engine.backends import AttentionBackend
+    from kvpage.engine.group_attention import GroupAttention
     from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
     from kvpage.spec import CacheSpec
 
@@ -110,7 +110,7 @@ def collect_kv_absmax(
     shape = (cfg.num_kv_heads, cfg.head_dim)
     k_max = [torch.zeros(shape, device=device) for _ in range(cfg.num_layers)]
     v_max = [torch.zeros(shape, device=device) for _ in range(cfg.num_layers)]
-    backends = [AttentionBackend(spec, g, caches) for g in spec.groups]  # the model dtype: token-wise
+    backends = [GroupAttention(spec, g, caches) for g in spec.groups]  # the model dtype: token-wise
     runner = ModelRunner(_Recorder(loaded.model, k_max, v_max), spec, backends, torch.device(device))
     blocks = list(range(num_blocks))
     with tqdm(total=len(ids), unit="tok", desc="calibrate", disable=not progress) as bar:

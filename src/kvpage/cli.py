@@ -60,6 +60,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch CPU threads (default 1: on small machines a second thread slows everything "
                         "whenever anything else runs; try 2 on an idle machine)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
+                   help="attention kernels: auto (kvpage's C++ CPU kernels where they serve the format, else "
+                        "reference), cpu (refused at start-up where they cannot serve), reference (PyTorch SDPA)")
     _add_tier_args(p)
 
 
@@ -91,6 +94,7 @@ def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
         num_blocks=args.num_blocks,
         dtype=args.dtype,
         num_threads=args.threads,
+        attention_backend=args.attention_backend,
         swap_space=args.swap_space,
         kv_offload_policy=args.kv_offload_policy,
         preemption_mode=args.preemption_mode,

@@ -23,7 +23,8 @@ from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.tail import TailPool
 from kvpage.cache.tiers.connector import TieredConnector
 from kvpage.cache.tiers.host import build_offload
-from kvpage.engine.backends import backend_for
+from kvpage.engine.group_attention import group_attention_for
+from kvpage.ops.backends import select_backend
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.kv_cache import SchedulerKVCache
@@ -120,12 +121,14 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
 
     tails: dict[str, TailPool] = {}
     backends = []
-    for g in groups:
+    for g, group_spec in zip(groups, spec.groups):
         tail = None
         if isinstance(g, SealedGroupManager):
             tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.layers)
             tails[g.name] = tail
-        backends.append(backend_for(spec, g, caches, tail=tail, is_live=manager.is_live, is_in_use=manager.is_in_use))
+        ops = select_backend(config.attention_backend, spec.layer(group_spec.layer_indices[0]), device)
+        backends.append(group_attention_for(spec, g, caches, tail=tail, is_live=manager.is_live,
+                                            is_in_use=manager.is_in_use, ops=ops))
     runner = ModelRunner(model, spec, backends, device)
     engine = LLMEngine(
         runner, loaded.tokenizer, kv,

@@ -17,6 +17,7 @@ import torch
 
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.formats import KVFormat, StaticScaleFormat, canonical_format_name, get_format
+from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
 from kvpage.spec import missing_scales_error
 
@@ -77,6 +78,10 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
         num_threads: torch CPU threads (>= 1); ``None`` leaves torch's setting (sets it process-wide).
         device: ``"cpu"`` or ``"cuda"``.
+        attention_backend: ``auto`` (the ``cpu`` kernels where they serve the format on the device,
+            else ``reference``), ``cpu`` (kvpage's C++ kernels; refused at start-up, naming the format
+            and device, where they cannot serve) or ``reference`` (the PyTorch oracle); vLLM's
+            ``attention_backend``. See :mod:`kvpage.ops.backends`.
         max_num_seqs: requests running at once.
         max_num_batched_tokens: tokens per forward pass (the scheduler's per-step budget).
         enable_chunked_prefill: split long prompts across steps.
@@ -109,6 +114,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     device: str = "cpu"
+    attention_backend: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -153,6 +159,8 @@ class EngineConfig:
         self._check_positive_int("num_threads", self.num_threads, allow_none=True)
         if str(self.device).split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}")
         self._check_positive_int("max_num_seqs", self.max_num_seqs)
         self._check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):

@@ -1,13 +1,14 @@
-"""Attention backends: how the layers of one layer group write and read their paged cache during a forward pass.
+"""Group attention: how the layers of one layer group write and read their paged cache during a forward pass.
 
-The :class:`~kvpage.engine.model_runner.ModelRunner` holds one backend per
-layer group, chosen by the builder from the group's format the way group
-managers are (:func:`backend_for`): token-wise formats attend with
-:func:`~kvpage.ops.attention.paged_attention`; block-wise (quantize-on-seal)
-formats plan the step's seals once over their group's
-:class:`~kvpage.cache.tail.TailTable` and attend with
-:func:`~kvpage.ops.sealed_attention.sealed_attention`. The runner never asks
-which kind a group is.
+The :class:`~kvpage.engine.model_runner.ModelRunner` holds one
+:class:`GroupAttention` per layer group, chosen by the builder from the group's
+format the way group managers are (:func:`group_attention_for`): token-wise
+formats attend through their :class:`~kvpage.ops.backends.AttentionBackend`'s
+``forward``; block-wise (quantize-on-seal) formats plan the step's seals once
+over their group's :class:`~kvpage.cache.tail.TailTable` and attend through
+``forward_sealed``. Which kernels run (``reference`` PyTorch or the ``cpu``
+C++ kernels) is the backend's business; the runner never asks which kind a
+group is.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import torch
 from kvpage.cache.controller import LayerCache
 from kvpage.cache.groups import GroupManager, SealedGroupManager
 from kvpage.cache.tail import TailPool
-from kvpage.ops.attention import AttentionMetadata, paged_attention
-from kvpage.ops.sealed_attention import SealContext, sealed_attention
+from kvpage.ops.attention import AttentionMetadata
+from kvpage.ops.backends import AttentionBackend, ReferenceBackend
+from kvpage.ops.sealed_attention import SealContext
 from kvpage.spec import CacheSpec, LayerGroupSpec
 
 
@@ -41,7 +43,7 @@ class StepLayout:
     prompt_lens: tuple[int, ...]
 
 
-class AttentionBackend:
+class GroupAttention:
     """Writes and reads the layers of one group; one :meth:`begin_step` / :meth:`end_step` pair per forward pass.
 
     Args:
@@ -49,12 +51,15 @@ class AttentionBackend:
         group: the layer group this backend serves.
         caches: global layer index -> that layer's cache tensors; read at each call, so a
             re-allocated pool (``LLM.reset_kv_cache``) is seen when the same dict is updated.
+        ops: the attention backend whose kernels run the group's layers (default ``reference``).
     """
 
-    def __init__(self, spec: CacheSpec, group: LayerGroupSpec, caches: Mapping[int, LayerCache]) -> None:
+    def __init__(self, spec: CacheSpec, group: LayerGroupSpec, caches: Mapping[int, LayerCache],
+                 ops: AttentionBackend | None = None) -> None:
         self.spec = spec
         self.group = group
         self.caches = caches
+        self.ops: AttentionBackend = ReferenceBackend() if ops is None else ops
         self._meta: AttentionMetadata | None = None
 
     def begin_step(self, step: StepLayout, device: torch.device) -> None:
@@ -69,23 +74,24 @@ class AttentionBackend:
         """
         if self._meta is None:
             raise RuntimeError("attend() outside begin_step()/end_step()")
-        return paged_attention(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
-                               layer_index=layer_index)
+        return self.ops.forward(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
+                                layer_index=layer_index)
 
     def end_step(self) -> None:
         """The step's layers all ran (or one failed): drop the step's state."""
         self._meta = None
 
 
-class SealedAttentionBackend(AttentionBackend):
+class SealedGroupAttention(GroupAttention):
     """Block-wise (quantize-on-seal) layers: one seal plan per step over the group's tail, shared by its layers.
 
     Args:
-        spec, group, caches: as :class:`AttentionBackend`.
+        spec, group, caches: as :class:`GroupAttention`.
         manager: the group's manager (owns the :class:`~kvpage.cache.tail.TailTable`).
         tail: the group's tail tensors.
         is_live: ``block_id -> bool``, whether the device pool still holds the block's content.
         is_in_use: ``block_id -> bool``, whether a request references the block.
+        ops: as :class:`GroupAttention`.
     """
 
     def __init__(
@@ -97,8 +103,9 @@ class SealedAttentionBackend(AttentionBackend):
         tail: TailPool,
         is_live: Callable[[int], bool],
         is_in_use: Callable[[int], bool],
+        ops: AttentionBackend | None = None,
     ) -> None:
-        super().__init__(spec, group, caches)
+        super().__init__(spec, group, caches, ops)
         self.table = manager.table
         self.tail = tail
         self._is_live = is_live
@@ -118,8 +125,8 @@ class SealedAttentionBackend(AttentionBackend):
         """Seal, write the tail and attend over sealed blocks plus the tail (see :mod:`kvpage.ops.sealed_attention`)."""
         if self._meta is None or self._ctx is None:
             raise RuntimeError("attend() outside begin_step()/end_step()")
-        return sealed_attention(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
-                                self._ctx, layer_index=layer_index)
+        return self.ops.forward_sealed(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
+                                       self._ctx, layer_index=layer_index)
 
     def end_step(self) -> None:
         """Free the tail slots the step retired (every layer has read them)."""
@@ -129,7 +136,7 @@ class SealedAttentionBackend(AttentionBackend):
             self.table.finish()
 
 
-def backend_for(
+def group_attention_for(
     spec: CacheSpec,
     manager: GroupManager,
     caches: Mapping[int, LayerCache],
@@ -137,8 +144,9 @@ def backend_for(
     tail: TailPool | None = None,
     is_live: Callable[[int], bool] | None = None,
     is_in_use: Callable[[int], bool] | None = None,
-) -> AttentionBackend:
-    """The backend of ``manager``'s layer group (sealed groups need their ``tail`` and the pool's views).
+    ops: AttentionBackend | None = None,
+) -> GroupAttention:
+    """The group attention of ``manager``'s layer group over ``ops`` (sealed groups need their ``tail`` and the pool's views).
 
     Raises:
         ValueError: a sealed group without its tail tensors or pool views, or a manager without a group.
@@ -149,5 +157,5 @@ def backend_for(
     if isinstance(manager, SealedGroupManager):
         if tail is None or is_live is None or is_in_use is None:
             raise ValueError(f"layer group {group.name!r} quantizes on seal and needs its tail pool and pool views")
-        return SealedAttentionBackend(spec, group, caches, manager, tail, is_live, is_in_use)
-    return AttentionBackend(spec, group, caches)
+        return SealedGroupAttention(spec, group, caches, manager, tail, is_live, is_in_use, ops)
+    return GroupAttention(spec, group, caches, ops)

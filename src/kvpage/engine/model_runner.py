@@ -5,7 +5,7 @@ tokens are already cached, its block table) into the model's inputs
 (concatenated ``input_ids`` and ``positions``) and the attention op's
 :class:`~kvpage.ops.attention.AttentionMetadata`, and hands the model an
 :class:`~kvpage.model.attention_fn.AttentionFn` that sends each layer to its
-group's :class:`~kvpage.engine.backends.AttentionBackend`.
+group's :class:`~kvpage.engine.group_attention.GroupAttention`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.engine.backends import AttentionBackend, StepLayout
+from kvpage.engine.group_attention import GroupAttention, StepLayout
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.spec import CacheSpec
 
@@ -48,7 +48,7 @@ class ModelRunner:
         model: has ``forward(input_ids [T], positions [T], attn) -> hidden [T, hidden]``
             and ``compute_logits(hidden [N, hidden]) -> float32 [N, vocab]``.
         spec: the cache layout.
-        backends: one per layer group of ``spec`` (:func:`~kvpage.engine.backends.backend_for`); each
+        backends: one per layer group of ``spec`` (:func:`~kvpage.engine.group_attention.group_attention_for`); each
             :meth:`execute` begins and ends a step on every backend and routes each layer to its group's.
         device: where inputs are built.
 
@@ -60,14 +60,14 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         spec: CacheSpec,
-        backends: Sequence[AttentionBackend],
+        backends: Sequence[GroupAttention],
         device: torch.device,
     ) -> None:
         self.model = model
         self.spec = spec
         self.backends = tuple(backends)
         self.device = device
-        self._by_layer: dict[int, AttentionBackend] = {}
+        self._by_layer: dict[int, GroupAttention] = {}
         for b in self.backends:
             for i in b.group.layer_indices:
                 if i in self._by_layer:
@@ -127,7 +127,7 @@ class ModelRunner:
         def attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return by_layer[layer_index].attend(layer_index, q, k, v)
 
-        started: list[AttentionBackend] = []
+        started: list[GroupAttention] = []
         try:
             for b in self.backends:
                 b.begin_step(step, self.device)
