@@ -1,0 +1,313 @@
+"""The attention op alone: one decode layer-step of the ``reference`` and ``cpu`` backends, every format.
+
+Usage::
+
+    python benchmarks/attention.py                       # the full matrix (a few minutes)
+    python benchmarks/attention.py --quick               # smoke test
+    python benchmarks/attention.py --batch 32 --depth 1024 --formats int8,int4 --repeats 9 --json out.json
+
+Shape: SmolLM2's attention (9 query heads, 3 KV heads, head_dim 64), one layer;
+block_size 16, or 32 for ``int4``/``int2`` (the engine's preferred size). Each
+request has ``depth`` cached tokens and decodes one new token, so the step writes
+``batch`` K/V rows and attends over ``depth + 1`` tokens per request.
+
+* Token-wise formats: the pool holds random codes (8-bit codes in ``0..119``,
+  float16 scales in ``[0.01, 0.02]``) or unit-normal floats; static formats get
+  ``absmax`` scales of ~5 (:class:`kvpage.scales.StaticScales`). Re-running the
+  step rewrites the same rows with the same K/V, so repeats see the same state.
+* ``int4``/``int2``: the cache is filled by a real prefill through the cpu
+  backend's ``forward_sealed`` (1,024-token chunks per request, so sealed blocks,
+  the sink copy of block 0 and, for ``int2``, the 32-token 16-bit window are real;
+  tail slots sized as the engine sizes them). The decode step is then planned
+  **once** (``TailTable.plan`` + ``TailPool.context``) and its ``forward_sealed`` is
+  repeated before ``table.finish()``, exactly as every layer of a model applies one
+  plan; its writes (one row into the open tail slot) are idempotent, so every repeat
+  sees depth exactly ``depth`` and no reset is needed.
+
+Per-step state a model shares across layers (the metadata's tensors, the cpu
+backend's per-step source table) is built in the warm-up, not timed. Each sample
+times a loop of calls (enough for ~2 ms) and divides; reference and cpu samples
+alternate (A/B, order flipped each round) because the machine is shared. The
+table gives the median and the min of the samples, the KV bytes the step must
+read (the whole blocks covering each context, all tensors incl. scales; for the
+sealed formats the pool blocks read plus the 16-bit window/open rows and the
+8-bit sink block with its scales), GB/s = bytes / median, that as a fraction of
+this machine's copy bandwidth (``dst.copy_(src)`` of 512 MiB at the same thread
+count, read + write bytes counted), and the cpu/reference speed-up.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from kvpage.cache.controller import CacheController  # noqa: E402
+from kvpage.cache.tail import TailPool, TailTable  # noqa: E402
+from kvpage.ops.attention import AttentionMetadata  # noqa: E402
+from kvpage.ops.backends import ReferenceBackend, select_backend  # noqa: E402
+from kvpage.scales import StaticScales  # noqa: E402
+from kvpage.spec import CacheSpec  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
+           "int8_static", "fp8_static", "int4", "int2"]
+SEALED = ("int4", "int2")
+PREFILL_CHUNK = 1024
+SAMPLE_S = 0.002  # target seconds of one timed sample (a loop of calls)
+
+
+@dataclass
+class Case:
+    """One prepared row: a call per backend that runs the layer-step, the bytes it must read, a clean-up."""
+
+    calls: dict[str, Callable[[], torch.Tensor]]
+    bytes_read: int
+    close: Callable[[], None]
+
+
+def load() -> str:
+    """``os.getloadavg()`` as ``"1m/5m/15m"``."""
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """This machine's copy bandwidth in GB/s at the current torch thread count (read + write bytes, best of ``repeats``)."""
+    src = torch.ones(mib << 18, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def build_spec(fmt: str) -> CacheSpec:
+    """A one-layer SmolLM2-shaped spec of ``fmt`` (static formats get absmax scales of ~5)."""
+    scales = None
+    if fmt.endswith("_static"):
+        absmax = 4.5 + torch.rand(KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(9))
+        scales = StaticScales({0: absmax}, {0: absmax}, kind="absmax")
+    return CacheSpec.build(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=32 if fmt in SEALED else 16,
+                           kv_cache_dtype=fmt, static_scales=scales)
+
+
+def _meta(tables: list[list[int]], seq_lens: list[int], query_lens: list[int], bs: int) -> AttentionMetadata:
+    slots = [t[p // bs] * bs + p % bs for t, s, n in zip(tables, seq_lens, query_lens) for p in range(s - n, s)]
+    return AttentionMetadata.build(block_tables=tables, seq_lens=seq_lens, query_lens=query_lens,
+                                   slot_mapping=slots, block_size=bs)
+
+
+def _qkv(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.randn(n, HEADS, HEAD_DIM, generator=gen), torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen),
+            torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen))
+
+
+def _tables(batch: int, blocks: int) -> list[list[int]]:
+    """Interleaved block ids (request ``i`` owns ``i, i + batch, ...``), as round-robin decode allocates them."""
+    return [[j * batch + i for j in range(blocks)] for i in range(batch)]
+
+
+def token_case(fmt: str, batch: int, depth: int, gen: torch.Generator) -> Case:
+    """A token-wise format: random codes in the pool, one decode token per request."""
+    spec = build_spec(fmt)
+    ls, bs = spec.layer(0), spec.block_size
+    nbr = math.ceil((depth + 1) / bs)
+    cache = CacheController(spec).initialize_kv_cache(batch * nbr)[0]
+    for t in cache.values():
+        if t.dtype == torch.uint8:
+            t.random_(0, 120, generator=gen)
+        elif t.dtype == torch.float16 and t.dim() == 3:  # per-token scales [blocks, bs, heads]
+            t.uniform_(0.01, 0.02, generator=gen)
+        else:
+            t.normal_(generator=gen)
+    tables = _tables(batch, nbr)
+    meta = _meta(tables, [depth + 1] * batch, [1] * batch, bs)
+    q, k, v = _qkv(batch, gen)
+    calls: dict[str, Callable[[], torch.Tensor]] = {}
+    for name, be in (("reference", ReferenceBackend()), ("cpu", select_backend("cpu", ls, "cpu"))):
+        calls[name] = lambda be=be: be.forward(q, k, v, cache, ls, meta, layer_index=0)
+    static = 2 * KV_HEADS * HEAD_DIM * 4 if fmt.endswith("_static") else 0  # the bound channel scales
+    return Case(calls, batch * nbr * ls.bytes_per_block + static, lambda: None)
+
+
+def sealed_case(fmt: str, batch: int, depth: int, gen: torch.Generator, setup_threads: int) -> Case:
+    """``int4``/``int2``: a real chunked prefill through the cpu backend, then one planned decode step."""
+    spec = build_spec(fmt)
+    ls, bs = spec.layer(0), spec.block_size
+    window = -(-ls.format.default_residual_tokens // bs)
+    nbr = math.ceil((depth + 1) / bs)
+    cache = CacheController(spec).initialize_kv_cache(batch * nbr)[0]
+    table = TailTable(bs, num_slots=batch * (1 + window), num_sink_slots=2 * batch, window_blocks=window)
+    pool = TailPool(spec, table, torch.float32)  # a float32 model: float16 tail rows
+    tables = _tables(batch, nbr)
+    cpu = select_backend("cpu", ls, "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(setup_threads)
+    try:
+        for i in range(batch):
+            for a in range(0, depth, PREFILL_CHUNK):
+                b = min(depth, a + PREFILL_CHUNK)
+                tab = [tables[i][: math.ceil(b / bs)]]
+                meta = _meta(tab, [b], [b - a], bs)
+                ctx = pool.context(table.plan(tab, [b], [b - a]))
+                cpu.forward_sealed(*_qkv(b - a, gen), cache, ls, meta, ctx, layer_index=0)
+                table.finish()
+    finally:
+        torch.set_num_threads(threads)
+    seq_lens = [depth + 1] * batch
+    meta = _meta(tables, seq_lens, [1] * batch, bs)
+    plan = table.plan(tables, seq_lens, [1] * batch)
+    ctx = pool.context(plan)
+    q, k, v = _qkv(batch, gen)
+    calls: dict[str, Callable[[], torch.Tensor]] = {}
+    for name, be in (("reference", ReferenceBackend()), ("cpu", cpu)):
+        calls[name] = lambda be=be: be.forward_sealed(q, k, v, cache, ls, meta, ctx, layer_index=0)
+    tail_row = KV_HEADS * HEAD_DIM * pool.dtype.itemsize       # one 16-bit row of one tensor
+    sink_row = KV_HEADS * HEAD_DIM + KV_HEADS * 2              # int8 codes + float16 per-head scale
+    tensors = 2 if ls.has_value else 1
+    total = 0
+    for read in plan.reads:  # the sources the cpu backend reads, block by block (see its _sealed_sources)
+        kind = ["pool"] * read.full_ids.numel()
+        for j, _ in read.fp_blocks:
+            kind[j] = "window"
+        if read.sink_slot is not None:
+            kind[0] = "sink"
+        total += kind.count("pool") * ls.bytes_per_block
+        total += tensors * (bs * (kind.count("window") * tail_row + kind.count("sink") * sink_row)
+                            + read.open_len * tail_row)
+    return Case(calls, total, table.finish)
+
+
+def time_ab(calls: dict[str, Callable[[], torch.Tensor]], repeats: int, budget_s: float) -> tuple[dict[str, list[float]], int]:
+    """Seconds per call, one sample per round and backend, rounds interleaved A/B (order flipped each round).
+
+    Two warm-up calls each; a sample loops enough calls for ~:data:`SAMPLE_S`. The round count is
+    ``repeats``, cut to fit ``budget_s`` but never below 3. Returns the samples and the round count.
+    """
+    est: dict[str, float] = {}
+    for name, f in calls.items():
+        f()
+        t = time.perf_counter()
+        f()
+        est[name] = time.perf_counter() - t
+    number = {n: max(1, int(SAMPLE_S / max(e, 1e-7))) for n, e in est.items()}
+    per_round = sum(est[n] * number[n] for n in calls)
+    rounds = max(3, min(repeats, int(budget_s / max(per_round, 1e-9))))
+    samples: dict[str, list[float]] = {n: [] for n in calls}
+    names = list(calls)
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for n in names if r % 2 == 0 else names[::-1]:
+                f, k = calls[n], number[n]
+                t = time.perf_counter()
+                for _ in range(k):
+                    f()
+                samples[n].append((time.perf_counter() - t) / k)
+    finally:
+        gc.enable()
+    return samples, rounds
+
+
+def run_row(fmt: str, batch: int, depth: int, repeats: int, budget_s: float, bandwidth: float, seed: int) -> dict:
+    """Prepare, time and summarize one (format, batch, depth) row; returns its JSON-able record."""
+    gen = torch.Generator().manual_seed(seed)
+    if fmt in SEALED:
+        case = sealed_case(fmt, batch, depth, gen, os.cpu_count() or 1)
+    else:
+        case = token_case(fmt, batch, depth, gen)
+    try:
+        samples, rounds = time_ab(case.calls, repeats, budget_s)
+    finally:
+        case.close()
+    row: dict = {"format": fmt, "batch": batch, "depth": depth, "bytes": case.bytes_read, "rounds": rounds,
+                 "load": list(os.getloadavg())}
+    for n, s in samples.items():
+        med = statistics.median(s)
+        row[n] = {"median_us": med * 1e6, "min_us": min(s) * 1e6, "gbps": case.bytes_read / med / 1e9,
+                  "of_bandwidth": case.bytes_read / med / 1e9 / bandwidth}
+    row["speedup"] = row["reference"]["median_us"] / row["cpu"]["median_us"]
+    return row
+
+
+HEADER = ("| batch | depth | format | KV read (KiB) | ref µs med (min) | cpu µs med (min) | ref GB/s | cpu GB/s "
+          "| cpu % of bw | cpu/ref | rounds | load |")
+
+
+def table_line(r: dict) -> str:
+    """One markdown table line of a row record."""
+    ref, cpu = r["reference"], r["cpu"]
+    return (f"| {r['batch']} | {r['depth']} | {r['format']} | {r['bytes'] / 1024:,.0f} "
+            f"| {ref['median_us']:,.0f} ({ref['min_us']:,.0f}) | {cpu['median_us']:,.1f} ({cpu['min_us']:,.1f}) "
+            f"| {ref['gbps']:.2f} | {cpu['gbps']:.2f} | {100 * cpu['of_bandwidth']:.0f}% | {r['speedup']:.1f}x "
+            f"| {r['rounds']} | {'/'.join(f'{x:.1f}' for x in r['load'])} |")
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x.replace(",", "_")) for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run the matrix, print progress, the markdown table and (``--json``) a record."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=_ints, default=None, help="comma list (default 1,8,32)")
+    ap.add_argument("--depth", type=_ints, default=None, help="comma list of cached tokens (default 256,1024,4096)")
+    ap.add_argument("--formats", default=None, help=f"comma list (default all: {','.join(FORMATS)})")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per row (default 15; cut by --budget)")
+    ap.add_argument("--budget", type=float, default=4.0, help="seconds of timed rounds per row before cutting (min 3 rounds)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads while timing (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke test: batch 1,8, depth 256, float32,int8,int4, 3 rounds")
+    ap.add_argument("--json", type=Path, default=None, help="write the header and rows here")
+    a = ap.parse_args(argv)
+    batches = a.batch or ([1, 8] if a.quick else [1, 8, 32])
+    depths = a.depth or ([256] if a.quick else [256, 1024, 4096])
+    formats = a.formats.split(",") if a.formats else (["float32", "int8", "int4"] if a.quick else FORMATS)
+    repeats = a.repeats or (3 if a.quick else 15)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        ap.error(f"unknown formats {unknown}; choose from {FORMATS}")
+    torch.set_num_threads(a.threads)
+    select_backend("cpu", build_spec("float32").layer(0), "cpu")  # compile the kernels before any timing
+    bandwidth = memory_bandwidth()
+    header = {"torch": torch.__version__, "threads": a.threads, "cpus": os.cpu_count(), "copy_gbps": bandwidth,
+              "load": list(os.getloadavg()), "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}}
+    print(f"# attention decode layer-step: {HEADS} q heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}; "
+          f"torch {torch.__version__}, {a.threads} thread(s), {os.cpu_count()} cpus")
+    print(f"# memory bandwidth (512 MiB copy, read+write): {bandwidth:.2f} GB/s; load {load()}", flush=True)
+    rows = []
+    for batch in batches:
+        for depth in depths:
+            for fmt in formats:
+                r = run_row(fmt, batch, depth, repeats, a.budget, bandwidth, a.seed)
+                rows.append(r)
+                print(f"B={batch:<3d} S={depth:<5d} {fmt:19s} ref {r['reference']['median_us']:10,.0f} µs  "
+                      f"cpu {r['cpu']['median_us']:9,.1f} µs  x{r['speedup']:5.1f}  cpu {r['cpu']['gbps']:6.2f} GB/s "
+                      f"({100 * r['cpu']['of_bandwidth']:3.0f}% of bw)  load {load()}", flush=True)
+    print()
+    print(HEADER)
+    print("|" + "---|" * (HEADER.count("|") - 1))
+    for r in rows:
+        print(table_line(r))
+    if a.json:
+        a.json.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
