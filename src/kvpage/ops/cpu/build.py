@@ -1,4 +1,4 @@
-"""Compile-on-first-use of kvpage's CPU kernels (``paged_attention.cpp``), cached per machine.
+"""Compile-on-first-use of kvpage's CPU kernels (``paged_attention.cpp``, ``fused_ops.cpp``), cached per machine.
 
 The kernels are a C++ extension built with ``torch.utils.cpp_extension.load``
 (ninja and the system C++ compiler; ``ninja`` is a kvpage dependency). The build
@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "fused_ops.cpp"))
 #: Compiler flags: ``-fopenmp-simd`` lets ``#pragma omp simd`` vectorize reductions without fast-math.
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17")
 
@@ -47,7 +47,8 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     """A short hash of what the binary depends on: source, flags, torch version, CPU features."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+    for part in (*(p.read_bytes() for p in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                 _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -80,7 +81,7 @@ def load_kernels() -> ModuleType | None:
             d = build_dir()
             mod = load(
                 name=f"kvpage_cpu_{build_key()}",
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCES],
                 extra_cflags=list(CFLAGS),
                 build_directory=str(d),
                 verbose=False,

@@ -59,10 +59,11 @@ inline float bf16_bits_to_float(uint16_t b) {
 }
 
 inline float e4m3_to_float(uint8_t c) {
-  // float8_e4m3fn: bias 7, no inf; 0x7f / 0xff are NaN. Exact: magnitude = m * 2^-9 (subnormal) or
-  // (8 + m) * 2^(e - 1) * 2^-9.
-  int32_t e = (c >> 3) & 15, m = c & 7;
-  int32_t mag = e ? ((8 + m) << (e - 1)) : m;
+  // float8_e4m3fn: bias 7, no inf; 0x7f / 0xff are NaN. Exact, in integer ops that vectorize (a float16
+  // route and a lookup table both measured slower here).
+  // magnitude = m * 2^-9 (subnormal) or (8 + m) * 2^(e - 1) * 2^-9
+  const int32_t e = (c >> 3) & 15, m = c & 7;
+  const int32_t mag = e ? ((8 + m) << (e - 1)) : m;
   float v = static_cast<float>(mag) * (1.0f / 512.0f);
   v = (c & 0x80) ? -v : v;
   return ((c & 0x7f) == 0x7f) ? std::numeric_limits<float>::quiet_NaN() : v;
@@ -79,9 +80,10 @@ const Ue5m3Table& ue5m3() {
   return t;
 }
 
-// One row of D elements of encoding E at p, times `scale` -> out (float32).
-template <int E>
-inline void decode_row(const uint8_t* p, float scale, float* out, int64_t D) {
+// One row of D elements of encoding E at p, times `scale` -> out (float32). DC > 0 fixes D at compile time.
+template <int E, int DC = 0>
+inline void decode_row(const uint8_t* p, float scale, float* out, int64_t Drt) {
+  const int64_t D = DC ? DC : Drt;
   if constexpr (E == F32) {
     const float* s = reinterpret_cast<const float*>(p);
 #pragma omp simd
@@ -105,7 +107,9 @@ inline void decode_row(const uint8_t* p, float scale, float* out, int64_t D) {
 
 inline int64_t elem_size(int64_t enc) { return enc == F32 ? 4 : (enc == BF16 || enc == F16) ? 2 : 1; }
 
-// ---- sources: where a request's block `blk` (tokens off .. off+nt-1 of it) of kv head h comes from ----
+// ---- sources: a request's logical block `blk`, tokens off .. off+nt-1 of it, every kv head ----
+// load() fills kb / vb with float32 rows laid out [nt][Hkv][D], as the pool stores them, so each block is
+// read once, front to back, for all heads.
 
 // Token-wise formats: every block from the pool through the block table.
 template <int E>
@@ -119,21 +123,22 @@ struct TokenSource {
   const int64_t* tables;       // [B, W]
   int64_t W, bs, Hkv, D, esize;
 
-  void load(int64_t r, int64_t blk, int64_t h, int64_t off, int64_t nt, float* kb, float* vb) const {
-    const int64_t id = tables[r * W + blk];
-    for (int64_t i = 0; i < nt; ++i) {
-      const int64_t row = (id * bs + off + i) * Hkv + h;
-      const float ks = key_scale ? static_cast<float>(key_scale[row]) : 1.0f;
-      const float vs = value_scale ? static_cast<float>(value_scale[row]) : 1.0f;
-      decode_row<E>(key + row * D * esize, ks, kb + i * D, D);
-      decode_row<E>(value + row * D * esize, vs, vb + i * D, D);
+  template <int DC>
+  void load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value) const {
+    const int64_t D = DC ? DC : this->D;
+    const int64_t first = (tables[r * W + blk] * bs + off) * Hkv;  // first (token, head) row
+    for (int64_t i = 0; i < nt * Hkv; ++i) {
+      const int64_t row = first + i;
+      decode_row<E, DC>(key + row * D * esize, key_scale ? static_cast<float>(key_scale[row]) : 1.0f, kb + i * D, D);
       if (key_chan) {
-        const float* c = key_chan + h * D;
+        const float* c = key_chan + (i % Hkv) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) kb[i * D + d] *= c[d];
       }
+      if (!has_value) continue;
+      decode_row<E, DC>(value + row * D * esize, value_scale ? static_cast<float>(value_scale[row]) : 1.0f, vb + i * D, D);
       if (value_chan) {
-        const float* c = value_chan + h * D;
+        const float* c = value_chan + (i % Hkv) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) vb[i * D + d] *= c[d];
       }
@@ -159,59 +164,80 @@ struct SealedSource {
   const c10::Half* sink_value_scale;
   const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 sink slot
   const int64_t* src_idx;      // [B, W]
-  bool has_value;
   int64_t W, bs, Hkv, D, P, Gv;
 
-  static inline void unpack_row(const uint8_t* row, int64_t D, float* codes) {
+  template <int DC>
+  static inline void unpack_row(const uint8_t* row, int64_t Drt, float* codes) {
+    const int64_t D = DC ? DC : Drt;
     if constexpr (BITS == 4) {
-      for (int64_t c = 0; c + 1 < D; c += 2) {
-        const uint8_t b = row[c >> 1];
-        codes[c] = static_cast<float>(b & 15);
-        codes[c + 1] = static_cast<float>(b >> 4);
+#pragma omp simd
+      for (int64_t p = 0; p < D / 2; ++p) {
+        codes[2 * p] = static_cast<float>(row[p] & 15);
+        codes[2 * p + 1] = static_cast<float>(row[p] >> 4);
       }
       if (D & 1) codes[D - 1] = static_cast<float>(row[(D - 1) >> 1] & 15);
     } else {
-      for (int64_t c = 0; c < D; ++c) codes[c] = static_cast<float>((row[c >> 2] >> (2 * (c & 3))) & 3);
+#pragma omp simd
+      for (int64_t p = 0; p < D / 4; ++p) {
+        const uint8_t b = row[p];
+        codes[4 * p] = static_cast<float>(b & 3);
+        codes[4 * p + 1] = static_cast<float>((b >> 2) & 3);
+        codes[4 * p + 2] = static_cast<float>((b >> 4) & 3);
+        codes[4 * p + 3] = static_cast<float>(b >> 6);
+      }
+      for (int64_t c = D / 4 * 4; c < D; ++c) codes[c] = static_cast<float>((row[c >> 2] >> (2 * (c & 3))) & 3);
     }
   }
 
-  void load(int64_t r, int64_t blk, int64_t h, int64_t off, int64_t nt, float* kb, float* vb) const {
+  template <int DC>
+  void load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value) const {
+    const int64_t D = DC ? DC : this->D;
     const uint8_t kind = src_kind[r * W + blk];
     const int64_t idx = src_idx[r * W + blk];
-    constexpr int64_t tsz = 2;
+    const int64_t first = (idx * bs + off) * Hkv;
     if (kind == 1) {
-      for (int64_t i = 0; i < nt; ++i) {
-        const int64_t row = (idx * bs + off + i) * Hkv + h;
-        decode_row<TAIL>(tail_key + row * D * tsz, 1.0f, kb + i * D, D);
-        if (has_value) decode_row<TAIL>(tail_value + row * D * tsz, 1.0f, vb + i * D, D);
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        decode_row<TAIL, DC>(tail_key + (first + i) * D * 2, 1.0f, kb + i * D, D);
+        if (has_value) decode_row<TAIL, DC>(tail_value + (first + i) * D * 2, 1.0f, vb + i * D, D);
       }
       return;
     }
     if (kind == 2) {
-      for (int64_t i = 0; i < nt; ++i) {
-        const int64_t row = (idx * bs + off + i) * Hkv + h;
-        decode_row<I8>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
-        if (has_value) decode_row<I8>(sink_value + row * D, static_cast<float>(sink_value_scale[row]), vb + i * D, D);
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        const int64_t row = first + i;
+        decode_row<I8, DC>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
+        if (has_value) decode_row<I8, DC>(sink_value + row * D, static_cast<float>(sink_value_scale[row]), vb + i * D, D);
       }
       return;
     }
+    // keys: one step and zero point per (kv head, channel) of the block
     const float* lut = ue5m3().v;
-    float ks[512], kz[512];
-    const int64_t kh = (idx * Hkv + h) * D;
-    for (int64_t c = 0; c < D; ++c) {
-      ks[c] = lut[key_scale[kh + c]];
-      kz[c] = static_cast<float>(key_zero[kh + c]);
+    float ks[8 * 512], kz[8 * 512];
+    const bool fits = Hkv * D <= 8 * 512;
+    if (fits) {
+      for (int64_t c = 0; c < Hkv * D; ++c) {
+        ks[c] = lut[key_scale[idx * Hkv * D + c]];
+        kz[c] = static_cast<float>(key_zero[idx * Hkv * D + c]);
+      }
     }
     const int64_t gs = D / Gv;
-    for (int64_t i = 0; i < nt; ++i) {
-      const int64_t row = (idx * bs + off + i) * Hkv + h;
+    for (int64_t i = 0; i < nt * Hkv; ++i) {
+      const int64_t row = first + i, h = i % Hkv;
       float* kr = kb + i * D;
-      unpack_row(key + row * P, D, kr);
+      unpack_row<DC>(key + row * P, D, kr);
+      if (fits) {
+        const float* s = ks + h * D;
+        const float* z = kz + h * D;
 #pragma omp simd
-      for (int64_t c = 0; c < D; ++c) kr[c] = kr[c] * ks[c] + kz[c];
+        for (int64_t c = 0; c < D; ++c) kr[c] = kr[c] * s[c] + z[c];
+      } else {
+        const int64_t kh = (idx * Hkv + h) * D;
+        for (int64_t c = 0; c < D; ++c) kr[c] = kr[c] * lut[key_scale[kh + c]] + static_cast<float>(key_zero[kh + c]);
+      }
       if (!has_value) continue;
+      // values: one step and zero point per (token, kv head, group of gs channels)
       float* vr = vb + i * D;
-      unpack_row(value + row * P, D, vr);
+      unpack_row<DC>(value + row * P, D, vr);
       for (int64_t g = 0; g < Gv; ++g) {
         const float s = lut[value_scale[row * Gv + g]];
         const float z = static_cast<float>(value_zero[row * Gv + g]);
@@ -232,28 +258,30 @@ struct Batch {
   float sm_scale;
 };
 
-// Online-softmax attention of request r's queries (all n of them, rows j*G+g) for kv head h over
-// context tokens [t0, t1); state m/l [n*G], acc [n*G, D] is updated in place.
-template <class Src>
-void attend_range(const Src& src, const Batch& b, int64_t r, int64_t h, int64_t t0, int64_t t1,
-                  float* m, float* l, float* acc, std::vector<float>& kb, std::vector<float>& vb,
-                  std::vector<float>& sc, bool has_value) {
-  const int64_t D = b.D, bs = b.bs, G = b.H / b.Hkv;
+// Online-softmax attention of request r's queries (all n of them) over context tokens [t0, t1), every
+// head. State rows are (query j, head qh) -> j * H + qh: m/l [n*H], acc [n*H, D], updated in place.
+// GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does.
+template <int DC, class Src>
+void attend_range(const Src& src, const Batch& b, int64_t r, int64_t t0, int64_t t1, float* m, float* l,
+                  float* acc, float* kb, float* vb, float* sc, bool has_value) {
+  const int64_t D = DC ? DC : b.D, bs = b.bs, H = b.H, Hkv = b.Hkv, G = H / Hkv;
   const int64_t s = b.seq_lens[r], q0 = b.qsl[r], n = b.qsl[r + 1] - q0;
+  const int64_t stride = Hkv * D;  // between one token's rows of a head
   for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
     const int64_t a = std::max(t0, blk * bs), e = std::min(t1, (blk + 1) * bs);
     const int64_t nt = e - a;
-    src.load(r, blk, h, a - blk * bs, nt, kb.data(), vb.data());
-    const float* vals = has_value ? vb.data() : kb.data();
+    src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value);
+    const float* vals = has_value ? vb : kb;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
       if (lim <= 0) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = j * G + g;
-        const float* qv = b.q + ((q0 + j) * b.H + h * G + g) * D;
+      for (int64_t qh = 0; qh < H; ++qh) {
+        const int64_t row = j * H + qh, h = qh / G;
+        const float* qv = b.q + ((q0 + j) * H + qh) * D;
+        const float* kh = kb + h * D;
         float mx = NEG_INF;
         for (int64_t t = 0; t < lim; ++t) {
-          const float* kr = kb.data() + t * D;
+          const float* kr = kh + t * stride;
           float dsum = 0.0f;
 #pragma omp simd reduction(+ : dsum)
           for (int64_t d = 0; d < D; ++d) dsum += qv[d] * kr[d];
@@ -273,9 +301,10 @@ void attend_range(const Src& src, const Batch& b, int64_t r, int64_t h, int64_t 
         float* ac = acc + row * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ac[d] *= corr;
+        const float* vh = vals + h * D;
         for (int64_t t = 0; t < lim; ++t) {
           const float p = sc[t];
-          const float* vr = vals + t * D;
+          const float* vr = vh + t * stride;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ac[d] += p * vr[d];
         }
@@ -284,70 +313,76 @@ void attend_range(const Src& src, const Batch& b, int64_t r, int64_t h, int64_t 
   }
 }
 
-template <class Src>
-void run(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bool has_value) {
-  const int64_t D = b.D, G = b.H / b.Hkv, Hkv = b.Hkv;
+template <int DC, class Src>
+void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bool has_value) {
+  const int64_t D = b.D, H = b.H;
   const int64_t threads = at::get_num_threads();
-  // Work items: (request, kv head, split). Decode rows of long contexts split when items are scarce.
-  struct Item { int64_t r, h, t0, t1, slot; };
+  // Work items: (request, context split). Decode rows of long contexts split when items are scarce.
+  struct Item { int64_t r, t0, t1, slot; };
   std::vector<Item> items;
   std::vector<int64_t> first(nreq + 1, 0);
   const int64_t min_split = 256;
+  int64_t max_rows = H;
   for (int64_t i = 0; i < nreq; ++i) {
     const int64_t r = reqs[i], s = b.seq_lens[r], n = b.qsl[r + 1] - b.qsl[r];
+    max_rows = std::max(max_rows, n * H);
     int64_t splits = 1;
-    if (n == 1 && nreq * Hkv < 2 * threads && s >= 2 * min_split) {
-      splits = std::min<int64_t>((2 * threads + nreq * Hkv - 1) / (nreq * Hkv), s / min_split);
+    if (n == 1 && nreq < 2 * threads && s >= 2 * min_split) {
+      splits = std::min<int64_t>((2 * threads + nreq - 1) / nreq, s / min_split);
     }
-    first[i + 1] = first[i] + splits;
     int64_t chunk = (s + splits - 1) / splits;
     chunk = (chunk + b.bs - 1) / b.bs * b.bs;
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t p = 0; p < splits; ++p) {
-        const int64_t t0 = p * chunk, t1 = std::min(s, (p + 1) * chunk);
-        if (t0 < t1) items.push_back({r, h, t0, t1, (first[i] + p) * Hkv + h});
-      }
+    splits = (s + chunk - 1) / chunk;
+    first[i + 1] = first[i] + splits;
+    for (int64_t p = 0; p < splits; ++p) items.push_back({r, p * chunk, std::min(s, (p + 1) * chunk), first[i] + p});
   }
-  // per (split slot): state for n*G rows; only split requests have n == 1, so size rows by max n.
-  int64_t max_rows = 1;
-  for (int64_t i = 0; i < nreq; ++i) max_rows = std::max(max_rows, (b.qsl[reqs[i] + 1] - b.qsl[reqs[i]]) * G);
-  const int64_t nslots = first[nreq] * Hkv;
+  const int64_t nslots = first[nreq];
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kb(b.bs * D), vb(b.bs * D), sc(b.bs);
+    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), sc(b.bs);
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w];
-      attend_range(src, b, it.r, it.h, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
-                   A.data() + it.slot * max_rows * D, kb, vb, sc, has_value);
+      attend_range<DC>(src, b, it.r, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
+                       A.data() + it.slot * max_rows * D, kb.data(), vb.data(), sc.data(), has_value);
     }
   });
-  // merge splits and write out
-  at::parallel_for(0, nreq * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // merge the splits of each request and write out
+  at::parallel_for(0, nreq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / Hkv, h = w % Hkv, r = reqs[i];
-      const int64_t q0 = b.qsl[r], n = b.qsl[r + 1] - q0, splits = first[i + 1] - first[i];
-      for (int64_t row = 0; row < n * G; ++row) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = reqs[i], q0 = b.qsl[r], n = b.qsl[r + 1] - q0, splits = first[i + 1] - first[i];
+      for (int64_t row = 0; row < n * H; ++row) {
         float mx = NEG_INF;
-        for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, M[((first[i] + p) * Hkv + h) * max_rows + row]);
+        for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, M[(first[i] + p) * max_rows + row]);
         float lsum = 0.0f;
         std::fill(o.begin(), o.end(), 0.0f);
         for (int64_t p = 0; p < splits; ++p) {
-          const int64_t slot = (first[i] + p) * Hkv + h;
+          const int64_t slot = first[i] + p;
           const float mp = M[slot * max_rows + row];
           if (mp == NEG_INF) continue;
-          const float f = exp_neg(mp - mx);
+          const float f = splits == 1 ? 1.0f : exp_neg(mp - mx);
           lsum += L[slot * max_rows + row] * f;
           const float* a = A.data() + (slot * max_rows + row) * D;
           for (int64_t d = 0; d < D; ++d) o[d] += a[d] * f;
         }
-        const int64_t j = row / G, g = row % G;
-        float* dst = b.out + ((q0 + j) * b.H + h * G + g) * D;
+        float* dst = b.out + (q0 * H + row) * D;  // row = j * H + qh
         const float inv = 1.0f / lsum;
         for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
       }
     }
   });
+}
+
+// Dispatch to a compile-time head_dim where it is a common one (unrolled, fixed-width loops).
+template <class Src>
+void run(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bool has_value) {
+  switch (b.D) {
+    case 64: run_d<64>(src, b, reqs, nreq, has_value); break;
+    case 128: run_d<128>(src, b, reqs, nreq, has_value); break;
+    case 96: run_d<96>(src, b, reqs, nreq, has_value); break;
+    case 80: run_d<80>(src, b, reqs, nreq, has_value); break;
+    default: run_d<0>(src, b, reqs, nreq, has_value);
+  }
 }
 
 const float* opt_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
@@ -422,7 +457,7 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
         static_cast<const uint8_t*>(tail_key.data_ptr()), static_cast<const uint8_t*>(tail_value.data_ptr()),
         sink_key.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_key_scale.data_ptr()),
         sink_value.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_value_scale.data_ptr()),
-        src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), has_value, src_kind.size(1), bs, Hkv, D, P, Gv};
+        src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), src_kind.size(1), bs, Hkv, D, P, Gv};
     run(src, b, reqs.data_ptr<int64_t>(), reqs.numel(), has_value);
   };
   TORCH_CHECK(bits == 4 || bits == 2, "bits must be 4 or 2");
@@ -501,8 +536,17 @@ void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x,
   });
 }
 
+// fused_ops.cpp
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                                                          at::Tensor positions, int64_t H, int64_t Hkv);
+at::Tensor silu_mul(at::Tensor gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over token-wise format blocks (CPU)");
   m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
   m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
+  m.def("rope_split", &rope_split, "RoPE on q/k of a fused qkv projection, split into q, k, v (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection (CPU)");
 }

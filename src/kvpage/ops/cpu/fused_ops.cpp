@@ -1,0 +1,172 @@
+// kvpage CPU kernels: the small per-layer ops of a Llama-family decoder, fused so that a layer is a few
+// calls instead of ~35 (each torch op costs microseconds of dispatch at decode batch sizes).
+//
+// Each op keeps torch's rounding points for the model dtype T (float32, bfloat16 or float16): a value is
+// rounded to T wherever the unfused PyTorch expression materializes a T tensor, so results differ from
+// it only where the unfused code reduces in another order (RMSNorm's mean) or uses another exp (SiLU).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+// torch rounds every product and sum separately; keep the compiler from fusing them into FMAs here
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// e^x for x <= 0, Cephes expf's polynomial (relative error ~2e-7), 0 below -87 (float32's exp underflows
+// there too, which is what torch's SiLU gives for large negative inputs); vectorizes.
+inline float exp_nonpos(float x0) {
+  const float x = x0 < -87.0f ? -87.0f : x0;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &bits, 4);
+  return x0 < -87.0f ? 0.0f : p * s;
+}
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+template <>
+inline float round_to<float>(float x) { return x; }
+
+template <typename T>
+void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t E, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * E;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < E; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+      T* o = out + r * E;
+      for (int64_t i = 0; i < E; ++i) {
+        const T y = round_to<T>(static_cast<float>(xr[i]) * inv);              // xf * rsqrt(...) -> T
+        o[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(y));  // weight * y
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_split_impl(const T* qkv, const T* cos, const T* sin, const int64_t* pos, T* q, T* k, T* v,
+                     int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t half = D / 2, heads = H + 2 * Hkv;
+  at::parallel_for(0, Tn, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + pos[t] * D;
+      const T* s = sin + pos[t] * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x = qkv + (t * heads + h) * D;
+        T* dst = h < H ? q + (t * H + h) * D : (h < H + Hkv ? k + (t * Hkv + h - H) * D : v + (t * Hkv + h - H - Hkv) * D);
+        if (h >= H + Hkv) {
+          std::memcpy(dst, x, D * sizeof(T));
+          continue;
+        }
+        // x * cos + roll(x, D/2) * sin_signed, each product rounded to T, then the sum
+        for (int64_t d = 0; d < D; ++d) {
+          const T a = round_to<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
+          const T b = round_to<T>(static_cast<float>(x[(d + half) % D]) * static_cast<float>(s[d]));
+          dst[d] = round_to<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = static_cast<float>(g[i]);
+        const float e = exp_nonpos(-std::fabs(x));  // e^-|x|
+        const float sl = x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+        const T s = round_to<T>(sl);                                            // F.silu(gate) -> T
+        o[i] = round_to<T>(static_cast<float>(s) * static_cast<float>(u[i]));  // * up -> T
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", t);
+  }
+}
+
+}  // namespace
+
+// RMSNorm over the last dim: x [rows, E], weight [E], both of the model dtype; returns [rows, E].
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type(),
+              "rms_norm: contiguous x and weight of one dtype");
+  const int64_t E = x.size(-1);
+  TORCH_CHECK(weight.numel() == E, "rms_norm: weight must have ", E, " elements");
+  at::Tensor out = at::empty_like(x);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_impl<T>(reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const T*>(weight.data_ptr()),
+                     reinterpret_cast<T*>(out.data_ptr()), x.numel() / E, E, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// RoPE (rotate-half) on the q and k heads of qkv [T, H + 2*Hkv, D] at positions [T] of the tables
+// cos / sin_signed [P, D]; returns contiguous q [T, H, D], k [T, Hkv, D], v [T, Hkv, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                                                          at::Tensor positions, int64_t H, int64_t Hkv) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 3 && qkv.size(1) == H + 2 * Hkv, "rope_split: qkv [T, H+2Hkv, D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
+              sin.scalar_type() == qkv.scalar_type(), "rope_split: tables of the model dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qkv.size(0), "rope_split: positions [T]");
+  const int64_t Tn = qkv.size(0), D = qkv.size(2), P = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < Tn; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " out of range [0, ", P, ")");
+  auto opts = qkv.options();
+  at::Tensor q = at::empty({Tn, H, D}, opts), k = at::empty({Tn, Hkv, D}, opts), v = at::empty({Tn, Hkv, D}, opts);
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    rope_split_impl<T>(reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<const T*>(cos.data_ptr()),
+                       reinterpret_cast<const T*>(sin.data_ptr()), pos, reinterpret_cast<T*>(q.data_ptr()),
+                       reinterpret_cast<T*>(k.data_ptr()), reinterpret_cast<T*>(v.data_ptr()), Tn, H, Hkv, D);
+  });
+  return {q, k, v};
+}
+
+// SwiGLU's silu(gate) * up from gate_up [rows, 2*I] (gate columns first); returns [rows, I].
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: contiguous [rows, 2*I]");
+  const int64_t I = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * I);
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_impl<T>(reinterpret_cast<const T*>(gate_up.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), rows, I);
+  });
+  return out;
+}
