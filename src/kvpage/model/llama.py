@@ -13,7 +13,9 @@ tokens of different requests mix freely in one call.
 Numerics follow transformers' ``modeling_llama`` (RMSNorm in float32, RoPE in
 the rotate-half layout with cos/sin computed in float32 and cast to the model
 dtype, SiLU-gated MLP); for speed the q/k/v projections run as one matmul and
-gate/up as another.
+gate/up as another, and once loaded the projections and the LM head are
+:class:`~kvpage.model.linear.PackedLinear` (oneDNN-prepacked weights for
+bfloat16 on CPU, plain ``F.linear`` otherwise).
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpage.model import linear as packed_linear
 from kvpage.model.attention_fn import AttentionFn
 from kvpage.model.config import ModelConfig
+from kvpage.model.linear import PackedLinear
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -139,17 +143,17 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.input_layernorm(x)  # [T, E]
-        qkv = F.linear(h, self.qkv_proj.weight).view(T, H + 2 * Hkv, D)  # [T, H+2Hkv, D]
+        qkv = self.qkv_proj(h).view(T, H + 2 * Hkv, D)  # [T, H+2Hkv, D]
         qk = qkv[:, : H + Hkv]  # [T, H+Hkv, D] view: q heads then k heads
         qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin_signed  # [T, H+Hkv, D] RoPE (rotate-half)
         q = qk[:, :H].contiguous()  # [T, H, D]
         k = qk[:, H:].contiguous()  # [T, Hkv, D]
         v = qkv[:, H + Hkv :].contiguous()  # [T, Hkv, D]
         o = attn(self.layer_index, q, k, v)  # [T, H, D]
-        x = x + F.linear(o.reshape(T, H * D), self.o_proj.weight)  # [T, E]
+        x = x + self.o_proj(o.reshape(T, H * D))  # [T, E]
         h = self.post_attention_layernorm(x)  # [T, E]
-        gate, up = F.linear(h, self.gate_up_proj.weight).chunk(2, dim=-1)  # 2 x [T, I]
-        return x + F.linear(F.silu(gate) * up, self.down_proj.weight)  # [T, E]
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # 2 x [T, I]
+        return x + self.down_proj(F.silu(gate) * up)  # [T, E]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -183,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(E, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(E, config.vocab_size, bias=False, dtype=dtype, device="meta")
+        self.tied_lm_head: PackedLinear | None = None  # packed copy of the tied embedding, set at load
         cos, sin_signed = rope_tables(config, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin_signed, persistent=False)  # [P, D]
@@ -212,8 +217,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: ``hidden [N, E]`` (model dtype) → float32 logits ``[N, V]``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, E]
-        return F.linear(hidden, weight).float()  # [N, V]
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()  # [N, V]
+        if self.tied_lm_head is not None and self.tied_lm_head.is_packed:
+            return self.tied_lm_head(hidden).float()  # [N, V]
+        return F.linear(hidden, self.embed_tokens.weight).float()  # [N, V]
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -248,7 +256,13 @@ class LlamaForCausalLM(nn.Module):
         ``gate_up_proj``; every tensor is cast to the model dtype. A tensor that
         already has the model dtype becomes the parameter itself (no copy: a
         copy into fresh memory costs ~1.5 s of page faults for this 135M model
-        on these machines), so do not modify ``sd`` afterwards. Parameters end
+        on these machines), so do not modify ``sd`` afterwards. The projections
+        (and an untied LM head) become :class:`~kvpage.model.linear.PackedLinear`
+        modules: bfloat16 CPU weights are prepacked into their own memory then
+        (``sd``'s tensors are no longer referenced), others stay as they are.
+        With tied embeddings and ``linear.PACK_TIED_LM_HEAD``, a packed copy of
+        the embedding is kept for the LM head (``tied_lm_head``; one extra
+        ``V x E`` matrix, since the lookup needs the dense one). Parameters end
         up on the device of the given tensors. Ignored: ``*.rotary_emb.inv_freq``
         buffers (old checkpoints) and ``lm_head.weight`` when embeddings are tied
         (some checkpoints store the tied copy).
@@ -281,20 +295,29 @@ class LlamaForCausalLM(nn.Module):
                 parts.append(f"shape mismatch in {len(mismatched)} tensor(s): {'; '.join(mismatched[:20])}")
             raise ValueError("state dict does not fit this Llama config: " + " | ".join(parts))
 
-        def put(module: nn.Module, *names: str) -> None:
+        def gather(*names: str) -> torch.Tensor:
             tensors = [sd[n].to(self.dtype) for n in names]
             weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-            module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+            return weight.contiguous()
+
+        def put(module: nn.Module, *names: str) -> None:
+            module.weight = nn.Parameter(gather(*names), requires_grad=False)
+
+        def put_linear(parent: nn.Module, attr: str, *names: str) -> None:
+            setattr(parent, attr, PackedLinear(gather(*names)))
 
         put(self.embed_tokens, "model.embed_tokens.weight")
         put(self.norm, "model.norm.weight")
         if self.lm_head is not None:
-            put(self.lm_head, "lm_head.weight")
+            put_linear(self, "lm_head", "lm_head.weight")
+        self.tied_lm_head = None
+        if self.lm_head is None and packed_linear.PACK_TIED_LM_HEAD:
+            self.tied_lm_head = PackedLinear(self.embed_tokens.weight, copy_of_shared=True)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             put(layer.input_layernorm, p + "input_layernorm.weight")
             put(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
-            put(layer.qkv_proj, *(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")))
-            put(layer.o_proj, p + "self_attn.o_proj.weight")
-            put(layer.gate_up_proj, *(p + f"mlp.{n}_proj.weight" for n in ("gate", "up")))
-            put(layer.down_proj, p + "mlp.down_proj.weight")
+            put_linear(layer, "qkv_proj", *(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")))
+            put_linear(layer, "o_proj", p + "self_attn.o_proj.weight")
+            put_linear(layer, "gate_up_proj", *(p + f"mlp.{n}_proj.weight" for n in ("gate", "up")))
+            put_linear(layer, "down_proj", p + "mlp.down_proj.weight")
