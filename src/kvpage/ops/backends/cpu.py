@@ -24,6 +24,7 @@ by every layer of the group.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -93,6 +94,7 @@ class CpuBackend(AttentionBackend):
         self._rows: tuple[AttentionMetadata, _StepRows] | None = None
         self._sources: tuple[SealContext, _SealedSources] | None = None
         self._chan: dict[tuple[int, str], torch.Tensor] = {}
+        self._validated: dict[int, tuple[weakref.ref[torch.Tensor], ...]] = {}
 
     @classmethod
     def unsupported(cls, spec: LayerSpec, device: torch.device) -> str | None:
@@ -166,11 +168,11 @@ class CpuBackend(AttentionBackend):
 
     def _write(self, cache: Mapping[str, torch.Tensor], spec: LayerSpec, fmt: TokenFormat,
                k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor) -> None:
+        """Store this step's rows: one fused kernel call per tensor, except static-scale formats (Python)."""
         if isinstance(fmt, FloatFormat):
             for name, x in ((KEY, k), (VALUE, v)):
                 if x is not None:
-                    t = cache[name]
-                    t.view(-1, *t.shape[2:]).index_copy_(0, slots, x.to(t.dtype))
+                    self.kernels.write_rows(cache[name], None, x.contiguous(), slots, _FLOAT_ENC[fmt.dtype], 0.0)
             return
         if not isinstance(fmt, PerTokenFormat):
             write_kv(cache, spec, k, v, slots)
@@ -179,9 +181,17 @@ class CpuBackend(AttentionBackend):
         for name, scale_name, x in ((KEY, KEY_SCALE, k), (VALUE, VALUE_SCALE, v)):
             if x is None:
                 continue
-            y = fmt.to_stored_basis(x) if fmt.rotate else x.float()
-            t, s = cache[name], cache[scale_name]
-            self.kernels.write_rows(t, s, y.contiguous(), slots, enc, fmt.qmax)
+            y = fmt.to_stored_basis(x) if fmt.rotate else x
+            self.kernels.write_rows(cache[name], cache[scale_name], y.contiguous(), slots, enc, fmt.qmax)
+
+    def _validate(self, cache: Mapping[str, torch.Tensor], spec: LayerSpec, layer_index: int) -> None:
+        """``spec.validate`` once per layer and set of cache tensors (other tensors, e.g. a re-allocated pool,
+        are checked again); weak references, so a dropped pool is not kept alive."""
+        seen = self._validated.get(layer_index)
+        tensors = tuple(cache.values())
+        if seen is None or len(seen) != len(tensors) or any(r() is not t for r, t in zip(seen, tensors)):
+            spec.validate(cache, layer_index=layer_index)
+            self._validated[layer_index] = tuple(weakref.ref(t) for t in tensors)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
@@ -189,15 +199,13 @@ class CpuBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`; the cache tensors are checked against ``spec`` before writing."""
         fmt = token_format(spec, layer_index)
-        spec.validate(cache, layer_index=layer_index)
+        self._validate(cache, spec, layer_index)
         check_inputs(spec, layer_index, q, k, v)
         self._write(cache, spec, fmt, k, v, meta.slot_mapping)
         rows = self._step_rows(meta)
-        qa = q.float()
         rot = fmt.rotation(spec.head_dim, torch.float32, q.device)
-        if rot is not None:
-            qa = qa @ rot
-        qa = qa.contiguous()
+        # the kernel reads q and writes the output in the model dtype; rotated formats attend in float32
+        qa = q.contiguous() if rot is None else (q.float() @ rot).contiguous()
         out = torch.empty_like(qa)
         value_name = VALUE if spec.has_value else KEY
         if rows.kernel_rows.numel():
@@ -218,7 +226,7 @@ class CpuBackend(AttentionBackend):
             ids = meta.block_tables[i, : -(-s // bs)]
             keys = read_kv(cache, spec, KEY, ids, torch.float32, rotated=True).flatten(0, 1)[:s]
             vals = read_kv(cache, spec, value_name, ids, torch.float32, rotated=True).flatten(0, 1)[:s]
-            out[a:b] = request_attention(qa[a:b], keys, vals, None)
+            out[a:b] = request_attention(qa[a:b].float(), keys, vals, None)
         if rot is not None:
             out = out @ rot.T
         return out.to(q.dtype)
@@ -236,7 +244,7 @@ class CpuBackend(AttentionBackend):
         if v is not None:
             write_sealed(cache, tail, fmt, ctx.sink_format, bs, VALUE, v, ctx.plan)
         rows = self._step_rows(meta)
-        qa = q.float().contiguous()
+        qa = q.contiguous()
         out = torch.empty_like(qa)
         if rows.kernel_rows.numel():
             src = self._sealed_sources(ctx, meta)
@@ -257,8 +265,8 @@ class CpuBackend(AttentionBackend):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             keys = read_sealed(cache, tail, fmt, ctx.sink_format, spec, KEY, read, torch.float32)
             vals = read_sealed(cache, tail, fmt, ctx.sink_format, spec, VALUE, read, torch.float32) if spec.has_value else keys
-            out[a:b] = request_attention(qa[a:b], keys, vals, None)
-        return out.to(q.dtype)
+            out[a:b] = request_attention(qa[a:b].float(), keys, vals, None)
+        return out
 
 
 def cpu_backend() -> CpuBackend | None:

@@ -249,9 +249,33 @@ struct SealedSource {
   }
 };
 
+// float rows of encoding enc (F32 / BF16 / F16) <-> float32
+inline void rows_to_float(int64_t enc, const void* src, float* dst, int64_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(src);
+  if (enc == F32) std::memcpy(dst, p, n * 4);
+  else if (enc == BF16) decode_row<BF16>(p, 1.0f, dst, n);
+  else decode_row<F16>(p, 1.0f, dst, n);
+}
+inline void float_to_rows(int64_t enc, const float* src, void* dst, int64_t n) {
+  if (enc == F32) {
+    std::memcpy(dst, src, n * 4);
+  } else if (enc == BF16) {
+    c10::BFloat16* o = static_cast<c10::BFloat16*>(dst);
+    for (int64_t i = 0; i < n; ++i) o[i] = c10::BFloat16(src[i]);
+  } else {
+    c10::Half* o = static_cast<c10::Half*>(dst);
+    for (int64_t i = 0; i < n; ++i) o[i] = c10::Half(src[i]);
+  }
+}
+int64_t float_encoding(at::ScalarType t) {
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, "q and out must be float32, bfloat16 or float16");
+  return t == at::kFloat ? F32 : (t == at::kBFloat16 ? BF16 : F16);
+}
+
 struct Batch {
-  const float* q;               // [T, H, D]
-  float* out;                   // [T, H, D]
+  const void* q;                // [T, H, D] in q_enc
+  void* out;                    // [T, H, D] in out_enc
+  int64_t q_enc, out_enc;
   const int64_t* seq_lens;      // [B]
   const int64_t* qsl;           // [B + 1]
   int64_t H, Hkv, D, bs;
@@ -262,8 +286,8 @@ struct Batch {
 // head. State rows are (query j, head qh) -> j * H + qh: m/l [n*H], acc [n*H, D], updated in place.
 // GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does.
 template <int DC, class Src>
-void attend_range(const Src& src, const Batch& b, int64_t r, int64_t t0, int64_t t1, float* m, float* l,
-                  float* acc, float* kb, float* vb, float* sc, bool has_value) {
+void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, int64_t t0, int64_t t1, float* m,
+                  float* l, float* acc, float* kb, float* vb, float* sc, bool has_value) {
   const int64_t D = DC ? DC : b.D, bs = b.bs, H = b.H, Hkv = b.Hkv, G = H / Hkv;
   const int64_t s = b.seq_lens[r], q0 = b.qsl[r], n = b.qsl[r + 1] - q0;
   const int64_t stride = Hkv * D;  // between one token's rows of a head
@@ -277,7 +301,7 @@ void attend_range(const Src& src, const Batch& b, int64_t r, int64_t t0, int64_t
       if (lim <= 0) continue;
       for (int64_t qh = 0; qh < H; ++qh) {
         const int64_t row = j * H + qh, h = qh / G;
-        const float* qv = b.q + ((q0 + j) * H + qh) * D;
+        const float* qv = qf + (j * H + qh) * D;  // the request's queries in float32
         const float* kh = kb + h * D;
         float mx = NEG_INF;
         for (int64_t t = 0; t < lim; ++t) {
@@ -299,9 +323,9 @@ void attend_range(const Src& src, const Batch& b, int64_t r, int64_t t0, int64_t
         l[row] = l[row] * corr + psum;
         m[row] = mnew;
         float* ac = acc + row * D;
+        const float* vh = vals + h * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ac[d] *= corr;
-        const float* vh = vals + h * D;
         for (int64_t t = 0; t < lim; ++t) {
           const float p = sc[t];
           const float* vr = vh + t * stride;
@@ -339,16 +363,22 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
   const int64_t nslots = first[nreq];
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), sc(b.bs);
+    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), sc(b.bs), qf(max_rows * D);
+    const uint8_t* q = static_cast<const uint8_t*>(b.q);
+    const int64_t qsize = b.q_enc == F32 ? 4 : 2;
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w];
-      attend_range<DC>(src, b, it.r, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
+      const int64_t q0 = b.qsl[it.r], n = b.qsl[it.r + 1] - q0;
+      rows_to_float(b.q_enc, q + q0 * H * D * qsize, qf.data(), n * H * D);
+      attend_range<DC>(src, b, qf.data(), it.r, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
                        A.data() + it.slot * max_rows * D, kb.data(), vb.data(), sc.data(), has_value);
     }
   });
   // merge the splits of each request and write out
   at::parallel_for(0, nreq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
+    uint8_t* out = static_cast<uint8_t*>(b.out);
+    const int64_t osize = b.out_enc == F32 ? 4 : 2;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = reqs[i], q0 = b.qsl[r], n = b.qsl[r + 1] - q0, splits = first[i + 1] - first[i];
       for (int64_t row = 0; row < n * H; ++row) {
@@ -365,9 +395,9 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
           const float* a = A.data() + (slot * max_rows + row) * D;
           for (int64_t d = 0; d < D; ++d) o[d] += a[d] * f;
         }
-        float* dst = b.out + (q0 * H + row) * D;  // row = j * H + qh
         const float inv = 1.0f / lsum;
-        for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        float_to_rows(b.out_enc, o.data(), out + (q0 * H + row) * D * osize, D);  // row = j * H + qh
       }
     }
   });
@@ -392,12 +422,13 @@ const c10::Half* opt_half(const c10::optional<at::Tensor>& t) {
 
 Batch make_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& seq_lens, const at::Tensor& qsl,
                  int64_t Hkv, int64_t bs, double sm_scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, H, D]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(), "out must match q");
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 3, "q must be contiguous [T, H, D]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && qsl.scalar_type() == at::kLong, "seq_lens/query_start_loc must be int64");
   TORCH_CHECK(q.size(1) % Hkv == 0, "query heads must be a multiple of kv heads");
-  return Batch{q.data_ptr<float>(), out.data_ptr<float>(), seq_lens.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(),
-               q.size(1), Hkv, q.size(2), bs, static_cast<float>(sm_scale)};
+  return Batch{q.data_ptr(), out.data_ptr(), float_encoding(q.scalar_type()), float_encoding(out.scalar_type()),
+               seq_lens.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(), q.size(1), Hkv, q.size(2), bs,
+               static_cast<float>(sm_scale)};
 }
 
 }  // namespace
@@ -468,13 +499,15 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
   else go(std::integral_constant<int, 2>{}, std::integral_constant<int, BF16>{});
 }
 
-// Fused write of token-wise formats: new rows x [N, Hkv, D] (float32, already in the stored basis) go to
+// Fused write of token-wise formats: new rows x [N, Hkv, D] (float32/bfloat16/float16, already in the stored
+// basis) go to
 // slots [N] of cache [NB*bs, Hkv, D]. Float encodings cast; int8/e4m3 compute the float16 per-(token,
 // head) scale s = max(amax / qmax, 2^-14) and codes with the rounded scale, as the Python formats do
 // (kvpage.formats.per_token), bit for bit.
 void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
                 double qmax) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "x must be contiguous float32 [N, Hkv, D]");
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 3, "x must be contiguous [N, Hkv, D]");
+  const int64_t xenc = float_encoding(x.scalar_type());
   TORCH_CHECK(cache.is_contiguous() && elem_size(enc) == cache.element_size(), "cache dtype does not match the encoding");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "slots must be int64 [N]");
   const int64_t N = x.size(0), Hkv = x.size(1), D = x.size(2);
@@ -482,14 +515,17 @@ void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x,
   const int64_t rows_total = cache.numel() / (Hkv * D);
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < rows_total, "slot ", sl[i], " out of range");
-  const float* xs = x.data_ptr<float>();
+  const uint8_t* xs = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t xsize = x.element_size();
   uint8_t* base = static_cast<uint8_t*>(cache.data_ptr());
   c10::Half* sc = scale.has_value() ? reinterpret_cast<c10::Half*>(scale->data_ptr()) : nullptr;
   const float fq = static_cast<float>(qmax);
   at::parallel_for(0, N * Hkv, 16, [&](int64_t begin, int64_t end) {
+    float srcbuf[512];
     for (int64_t w = begin; w < end; ++w) {
       const int64_t i = w / Hkv, h = w % Hkv;
-      const float* src = xs + w * D;
+      rows_to_float(xenc, xs + w * D * xsize, srcbuf, D);
+      const float* src = srcbuf;
       const int64_t drow = sl[i] * Hkv + h;
       uint8_t* dst = base + drow * D * elem_size(enc);
       if (enc == F32) {
