@@ -27,6 +27,7 @@ from kvpage.model import linear as packed_linear
 from kvpage.model.attention_fn import AttentionFn
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear import PackedLinear
+from kvpage.ops import fused
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -97,10 +98,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[T, E]`` → ``[T, E]``, same dtype."""
-        xf = x.float()  # [T, E] (no copy in float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, E]
-        return self.weight * xf.to(x.dtype)  # [T, E]
+        """``x``: ``[T, E]`` → ``[T, E]``, same dtype (one fused kernel on the CPU: :func:`kvpage.ops.fused.rms_norm`)."""
+        return fused.rms_norm(x, self.weight, self.eps)  # [T, E]
 
 
 class DecoderLayer(nn.Module):
@@ -128,13 +127,14 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(inter, E, bias=False, dtype=dtype, device="meta")
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attn: AttentionFn
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
         """One decoder layer.
 
         Args:
             x: ``[T, E]`` residual stream.
-            cos, sin_signed: ``[T, 1, D]`` RoPE factors of each token's position.
+            positions: ``[T]`` int64 position of each token.
+            cos, sin_signed: ``[P, D]`` RoPE tables (:func:`rope_tables`), indexed by ``positions``.
             attn: attention over the cache, called once with this layer's index.
 
         Returns:
@@ -143,17 +143,13 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.input_layernorm(x)  # [T, E]
-        qkv = self.qkv_proj(h).view(T, H + 2 * Hkv, D)  # [T, H+2Hkv, D]
-        qk = qkv[:, : H + Hkv]  # [T, H+Hkv, D] view: q heads then k heads
-        qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin_signed  # [T, H+Hkv, D] RoPE (rotate-half)
-        q = qk[:, :H].contiguous()  # [T, H, D]
-        k = qk[:, H:].contiguous()  # [T, Hkv, D]
-        v = qkv[:, H + Hkv :].contiguous()  # [T, Hkv, D]
+        qkv = self.qkv_proj(h).view(T, H + 2 * Hkv, D)  # [T, H+2Hkv, D]: q heads, k heads, v heads
+        # RoPE (rotate-half: x * cos + roll(x, D/2) * sin_signed) on q and k, split into contiguous q, k, v
+        q, k, v = fused.rope_split(qkv, cos, sin_signed, positions, H, Hkv)  # [T,H,D], [T,Hkv,D], [T,Hkv,D]
         o = attn(self.layer_index, q, k, v)  # [T, H, D]
         x = x + self.o_proj(o.reshape(T, H * D))  # [T, E]
         h = self.post_attention_layernorm(x)  # [T, E]
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # 2 x [T, I]
-        return x + self.down_proj(F.silu(gate) * up)  # [T, E]
+        return x + self.down_proj(fused.silu_mul(self.gate_up_proj(h)))  # [T, E]: silu(gate) * up, then down
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,11 +204,12 @@ class LlamaForCausalLM(nn.Module):
             ``[T, E]`` final-normed hidden states in the model dtype; feed the rows
             you need (e.g. each sequence's last token) to :meth:`compute_logits`.
         """
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(1)  # [T, 1, D]
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.rope_cos.shape[0]):
+            raise IndexError(f"positions must be in [0, {self.rope_cos.shape[0]}), got "
+                             f"[{int(positions.min())}, {int(positions.max())}]")
         x = self.embed_tokens(input_ids)  # [T, E]
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)  # [T, E]
+            x = layer(x, positions, self.rope_cos, self.rope_sin, attn)  # [T, E]
         return self.norm(x)  # [T, E]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
