@@ -142,6 +142,9 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
         assert (got - ref).abs().max().item() <= 1e-5 * scale, fmt
     else:  # both round the same float32 result to the model dtype: at most one rounding step apart
         step = torch.finfo(dtype).eps * ref.float().abs() + 1e-5 * scale
+        rows = torch.cat([torch.full((n,), n > cpu_module.KERNEL_MAX_QUERY) for n in query_lens])
+        if dtype == torch.bfloat16:  # long query runs attend in bfloat16 (probabilities rounded to it)
+            step = torch.where(rows[:, None, None], 2 * torch.finfo(dtype).eps * scale, step)
         assert ((got.float() - ref.float()).abs() <= step).all(), fmt
     # both within the format's bound of float64 attention over the unquantized K/V
     a = 0

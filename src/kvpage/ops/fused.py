@@ -9,6 +9,8 @@ differ only in RMSNorm's summation order and SiLU's exp (within float rounding).
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +19,8 @@ from kvpage.ops.cpu.build import load_kernels
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _kernels_for(x: torch.Tensor):  # noqa: ANN202 - the extension module or None
+def _kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The compiled kernels when ``x`` is a CPU tensor of a dtype they take, else ``None`` (use PyTorch)."""
     if x.device.type != "cpu" or x.dtype not in _DTYPES:
         return None
     return load_kernels()

@@ -5,7 +5,8 @@ request, e.g. speculative verification) of the whole batch attend in **one kerne
 call per layer**, reading codes and scales straight from the blocks through the
 block table with an online softmax; the float context is never materialized.
 Longer query runs (prefill chunks) are compute-bound and go, one request at a
-time, through the reference gather + SDPA path, which uses the BLAS.
+time, through the reference gather + SDPA path (torch's flash attention), in
+bfloat16 for bfloat16 models (:func:`_sdpa_dtype`), else in float32.
 
 Writes: float formats scatter with ``index_copy_``; the dynamic 8-bit formats
 (``int8``, ``fp8``, ``int8_rotated``, ``fp8_per_token_head``) quantize and store in
@@ -60,6 +61,16 @@ def token_encoding(fmt: TokenFormat) -> int | None:
     if isinstance(fmt, (PerTokenFormat, StaticScaleFormat)):
         return _code_encoding(fmt.qmax)
     return None
+
+
+def _sdpa_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the SDPA path (long query runs): bfloat16 for bfloat16 models, else float32.
+
+    torch's CPU flash attention runs bfloat16 (float32 accumulation, AMX/AVX-512 bf16 where the CPU has
+    it) 2.4x faster than float32 for a 1,000-token prefill here; the inputs are bfloat16 already. float16
+    has no such path and float32 models keep float32 (the reference's arithmetic).
+    """
+    return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,9 +235,10 @@ class CpuBackend(AttentionBackend):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             s = meta.seq_lens[i]
             ids = meta.block_tables[i, : -(-s // bs)]
-            keys = read_kv(cache, spec, KEY, ids, torch.float32, rotated=True).flatten(0, 1)[:s]
-            vals = read_kv(cache, spec, value_name, ids, torch.float32, rotated=True).flatten(0, 1)[:s]
-            out[a:b] = request_attention(qa[a:b].float(), keys, vals, None)
+            dt = _sdpa_dtype(qa.dtype)
+            keys = read_kv(cache, spec, KEY, ids, dt, rotated=True).flatten(0, 1)[:s]
+            vals = read_kv(cache, spec, value_name, ids, dt, rotated=True).flatten(0, 1)[:s]
+            out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, None)
         if rot is not None:
             out = out @ rot.T
         return out.to(q.dtype)
@@ -263,9 +275,10 @@ class CpuBackend(AttentionBackend):
         for i in rows.sdpa_rows:
             read = ctx.plan.reads[i]
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            keys = read_sealed(cache, tail, fmt, ctx.sink_format, spec, KEY, read, torch.float32)
-            vals = read_sealed(cache, tail, fmt, ctx.sink_format, spec, VALUE, read, torch.float32) if spec.has_value else keys
-            out[a:b] = request_attention(qa[a:b].float(), keys, vals, None)
+            dt = _sdpa_dtype(qa.dtype)
+            keys = read_sealed(cache, tail, fmt, ctx.sink_format, spec, KEY, read, dt)
+            vals = read_sealed(cache, tail, fmt, ctx.sink_format, spec, VALUE, read, dt) if spec.has_value else keys
+            out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, None)
         return out
 
 

@@ -38,52 +38,86 @@ inline float exp_nonpos(float x0) {
   return x0 < -87.0f ? 0.0f : p * s;
 }
 
+// Storage traits: how a model-dtype element is read as float32 and rounded back (round to nearest even,
+// as torch rounds). bfloat16 is handled as raw bits so the loops vectorize.
 template <typename T>
-inline T round_to(float x) { return static_cast<T>(x); }
+struct Elem {
+  using S = T;
+  static inline float get(S x) { return static_cast<float>(x); }
+  static inline S put(float x) { return static_cast<S>(x); }
+};
 template <>
-inline float round_to<float>(float x) { return x; }
+struct Elem<c10::BFloat16> {
+  using S = uint16_t;
+  static inline float get(S b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static inline S put(float f) {  // c10's round_to_nearest_even, branch-free
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<S>(f != f ? 0x7FC0u : r);
+  }
+};
 
 template <typename T>
-void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t E, float eps) {
+void rms_norm_impl(const void* xv, const void* wv, void* outv, int64_t rows, int64_t E, float eps) {
+  using S = typename Elem<T>::S;
+  const S* x = static_cast<const S*>(xv);
+  const S* w = static_cast<const S*>(wv);
+  S* out = static_cast<S*>(outv);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * E;
+      const S* xr = x + r * E;
       float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < E; ++i) {
-        const float v = static_cast<float>(xr[i]);
+        const float v = Elem<T>::get(xr[i]);
         ss += v * v;
       }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
-      T* o = out + r * E;
+      S* o = out + r * E;
+#pragma omp simd
       for (int64_t i = 0; i < E; ++i) {
-        const T y = round_to<T>(static_cast<float>(xr[i]) * inv);              // xf * rsqrt(...) -> T
-        o[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(y));  // weight * y
+        const float y = Elem<T>::get(Elem<T>::put(Elem<T>::get(xr[i]) * inv));  // xf * rsqrt(...) -> T
+        o[i] = Elem<T>::put(Elem<T>::get(w[i]) * y);                             // weight * y
       }
     }
   });
 }
 
 template <typename T>
-void rope_split_impl(const T* qkv, const T* cos, const T* sin, const int64_t* pos, T* q, T* k, T* v,
-                     int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+void rope_split_impl(const void* qkvv, const void* cosv, const void* sinv, const int64_t* pos, void* qv, void* kv,
+                     void* vv, int64_t Tn, int64_t H, int64_t Hkv, int64_t D) {
+  using S = typename Elem<T>::S;
+  const S* qkv = static_cast<const S*>(qkvv);
+  const S* cos = static_cast<const S*>(cosv);
+  const S* sin = static_cast<const S*>(sinv);
+  S* q = static_cast<S*>(qv);
+  S* k = static_cast<S*>(kv);
+  S* v = static_cast<S*>(vv);
   const int64_t half = D / 2, heads = H + 2 * Hkv;
   at::parallel_for(0, Tn, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + pos[t] * D;
-      const T* s = sin + pos[t] * D;
+      const S* c = cos + pos[t] * D;
+      const S* s = sin + pos[t] * D;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* x = qkv + (t * heads + h) * D;
-        T* dst = h < H ? q + (t * H + h) * D : (h < H + Hkv ? k + (t * Hkv + h - H) * D : v + (t * Hkv + h - H - Hkv) * D);
+        const S* x = qkv + (t * heads + h) * D;
+        S* dst = h < H ? q + (t * H + h) * D : (h < H + Hkv ? k + (t * Hkv + h - H) * D : v + (t * Hkv + h - H - Hkv) * D);
         if (h >= H + Hkv) {
-          std::memcpy(dst, x, D * sizeof(T));
+          std::memcpy(dst, x, D * sizeof(S));
           continue;
         }
         // x * cos + roll(x, D/2) * sin_signed, each product rounded to T, then the sum
+#pragma omp simd
         for (int64_t d = 0; d < D; ++d) {
-          const T a = round_to<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
-          const T b = round_to<T>(static_cast<float>(x[(d + half) % D]) * static_cast<float>(s[d]));
-          dst[d] = round_to<T>(static_cast<float>(a) + static_cast<float>(b));
+          const int64_t dr = d < half ? d + half : d - half;
+          const float a = Elem<T>::get(Elem<T>::put(Elem<T>::get(x[d]) * Elem<T>::get(c[d])));
+          const float b = Elem<T>::get(Elem<T>::put(Elem<T>::get(x[dr]) * Elem<T>::get(s[d])));
+          dst[d] = Elem<T>::put(a + b);
         }
       }
     }
@@ -91,18 +125,22 @@ void rope_split_impl(const T* qkv, const T* cos, const T* sin, const int64_t* po
 }
 
 template <typename T>
-void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t I) {
+void silu_mul_impl(const void* guv, void* outv, int64_t rows, int64_t I) {
+  using S = typename Elem<T>::S;
+  const S* gu = static_cast<const S*>(guv);
+  S* out = static_cast<S*>(outv);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * 2 * I;
-      const T* u = g + I;
-      T* o = out + r * I;
+      const S* g = gu + r * 2 * I;
+      const S* u = g + I;
+      S* o = out + r * I;
+#pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
-        const float x = static_cast<float>(g[i]);
-        const float e = exp_nonpos(-std::fabs(x));  // e^-|x|
-        const float sl = x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
-        const T s = round_to<T>(sl);                                            // F.silu(gate) -> T
-        o[i] = round_to<T>(static_cast<float>(s) * static_cast<float>(u[i]));  // * up -> T
+        const float x = Elem<T>::get(g[i]);
+        const float e = exp_nonpos(-std::fabs(x));                    // e^-|x|
+        const float sl = (x >= 0.0f ? x : x * e) / (1.0f + e);        // x / (1 + e^-x)
+        const float sr = Elem<T>::get(Elem<T>::put(sl));              // F.silu(gate) -> T
+        o[i] = Elem<T>::put(sr * Elem<T>::get(u[i]));                 // * up -> T
       }
     }
   });
@@ -129,8 +167,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   at::Tensor out = at::empty_like(x);
   dispatch(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_impl<T>(reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const T*>(weight.data_ptr()),
-                     reinterpret_cast<T*>(out.data_ptr()), x.numel() / E, E, static_cast<float>(eps));
+    rms_norm_impl<T>(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() / E, E, static_cast<float>(eps));
   });
   return out;
 }
@@ -150,9 +187,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Te
   at::Tensor q = at::empty({Tn, H, D}, opts), k = at::empty({Tn, Hkv, D}, opts), v = at::empty({Tn, Hkv, D}, opts);
   dispatch(qkv.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    rope_split_impl<T>(reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<const T*>(cos.data_ptr()),
-                       reinterpret_cast<const T*>(sin.data_ptr()), pos, reinterpret_cast<T*>(q.data_ptr()),
-                       reinterpret_cast<T*>(k.data_ptr()), reinterpret_cast<T*>(v.data_ptr()), Tn, H, Hkv, D);
+    rope_split_impl<T>(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                       Tn, H, Hkv, D);
   });
   return {q, k, v};
 }
@@ -166,7 +202,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   at::Tensor out = at::empty(shape, gate_up.options());
   dispatch(gate_up.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_impl<T>(reinterpret_cast<const T*>(gate_up.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), rows, I);
+    silu_mul_impl<T>(gate_up.data_ptr(), out.data_ptr(), rows, I);
   });
   return out;
 }

@@ -20,6 +20,11 @@
 
 #include <algorithm>
 #include <cmath>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVPAGE_SIMD 1  // the AVX2 micro-kernels below; other CPUs take the portable loops
+#endif
+
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -282,6 +287,94 @@ struct Batch {
   float sm_scale;
 };
 
+#ifdef KVPAGE_SIMD
+// ---- AVX2 micro-kernels over a decoded block: one query row against up to bs float32 rows `stride` apart ----
+// (Reading codes in place instead, converting per query head, measured slower in the engine: the decoded
+// block is read sequentially once per block, which a single core's prefetchers stream best.)
+
+// [sum(a0), ..., sum(a7)]: eight horizontal sums at once.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Scores sc[t] = (q . k_t) * sm_scale for t < lim, eight tokens at a time; returns their maximum.
+template <int DC>
+inline float scores_simd(const float* qv, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
+                         float* sc) {
+  float mx = NEG_INF;
+  alignas(32) float tmp[8];
+  for (int64_t t0 = 0; t0 < lim; t0 += 8) {
+    __m256 a[8];
+    const float* rows[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      a[u] = _mm256_setzero_ps();
+      rows[u] = kbase + std::min<int64_t>(t0 + u, lim - 1) * stride;  // past the end: repeat the last row
+    }
+#pragma GCC unroll 16
+    for (int64_t d = 0; d < DC; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(qv + d);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[u] + d), a[u]);
+    }
+    _mm256_store_ps(tmp, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(sm_scale)));
+    const int64_t nu = std::min<int64_t>(8, lim - t0);
+    for (int64_t u = 0; u < nu; ++u) {
+      sc[t0 + u] = tmp[u];
+      mx = std::max(mx, tmp[u]);
+    }
+  }
+  return mx;
+}
+
+// ac[0..DC) = ac * corr + sum_t sc[t] * v_t, the accumulator held in registers across the tokens.
+template <int DC>
+inline void accumulate_simd(float* ac, float corr, const float* vbase, int64_t stride, int64_t lim, const float* sc) {
+  constexpr int NV = DC / 8;
+  __m256 acc[NV];
+  const __m256 c = _mm256_set1_ps(corr);
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(ac + 8 * i), c);
+  for (int64_t t = 0; t < lim; ++t) {
+    const __m256 w = _mm256_set1_ps(sc[t]);
+    const float* row = vbase + t * stride;
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * i), acc[i]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(ac + 8 * i, acc[i]);
+}
+
+// One decoded block (rows [nt][Hkv][D]) of one request: every query row (j, qh), online-softmax update.
+template <int DC>
+inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e,
+                       const float* kb, const float* vb, int64_t stride, float sm_scale, float* m, float* l,
+                       float* acc, float* sc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
+    if (lim <= 0) continue;
+    for (int64_t qh = 0; qh < H; ++qh) {
+      const int64_t row = j * H + qh, h = qh / G;
+      const float mx = scores_simd<DC>(qf + row * DC, kb + h * DC, stride, lim, sm_scale, sc);
+      const float mnew = std::max(m[row], mx);
+      const float corr = m[row] == NEG_INF ? 0.0f : exp_neg(m[row] - mnew);
+      float psum = 0.0f;
+#pragma omp simd reduction(+ : psum)
+      for (int64_t t = 0; t < lim; ++t) {
+        sc[t] = exp_neg(sc[t] - mnew);
+        psum += sc[t];
+      }
+      l[row] = l[row] * corr + psum;
+      m[row] = mnew;
+      accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc);
+    }
+  }
+}
+#endif  // KVPAGE_SIMD
+
 // Online-softmax attention of request r's queries (all n of them) over context tokens [t0, t1), every
 // head. State rows are (query j, head qh) -> j * H + qh: m/l [n*H], acc [n*H, D], updated in place.
 // GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does.
@@ -294,6 +387,13 @@ void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, in
   for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
     const int64_t a = std::max(t0, blk * bs), e = std::min(t1, (blk + 1) * bs);
     const int64_t nt = e - a;
+#ifdef KVPAGE_SIMD
+    if constexpr (DC > 0 && DC % 8 == 0) {
+      src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value);
+      block_simd<DC>(qf, n, H, G, s, a, e, kb, has_value ? vb : kb, stride, b.sm_scale, m, l, acc, sc);
+      continue;
+    }
+#endif
     src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value);
     const float* vals = has_value ? vb : kb;
     for (int64_t j = 0; j < n; ++j) {
