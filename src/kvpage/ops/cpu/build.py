@@ -26,8 +26,9 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "fused_ops.cpp"))
-#: Compiler flags: ``-fopenmp-simd`` lets ``#pragma omp simd`` vectorize reductions without fast-math.
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17")
+#: Compiler flags: ``-fopenmp-simd`` lets ``#pragma omp simd`` vectorize reductions without fast-math;
+#: ``-fno-trapping-math`` (no floating-point traps are used) lets floor and selects vectorize (exp, SiLU).
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17")
 
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
