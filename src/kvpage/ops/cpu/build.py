@@ -1,4 +1,4 @@
-"""Compile-on-first-use of kvpage's CPU kernels (``paged_attention.cpp``, ``fused_ops.cpp``), cached per machine.
+"""Compile-on-first-use of kvpage's CPU kernels (the ``.cpp`` files of this folder), cached per machine.
 
 The kernels are a C++ extension built with ``torch.utils.cpp_extension.load``
 (ninja and the system C++ compiler; ``ninja`` is a kvpage dependency). The build
@@ -25,7 +25,10 @@ from types import ModuleType
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "fused_ops.cpp"))
+_HERE = Path(__file__).parent
+#: Translation units of the extension (bindings.cpp defines the module) and the header they share.
+SOURCES = tuple(_HERE / n for n in ("bindings.cpp", "paged_attention.cpp", "write_rows.cpp", "fused_ops.cpp"))
+HEADERS = (_HERE / "kv_common.h",)
 #: Compiler flags: ``-fopenmp-simd`` lets ``#pragma omp simd`` vectorize reductions without fast-math;
 #: ``-fno-trapping-math`` (no floating-point traps are used) lets floor and selects vectorize (exp, SiLU).
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17")
@@ -45,10 +48,15 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def _tail(message: str, lines: int = 6) -> str:
+    """The last lines of a build error (where the compiler or linker says what failed), on one line."""
+    return " | ".join(line.strip() for line in message.strip().splitlines()[-lines:])[-800:]
+
+
 def build_key() -> str:
     """A short hash of what the binary depends on: source, flags, torch version, CPU features."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
@@ -89,7 +97,7 @@ def load_kernels() -> ModuleType | None:
             )
         except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
             warnings.warn(
-                f"kvpage's CPU attention kernels could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
+                f"kvpage's CPU attention kernels could not be built ({type(e).__name__}: {_tail(str(e))}); "
                 f"attention falls back to the reference PyTorch path (slower, same results)",
                 RuntimeWarning,
                 stacklevel=2,

@@ -1,5 +1,4 @@
-// kvpage CPU kernels: paged attention that reads KV codes and scales straight from the blocks, and the
-// fused write of new K/V into their slots.
+// kvpage CPU kernels: paged attention that reads KV codes and scales straight from the blocks.
 //
 // Attention (decode rows and short query runs, e.g. speculative verification): one call per layer for
 // the whole batch. Work items are (request, kv head, context split); each walks its blocks through the
@@ -30,87 +29,11 @@
 #include <limits>
 #include <vector>
 
+#include "kv_common.h"
+
+using namespace kvpage_cpu;
+
 namespace {
-
-// Storage encodings of one element (token-wise formats and tail rows).
-enum Enc : int64_t { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, E4M3 = 4 };
-
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-inline float exp_neg(float x) {
-  // e^x for x <= 0 (a score minus the running max), Cephes expf's polynomial; x < -87 gives ~0.
-  x = x < -87.0f ? -87.0f : x;
-  float t = x * 1.44269504088896341f;
-  float n = std::floor(t + 0.5f);
-  float f = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-inline float bf16_bits_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float e4m3_to_float(uint8_t c) {
-  // float8_e4m3fn: bias 7, no inf; 0x7f / 0xff are NaN. Exact, in integer ops that vectorize (a float16
-  // route and a lookup table both measured slower here).
-  // magnitude = m * 2^-9 (subnormal) or (8 + m) * 2^(e - 1) * 2^-9
-  const int32_t e = (c >> 3) & 15, m = c & 7;
-  const int32_t mag = e ? ((8 + m) << (e - 1)) : m;
-  float v = static_cast<float>(mag) * (1.0f / 512.0f);
-  v = (c & 0x80) ? -v : v;
-  return ((c & 0x7f) == 0x7f) ? std::numeric_limits<float>::quiet_NaN() : v;
-}
-
-struct Ue5m3Table {
-  float v[256];
-  Ue5m3Table() {
-    for (int c = 0; c < 256; ++c) v[c] = std::ldexp(1.0f + (c & 7) / 8.0f, (c >> 3) - 16);
-  }
-};
-const Ue5m3Table& ue5m3() {
-  static const Ue5m3Table t;
-  return t;
-}
-
-// One row of D elements of encoding E at p, times `scale` -> out (float32). DC > 0 fixes D at compile time.
-template <int E, int DC = 0>
-inline void decode_row(const uint8_t* p, float scale, float* out, int64_t Drt) {
-  const int64_t D = DC ? DC : Drt;
-  if constexpr (E == F32) {
-    const float* s = reinterpret_cast<const float*>(p);
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] = s[d] * scale;
-  } else if constexpr (E == BF16) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(p);
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] = bf16_bits_to_float(s[d]) * scale;
-  } else if constexpr (E == F16) {
-    const c10::Half* s = reinterpret_cast<const c10::Half*>(p);
-    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(s[d]) * scale;
-  } else if constexpr (E == I8) {
-    const int8_t* s = reinterpret_cast<const int8_t*>(p);
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(s[d]) * scale;
-  } else {
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] = e4m3_to_float(p[d]) * scale;
-  }
-}
-
-inline int64_t elem_size(int64_t enc) { return enc == F32 ? 4 : (enc == BF16 || enc == F16) ? 2 : 1; }
 
 // ---- sources: a request's logical block `blk`, tokens off .. off+nt-1 of it, every kv head ----
 // load() fills kb / vb with float32 rows laid out [nt][Hkv][D], as the pool stores them, so each block is
@@ -253,29 +176,6 @@ struct SealedSource {
     }
   }
 };
-
-// float rows of encoding enc (F32 / BF16 / F16) <-> float32
-inline void rows_to_float(int64_t enc, const void* src, float* dst, int64_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(src);
-  if (enc == F32) std::memcpy(dst, p, n * 4);
-  else if (enc == BF16) decode_row<BF16>(p, 1.0f, dst, n);
-  else decode_row<F16>(p, 1.0f, dst, n);
-}
-inline void float_to_rows(int64_t enc, const float* src, void* dst, int64_t n) {
-  if (enc == F32) {
-    std::memcpy(dst, src, n * 4);
-  } else if (enc == BF16) {
-    c10::BFloat16* o = static_cast<c10::BFloat16*>(dst);
-    for (int64_t i = 0; i < n; ++i) o[i] = c10::BFloat16(src[i]);
-  } else {
-    c10::Half* o = static_cast<c10::Half*>(dst);
-    for (int64_t i = 0; i < n; ++i) o[i] = c10::Half(src[i]);
-  }
-}
-int64_t float_encoding(at::ScalarType t) {
-  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, "q and out must be float32, bfloat16 or float16");
-  return t == at::kFloat ? F32 : (t == at::kBFloat16 ? BF16 : F16);
-}
 
 struct Batch {
   const void* q;                // [T, H, D] in q_enc
@@ -599,90 +499,3 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
   else go(std::integral_constant<int, 2>{}, std::integral_constant<int, BF16>{});
 }
 
-// Fused write of token-wise formats: new rows x [N, Hkv, D] (float32/bfloat16/float16, already in the stored
-// basis) go to
-// slots [N] of cache [NB*bs, Hkv, D]. Float encodings cast; int8/e4m3 compute the float16 per-(token,
-// head) scale s = max(amax / qmax, 2^-14) and codes with the rounded scale, as the Python formats do
-// (kvpage.formats.per_token), bit for bit.
-void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
-                double qmax) {
-  TORCH_CHECK(x.is_contiguous() && x.dim() == 3, "x must be contiguous [N, Hkv, D]");
-  const int64_t xenc = float_encoding(x.scalar_type());
-  TORCH_CHECK(cache.is_contiguous() && elem_size(enc) == cache.element_size(), "cache dtype does not match the encoding");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "slots must be int64 [N]");
-  const int64_t N = x.size(0), Hkv = x.size(1), D = x.size(2);
-  TORCH_CHECK(D <= 512, "head_dim above 512");
-  const int64_t rows_total = cache.numel() / (Hkv * D);
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < rows_total, "slot ", sl[i], " out of range");
-  const uint8_t* xs = static_cast<const uint8_t*>(x.data_ptr());
-  const int64_t xsize = x.element_size();
-  uint8_t* base = static_cast<uint8_t*>(cache.data_ptr());
-  c10::Half* sc = scale.has_value() ? reinterpret_cast<c10::Half*>(scale->data_ptr()) : nullptr;
-  const float fq = static_cast<float>(qmax);
-  at::parallel_for(0, N * Hkv, 16, [&](int64_t begin, int64_t end) {
-    float srcbuf[512];
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / Hkv, h = w % Hkv;
-      rows_to_float(xenc, xs + w * D * xsize, srcbuf, D);
-      const float* src = srcbuf;
-      const int64_t drow = sl[i] * Hkv + h;
-      uint8_t* dst = base + drow * D * elem_size(enc);
-      if (enc == F32) {
-        std::memcpy(dst, src, D * 4);
-      } else if (enc == BF16) {
-        c10::BFloat16* o = reinterpret_cast<c10::BFloat16*>(dst);
-        for (int64_t d = 0; d < D; ++d) o[d] = c10::BFloat16(src[d]);
-      } else if (enc == F16) {
-        c10::Half* o = reinterpret_cast<c10::Half*>(dst);
-        for (int64_t d = 0; d < D; ++d) o[d] = c10::Half(src[d]);
-      } else {
-        // rows are clamped to qmax * 65504 first (an inf saturates), as PerTokenFormat.to_stored_basis does
-        const float limit = fq * 65504.0f;
-        float row[512];
-        for (int64_t d = 0; d < D; ++d) row[d] = src[d] > limit ? limit : (src[d] < -limit ? -limit : src[d]);
-        float amax = 0.0f;
-        bool nan = false;
-        for (int64_t d = 0; d < D; ++d) {
-          const float a = std::fabs(row[d]);
-          nan |= std::isnan(a);
-          amax = a > amax ? a : amax;
-        }
-        float s = amax / fq;
-        s = nan ? std::numeric_limits<float>::quiet_NaN() : (s < 6.103515625e-05f ? 6.103515625e-05f : s);
-        const c10::Half s16(s);
-        if (sc) sc[drow] = s16;
-        const float sf = static_cast<float>(s16);
-        if (enc == I8) {
-          for (int64_t d = 0; d < D; ++d) {
-            float y = std::nearbyint(row[d] / sf);
-            y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
-            dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::isnan(y) ? 0.0f : y));
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            float y = row[d] / sf;
-            y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
-            const c10::Float8_e4m3fn f(y);
-            dst[d] = f.x;
-          }
-        }
-      }
-    }
-  });
-}
-
-// fused_ops.cpp
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
-                                                          at::Tensor positions, int64_t H, int64_t Hkv);
-at::Tensor silu_mul(at::Tensor gate_up);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over token-wise format blocks (CPU)");
-  m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
-  m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
-  m.def("rope_split", &rope_split, "RoPE on q/k of a fused qkv projection, split into q, k, v (CPU)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection (CPU)");
-}

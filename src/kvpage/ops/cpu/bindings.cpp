@@ -1,0 +1,34 @@
+// kvpage CPU kernels: the Python module (torch.utils.cpp_extension builds every .cpp of this folder into it).
+#include <torch/extension.h>
+
+#include <tuple>
+
+// paged_attention.cpp
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor value,
+                     c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale,
+                     c10::optional<at::Tensor> key_chan, c10::optional<at::Tensor> value_chan,
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs,
+                     int64_t enc, double sm_scale);
+void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor key_scale, at::Tensor key_zero,
+                      at::Tensor value, at::Tensor value_scale, at::Tensor value_zero, at::Tensor tail_key,
+                      at::Tensor tail_value, at::Tensor sink_key, at::Tensor sink_key_scale, at::Tensor sink_value,
+                      at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor seq_lens,
+                      at::Tensor query_start_loc, at::Tensor reqs, int64_t bits, int64_t tail_enc, bool has_value,
+                      double sm_scale);
+// write_rows.cpp
+void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
+                double qmax);
+// fused_ops.cpp
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                                                          at::Tensor positions, int64_t H, int64_t Hkv);
+at::Tensor silu_mul(at::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over token-wise format blocks (CPU)");
+  m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
+  m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
+  m.def("rope_split", &rope_split, "RoPE on q/k of a fused qkv projection, split into q, k, v (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection (CPU)");
+}

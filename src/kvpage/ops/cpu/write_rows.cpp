@@ -1,0 +1,81 @@
+// kvpage CPU kernels: the fused write of new K or V rows of the token-wise formats into their slots.
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include "kv_common.h"
+
+using namespace kvpage_cpu;
+
+// Fused write of token-wise formats: new rows x [N, Hkv, D] (float32/bfloat16/float16, already in the stored
+// basis) go to
+// slots [N] of cache [NB*bs, Hkv, D]. Float encodings cast; int8/e4m3 compute the float16 per-(token,
+// head) scale s = max(amax / qmax, 2^-14) and codes with the rounded scale, as the Python formats do
+// (kvpage.formats.per_token), bit for bit.
+void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
+                double qmax) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 3, "x must be contiguous [N, Hkv, D]");
+  const int64_t xenc = float_encoding(x.scalar_type());
+  TORCH_CHECK(cache.is_contiguous() && elem_size(enc) == cache.element_size(), "cache dtype does not match the encoding");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "slots must be int64 [N]");
+  const int64_t N = x.size(0), Hkv = x.size(1), D = x.size(2);
+  TORCH_CHECK(D <= 512, "head_dim above 512");
+  const int64_t rows_total = cache.numel() / (Hkv * D);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < rows_total, "slot ", sl[i], " out of range");
+  const uint8_t* xs = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t xsize = x.element_size();
+  uint8_t* base = static_cast<uint8_t*>(cache.data_ptr());
+  c10::Half* sc = scale.has_value() ? reinterpret_cast<c10::Half*>(scale->data_ptr()) : nullptr;
+  const float fq = static_cast<float>(qmax);
+  at::parallel_for(0, N * Hkv, 16, [&](int64_t begin, int64_t end) {
+    float srcbuf[512];
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / Hkv, h = w % Hkv;
+      rows_to_float(xenc, xs + w * D * xsize, srcbuf, D);
+      const float* src = srcbuf;
+      const int64_t drow = sl[i] * Hkv + h;
+      uint8_t* dst = base + drow * D * elem_size(enc);
+      if (enc == F32) {
+        std::memcpy(dst, src, D * 4);
+      } else if (enc == BF16) {
+        c10::BFloat16* o = reinterpret_cast<c10::BFloat16*>(dst);
+        for (int64_t d = 0; d < D; ++d) o[d] = c10::BFloat16(src[d]);
+      } else if (enc == F16) {
+        c10::Half* o = reinterpret_cast<c10::Half*>(dst);
+        for (int64_t d = 0; d < D; ++d) o[d] = c10::Half(src[d]);
+      } else {
+        // rows are clamped to qmax * 65504 first (an inf saturates), as PerTokenFormat.to_stored_basis does
+        const float limit = fq * 65504.0f;
+        float row[512];
+        for (int64_t d = 0; d < D; ++d) row[d] = src[d] > limit ? limit : (src[d] < -limit ? -limit : src[d]);
+        float amax = 0.0f;
+        bool nan = false;
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = std::fabs(row[d]);
+          nan |= std::isnan(a);
+          amax = a > amax ? a : amax;
+        }
+        float s = amax / fq;
+        s = nan ? std::numeric_limits<float>::quiet_NaN() : (s < 6.103515625e-05f ? 6.103515625e-05f : s);
+        const c10::Half s16(s);
+        if (sc) sc[drow] = s16;
+        const float sf = static_cast<float>(s16);
+        if (enc == I8) {
+          for (int64_t d = 0; d < D; ++d) {
+            float y = std::nearbyint(row[d] / sf);
+            y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
+            dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::isnan(y) ? 0.0f : y));
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            float y = row[d] / sf;
+            y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
+            const c10::Float8_e4m3fn f(y);
+            dst[d] = f.x;
+          }
+        }
+      }
+    }
+  });
+}
+
