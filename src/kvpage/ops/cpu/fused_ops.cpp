@@ -14,29 +14,14 @@
 #include <cstring>
 #include <tuple>
 
+#include "kv_common.h"
+
 // torch rounds every product and sum separately; keep the compiler from fusing them into FMAs here
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
 
-// e^x for x <= 0, Cephes expf's polynomial (relative error ~2e-7), 0 below -87 (float32's exp underflows
-// there too, which is what torch's SiLU gives for large negative inputs); vectorizes.
-inline float exp_nonpos(float x0) {
-  const float x = x0 < -87.0f ? -87.0f : x0;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float s;
-  std::memcpy(&s, &bits, 4);
-  return x0 < -87.0f ? 0.0f : p * s;
-}
+using kvpage_cpu::exp_neg;
 
 // Storage traits: how a model-dtype element is read as float32 and rounded back (round to nearest even,
 // as torch rounds). bfloat16 is handled as raw bits so the loops vectorize.
@@ -131,7 +116,7 @@ void silu_row(const typename Elem<T>::S* __restrict g, const typename Elem<T>::S
 #pragma omp simd
   for (int64_t i = 0; i < I; ++i) {
     const float x = Elem<T>::get(g[i]);
-    const float e = exp_nonpos(-std::fabs(x));               // e^-|x|
+    const float e = exp_neg(-std::fabs(x));               // e^-|x|
     const float sl = (x >= 0.0f ? x : x * e) / (1.0f + e);   // x / (1 + e^-x)
     const float sr = Elem<T>::get(Elem<T>::put(sl));         // F.silu(gate) -> T
     o[i] = Elem<T>::put(sr * Elem<T>::get(u[i]));            // * up -> T

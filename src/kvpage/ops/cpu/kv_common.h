@@ -19,12 +19,12 @@ enum Enc : int64_t { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, E4M3 = 4 };
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-inline float exp_neg(float x) {
-  // e^x for x <= 0 (a score minus the running max), Cephes expf's polynomial; x < -87 gives ~0.
-  x = x < -87.0f ? -87.0f : x;
-  float t = x * 1.44269504088896341f;
-  float n = std::floor(t + 0.5f);
-  float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+inline float exp_neg(float x0) {
+  // e^x for x <= 0 (a score minus the running max; SiLU's e^-|x|), Cephes expf's polynomial (relative error
+  // ~2e-7); 0 below -87, where float32's exp underflows too (torch's SiLU gives exactly that). Vectorizes.
+  const float x = x0 < -87.0f ? -87.0f : x0;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
@@ -32,10 +32,10 @@ inline float exp_neg(float x) {
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
   p = p * f * f + f + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
-  return p * scale;
+  return x0 < -87.0f ? 0.0f : p * scale;
 }
 
 inline float bf16_bits_to_float(uint16_t b) {
@@ -68,8 +68,9 @@ inline const Ue5m3Table& ue5m3() {
 }
 
 // One row of D elements of encoding E at p, times `scale` -> out (float32). DC > 0 fixes D at compile time.
-template <int E, int DC = 0>
+template <int E, int DC = 0, bool SCALED = true>
 inline void decode_row(const uint8_t* p, float scale, float* out, int64_t Drt) {
+  if constexpr (!SCALED) scale = 1.0f;  // constant-folded: the multiply below disappears
   const int64_t D = DC ? DC : Drt;
   if constexpr (E == F32) {
     const float* s = reinterpret_cast<const float*>(p);

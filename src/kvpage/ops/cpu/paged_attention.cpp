@@ -51,10 +51,33 @@ struct TokenSource {
   const int64_t* tables;       // [B, W]
   int64_t W, bs, Hkv, D, esize;
 
+  // With ksb / vsb given, per-(token, head) scales go there instead of into the rows (the attention applies
+  // them to scores and weights: two multiplies per token and query head instead of one per element);
+  // returns whether it did so.
   template <int DC>
-  void load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value) const {
+  bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value, float* ksb,
+            float* vsb) const {
     const int64_t D = DC ? DC : this->D;
     const int64_t first = (tables[r * W + blk] * bs + off) * Hkv;  // first (token, head) row
+    if (ksb && key_scale && (value_scale || !has_value)) {
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        const int64_t row = first + i;
+        ksb[i] = static_cast<float>(key_scale[row]);
+        decode_row<E, DC, false>(key + row * D * esize, 1.0f, kb + i * D, D);
+        if (!has_value) continue;
+        vsb[i] = static_cast<float>(value_scale[row]);
+        decode_row<E, DC, false>(value + row * D * esize, 1.0f, vb + i * D, D);
+      }
+      return true;
+    }
+    if (!key_scale && !key_chan && !value_chan) {  // float rows: nothing to scale
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        const int64_t row = first + i;
+        decode_row<E, DC, false>(key + row * D * esize, 1.0f, kb + i * D, D);
+        if (has_value) decode_row<E, DC, false>(value + row * D * esize, 1.0f, vb + i * D, D);
+      }
+      return false;
+    }
     for (int64_t i = 0; i < nt * Hkv; ++i) {
       const int64_t row = first + i;
       decode_row<E, DC>(key + row * D * esize, key_scale ? static_cast<float>(key_scale[row]) : 1.0f, kb + i * D, D);
@@ -71,6 +94,7 @@ struct TokenSource {
         for (int64_t d = 0; d < D; ++d) vb[i * D + d] *= c[d];
       }
     }
+    return false;
   }
 };
 
@@ -117,8 +141,10 @@ struct SealedSource {
     }
   }
 
+  // Rows come out fully scaled (ksb / vsb are not used); returns false.
   template <int DC>
-  void load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value) const {
+  bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value, float*,
+            float*) const {
     const int64_t D = DC ? DC : this->D;
     const uint8_t kind = src_kind[r * W + blk];
     const int64_t idx = src_idx[r * W + blk];
@@ -128,7 +154,7 @@ struct SealedSource {
         decode_row<TAIL, DC>(tail_key + (first + i) * D * 2, 1.0f, kb + i * D, D);
         if (has_value) decode_row<TAIL, DC>(tail_value + (first + i) * D * 2, 1.0f, vb + i * D, D);
       }
-      return;
+      return false;
     }
     if (kind == 2) {
       for (int64_t i = 0; i < nt * Hkv; ++i) {
@@ -136,7 +162,7 @@ struct SealedSource {
         decode_row<I8, DC>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
         if (has_value) decode_row<I8, DC>(sink_value + row * D, static_cast<float>(sink_value_scale[row]), vb + i * D, D);
       }
-      return;
+      return false;
     }
     // keys: one step and zero point per (kv head, channel) of the block
     const float* lut = ue5m3().v;
@@ -174,6 +200,7 @@ struct SealedSource {
         for (int64_t c = 0; c < gs; ++c) x[c] = x[c] * s + z;
       }
     }
+    return false;
   }
 };
 
@@ -203,7 +230,7 @@ inline __m256 hsum8(const __m256* a) {
 // Scores sc[t] = (q . k_t) * sm_scale for t < lim, eight tokens at a time; returns their maximum.
 template <int DC>
 inline float scores_simd(const float* qv, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
-                         float* sc) {
+                         const float* ks, int64_t sstride, float* sc) {
   float mx = NEG_INF;
   alignas(32) float tmp[8];
   for (int64_t t0 = 0; t0 < lim; t0 += 8) {
@@ -223,8 +250,9 @@ inline float scores_simd(const float* qv, const float* kbase, int64_t stride, in
     _mm256_store_ps(tmp, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(sm_scale)));
     const int64_t nu = std::min<int64_t>(8, lim - t0);
     for (int64_t u = 0; u < nu; ++u) {
-      sc[t0 + u] = tmp[u];
-      mx = std::max(mx, tmp[u]);
+      const float v = ks ? tmp[u] * ks[(t0 + u) * sstride] : tmp[u];  // times the token's key scale
+      sc[t0 + u] = v;
+      mx = std::max(mx, v);
     }
   }
   return mx;
@@ -232,14 +260,15 @@ inline float scores_simd(const float* qv, const float* kbase, int64_t stride, in
 
 // ac[0..DC) = ac * corr + sum_t sc[t] * v_t, the accumulator held in registers across the tokens.
 template <int DC>
-inline void accumulate_simd(float* ac, float corr, const float* vbase, int64_t stride, int64_t lim, const float* sc) {
+inline void accumulate_simd(float* ac, float corr, const float* vbase, int64_t stride, int64_t lim, const float* sc,
+                            const float* vs, int64_t sstride) {
   constexpr int NV = DC / 8;
   __m256 acc[NV];
   const __m256 c = _mm256_set1_ps(corr);
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(ac + 8 * i), c);
   for (int64_t t = 0; t < lim; ++t) {
-    const __m256 w = _mm256_set1_ps(sc[t]);
+    const __m256 w = _mm256_set1_ps(vs ? sc[t] * vs[t * sstride] : sc[t]);  // times the token's value scale
     const float* row = vbase + t * stride;
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * i), acc[i]);
@@ -251,14 +280,15 @@ inline void accumulate_simd(float* ac, float corr, const float* vbase, int64_t s
 // One decoded block (rows [nt][Hkv][D]) of one request: every query row (j, qh), online-softmax update.
 template <int DC>
 inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e,
-                       const float* kb, const float* vb, int64_t stride, float sm_scale, float* m, float* l,
-                       float* acc, float* sc) {
+                       const float* kb, const float* vb, int64_t stride, const float* ks, const float* vs,
+                       int64_t Hkv, float sm_scale, float* m, float* l, float* acc, float* sc) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
     if (lim <= 0) continue;
     for (int64_t qh = 0; qh < H; ++qh) {
       const int64_t row = j * H + qh, h = qh / G;
-      const float mx = scores_simd<DC>(qf + row * DC, kb + h * DC, stride, lim, sm_scale, sc);
+      const float mx = scores_simd<DC>(qf + row * DC, kb + h * DC, stride, lim, sm_scale, ks ? ks + h : nullptr,
+                                       Hkv, sc);
       const float mnew = std::max(m[row], mx);
       const float corr = m[row] == NEG_INF ? 0.0f : exp_neg(m[row] - mnew);
       float psum = 0.0f;
@@ -269,7 +299,7 @@ inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t
       }
       l[row] = l[row] * corr + psum;
       m[row] = mnew;
-      accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc);
+      accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, vs ? vs + h : nullptr, Hkv);
     }
   }
 }
@@ -280,7 +310,7 @@ inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t
 // GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does.
 template <int DC, class Src>
 void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, int64_t t0, int64_t t1, float* m,
-                  float* l, float* acc, float* kb, float* vb, float* sc, bool has_value) {
+                  float* l, float* acc, float* kb, float* vb, float* ksb, float* vsb, float* sc, bool has_value) {
   const int64_t D = DC ? DC : b.D, bs = b.bs, H = b.H, Hkv = b.Hkv, G = H / Hkv;
   const int64_t s = b.seq_lens[r], q0 = b.qsl[r], n = b.qsl[r + 1] - q0;
   const int64_t stride = Hkv * D;  // between one token's rows of a head
@@ -289,12 +319,13 @@ void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, in
     const int64_t nt = e - a;
 #ifdef KVPAGE_SIMD
     if constexpr (DC > 0 && DC % 8 == 0) {
-      src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value);
-      block_simd<DC>(qf, n, H, G, s, a, e, kb, has_value ? vb : kb, stride, b.sm_scale, m, l, acc, sc);
+      const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value, ksb, vsb);
+      block_simd<DC>(qf, n, H, G, s, a, e, kb, has_value ? vb : kb, stride, folded ? ksb : nullptr,
+                     folded ? (has_value ? vsb : ksb) : nullptr, Hkv, b.sm_scale, m, l, acc, sc);
       continue;
     }
 #endif
-    src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value);
+    src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value, nullptr, nullptr);
     const float* vals = has_value ? vb : kb;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
@@ -363,7 +394,8 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
   const int64_t nslots = first[nreq];
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), sc(b.bs), qf(max_rows * D);
+    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), ksb(b.bs * b.Hkv), vsb(b.bs * b.Hkv), sc(b.bs),
+        qf(max_rows * D);
     const uint8_t* q = static_cast<const uint8_t*>(b.q);
     const int64_t qsize = b.q_enc == F32 ? 4 : 2;
     for (int64_t w = begin; w < end; ++w) {
@@ -371,7 +403,8 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
       const int64_t q0 = b.qsl[it.r], n = b.qsl[it.r + 1] - q0;
       rows_to_float(b.q_enc, q + q0 * H * D * qsize, qf.data(), n * H * D);
       attend_range<DC>(src, b, qf.data(), it.r, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
-                       A.data() + it.slot * max_rows * D, kb.data(), vb.data(), sc.data(), has_value);
+                       A.data() + it.slot * max_rows * D, kb.data(), vb.data(), ksb.data(), vsb.data(), sc.data(),
+                       has_value);
     }
   });
   // merge the splits of each request and write out
