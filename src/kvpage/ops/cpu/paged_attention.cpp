@@ -214,6 +214,23 @@ struct Batch {
   float sm_scale;
 };
 
+// The online-softmax step for one query row and one block (Milakov & Gimelshein 2018): scores sc[0..lim)
+// with maximum mx become weights exp(sc - m_new) in place; the running max m and sum l are updated and the
+// factor the row's accumulator must be rescaled by (exp(m_old - m_new), 0 on the first block) is returned.
+inline float softmax_update(float* sc, int64_t lim, float mx, float& m, float& l) {
+  const float mnew = std::max(m, mx);
+  const float corr = m == NEG_INF ? 0.0f : exp_neg(m - mnew);
+  float psum = 0.0f;
+#pragma omp simd reduction(+ : psum)
+  for (int64_t t = 0; t < lim; ++t) {
+    sc[t] = exp_neg(sc[t] - mnew);
+    psum += sc[t];
+  }
+  l = l * corr + psum;
+  m = mnew;
+  return corr;
+}
+
 #ifdef KVPAGE_SIMD
 // ---- AVX2 micro-kernels over a decoded block: one query row against up to bs float32 rows `stride` apart ----
 // (Reading codes in place instead, converting per query head, measured slower in the engine: the decoded
@@ -289,16 +306,7 @@ inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t
       const int64_t row = j * H + qh, h = qh / G;
       const float mx = scores_simd<DC>(qf + row * DC, kb + h * DC, stride, lim, sm_scale, ks ? ks + h : nullptr,
                                        Hkv, sc);
-      const float mnew = std::max(m[row], mx);
-      const float corr = m[row] == NEG_INF ? 0.0f : exp_neg(m[row] - mnew);
-      float psum = 0.0f;
-#pragma omp simd reduction(+ : psum)
-      for (int64_t t = 0; t < lim; ++t) {
-        sc[t] = exp_neg(sc[t] - mnew);
-        psum += sc[t];
-      }
-      l[row] = l[row] * corr + psum;
-      m[row] = mnew;
+      const float corr = softmax_update(sc, lim, mx, m[row], l[row]);
       accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, vs ? vs + h : nullptr, Hkv);
     }
   }
@@ -343,16 +351,7 @@ void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, in
           sc[t] = dsum * b.sm_scale;
           mx = std::max(mx, sc[t]);
         }
-        const float mnew = std::max(m[row], mx);
-        const float corr = m[row] == NEG_INF ? 0.0f : exp_neg(m[row] - mnew);
-        float psum = 0.0f;
-#pragma omp simd reduction(+ : psum)
-        for (int64_t t = 0; t < lim; ++t) {
-          sc[t] = exp_neg(sc[t] - mnew);
-          psum += sc[t];
-        }
-        l[row] = l[row] * corr + psum;
-        m[row] = mnew;
+        const float corr = softmax_update(sc, lim, mx, m[row], l[row]);
         float* ac = acc + row * D;
         const float* vh = vals + h * D;
 #pragma omp simd
