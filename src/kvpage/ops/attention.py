@@ -181,6 +181,25 @@ def read_kv(
     return decode(codes, scale, dtype, kind=name)
 
 
+def read_context(
+    cache: Mapping[str, torch.Tensor], spec: LayerSpec, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's stored keys and values, each ``[seq_len, kv_heads, head_dim]`` in ``dtype`` (no side effects).
+
+    Read in the format's stored (rotated) basis, as the attention ops attend (see :func:`read_kv`). Only
+    the request's own ``seq_len`` tokens are returned, never padding (case C19). A key-only layer's
+    values are its keys.
+
+    Args:
+        block_ids: the request's block table row (at least ``ceil(seq_len / block_size)`` entries).
+    """
+    ids = block_ids[: math.ceil(seq_len / spec.block_size)]
+    keys = read_kv(cache, spec, KEY, ids, dtype, rotated=True).flatten(0, 1)[:seq_len]
+    if not spec.has_value:
+        return keys, keys
+    return keys, read_kv(cache, spec, VALUE, ids, dtype, rotated=True).flatten(0, 1)[:seq_len]
+
+
 def check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
     """Check ``q``/``k``/``v`` against the layer's spec before anything is written (shared by both attention ops).
 
@@ -283,9 +302,6 @@ def paged_attention(
     out = torch.empty_like(qa)
     for i in range(meta.num_requests):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        s = meta.seq_lens[i]
-        ids = meta.block_tables[i, : math.ceil(s / bs)]
-        keys = read_kv(cache, spec, KEY, ids, adtype, rotated=True).flatten(0, 1)[:s]       # [s, Hkv, D]
-        vals = read_kv(cache, spec, value_name, ids, adtype, rotated=True).flatten(0, 1)[:s]  # [s, Hkv, D]
+        keys, vals = read_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], adtype)  # [s, Hkv, D]
         out[a:b] = request_attention(qa[a:b], keys, vals, scale)                # [n, H, D]
     return (out if rot is None else out @ rot.T).to(q.dtype)

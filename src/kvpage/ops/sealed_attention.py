@@ -96,6 +96,16 @@ def write_sealed(
     rows.index_copy_(0, plan.tail_dst, xt[plan.tail_src])
 
 
+def write_sealed_kv(
+    cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, ctx: SealContext,
+    block_size: int, k: torch.Tensor, v: torch.Tensor | None,
+) -> None:
+    """:func:`write_sealed` of this step's keys and, unless the layer is key-only (``v is None``), values."""
+    write_sealed(cache, tail, fmt, ctx.sink_format, block_size, KEY, k, ctx.plan)
+    if v is not None:
+        write_sealed(cache, tail, fmt, ctx.sink_format, block_size, VALUE, v, ctx.plan)
+
+
 def read_sealed(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
     spec: LayerSpec, kind: str, read: RequestRead, dtype: torch.dtype,
@@ -115,6 +125,20 @@ def read_sealed(
         a = read.open_slot * bs
         out = torch.cat([out, rows[a:a + read.open_len].to(dtype)])
     return out
+
+
+def read_sealed_context(
+    cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
+    spec: LayerSpec, read: RequestRead, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's keys and values (:func:`read_sealed` of each), ``[seq_len, kv_heads, head_dim]`` in ``dtype``.
+
+    A key-only layer's values are its keys. No side effects.
+    """
+    keys = read_sealed(cache, tail, fmt, sink_format, spec, KEY, read, dtype)
+    if not spec.has_value:
+        return keys, keys
+    return keys, read_sealed(cache, tail, fmt, sink_format, spec, VALUE, read, dtype)
 
 
 def sealed_attention_checks(
@@ -184,18 +208,13 @@ def sealed_attention(
     """
     fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
     plan = ctx.plan
-    bs = spec.block_size
-    write_sealed(cache, tail, fmt, ctx.sink_format, bs, KEY, k, plan)
-    if spec.has_value:
-        assert v is not None
-        write_sealed(cache, tail, fmt, ctx.sink_format, bs, VALUE, v, plan)
+    write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
     adtype = torch.float32 if q.device.type == "cpu" else q.dtype
     qa = q.to(adtype)
     out = torch.empty_like(qa)
     qsl = meta.query_start_loc
     for i, read in enumerate(plan.reads):
         a, b = qsl[i], qsl[i + 1]
-        keys = read_sealed(cache, tail, fmt, ctx.sink_format, spec, KEY, read, adtype)    # [s, Hkv, D]
-        vals = read_sealed(cache, tail, fmt, ctx.sink_format, spec, VALUE, read, adtype) if spec.has_value else keys
+        keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, adtype)  # [s, Hkv, D]
         out[a:b] = request_attention(qa[a:b], keys, vals, scale)                # [n, H, D]
     return out.to(q.dtype)

@@ -35,11 +35,11 @@ import torch
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, FloatFormat, SealedFormat, StaticScaleFormat, TokenFormat
 from kvpage.formats.codes import E4M3_QMAX, INT8_QMAX
 from kvpage.formats.per_token import PerTokenFormat
-from kvpage.ops.attention import AttentionMetadata, check_inputs, read_kv, token_format, write_kv
+from kvpage.ops.attention import AttentionMetadata, check_inputs, read_context, token_format, write_kv
 from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
-from kvpage.ops.sealed_attention import SealContext, read_sealed, sealed_attention_checks, write_sealed
+from kvpage.ops.sealed_attention import SealContext, read_sealed_context, sealed_attention_checks, write_sealed_kv
 from kvpage.spec import LayerSpec
 
 #: Requests with at most this many new tokens attend in the fused kernel; longer runs use SDPA.
@@ -230,14 +230,10 @@ class CpuBackend(AttentionBackend):
                 cache.get(VALUE_SCALE if spec.has_value else KEY_SCALE), kchan, vchan,
                 meta.block_tables, rows.seq_lens, rows.query_start_loc, rows.kernel_rows, enc, spec.head_dim**-0.5,
             )
-        bs = spec.block_size
+        dt = _sdpa_dtype(qa.dtype)
         for i in rows.sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            s = meta.seq_lens[i]
-            ids = meta.block_tables[i, : -(-s // bs)]
-            dt = _sdpa_dtype(qa.dtype)
-            keys = read_kv(cache, spec, KEY, ids, dt, rotated=True).flatten(0, 1)[:s]
-            vals = read_kv(cache, spec, value_name, ids, dt, rotated=True).flatten(0, 1)[:s]
+            keys, vals = read_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], dt)
             out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, None)
         if rot is not None:
             out = out @ rot.T
@@ -251,10 +247,7 @@ class CpuBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward_sealed`."""
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
-        bs = spec.block_size
-        write_sealed(cache, tail, fmt, ctx.sink_format, bs, KEY, k, ctx.plan)
-        if v is not None:
-            write_sealed(cache, tail, fmt, ctx.sink_format, bs, VALUE, v, ctx.plan)
+        write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
         rows = self._step_rows(meta)
         qa = q.contiguous()
         out = torch.empty_like(qa)
@@ -272,12 +265,10 @@ class CpuBackend(AttentionBackend):
                 src.kind, src.index, rows.seq_lens, rows.query_start_loc, rows.kernel_rows,
                 fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, spec.head_dim**-0.5,
             )
+        dt = _sdpa_dtype(qa.dtype)
         for i in rows.sdpa_rows:
-            read = ctx.plan.reads[i]
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            dt = _sdpa_dtype(qa.dtype)
-            keys = read_sealed(cache, tail, fmt, ctx.sink_format, spec, KEY, read, dt)
-            vals = read_sealed(cache, tail, fmt, ctx.sink_format, spec, VALUE, read, dt) if spec.has_value else keys
+            keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, ctx.plan.reads[i], dt)
             out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, None)
         return out
 

@@ -63,10 +63,10 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
-    """Where the compiled extension of this machine lives (created when missing)."""
+def build_dir(key: str | None = None) -> Path:
+    """Where the compiled extension of this machine lives (created when missing); ``key`` defaults to :func:`build_key`."""
     root = Path(os.environ.get("KVPAGE_EXTENSIONS_DIR") or Path.home() / ".cache" / "kvpage" / "extensions")
-    d = root / f"cpu_kernels_{build_key()}"
+    d = root / f"cpu_kernels_{key or build_key()}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -74,9 +74,12 @@ def build_dir() -> Path:
 def load_kernels() -> ModuleType | None:
     """The compiled CPU kernels module, building it on first use; ``None`` (after one warning) when it cannot be built.
 
-    Thread-safe; the result (module or failure) is remembered for the process. Side effect: the first
+    Thread-safe; the result (module or failure) is remembered for the process, and later calls (the
+    decoder's fused ops ask on every call) return it without taking the lock. Side effect: the first
     call may compile for ~30-60 s and writes the build folder (:func:`build_dir`).
     """
+    if "mod" in _state:
+        return _state["mod"]
     with _lock:
         if "mod" in _state:
             return _state["mod"]
@@ -87,12 +90,12 @@ def load_kernels() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load
 
-            d = build_dir()
+            key = build_key()
             mod = load(
-                name=f"kvpage_cpu_{build_key()}",
+                name=f"kvpage_cpu_{key}",
                 sources=[str(p) for p in SOURCES],
                 extra_cflags=list(CFLAGS),
-                build_directory=str(d),
+                build_directory=str(build_dir(key)),
                 verbose=False,
             )
         except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
