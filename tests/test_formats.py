@@ -65,8 +65,8 @@ ALIASES = {
     "float8_e4m3fn": "fp8",
     "float8_e4m3": "fp8",
     "e4m3": "fp8",
-    "block_wise_fp8": "fp8",
     "fp8_per_token_head": "fp8_per_token_head",
+    "block_wise_fp8": "fp8_per_token_head",  # FastDeploy: per-(token, head) scales, unrotated
     "int4": "int4",
     "int4_zp": "int4",  # FastDeploy
     "int2": "int2",
@@ -118,12 +118,14 @@ def test_format_aliases_table_matches_docs() -> None:
         else:  # a canonical name is not also listed as an alias
             assert alias not in table
     assert sorted(a for a, c in table.items() if c == "fp8") == sorted(
-        ["fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3", "block_wise_fp8"]
+        ["fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3"]
     )
     # the plain variants are formats of their own now, not spellings of the rotated ones
     assert [a for a, c in table.items() if c == "int8"] == ["int8_per_token_head"]
-    for canon in ("int8_rotated", "fp8_per_token_head"):
-        assert not [a for a, c in table.items() if c == canon]
+    assert not [a for a, c in table.items() if c == "int8_rotated"]
+    # FastDeploy's block_wise_fp8 keeps one dynamic scale per (token, kv head) of unrotated rows (its scale
+    # caches are [num_blocks, kv_heads, block_size]): the plain layout, not the rotated fp8
+    assert [a for a, c in table.items() if c == "fp8_per_token_head"] == ["block_wise_fp8"]
     assert available_formats() == [
         "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
         "int8_static", "fp8_static",  # static calibrated scales: tests/test_static_scales.py

@@ -158,8 +158,10 @@ def test_rotated_formats_record_their_format_version() -> None:
 def test_fingerprint_ignores_spelling_only() -> None:
     a = CacheSpec.build(**{**BASE, "kv_cache_dtype": "fp8"})
     b = CacheSpec.build(**{**BASE, "kv_cache_dtype": "FP8_E4M3"})
+    assert a.fingerprint == b.fingerprint
     c = CacheSpec.build(**{**BASE, "kv_cache_dtype": "block_wise_fp8"})
-    assert a.fingerprint == b.fingerprint == c.fingerprint
+    plain = CacheSpec.build(**{**BASE, "kv_cache_dtype": "fp8_per_token_head"})
+    assert c.fingerprint == plain.fingerprint != a.fingerprint  # FastDeploy's name: unrotated rows
     auto = CacheSpec.build(**{**BASE, "kv_cache_dtype": "auto"}, model_dtype=torch.bfloat16)
     bf16 = CacheSpec.build(**{**BASE, "kv_cache_dtype": "bf16"})
     assert auto.fingerprint == bf16.fingerprint

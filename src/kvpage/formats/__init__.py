@@ -8,14 +8,13 @@ name                  aliases                                     bits/value (he
 ``bfloat16``          ``bf16``                                    16
 ``float16``           ``fp16``, ``half``                          16
 ``int8``              ``int8_per_token_head`` (vLLM semantics)    8.25
-``fp8``               ``fp8_e4m3``, ``float8_e4m3fn``,            8.25
-                      ``block_wise_fp8`` (rotated rows)
+``fp8``               ``fp8_e4m3``, ``float8_e4m3fn`` (rotated)   8.25
 ``int8_rotated``      Hadamard-rotated int8 rows                  8.25
-``fp8_per_token_head``   plain e4m3 (vLLM semantics)              8.25
+``fp8_per_token_head`` ``block_wise_fp8`` (FastDeploy): plain e4m3 8.25
 ``int8_static``       ``cache_int8`` (static per-channel scales)  8
 ``fp8_static``        ``fp8_per_tensor`` (static per-tensor)      8
-``int4``              ``int4_zp``, ``kivi4`` (quantize on seal)   4.75 (+ tail, sink)
-``int2``              ``kivi2`` (quantize on seal)                2.75 (+ tail, window, sink)
+``int4``              ``int4_zp``, ``int4_kivi``, ``kivi4``       4.56 (+ tail, sink)
+``int2``              ``int2_zp``, ``int2_kivi``, ``kivi2``       2.56 (+ tail, window, sink)
 ====================  ==========================================  ============================
 
 :func:`get_format` resolves any accepted spelling (case-insensitive) to a

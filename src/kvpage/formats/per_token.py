@@ -163,7 +163,7 @@ class Fp8Format(PerTokenFormat):
     """
 
     name = "fp8"
-    aliases: ClassVar[tuple[str, ...]] = ("fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3", "block_wise_fp8")
+    aliases: ClassVar[tuple[str, ...]] = ("fp8_e4m3", "float8_e4m3fn", "float8_e4m3", "e4m3")
     #: 2: rows are Hadamard-rotated (version 1 stored plain rows under this name).
     version: ClassVar[int] = 2
     qmax: ClassVar[float] = 448.0
@@ -187,9 +187,15 @@ class Int8RotatedFormat(Int8Format):
 
 
 class Fp8PerTokenHeadFormat(Fp8Format):
-    """Plain (unrotated) per-(token, head) e4m3: vLLM's ``fp8_per_token_head``. Error ``|x - x_hat| <= 2**-4 |x| + 2**-10 s``."""
+    """Plain (unrotated) per-(token, head) e4m3: vLLM's ``fp8_per_token_head``. Error ``|x - x_hat| <= 2**-4 |x| + 2**-10 s``.
+
+    Also FastDeploy's ``block_wise_fp8`` KV cache: despite the name, its scale caches
+    are shaped ``[num_blocks, kv_heads, block_size]`` -- one dynamic scale per (token,
+    kv head), stored block-wise beside unrotated e4m3 codes -- which is this layout
+    (FastDeploy keeps the scales in the model dtype, kvpage in float16).
+    """
 
     name = "fp8_per_token_head"
-    aliases: ClassVar[tuple[str, ...]] = ()
+    aliases: ClassVar[tuple[str, ...]] = ("block_wise_fp8",)
     version: ClassVar[int] = 1
     rotate: ClassVar[bool] = False
