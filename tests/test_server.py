@@ -257,22 +257,30 @@ BAD_INPUTS = [
     # (id, path, body (str = raw bytes), status, code, words in the message)
     ("malformed-json", "/v1/completions", '{"model": "smollm2-test", "prompt": "hi", ', 400, None, "malformed JSON"),
     ("malformed-json-chat", "/v1/chat/completions", "{not json}", 400, None, "malformed JSON"),
-    ("max_tokens-wrong-type", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 422, None,
-     "max_tokens"),
+    ("max_tokens-wrong-type", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, None,
+     "max_tokens: expected an integer"),
+    ("max_tokens-numeric-string", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, None,
+     'max_tokens: expected an integer, got "5"'),
     ("temperature-wrong-type", "/v1/chat/completions",
-     {"model": MODEL, "messages": CHAT_MESSAGES, "temperature": "hot"}, 422, None, "temperature"),
-    ("prompt-wrong-type", "/v1/completions", {"model": MODEL, "prompt": 42}, 422, None, "prompt"),
-    ("messages-wrong-type", "/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 422, None, "messages"),
-    ("stream-wrong-type", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes please"}, 422, None,
-     "stream"),
-    ("prompt-missing", "/v1/completions", {"model": MODEL}, 422, None, "prompt"),
+     {"model": MODEL, "messages": CHAT_MESSAGES, "temperature": "hot"}, 400, None, "temperature: expected a number"),
+    ("prompt-wrong-type", "/v1/completions", {"model": MODEL, "prompt": 42}, 400, None, "prompt: expected a string"),
+    ("messages-wrong-type", "/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, None,
+     "messages: expected an array"),
+    ("stream-wrong-type", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes please"}, 400, None,
+     "stream: expected a boolean"),
+    ("stream-yes", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, None,
+     'stream: expected a boolean (true or false), got "yes"'),
+    ("prompt-missing", "/v1/completions", {"model": MODEL}, 400, None, "prompt: required"),
     ("max_tokens-zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, None,
-     "max_tokens must be at least 1"),
+     "max_tokens: must be >= 1, got 0"),
     ("max_tokens-negative", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": -5},
-     400, None, "max_tokens must be at least 1"),
+     400, None, "max_tokens: must be >= 1, got -5"),
+    ("max_tokens-beyond-context", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN},
+     400, "context_length_exceeded", f"maximum context length is {MAX_MODEL_LEN} tokens"),
     ("max_completion_tokens-zero", "/v1/chat/completions",
-     {"model": MODEL, "messages": CHAT_MESSAGES, "max_completion_tokens": 0}, 400, None, "at least 1"),
-    ("n-two", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, None, "n must be 1"),
+     {"model": MODEL, "messages": CHAT_MESSAGES, "max_completion_tokens": 0}, 400, None, "must be >= 1"),
+    ("n-two", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, None,
+     "n: must be <= 1: this server returns one choice per request"),
     ("temperature-range", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 5}, 400, None,
      "temperature"),
     ("prompt-too-long", "/v1/completions", {"model": MODEL, "prompt": _LONG}, 400, "context_length_exceeded",
@@ -309,12 +317,16 @@ def test_bad_input_via_openai_client(server) -> None:
     assert e.value.status_code == 404 and "gpt-4" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         server.client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=0)
-    assert "max_tokens must be at least 1" in e.value.message
+    assert "max_tokens: must be >= 1" in e.value.message and e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt=_LONG, max_tokens=2)
     assert e.value.code == "context_length_exceeded"
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt="hi", extra_body={"max_tokens": "many"})
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN)
+    assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
 
 
 @pytest.mark.slow

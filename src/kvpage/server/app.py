@@ -3,19 +3,25 @@
 Routes:
     ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
     answers with server-sent events in OpenAI's chunk format, ending with
-    ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+    ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+    ``GET /openapi.json`` (this server's schema: the request constraints of
+    :mod:`kvpage.server.protocol`, with ``model`` and the token limits of the served model).
 
-Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``:
+Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``
+(:mod:`kvpage.server.errors`); ``param`` names the field at fault where there is one:
 
 ======  =====================================================================================
 status  when
 ======  =====================================================================================
-400     malformed JSON; a value out of range (``max_tokens <= 0``, ``temperature > 2``,
-        ``n != 1``, ...); a prompt that reaches the model's context (code
-        ``context_length_exceeded``) or cannot fit in the KV cache; a token id outside the vocabulary
-404     unknown model name (code ``model_not_found``) or route
-422     a field of the wrong type, or a required field missing
-500     the engine failed while the request ran (a stream gets an error event instead)
+400     any field of the wrong type (strict: ``"5"`` is not an integer, ``"yes"`` not a
+        boolean), out of range, or missing; malformed JSON; a body that is not a JSON object;
+        a prompt that reaches the model's context, or prompt + ``max_tokens`` beyond it (code
+        ``context_length_exceeded``, both numbers in the message); a token id outside the vocabulary
+404     unknown model name (code ``model_not_found``) or route (code ``not_found``)
+405     a route asked with the wrong method (``Allow`` header lists the right one)
+500     the engine failed on this request (``finish_reason="error"``, or its step raised);
+        code ``engine_error``. A stream gets a final ``data: {"error": ...}`` event before
+        ``[DONE]`` instead. Other requests and the server go on.
 503     the engine is not running
 ======  =====================================================================================
 
@@ -25,7 +31,6 @@ answer) aborts its request; its KV blocks are freed before the engine's next ste
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -36,145 +41,48 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
 from kvpage.errors import PromptTooLongError
 from kvpage.server.async_engine import AsyncEngine, EngineNotRunningError, EngineStepError, RequestStream
+from kvpage.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     AssistantMessage,
     ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    UsageInfo,
 )
+from kvpage.server.sse import SSEResponse, chat_events, completion_events, raise_if_failed, usage
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
 
 logger = logging.getLogger(__name__)
 
-#: Pydantic error types that mean "a value out of range" (400) rather than "the wrong type" (422).
-_VALUE_ERROR_TYPES = frozenset({
-    "value_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal",
-    "too_short", "too_long", "literal_error",
-})
 
+class ContextOverflowError(PromptTooLongError):
+    """Prompt + the requested output tokens exceed the context; ``param`` names the limit's field."""
 
-class APIError(Exception):
-    """An error answered with an OpenAI-style body.
-
-    Args:
-        status: HTTP status.
-        message: what was wrong and what to do.
-        type: OpenAI's error type (``invalid_request_error``, ``server_error``, ...).
-        param: the request field at fault, if one is.
-        code: a machine-readable code (``model_not_found``, ``context_length_exceeded``).
-    """
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        """The error as a JSON response."""
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+        self.param = param
 
 
 def default_model_name(llm: LLM) -> str:
     """The name a model is served under by default: the GGUF file's stem or the model folder's name."""
     path = Path(llm.model_path)
     return path.stem if path.suffix == ".gguf" else path.name
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """One OpenAI-style error for all of a request's validation errors.
-
-    400 for malformed JSON and out-of-range values, 422 for wrong types and
-    missing fields. The alternatives of a union field (``prompt``) are merged
-    into one "expected one of" message.
-    """
-    errors = list(exc.errors())
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        e = dict(e, _loc=loc)
-        key = "" if e.get("type") == "json_invalid" else (loc[0] if loc else "")
-        groups.setdefault(key, []).append(e)
-    parts: list[str] = []
-    for field, errs in groups.items():
-        if errs[0].get("type") == "json_invalid":
-            detail = (errs[0].get("ctx") or {}).get("error", "")
-            where = ".".join(errs[0]["_loc"])
-            parts.append(f"malformed JSON body{f' at position {where}' if where else ''}"
-                         f"{f': {detail}' if detail else ''}")
-        elif len(errs) > 1 and all(len(e["_loc"]) > 1 and not e["_loc"][1].isdigit() for e in errs):
-            kinds = sorted({e["_loc"][1] for e in errs})  # a union: loc = (field, member type, ...)
-            parts.append(f"{field}: wrong type; expected one of {', '.join(kinds)}")
-        else:
-            for e in errs:
-                msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-                parts.append(f"{'.'.join(e['_loc'])}: {msg}" if e["_loc"] else msg)
-    types = {e.get("type") for e in errors}
-    status = 400 if "json_invalid" in types or types <= _VALUE_ERROR_TYPES else 422
-    param = next((k for k in groups if k), None)
-    return APIError(status, "; ".join(parts) or "invalid request", param=param)
-
-
-class _SSEResponse(StreamingResponse):
-    """A ``text/event-stream`` response that stops its body iterator as soon as the client disconnects.
-
-    Starlette watches for the disconnect only under some ASGI spec versions; this
-    always does, so the body's ``finally`` (which aborts the request) runs at once.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Stream the body while listening for ``http.disconnect``; whichever ends first cancels the other.
-
-        ``on_close`` runs at the end in every case, even when the body never started.
-        """
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the socket went away under us
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            self._on_close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -189,7 +97,8 @@ async def _final_unless_disconnected(stream: RequestStream, request: Request) ->
     """The finished output, or ``None`` when the client went away first (the request is then aborted).
 
     Raises:
-        APIError: 500 when the engine failed while the request ran.
+        APIError: 500 when the engine failed while the request ran (its step raised,
+            or it finished the request with ``finish_reason="error"``).
     """
     final = asyncio.ensure_future(stream.final())
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -202,25 +111,48 @@ async def _final_unless_disconnected(stream: RequestStream, request: Request) ->
     if final not in done:
         return None
     try:
-        return final.result()
+        out = final.result()
     except EngineStepError as e:
-        raise APIError(500, str(e), type="server_error") from e
+        raise APIError(500, str(e), type="server_error", code="engine_error") from e
+    raise_if_failed(out)
+    return out
 
 
-def _sse(payload: Any) -> str:
-    """One server-sent event (``data: <json>``)."""
-    if hasattr(payload, "model_dump_json"):
-        return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
+def _cap_integers(node: Any, maximum: int) -> None:
+    """Set ``maximum`` on every integer-typed node of a JSON schema (the branches of an ``anyOf`` too)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = min(maximum, node.get("maximum", maximum))
+        for key in ("anyOf", "oneOf", "items"):
+            sub = node.get(key)
+            for s in sub if isinstance(sub, list) else [sub]:
+                _cap_integers(s, maximum)
 
 
-def _usage(out: RequestOutput) -> UsageInfo:
-    m = out.metrics
-    return UsageInfo.build(m.prompt_tokens, len(out.outputs[0].token_ids), m.cached_tokens)
+def _serve_openapi(app: FastAPI, name: str, context_tokens: int, vocab_size: int) -> None:
+    """Put this server's facts in the app's cached OpenAPI schema: ``model`` is ``name``, token limits the model's.
 
-
-def _engine_error_body(e: Exception) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(message=str(e), type="server_error"))
+    FastAPI's own 422 responses are replaced by the 400 this server answers. Call
+    after every route is added (FastAPI rebuilds the schema when routes change).
+    """
+    schema = app.openapi()
+    comps = schema.get("components", {}).get("schemas", {})
+    for cls in ("CompletionRequest", "ChatCompletionRequest"):
+        props = comps.get(cls, {}).get("properties", {})
+        if "model" in props:
+            props["model"] = {"type": "string", "enum": [name], "title": "Model",
+                              "description": "The served model's name (GET /v1/models); others get 404."}
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                _cap_integers(props[field], context_tokens - 1)
+        for field in ("prompt", "stop_token_ids"):
+            if field in props:
+                _cap_integers(props[field], vocab_size - 1)
+    for name_ in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name_, None)
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)
 
 
 def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
@@ -236,13 +168,15 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
 
     Returns:
         The app; ``app.state.engine`` is the :class:`AsyncEngine`, ``app.state.metrics``
-        the :class:`~kvpage.server.metrics.ServerMetrics`.
+        the :class:`~kvpage.server.metrics.ServerMetrics`, ``app.state.context_tokens``
+        the most prompt + output tokens one request may have.
     """
     name = served_model_name or default_model_name(llm)
     metrics = ServerMetrics(lambda: engine.stats(), name)  # scraped only once the engine below exists
     engine = AsyncEngine(llm, observer=metrics)
     vocab_size = int(llm.config.vocab_size)
-    context_tokens = min(int(llm.max_model_len), int(llm.max_cache_tokens))
+    max_model_len = int(llm.max_model_len)
+    context_tokens = min(max_model_len, int(llm.max_cache_tokens))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -256,24 +190,8 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model_name = name
-
-    # -- errors --------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+    app.state.context_tokens = context_tokens
+    install_error_handlers(app)
 
     # -- helpers -------------------------------------------------------------------------------
     def check_model(model: str) -> None:
@@ -281,10 +199,18 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}` "
                                 f"(see GET /v1/models).", param="model", code="model_not_found")
 
+    def check_stop_token_ids(body: CompletionRequest | ChatCompletionRequest) -> None:
+        bad = [t for t in body.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                           param="stop_token_ids")
+
     async def submit(rid: str, make_prompt: Callable[[], tuple[str | None, list[int]]],
                      params: SamplingParams | Callable[[list[int]], SamplingParams], param: str) -> RequestStream:
         try:
             return await engine.add_request(rid, make_prompt, params)
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from e
         except PromptTooLongError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from e
         except EngineNotRunningError as e:
@@ -303,8 +229,36 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    def fitted(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
+               default: int | None) -> Callable[[list[int]], SamplingParams]:
+        """``params`` for a prompt of known length: an asked-for limit must fit the context (else 400);
+        without one, ``default`` (``None``: up to the end of the context) is cut to what fits."""
+        asked = body.requested_max_tokens()
+        field = body.max_tokens_param
+
+        def fit(ids: list[int]) -> SamplingParams:
+            n = len(ids)
+            if n >= max_model_len:
+                return params  # the engine's own "prompt too long" error names max_model_len
+            room = context_tokens - n
+            if asked is None:
+                return replace(params, max_tokens=max(1, room if default is None else min(default, room)))
+            if asked > room:
+                where = (f"This model's maximum context length is {max_model_len} tokens"
+                         if context_tokens == max_model_len else
+                         f"The KV cache holds {context_tokens} tokens (max_model_len {max_model_len})")
+                raise ContextOverflowError(
+                    f"{where}. However, you requested {n + asked} tokens ({n} in the prompt, {asked} in "
+                    f"{field}). Reduce the prompt or {field} (at most {max(room, 0)} here).", field)
+            return params
+
+        return fit
+
     # -- routes --------------------------------------------------------------------------------
-    @app.get("/health")
+    health_ok = {"content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"type": "string", "enum": ["ok"]}}, "required": ["status"]}}}}
+
+    @app.get("/health", responses={200: health_ok, 503: ERROR_RESPONSES[503]})
     async def health() -> Response:
         """200 while the engine thread runs, 503 otherwise."""
         if not engine.is_running:
@@ -312,7 +266,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
                            type="server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route() -> Response:
         """Prometheus text exposition of the ``kvpage:`` metrics."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -320,13 +274,20 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> ModelList:
         """The one served model."""
-        return ModelList(data=[ModelCard(id=name, max_model_len=int(llm.max_model_len))])
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)])
 
-    @app.post("/v1/completions", response_model=None)
+    def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
+        event = {"type": "object", "required": ["data"], "properties": {"data": {
+            "type": "string", "description": "a chunk or error object as JSON, or [DONE] (the last event)"}}}
+        return {200: {"model": model, "description": "The completion, or with stream: true its server-sent events",
+                      "content": {"text/event-stream": {"schema": event}}}, **ERROR_RESPONSES}
+
+    @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI's text completion; ``stream: true`` answers with SSE chunks."""
         check_model(body.model)
-        params = sampling(body, DEFAULT_COMPLETION_MAX_TOKENS)
+        check_stop_token_ids(body)
+        params = sampling(body, body.requested_max_tokens() or DEFAULT_COMPLETION_MAX_TOKENS)
         prompt = body.prompt
         if isinstance(prompt, str):
             text = prompt
@@ -337,107 +298,58 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                                param="prompt")
 
             def make_prompt() -> tuple[str | None, list[int]]:
                 return None, ids
 
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await submit(rid, make_prompt, params, "prompt")
+        stream = await submit(rid, make_prompt, fitted(body, params, DEFAULT_COMPLETION_MAX_TOKENS), "prompt")
         created = int(time.time())
         if body.stream:
-            return _SSEResponse(_completion_events(stream, rid, created, name, body.include_usage), stream.abort)
+            return SSEResponse(completion_events(stream, rid, created, name, body.include_usage), stream.abort)
         out = await _final_unless_disconnected(stream, request)
         if out is None:
             return Response(status_code=499)  # nobody is listening
         c = out.outputs[0]
         return JSONResponse(CompletionResponse(
-            id=rid, created=created, model=name, usage=_usage(out),
+            id=rid, created=created, model=name, usage=usage(out),
             choices=[CompletionChoice(text=c.text, finish_reason=c.finish_reason)],
         ).model_dump())
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        """OpenAI's chat completion; ``stream: true`` answers with SSE ``chat.completion.chunk`` s."""
+        """OpenAI's chat completion; ``stream: true`` answers with SSE ``chat.completion.chunk`` s.
+
+        Without ``max_tokens``/``max_completion_tokens`` the answer may run to the end of the
+        context (or of the KV cache, if smaller).
+        """
         check_model(body.model)
+        check_stop_token_ids(body)
         messages = body.chat_messages()
-        asked = body.requested_max_tokens()
-        params = sampling(body, asked or 1)
+        params = sampling(body, body.requested_max_tokens() or 1)
 
         def make_prompt() -> tuple[str | None, list[int]]:
             rendered = llm.chat_prompt(messages)
             return rendered["prompt"], list(rendered["prompt_token_ids"])
 
-        def until_context_end(ids: list[int]) -> SamplingParams:
-            return replace(params, max_tokens=max(1, context_tokens - len(ids)))
-
-        # Without a limit, answer up to the end of the context (or of the KV cache, if smaller).
-        params_arg = params if asked is not None else until_context_end
-
-        stream = await submit(f"chatcmpl-{uuid.uuid4().hex}", make_prompt, params_arg, "messages")
+        stream = await submit(f"chatcmpl-{uuid.uuid4().hex}", make_prompt, fitted(body, params, None), "messages")
         rid = stream.request_id
         created = int(time.time())
         if body.stream:
-            return _SSEResponse(_chat_events(stream, rid, created, name, body.include_usage), stream.abort)
+            return SSEResponse(chat_events(stream, rid, created, name, body.include_usage), stream.abort)
         out = await _final_unless_disconnected(stream, request)
         if out is None:
             return Response(status_code=499)
         c = out.outputs[0]
         return JSONResponse(ChatCompletionResponse(
-            id=rid, created=created, model=name, usage=_usage(out),
+            id=rid, created=created, model=name, usage=usage(out),
             choices=[ChatChoice(message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)],
         ).model_dump())
 
+    _serve_openapi(app, name, context_tokens, vocab_size)  # what /openapi.json serves
     return app
-
-
-async def _completion_events(stream: RequestStream, rid: str, created: int, model: str,
-                             include_usage: bool) -> AsyncIterator[str]:
-    """SSE body of a streamed completion: text deltas, a finish chunk, optional usage, ``[DONE]``."""
-    try:
-        last: RequestOutput | None = None
-        async for out in stream:
-            last = out
-            c = out.outputs[0]
-            if c.delta_text:
-                yield _sse(CompletionResponse(id=rid, created=created, model=model,
-                                              choices=[CompletionChoice(text=c.delta_text)]))
-            if out.finished:
-                yield _sse(CompletionResponse(id=rid, created=created, model=model,
-                                              choices=[CompletionChoice(text="", finish_reason=c.finish_reason)]))
-        if include_usage and last is not None:
-            yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=_usage(last)))
-    except EngineStepError as e:
-        yield _sse(_engine_error_body(e))
-    finally:
-        stream.abort()
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_events(stream: RequestStream, rid: str, created: int, model: str,
-                       include_usage: bool) -> AsyncIterator[str]:
-    """SSE body of a streamed chat completion: role chunk, content deltas, finish chunk, optional usage, ``[DONE]``."""
-    try:
-        yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-            ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))]))
-        last: RequestOutput | None = None
-        async for out in stream:
-            last = out
-            c = out.outputs[0]
-            if c.delta_text:
-                yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=DeltaMessage(content=c.delta_text))]))
-            if out.finished:
-                yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=DeltaMessage(), finish_reason=c.finish_reason)]))
-        if include_usage and last is not None:
-            yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=_usage(last)))
-    except EngineStepError as e:
-        yield _sse(_engine_error_body(e))
-    finally:
-        stream.abort()
-    yield "data: [DONE]\n\n"
 
 
 class ServerThread:

@@ -20,9 +20,14 @@ Invariants:
     * A request whose stream is closed before it finished (client gone,
       handler cancelled) is aborted: its blocks return to the pool before the
       engine's next step.
-    * If ``step()`` raises, every unfinished request is aborted (blocks freed)
-      and its stream raises :class:`EngineStepError`; the loop keeps serving
-      new requests.
+    * A request the engine finishes with ``finish_reason="error"`` (its own
+      forward, sampling or detokenization failed) ends its stream with that
+      output, like any finished request; the others go on.
+    * If ``step()`` raises the engine's ``EngineStepError`` (every request of the
+      step failed), each failed request's final ``"error"`` output is delivered;
+      if it raises anything else, every unfinished request is aborted (blocks
+      freed) and its stream raises :class:`EngineStepError`. Either way the loop
+      keeps serving new requests.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvpage.engine.engine import EngineStepError as BatchFailedError
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
 from kvpage.errors import KVPageError
@@ -320,6 +326,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except BatchFailedError as e:  # every request of the step failed; the engine finished each with "error"
+            logger.error("engine step failed for every scheduled request: %s", e)
+            self._observe(e.outputs)
+            self._post(self._deliver, list(e.outputs))
+            self._fail_all(e)  # anything else still unfinished (none, normally)
+            return
         except Exception as e:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(e)

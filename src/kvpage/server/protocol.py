@@ -2,10 +2,41 @@
 
 Requests follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``
 (plus vLLM's ``top_k``, ``ignore_eos`` and ``stop_token_ids`` extensions).
-Unknown fields are ignored, as OpenAI and vLLM do; a known field of the wrong
-type fails validation. Range rules (``max_tokens >= 1``, ``0 <= temperature <= 2``,
-``0 < top_p <= 1``, ``n == 1``) are validators here, so one place states them;
-:mod:`kvpage.server.app` turns their failures into OpenAI-style error bodies.
+Request models are *strict*, as OpenAI is: ``"max_tokens": "5"``,
+``"stream": "yes"``, ``true`` for an integer or ``1.5`` for an integer are
+rejected; an integer is accepted where a number is (``"temperature": 1``) and
+an integral number where an integer is (``5.0``: JSON Schema's "integer").
+Unknown fields are ignored, as OpenAI and vLLM do.
+
+Every range rule is a constraint here, so the OpenAPI schema states it and one
+place checks it:
+
+==========================  =================================================================
+field                       accepted
+==========================  =================================================================
+``model``                   string (the served name, else 404)
+``max_tokens``              integer >= 1 or null (prompt + max_tokens must fit the context:
+                            checked in :mod:`kvpage.server.app`, which knows the prompt's length)
+``max_completion_tokens``   integer >= 1 or null (chat; wins over ``max_tokens``)
+``temperature``             number in [0, 2]
+``top_p``                   number in (0, 1]
+``top_k``                   integer >= -1 (-1 and 0 disable it)
+``seed``                    integer in the int64 range, or null
+``stop``                    string or array of at most 4 strings, each non-empty, or null
+``stop_token_ids``          array of integers >= 0 (ids beyond the vocabulary: 400 in the app)
+``ignore_eos``, ``stream``  boolean
+``n``                       1 (one choice per request)
+``stream_options``          object ``{"include_usage": boolean}``, only with ``stream: true``
+``prompt``                  non-empty string, non-empty array of token ids >= 0, or a
+                            one-element array of either
+``echo``                    false
+``messages``                non-empty array of ``{"role", "content"}``; role ``system``,
+                            ``developer``, ``user`` or ``assistant``; content a string or an
+                            array of ``{"type": "text", "text"}`` parts (null only for ``assistant``)
+==========================  =================================================================
+
+:mod:`kvpage.server.errors` turns validation failures into 400 OpenAI-style
+error bodies whose ``param`` names the field.
 
 Responses carry ``usage`` with ``prompt_tokens_details.cached_tokens`` (prompt
 tokens served from the prefix cache), as OpenAI's API does.
@@ -13,67 +44,89 @@ tokens served from the prefix cache), as OpenAI's API does.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvpage.engine.sampling import SamplingParams
 
 #: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's); chat defaults to "until the context is full".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Most stop strings one request may give (OpenAI's limit).
+MAX_STOP_STRINGS = 4
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def _integral(v: Any) -> Any:
+    """``5.0`` -> ``5`` (JSON Schema's "integer" includes integral floats); ``1.5``, ``true``, ``"5"`` pass through
+    unchanged for the strict check to reject."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# Integer fields: strict (no bools, no strings), but ``5.0`` counts as 5. The constraints come before the
+# validator so that the JSON schema states them as ``minimum``/``maximum``.
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_integral)]
+OneChoice = Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)]
+StopString = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with the usage block."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    """Fields shared by both generation endpoints (sampling, streaming, vLLM extensions)."""
+    """Fields shared by both generation endpoints (sampling, streaming, vLLM extensions); strict types."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    max_tokens: PositiveInt | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: TopK = -1
+    seed: Seed | None = None
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
-    n: int = 1
+    n: OneChoice = Field(1, description="Only 1: this server returns one choice per request.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    @field_validator("max_tokens")
+    @field_validator("stream_options")
     @classmethod
-    def _positive_max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {v}")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n must be 1 (this server returns one choice per request), got {v}")
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true")
         return v
 
     def requested_max_tokens(self) -> int | None:
         """The output-token limit the client asked for, or ``None`` for the endpoint's default."""
         return self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The name of the field that set :meth:`requested_max_tokens` (for error bodies)."""
+        return "max_tokens"
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams` for this request.
 
         Args:
-            default_max_tokens: used when the client gave no limit (the engine
-                caps it further at the model's context).
+            default_max_tokens: used when the client gave no limit.
+
+        Raises:
+            ValueError: from :class:`SamplingParams` (a rule stated there but not here).
         """
         max_tokens = self.requested_max_tokens()
         return SamplingParams(
@@ -100,46 +153,60 @@ class CompletionRequest(_Request):
     since the ``openai`` client may wrap it so.
     """
 
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
-    echo: bool = False
+    prompt: Union[
+        Annotated[str, Field(min_length=1)],
+        TokenIds,
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+        Annotated[list[TokenIds], Field(min_length=1)],
+    ] = Field(description="Text, token ids, or a one-element array of either (one prompt per request).")
+    echo: bool = Field(False, json_schema_extra={"const": False}, description="Only false (echo is not supported).")
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+        if isinstance(v, list) and isinstance(v[0], (str, list)):
             if len(v) != 1:
-                raise ValueError(f"give one prompt per request (n == 1), got a list of {len(v)} prompts")
+                raise ValueError(f"give one prompt per request (n == 1), got an array of {len(v)} prompts")
             v = v[0]
-        if isinstance(v, str) and not v:
-            raise ValueError("prompt is empty: give at least one token")
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt is an empty token list: give at least one token")
         return v
 
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, v: bool) -> bool:
         if v:
-            raise ValueError("echo=true is not supported")
+            raise ValueError("true is not supported")
         return v
 
 
 class ContentPart(BaseModel):
     """A text content part; other part types (images, audio) are rejected by validation."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One chat message; ``content`` is text or a list of ``{"type": "text", "text": ...}`` parts."""
+    """One chat message; ``content`` is text or a list of ``{"type": "text", "text": ...}`` parts.
 
-    model_config = ConfigDict(extra="ignore")
+    ``content`` may be null (or missing) only for ``assistant`` messages.
+    """
+
+    model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[ContentPart], None] = None
+    content: Union[str, list[ContentPart], None] = Field(None, validate_default=True)
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, v: str | list[ContentPart] | None,
+                                  info: ValidationInfo) -> str | list[ContentPart] | None:
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"required for a {role} message (null only for assistant)")
+        return v
 
     def text(self) -> str:
         """The message's text (text parts joined)."""
@@ -158,18 +225,16 @@ class ChatCompletionRequest(_Request):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _positive_max_completion_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"max_completion_tokens must be at least 1, got {v}")
-        return v
+    max_completion_tokens: PositiveInt | None = None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` if given, else ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """``max_completion_tokens`` when that set the limit, else ``max_tokens``."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template takes them (``developer`` is rendered as ``system``)."""

@@ -1,0 +1,158 @@
+"""Server-sent-event bodies of streamed completions, and what an engine-failed request answers.
+
+A stream is ``data: <chunk json>`` events ending with ``data: [DONE]``. When
+the engine fails a request (its step raised, or it finished the request with
+``finish_reason="error"``), the stream's last event before ``[DONE]`` is
+``data: {"error": {...}}`` (OpenAI-style, type ``server_error``) instead of a
+finish chunk; a non-streamed request gets a 500 with that body
+(:func:`raise_if_failed`).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvpage.engine.outputs import RequestOutput
+from kvpage.server.async_engine import EngineStepError, RequestStream
+from kvpage.server.errors import APIError
+from kvpage.server.protocol import (
+    ChatCompletionChunk,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    UsageInfo,
+)
+
+#: ``finish_reason`` of a request the engine gave up on (its forward, sampling or detokenization failed).
+ERROR_FINISH_REASON = "error"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that stops its body iterator as soon as the client disconnects.
+
+    Starlette watches for the disconnect only under some ASGI spec versions; this
+    always does, so the body's ``finally`` (which aborts the request) runs at once.
+
+    Args:
+        content: the events (strings from :func:`sse`).
+        on_close: called once when the response ends, however it ends (aborts the request).
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream the body while listening for ``http.disconnect``; whichever ends first cancels the other.
+
+        ``on_close`` runs at the end in every case, even when the body never started.
+        """
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the socket went away under us
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event (``data: <json>\\n\\n``) of a pydantic model or a JSON-able value."""
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def usage(out: RequestOutput) -> UsageInfo:
+    """The usage block of a request's (latest) output."""
+    m = out.metrics
+    return UsageInfo.build(m.prompt_tokens, len(out.outputs[0].token_ids), m.cached_tokens)
+
+
+def failure_message(out: RequestOutput) -> str:
+    """What to tell the client whose request the engine finished with ``finish_reason="error"``."""
+    detail = out.outputs[0].error
+    return (f"the engine failed while running request {out.request_id}"
+            f"{f': {detail}' if detail else ''}; other requests were not affected")
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    """Raise a 500 :class:`APIError` when the engine finished ``out`` with ``finish_reason="error"``."""
+    if out.outputs[0].finish_reason == ERROR_FINISH_REASON:
+        raise APIError(500, failure_message(out), type="server_error", code="engine_error")
+
+
+def _error_event(message: str) -> str:
+    return sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error", code="engine_error")))
+
+
+async def completion_events(stream: RequestStream, rid: str, created: int, model: str,
+                            include_usage: bool) -> AsyncIterator[str]:
+    """SSE body of a streamed completion: text deltas, a finish chunk, optional usage, ``[DONE]``."""
+    try:
+        last: RequestOutput | None = None
+        async for out in stream:
+            last = out
+            c = out.outputs[0]
+            if c.delta_text:
+                yield sse(CompletionResponse(id=rid, created=created, model=model,
+                                             choices=[CompletionChoice(text=c.delta_text)]))
+            if out.finished and c.finish_reason == ERROR_FINISH_REASON:
+                yield _error_event(failure_message(out))
+                last = None
+            elif out.finished:
+                yield sse(CompletionResponse(id=rid, created=created, model=model,
+                                             choices=[CompletionChoice(text="", finish_reason=c.finish_reason)]))
+        if include_usage and last is not None:
+            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage(last)))
+    except EngineStepError as e:
+        yield _error_event(str(e))
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
+
+
+async def chat_events(stream: RequestStream, rid: str, created: int, model: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+    """SSE body of a streamed chat completion: role chunk, content deltas, finish chunk, optional usage, ``[DONE]``."""
+    try:
+        yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))]))
+        last: RequestOutput | None = None
+        async for out in stream:
+            last = out
+            c = out.outputs[0]
+            if c.delta_text:
+                yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                    ChatStreamChoice(delta=DeltaMessage(content=c.delta_text))]))
+            if out.finished and c.finish_reason == ERROR_FINISH_REASON:
+                yield _error_event(failure_message(out))
+                last = None
+            elif out.finished:
+                yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                    ChatStreamChoice(delta=DeltaMessage(), finish_reason=c.finish_reason)]))
+        if include_usage and last is not None:
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage(last)))
+    except EngineStepError as e:
+        yield _error_event(str(e))
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
