@@ -27,7 +27,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from kvpage import LLM, SamplingParams  # noqa: E402
+from kvpage.engine.capacity import SMOLLM2_SHAPE, kv_capacity  # noqa: E402
+from kvpage.engine.config import EngineConfig  # noqa: E402
 from kvpage.model.loader import default_model_path  # noqa: E402
+
+#: Bytes of KV blocks every format gets; its side pools (int4/int2) come on top (see kv_budget).
+POOL_BYTES = 64 * 2**20
 
 PROMPTS = [
     "What is the capital of France, and what is it famous for?",
@@ -75,6 +80,15 @@ def bench_transformers(dtype: torch.dtype, tokens: int) -> float:
     return (tokens - 1) / (tn - t1)
 
 
+def kv_budget(fmt: str, dtype: str) -> int:
+    """KV budget giving ``fmt`` :data:`POOL_BYTES` of blocks plus its side pools, from the engine's capacity function.
+
+    A flat 64 MiB budget failed for int4, whose tail pool alone takes more (about 91 MiB at max_num_seqs 64).
+    """
+    side = kv_capacity(EngineConfig(kv_cache_dtype=fmt, dtype=dtype, num_blocks=1), SMOLLM2_SHAPE).side_pool_bytes
+    return POOL_BYTES + side
+
+
 def measure(threads: int, dtypes: list[str], formats: list[str], batches: list[int], tokens: int) -> list[list]:
     """Rows ``[threads, engine, weights, kv_cache, batch, tokens/s]`` for one thread count (in this process)."""
     torch.set_num_threads(threads)
@@ -85,7 +99,8 @@ def measure(threads: int, dtypes: list[str], formats: list[str], batches: list[i
         print(f"[{threads} thr] transformers {dt} batch 1: {hf:.1f} tokens/s", file=sys.stderr, flush=True)
     for dt in dtypes:
         for fmt in formats:
-            llm = LLM(kv_cache_dtype=fmt, dtype=dt, progress=False, kv_cache_memory_bytes=64 * 2**20)
+            llm = LLM(kv_cache_dtype=fmt, dtype=dt, num_threads=threads, progress=False,
+                      kv_cache_memory_bytes=kv_budget(fmt, dt))
             for b in batches:
                 r = bench_kvpage(llm, b, tokens)
                 rows.append([threads, "kvpage", dt, fmt, b, r])

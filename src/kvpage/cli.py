@@ -45,24 +45,50 @@ def _port(text: str) -> int:
     return value
 
 
+#: ``--dtype`` help, the same for every sub-command.
+DTYPE_HELP = "model compute dtype: auto (float32), float32, bfloat16, float16"
+
+
+def _threads_help() -> str:
+    from kvpage.engine.threads import RULE_HELP
+
+    return f"torch CPU threads ({RULE_HELP}); the engine's start-up line prints the count"
+
+
+def _format_help() -> str:
+    """``--kv-cache-dtype`` help listing every registered format (generated, so it cannot go stale)."""
+    from kvpage.formats import available_formats
+
+    return f"KV format: {', '.join(available_formats())} (and aliases; see `kvpage formats`)"
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="KV format: auto, float32, bfloat16, float16, int8, fp8 (and aliases; see `kvpage formats`)")
+    p.add_argument("--kv-cache-dtype", default="auto", help=_format_help())
     p.add_argument("--kv-cache-scales", default=None,
                    help="static K/V scales file (safetensors from `kvpage calibrate`); required by int8_static / fp8_static")
     p.add_argument("--block-size", type=_positive_int, default=None,
-                   help="tokens per KV block (default 16; 32 for int4/int2, whose key group is the block)")
+                   help="tokens per KV block (default 16; 32 for int4/int2, whose key group is the block: "
+                        "they need >= 8)")
     p.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
                    help="int4/int2: recent tokens whose sealed blocks keep a 16-bit copy (default: int4 0, int2 32)")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes (default 512 MiB)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache budget in bytes, side pools of int4/int2 included (default 512 MiB)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="KV budget as a fraction in (0, 1] of the memory left: CUDA free memory after the weights "
+                        "and a profiled forward pass, or available RAM on the CPU (not vLLM's "
+                        "gpu_memory_utilization, a fraction of total memory); excludes --kv-cache-memory-bytes "
+                        "and --num-blocks")
     p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
-    p.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
-    p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch CPU threads (default 1: on small machines a second thread slows everything "
-                        "whenever anything else runs; try 2 on an idle machine)")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
                    help="attention kernels: auto (kvpage's C++ CPU kernels where they serve the format, else "
                         "reference), cpu (refused at start-up where they cannot serve), reference (PyTorch SDPA)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="requests running at once (default 64; sizes the side pools of int4/int2)")
     _add_tier_args(p)
 
 
@@ -91,10 +117,13 @@ def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
         block_size=args.block_size,
         kv_quant_residual_tokens=args.kv_quant_residual_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         num_blocks=args.num_blocks,
         dtype=args.dtype,
         num_threads=args.threads,
         attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
         swap_space=args.swap_space,
         kv_offload_policy=args.kv_offload_policy,
         preemption_mode=args.preemption_mode,
@@ -126,19 +155,59 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print()
     decode_s = (m.total_time_s or 0.0) - (m.time_to_first_token_s or 0.0)
     rate = (m.output_tokens - 1) / decode_s if m.output_tokens > 1 and decode_s > 0 else float("nan")
-    spec = llm.spec
-    ref = llm.model_dtype_kv_bytes_per_token
-    saving = 1 - llm.kv_bytes_per_token / ref
-    layer = spec.main.layer
     print(f"[kvpage] {m.prompt_tokens} prompt tokens, {m.output_tokens} output tokens ({comp.finish_reason}); "
           f"time to first token {m.time_to_first_token_s:.3f} s; decode {rate:.1f} tokens/s")
-    print(f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
-          f"{llm.kv_bytes_per_token:,.0f} bytes/token = {spec.main.num_layers} layers x 2 x {layer.kv_heads} kv heads "
-          f"x {layer.head_dim} x {layer.bits_per_value / 8:g} bytes; {llm.num_blocks} blocks x {spec.block_size} tokens "
-          f"= {llm.controller.device_bytes / 2**20:.1f} MiB")
-    print(f"[kvpage] vs a {str(llm.dtype).removeprefix('torch.')} cache ({ref:,.0f} bytes/token): "
-          f"{saving:.1%} less KV memory ({ref / llm.kv_bytes_per_token:.2f}x more tokens per byte)")
+    for line in _capacity_lines(llm):
+        print(line)
+    tiers = tier_line(llm)
+    if tiers is not None:
+        print(tiers)
     return 0
+
+
+def _capacity_lines(llm: LLM) -> list[str]:
+    """The KV cache's size and its saving against a model-dtype cache, from the engine's :class:`CapacityReport`."""
+    cap, spec = llm.capacity, llm.spec
+    layer = spec.main.layer
+    side = (f" + {cap.side_pool_bytes / 2**20:.1f} MiB side pools (16-bit tail slots, window and first-block copies "
+            f"for {cap.max_num_seqs} requests)" if cap.side_pool_bytes else "")
+    return [
+        f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
+        f"{cap.bytes_per_token:,.0f} bytes/token = {spec.main.num_layers} layers x 2 x {layer.kv_heads} kv heads "
+        f"x {layer.head_dim} x {layer.bits_per_value / 8:g} bytes; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
+        f"= {cap.pool_bytes / 2**20:.1f} MiB{side}",
+        f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token): "
+        f"{1 - cap.bytes_per_token / cap.reference_bytes_per_token:.1%} less KV memory per cached token; "
+        f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "
+        f"({cap.ratio:.2f}x more tokens per byte, side pools included)",
+    ]
+
+
+def tier_line(llm: LLM) -> str | None:
+    """One line of tier counters (``None`` without tiers): blocks served, host loads/stores, store hits/misses/puts.
+
+    Host: blocks served to requests (hits), blocks copied host->device (loaded) and device->host
+    (stored: write-policy backups and swap-outs). Each store (``disk``, ``redis``): hits and misses
+    of its lookups, blocks written, records rejected and I/O errors.
+    """
+    conn = llm.kv_connector
+    if conn is None:
+        return None
+    kv = llm.kv_cache_stats()
+    t = kv.tiers
+    parts = [f"device {kv.tier_hits.get('device', 0)} block hits"]
+    if t is not None and t.num_host_blocks:
+        bpb = max(1, conn.offload.block_bytes)
+        parts.append(f"host {kv.tier_hits.get('host', 0)} hits, {t.tier_bytes['host_to_device'] // bpb} blocks "
+                     f"loaded, {t.tier_bytes['device_to_host'] // bpb} stored ({t.backups} backups, "
+                     f"{t.swapped_out_blocks} swapped out), {t.num_host_blocks - t.num_host_free} of "
+                     f"{t.num_host_blocks} host blocks used")
+    for name, store in conn.offload.stores:
+        st = store.stats
+        parts.append(f"{name} {st.hits} hits, {st.misses} misses, {st.puts} blocks stored"
+                     + (f", {st.rejected} rejected" if st.rejected else "")
+                     + (f", {st.errors} errors" if st.errors else ""))
+    return "[kvpage] tiers: " + "; ".join(parts)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -148,8 +217,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     llm = _build_llm(
         args,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -162,23 +229,34 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_formats(args: argparse.Namespace) -> int:
-    from kvpage.formats import available_formats, format_aliases, get_format
+    """``kvpage formats``: every format's aliases, bits per value, and tokens that fit at ``--budget-bytes``."""
+    from kvpage.engine.capacity import SMOLLM2_SHAPE, Shape, format_rows
+    from kvpage.formats import format_aliases, get_format
 
+    shape = Shape(args.num_layers or SMOLLM2_SHAPE.num_layers, args.num_kv_heads or SMOLLM2_SHAPE.num_kv_heads,
+                  args.head_dim or SMOLLM2_SHAPE.head_dim)
     aliases: dict[str, list[str]] = {}
     for a, c in format_aliases().items():
         aliases.setdefault(c, []).append(a)
-    block = "each format's default block size (16; 32 for int4/int2)" if args.block_size is None else f"block {args.block_size}"
-    print(f"{'format':<20} {'bits/value':>10}  {'storage':<9} aliases   (head_dim {args.head_dim}, {block})")
-    for name in available_formats():
-        if name == "auto":
-            print(f"{'auto':<20} {'16/32':>10}  {'model':<9} the model's dtype")
-            continue
+    rows = {r.name: r.report for r in format_rows(shape, args.budget_bytes, block_size=args.block_size,
+                                                               max_num_seqs=args.max_num_seqs)}
+    block = ("each format's default block size (16; 32 for int4/int2)" if args.block_size is None
+             else f"block {args.block_size}")
+    default = "" if (args.num_layers, args.num_kv_heads, args.head_dim) != (None, None, None) else " (SmolLM2-135M)"
+    print(f"# {shape.num_layers} layers x {shape.num_kv_heads} kv heads x head_dim {shape.head_dim}{default}, {block}, "
+          f"float32 model, max_num_seqs {args.max_num_seqs}; tokens that fit in {args.budget_bytes:,} bytes "
+          f"({args.budget_bytes / 2**20:,.1f} MiB), side pools included ('-': no block fits, or the block size "
+          f"is refused)")
+    print(f"{'format':<20} {'bits/value':>10}  {'storage':<9} {'tokens':>10}  aliases")
+    print(f"{'auto':<20} {'16/32':>10}  {'model':<9} {'':>10}  the model's dtype")
+    for name, cap in rows.items():
         f = get_format(name)
         bs = args.block_size or f.preferred_block_size
-        specs = f.tensor_specs(block_size=bs, kv_heads=1, head_dim=args.head_dim)
-        bits = f.bits_per_value(block_size=bs, kv_heads=1, head_dim=args.head_dim)
+        specs = f.tensor_specs(block_size=bs, kv_heads=1, head_dim=shape.head_dim)
+        bits = f.bits_per_value(block_size=bs, kv_heads=1, head_dim=shape.head_dim)
         storage = str(specs[0].dtype).removeprefix("torch.")
-        print(f"{name:<20} {bits:>10.3g}  {storage:<9} {', '.join(sorted(aliases.get(name, [])))}")
+        tokens = "-" if cap is None else f"{cap.tokens:,}"
+        print(f"{name:<20} {bits:>10.3g}  {storage:<9} {tokens:>10}  {', '.join(sorted(aliases.get(name, [])))}")
     return 0
 
 
@@ -191,6 +269,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from kvpage.engine.config import resolve_dtype
+    from kvpage.engine.threads import apply_num_threads
     from kvpage.eval import evaluate_formats, format_table, plot_ppl_vs_bits, text_token_ids, write_results_json
     from kvpage.formats import canonical_format_name
     from kvpage.model.loader import load_model
@@ -215,16 +294,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         llm_kwargs["kv_cache_scales"] = args.kv_cache_scales
     if args.kv_quant_residual_tokens is not None:
         llm_kwargs["kv_quant_residual_tokens"] = args.kv_quant_residual_tokens
-    torch.set_num_threads(args.threads)
+    threads = apply_num_threads(args.threads)  # once, so every format's engine runs with the same count
     loaded = load_model(args.model, dtype=dtype, progress=args.progress)
     ids = text_token_ids(loaded.tokenizer, text, args.tokens)
     label = "decode, 1 token per step" if args.mode == "decode" else f"chunked, {args.chunk_size} tokens per step"
     print(f"[kvpage] eval: first {len(ids)} tokens of {text} (no BOS), {label}; {Path(loaded.path).name}, "
-          f"{str(dtype).removeprefix('torch.')}, block {args.block_size or 'per format'}, {args.threads} thread(s)",
+          f"{str(dtype).removeprefix('torch.')}, block {args.block_size or 'per format'}, "
+          f"{threads.num_threads} torch thread(s) ({threads.reason})",
           flush=True)
     start = time.perf_counter()
     results = evaluate_formats(loaded, ids, formats, mode=args.mode, chunk_size=args.chunk_size,
-                               block_size=args.block_size, num_threads=args.threads, progress=args.progress,
+                               block_size=args.block_size, num_threads=threads.num_threads, progress=args.progress,
                                llm_kwargs=llm_kwargs)
     total = time.perf_counter() - start
     print(format_table(results))
@@ -232,7 +312,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     meta = dict(
         model=str(loaded.path), dtype=str(dtype).removeprefix("torch."), text=str(text), num_tokens=len(ids),
         bos=False, mode=args.mode, chunk_size=args.chunk_size if args.mode == "chunked" else 1,
-        block_size=args.block_size, threads=args.threads, total_seconds=total, torch=torch.__version__,
+        block_size=args.block_size, threads=threads.num_threads, total_seconds=total, torch=torch.__version__,
         machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cpu_count=os.cpu_count(),
         python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
     )
@@ -247,10 +327,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     """``kvpage calibrate``: per-layer K/V absmax on sample text -> a scales file for int8_static / fp8_static."""
     from pathlib import Path
 
-    import torch
-
     from kvpage.calibrate import calibrate, summarize
     from kvpage.engine.llm import resolve_dtype
+    from kvpage.engine.threads import apply_num_threads
     from kvpage.model.loader import load_model
 
     dtype = resolve_dtype(args.dtype)  # bad flags fail before the model loads
@@ -258,7 +337,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
     text = text_path.read_text(encoding="utf-8")
-    torch.set_num_threads(args.threads)
+    threads = apply_num_threads(args.threads)
+    print(f"[kvpage] calibrate: {threads.num_threads} torch thread(s) ({threads.reason})", file=sys.stderr,
+          flush=True)
     loaded = load_model(args.model, dtype=dtype, progress=args.progress)
     scales = calibrate(loaded, text, num_tokens=args.tokens, chunk_size=args.chunk_size, progress=args.progress)
     out = scales.save(args.out, {"text": text_path.name})
@@ -294,9 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's stem or folder name)")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's context)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
     s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps (default on)")
@@ -318,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     e.add_argument("--block-size", type=_positive_int, default=None,
                    help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
-    e.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
-    e.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads (default 1)")
+    e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    e.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
     e.add_argument("--out", default="kvpage-eval", help="folder for results.json and ppl_vs_bits.png (default ./kvpage-eval)")
     e.add_argument("--kv-cache-scales", default=None, help="static KV scales file (for the *_static formats)")
     e.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
@@ -332,12 +410,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     c.add_argument("--tokens", type=_positive_int, default=2048, help="calibrate on the text's first N tokens (default 2048)")
     c.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per forward pass (default 512)")
-    c.add_argument("--dtype", default="auto", help="model compute dtype: auto (float32), float32, bfloat16")
-    c.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads (default 1)")
+    c.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    c.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar (default on)")
     c.set_defaults(func=_cmd_calibrate)
-    f = sub.add_parser("formats", help="list KV formats, their aliases and bits per value")
-    f.add_argument("--head-dim", type=_positive_int, default=64)
+    f = sub.add_parser("formats", help="list KV formats: aliases, bits per value, tokens that fit at a budget")
+    f.add_argument("--budget-bytes", type=_positive_int, default=512 * 2**20,
+                   help="KV budget for the tokens column, side pools included (default 512 MiB)")
+    f.add_argument("--num-layers", type=_positive_int, default=None, help="model layers (default: the bundled model's, 30)")
+    f.add_argument("--num-kv-heads", type=_positive_int, default=None, help="KV heads (default: the bundled model's, 3)")
+    f.add_argument("--head-dim", type=_positive_int, default=None, help="head dim (default: the bundled model's, 64)")
+    f.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="requests at once, which size int4/int2's side pools (default 64)")
     f.add_argument("--block-size", type=_positive_int, default=None,
                    help="tokens per block (default: each format's, 16; 32 for int4/int2)")
     f.set_defaults(func=_cmd_formats)

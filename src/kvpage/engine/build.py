@@ -5,8 +5,8 @@ never patched afterwards::
 
     spec ─► controller ─► group managers ─► tiers (connector) ─► KV-cache manager ─► runner ─► engine
 
-Every size a user sees is computed here from what is really allocated: the
-block count is the largest that fits the budget after the side pools of
+Every size a user sees comes from one computation, :func:`~kvpage.engine.capacity.kv_capacity`:
+the block count is the largest that fits the budget after the side pools of
 block-wise formats (tail, window and first-block copies) are paid for.
 """
 from __future__ import annotations
@@ -21,6 +21,8 @@ from kvpage.cache.controller import CacheController, LayerCache
 from kvpage.cache.groups import GroupManager, SealedGroupManager, manager_for
 from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.tail import TailPool
+from kvpage.engine.capacity import CapacityReport, build_spec, kv_capacity
+from kvpage.engine.memory import KVBudget, resolve_kv_budget
 from kvpage.cache.tiers.connector import TieredConnector
 from kvpage.cache.tiers.host import build_offload
 from kvpage.engine.group_attention import group_attention_for
@@ -52,6 +54,8 @@ class BuiltEngine:
         engine: the continuous-batching engine.
         num_blocks: device blocks.
         max_model_len: longest sequence, in tokens.
+        capacity: what the KV cache allocates and holds (:func:`~kvpage.engine.capacity.kv_capacity`).
+        budget: the KV budget and where it came from (``kv_cache_memory_fraction`` resolved).
     """
 
     spec: CacheSpec
@@ -65,6 +69,8 @@ class BuiltEngine:
     engine: LLMEngine
     num_blocks: int
     max_model_len: int
+    capacity: CapacityReport
+    budget: KVBudget
 
     @property
     def side_pool_bytes(self) -> int:
@@ -76,7 +82,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
     """Assemble the engine for ``loaded`` (config, tokenizer, name) running ``model`` (already on its device).
 
     Raises:
-        ValueError: ``max_model_len`` beyond the model's context; a budget that holds no block.
+        ValueError: ``max_model_len`` beyond the model's context.
+        BudgetTooSmallError (a ``ValueError``): the budget holds no block after the side pools
+            (the message gives the bytes the side pools need and the bytes given).
         StaticScalesError: scales missing or invalid for a layer of a static-scale format.
         CacheAllocationError: a device or host cache could not be allocated (names the group).
     """
@@ -87,24 +95,13 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens")
     max_model_len = context if config.max_model_len is None else config.max_model_len
 
-    spec = CacheSpec.build(
-        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-        model_dtype=config.torch_dtype, block_size=config.block_size_resolved,
-        kv_cache_dtype=config.kv_format, model_name=Path(loaded.path).name,
-        static_scales=config.static_scales,
-    )
+    spec = build_spec(config, mc, model_name=Path(loaded.path).name)
+    budget = resolve_kv_budget(config, model, device, context)
+    capacity = kv_capacity(config, mc, budget.bytes, seq_len=max_model_len, spec=spec)
+    num_blocks = capacity.num_blocks
     controller = CacheController(spec, device)
     groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens)
                    for g in spec.groups)
-    sealed = [g for g in groups if isinstance(g, SealedGroupManager)]
-    tail_bytes = sum(TailPool.bytes_for(spec, config.torch_dtype, g.table.num_slots, g.table.num_sink_slots,
-                                        layers=g.layers) for g in sealed)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        num_blocks = controller.num_blocks_for_budget(max(0, config.kv_budget_bytes - tail_bytes)).num_blocks
-        if num_blocks <= 0:
-            raise ValueError(f"kv_cache_memory_bytes={config.kv_budget_bytes} holds no block of "
-                             f"{spec.bytes_per_block} bytes; raise it")
     caches = dict(controller.initialize_kv_cache(num_blocks))
 
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
@@ -137,4 +134,4 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Modu
                                          config.enable_chunked_prefill),
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, kv, runner, engine, int(num_blocks),
-                       max_model_len)
+                       max_model_len, capacity, budget)

@@ -16,13 +16,18 @@ from typing import Any
 import torch
 
 from kvpage.cache.tiers.policy import OffloadConfig
-from kvpage.formats import KVFormat, StaticScaleFormat, canonical_format_name, get_format
+from kvpage.formats import BlockFormat, KVFormat, StaticScaleFormat, canonical_format_name, get_format
 from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
 from kvpage.spec import missing_scales_error
 
-#: KV budget when neither ``kv_cache_memory_bytes`` nor ``num_blocks`` is given.
+#: KV budget when none of ``kv_cache_memory_bytes``, ``kv_cache_memory_fraction``, ``num_blocks`` is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+
+#: Smallest block of quantize-on-seal formats: their key scale and zero point are per channel per
+#: block (the block is the key quantization group), 3 bytes per channel, i.e. ``24 / block_size``
+#: extra bits per key value: 3 bits at 8 tokens, 24 (more than a 16-bit cache) at 1.
+MIN_SEALED_BLOCK_SIZE = 8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,13 +75,26 @@ class EngineConfig:
             (KIVI's residual). ``None`` = the format's measured default (int4 0, int2 32);
             ignored by other formats.
         block_size: tokens per block; ``None`` = 16, or the format's preferred size
-            (32 for ``int4``/``int2``, whose key quantization group is the block).
+            (32 for ``int4``/``int2``, whose key quantization group is the block; they need
+            at least :data:`MIN_SEALED_BLOCK_SIZE` tokens).
         kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
-            the block count is the largest that fits, scales included.
+            the block count is the largest that fits, scales and the side pools of
+            ``int4``/``int2`` included (see :mod:`kvpage.engine.capacity`). Default 512 MiB.
+        kv_cache_memory_fraction: KV budget as a fraction in ``(0, 1]`` of the memory left
+            for it: on CUDA, of the device's free memory after the weights are loaded and a
+            forward pass of ``max_num_batched_tokens`` tokens has been profiled
+            (``torch.cuda.mem_get_info`` less that pass's peak); on the CPU, of the RAM
+            available after the weights are loaded (``MemAvailable``). Named apart from vLLM's
+            ``gpu_memory_utilization`` on purpose: that one is a fraction of the device's
+            *total* memory for the whole instance (weights and activations included), so 0.9
+            there and 0.9 here are different budgets. Excludes ``kv_cache_memory_bytes`` and
+            ``num_blocks``. See :mod:`kvpage.engine.memory`.
         num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
         dtype: compute dtype of the model: ``auto`` (float32), ``float32``, ``bfloat16``, ``float16``.
         max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
-        num_threads: torch CPU threads (>= 1); ``None`` leaves torch's setting (sets it process-wide).
+        num_threads: torch CPU threads (>= 1); ``None`` = the rule of :mod:`kvpage.engine.threads`
+            (``OMP_NUM_THREADS`` if set, else the usable CPUs minus the machine's other load, at least 1,
+            at most torch's default). Applied process-wide when the engine is built.
         device: ``"cpu"`` or ``"cuda"``.
         attention_backend: ``auto`` (the ``cpu`` kernels where they serve the format on the device,
             else ``reference``), ``cpu`` (kvpage's C++ kernels; refused at start-up, naming the format
@@ -109,6 +127,7 @@ class EngineConfig:
     kv_quant_residual_tokens: int | None = None
     block_size: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
@@ -145,6 +164,11 @@ class EngineConfig:
         put("kv_format", fmt)
         self._check_positive_int("block_size", self.block_size, allow_none=True)
         put("block_size_resolved", fmt.preferred_block_size if self.block_size is None else self.block_size)
+        if isinstance(fmt, BlockFormat) and self.block_size_resolved < MIN_SEALED_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size={self.block_size} is too small for kv_cache_dtype={fmt.name!r}: its key scale and "
+                f"zero point are per channel per block (the block is the key quantization group), so "
+                f"block_size must be >= {MIN_SEALED_BLOCK_SIZE} (default {fmt.preferred_block_size})")
         r = fmt.default_residual_tokens if self.kv_quant_residual_tokens is None else self.kv_quant_residual_tokens
         if not _is_int(r) or r < 0:
             raise ValueError(f"kv_quant_residual_tokens must be an integer >= 0, got {self.kv_quant_residual_tokens!r}")
@@ -153,6 +177,7 @@ class EngineConfig:
                                                         or self.kv_cache_memory_bytes < 0):
             raise ValueError(f"kv_cache_memory_bytes must be an integer >= 0, got {self.kv_cache_memory_bytes!r}")
         self._check_positive_int("num_blocks", self.num_blocks, allow_none=True)
+        self._check_budget_exclusive()
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 tokens (or None for the model's context), "
                              f"got {self.max_model_len!r}")
@@ -177,6 +202,16 @@ class EngineConfig:
             return
         if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def _check_budget_exclusive(self) -> None:
+        f = self.kv_cache_memory_fraction
+        if f is None:
+            return
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be a number in (0, 1], got {f!r}")
+        given = [n for n in ("kv_cache_memory_bytes", "num_blocks") if getattr(self, n) is not None]
+        if given:
+            raise ValueError(f"kv_cache_memory_fraction and {' and '.join(given)} both size the KV cache; give one")
 
     def _check_tiers(self) -> None:
         s = self.swap_space
@@ -206,5 +241,9 @@ class EngineConfig:
 
     @property
     def kv_budget_bytes(self) -> int:
-        """The KV budget in bytes (``kv_cache_memory_bytes``, else :data:`DEFAULT_KV_CACHE_BYTES`)."""
+        """The KV budget in bytes (``kv_cache_memory_bytes``, else :data:`DEFAULT_KV_CACHE_BYTES`).
+
+        With ``kv_cache_memory_fraction`` the budget depends on the machine: the builder resolves it
+        with :func:`kvpage.engine.memory.resolve_kv_budget`, not from this property.
+        """
         return DEFAULT_KV_CACHE_BYTES if self.kv_cache_memory_bytes is None else self.kv_cache_memory_bytes

@@ -10,6 +10,7 @@ engine is assembled by :func:`~kvpage.engine.build.build_engine`.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -20,10 +21,12 @@ from kvpage.cache.controller import LayerCache
 from kvpage.cache.requests import KVCacheStats
 from kvpage.cache.tiers.connector import TieredConnector
 from kvpage.engine.build import BuiltEngine, build_engine
+from kvpage.engine.capacity import CapacityReport, startup_line
 from kvpage.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, resolve_dtype
 from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
+from kvpage.engine.threads import apply_num_threads
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -43,7 +46,9 @@ class LLM:
             safetensors); ``None`` loads the bundled SmolLM2-135M-Instruct GGUF;
             a :class:`~kvpage.model.loader.LoadedModel` is used as is (several
             engines can share one set of weights; its dtype must match ``dtype``).
-        progress: show a progress bar while loading the model.
+        progress: show a progress bar while loading the model, and print the start-up line to stderr
+            (torch threads and the rule that chose them, KV format, blocks, tokens, bytes, side pools;
+            see :func:`~kvpage.engine.capacity.startup_line`).
         config: a ready :class:`~kvpage.engine.config.EngineConfig`, or none and its fields as keywords
             (vLLM's names: ``kv_cache_dtype``, ``block_size``, ``kv_cache_memory_bytes``, ``num_blocks``,
             ``dtype``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``swap_space``,
@@ -77,8 +82,7 @@ class LLM:
         cfg = config if config is not None else EngineConfig(**engine_args)  # fails before the model loads
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but this torch build sees no CUDA device; use device='cpu'")
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
+        self.threads = apply_num_threads(cfg.num_threads)  # None = the rule of kvpage.engine.threads
         if isinstance(model, LoadedModel):
             loaded = model
             weight_dtype = next(loaded.model.parameters()).dtype
@@ -100,6 +104,8 @@ class LLM:
         self.num_blocks = self._built.num_blocks
         self.max_model_len = self._built.max_model_len
         self.kv_quant_residual_tokens = cfg.residual_tokens
+        if progress:
+            print(startup_line(self.threads, self._built.capacity, self._built.budget), file=sys.stderr, flush=True)
 
     # -- facts ---------------------------------------------------------------------------------
     @property
@@ -128,6 +134,11 @@ class LLM:
     def side_pool_bytes(self) -> int:
         """Bytes of the tail pools of block-wise formats (open blocks, window and first-block copies); else 0."""
         return self._built.side_pool_bytes
+
+    @property
+    def capacity(self) -> CapacityReport:
+        """What the KV cache allocated and holds: blocks, bytes, side pools, tokens, ratio to the model-dtype cache."""
+        return self._built.capacity
 
     @property
     def kv_caches(self) -> dict[int, LayerCache]:

@@ -1,0 +1,341 @@
+"""Honest KV capacity: what the engine allocates at a budget, and the tokens that really fit (case C26).
+
+:func:`kv_capacity` is the one computation of every capacity figure kvpage
+reports: :func:`~kvpage.engine.build.build_engine` takes its block count from it,
+``kvpage generate`` prints its ratio, ``kvpage formats`` its tokens at a budget,
+and the README table comes from ``python -m kvpage.engine.capacity``. It counts
+everything the engine allocates for the KV cache:
+
+* the device blocks of every layer group (codes, scales, zero points; scale tensors included);
+* the side pools of quantize-on-seal formats (``int4``, ``int2``; see
+  :mod:`kvpage.cache.tail`): a 16-bit open-block slot per running request, the
+  16-bit window copies of ``kv_quant_residual_tokens``, and the 8-bit first-block
+  copies, all sized by ``max_num_seqs`` and paid out of the same budget.
+
+"x more tokens" compares the tokens that fit with the tokens a cache in the model's
+dtype (no side pools) holds in the same bytes, so side pools lower it: at 512 MiB on
+SmolLM2-135M, ``int4`` holds 5.76x the float32 cache's tokens, not the 7.01x its bytes
+per pool token alone would suggest.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvpage.cache.groups import SealedGroupManager, manager_for
+from kvpage.cache.tail import TailPool
+from kvpage.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.engine.config import EngineConfig
+    from kvpage.engine.memory import KVBudget
+    from kvpage.engine.threads import ThreadChoice
+
+MiB = 2**20
+
+
+class ModelShape(Protocol):
+    """What capacity needs of a model (a :class:`~kvpage.model.config.ModelConfig` has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's KV shape without the model (for ``kvpage formats`` and the README table)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 8192
+
+
+#: The bundled SmolLM2-135M-Instruct (tests check it against the loaded config).
+SMOLLM2_SHAPE = Shape(num_layers=30, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
+
+
+class BudgetTooSmallError(ValueError):
+    """The KV budget does not hold the side pools plus one block (the message gives both byte counts)."""
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    """Everything the engine allocates for the KV cache at one budget, and what it holds.
+
+    Attributes:
+        kv_format: the main layers' format name (``int4``, ...).
+        model_dtype: the compute dtype's name (``float32``, ...), the reference cache's dtype.
+        block_size: tokens per block.
+        num_blocks: device blocks (every layer group has this many).
+        bytes_per_block: bytes of one block across all layer groups.
+        group_bytes: layer group name -> bytes of its device tensors (``num_blocks x`` its bytes per block).
+        tail_open_bytes: side pool bytes of the 16-bit open-block slots (one per running request).
+        tail_window_bytes: side pool bytes of the 16-bit window copies (``kv_quant_residual_tokens``).
+        sink_bytes: side pool bytes of the 8-bit first-block copies (two per running request).
+        budget_bytes: the budget the figures are for (with ``num_blocks`` given: what is allocated).
+        reference_bytes_per_block: bytes of one block of the model-dtype cache (same block size).
+        reference_tokens: tokens a model-dtype cache (no side pools) holds in ``budget_bytes``.
+        seq_len: tokens per request for :attr:`max_concurrency` (``max_model_len`` by default).
+        max_num_seqs: the scheduler's cap on running requests (sizes the side pools).
+    """
+
+    kv_format: str
+    model_dtype: str
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+    group_bytes: dict[str, int]
+    tail_open_bytes: int
+    tail_window_bytes: int
+    sink_bytes: int
+    budget_bytes: int
+    reference_bytes_per_block: int
+    reference_tokens: int
+    seq_len: int
+    max_num_seqs: int
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the device blocks (all groups)."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def side_pool_bytes(self) -> int:
+        """Bytes of every side pool (tail slots, window and first-block copies); 0 for token-wise formats."""
+        return self.tail_open_bytes + self.tail_window_bytes + self.sink_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes allocated for the KV cache: blocks + side pools (never more than :attr:`budget_bytes`)."""
+        return self.pool_bytes + self.side_pool_bytes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the cache holds (every block full; the open block's tokens also take their pool block)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Pool bytes per cached token (all layers, scales included; side pools excluded)."""
+        return self.bytes_per_block / self.block_size
+
+    @property
+    def effective_bytes_per_token(self) -> float:
+        """Allocated bytes per token that fits (side pools included): :attr:`total_bytes` / :attr:`tokens`."""
+        return self.total_bytes / self.tokens if self.tokens else math.inf
+
+    @property
+    def reference_bytes_per_token(self) -> float:
+        """Bytes per token of the model-dtype cache."""
+        return self.reference_bytes_per_block / self.block_size
+
+    @property
+    def ratio(self) -> float:
+        """Tokens that fit / tokens a model-dtype cache holds in the same budget ("x more tokens per byte")."""
+        return self.tokens / self.reference_tokens if self.reference_tokens else math.inf
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks one request of :attr:`seq_len` tokens takes."""
+        return -(-self.seq_len // self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of :attr:`seq_len` tokens the blocks hold at once (vLLM's "Maximum concurrency").
+
+        The KV bound only: the scheduler also caps running requests at :attr:`max_num_seqs`.
+        """
+        return self.num_blocks / self.blocks_per_request
+
+    def summary(self) -> str:
+        """One line: format, blocks, tokens, bytes and side pools (the start-up line's cache part)."""
+        return (f"{self.kv_format} KV cache: {self.num_blocks:,} blocks x {self.block_size} tokens = "
+                f"{self.tokens:,} tokens in {self.pool_bytes / MiB:.1f} MiB "
+                f"(+{self.side_pool_bytes / MiB:.1f} MiB side pools); max concurrency "
+                f"{self.max_concurrency:.2f}x at {self.seq_len:,} tokens per request")
+
+
+def _tail_bytes(spec: CacheSpec, config: EngineConfig) -> tuple[int, int, int]:
+    """(open, window, sink) side pool bytes, from the same group managers and tail formula the builder uses."""
+    open_b = window_b = sink_b = 0
+    for group in spec.groups:
+        g = manager_for(group, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens)
+        if not isinstance(g, SealedGroupManager):
+            continue
+        t, dt, layers = g.table, config.torch_dtype, g.layers
+        window_slots = config.max_num_seqs * t.window_blocks
+        slots = TailPool.bytes_for(spec, dt, t.num_slots, 0, layers=layers)
+        window = TailPool.bytes_for(spec, dt, window_slots, 0, layers=layers)
+        open_b += slots - window
+        window_b += window
+        sink_b += TailPool.bytes_for(spec, dt, 0, t.num_sink_slots, layers=layers)
+    return open_b, window_b, sink_b
+
+
+def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "") -> CacheSpec:
+    """The cache layout ``config`` gives ``model`` (what :func:`~kvpage.engine.build.build_engine` builds)."""
+    return CacheSpec.build(
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        model_dtype=config.torch_dtype, block_size=config.block_size_resolved,
+        kv_cache_dtype=config.kv_format, model_name=model_name, static_scales=config.static_scales,
+    )
+
+
+def kv_capacity(
+    config: EngineConfig,
+    model: ModelShape,
+    budget_bytes: int | None = None,
+    *,
+    seq_len: int | None = None,
+    spec: CacheSpec | None = None,
+) -> CapacityReport:
+    """Blocks, bytes and tokens the engine allocates for ``config`` on ``model`` within ``budget_bytes``.
+
+    Args:
+        config: the engine settings (format, block size, ``max_num_seqs``, ``kv_quant_residual_tokens``,
+            ``num_blocks``, ``max_model_len``).
+        model: the model's KV shape (a :class:`~kvpage.model.config.ModelConfig` or a :class:`Shape`).
+        budget_bytes: KV budget in bytes, side pools included; default ``config.kv_budget_bytes``.
+            Ignored when ``config.num_blocks`` is set (then the budget is what gets allocated).
+        seq_len: tokens per request for :attr:`CapacityReport.max_concurrency`; default
+            ``config.max_model_len``, else the model's context.
+        spec: the layout, when the caller already built it (must be :func:`build_spec`'s).
+
+    Returns:
+        the :class:`CapacityReport`; no memory is allocated.
+
+    Raises:
+        BudgetTooSmallError (a ``ValueError``): the budget is below the side pools, or holds no block
+            after them (the message gives the bytes needed and the bytes given).
+    """
+    spec = build_spec(config, model) if spec is None else spec
+    open_b, window_b, sink_b = _tail_bytes(spec, config)
+    side = open_b + window_b + sink_b
+    per_block = {g.name: g.bytes_per_block for g in spec.groups}
+    bpb = sum(per_block.values())
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+        budget = num_blocks * bpb + side
+    else:
+        budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
+        if budget < side + bpb:
+            what = (f"the side pools of {config.kv_format.name} need {side:,} bytes (open-block tail slots "
+                    f"{open_b:,}, window copies {window_b:,}, first-block copies {sink_b:,}, for max_num_seqs="
+                    f"{config.max_num_seqs}) and one block {bpb:,} bytes" if side else
+                    f"one block of {config.kv_format.name} needs {bpb:,} bytes")
+            raise BudgetTooSmallError(f"KV budget too small: {what}, i.e. {side + bpb:,} bytes; "
+                                      f"{budget:,} bytes given (kv_cache_memory_bytes); raise it"
+                                      + (" or lower max_num_seqs" if side else ""))
+        num_blocks = (budget - side) // bpb
+    ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                          model_dtype=config.torch_dtype, block_size=spec.block_size)
+    ref_bpb = ref.bytes_per_block
+    if seq_len is None:
+        seq_len = config.max_model_len or int(model.max_position_embeddings)
+    return CapacityReport(
+        kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
+        block_size=spec.block_size, num_blocks=int(num_blocks), bytes_per_block=bpb,
+        group_bytes={n: int(num_blocks) * b for n, b in per_block.items()},
+        tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
+        reference_bytes_per_block=ref_bpb, reference_tokens=(int(budget) // ref_bpb) * spec.block_size,
+        seq_len=int(seq_len), max_num_seqs=config.max_num_seqs,
+    )
+
+
+def startup_line(threads: ThreadChoice, capacity: CapacityReport, budget: KVBudget) -> str:
+    """The engine's one start-up line: torch threads (and the rule), the KV cache, where the budget came from.
+
+    E.g. ``[kvpage] engine: 1 torch thread (rule: 2 CPUs - load 1, at most torch's 2); int8 KV cache:
+    2,824 blocks x 16 tokens = 45,184 tokens in 511.9 MiB (+0.0 MiB side pools); ...; budget 512.0 MiB (default)``.
+    """
+    n = threads.num_threads
+    size = f"{capacity.budget_bytes / MiB:,.1f} MiB ({budget.source})"
+    return (f"[kvpage] engine: {n} torch thread{'s' if n != 1 else ''} ({threads.reason}); "
+            f"{capacity.summary()}; budget {size}")
+
+
+@dataclass(frozen=True)
+class FormatRow:
+    """One format's capacity at a budget, against the float32 and bfloat16 caches (README table, ``kvpage formats``).
+
+    Attributes:
+        name: the format.
+        report: the format's :class:`CapacityReport` (model dtype float32); ``None`` when the budget
+            holds no block of it after its side pools.
+        float32_tokens, bfloat16_tokens: tokens those caches hold in the same budget.
+    """
+
+    name: str
+    report: CapacityReport | None
+    float32_tokens: int
+    bfloat16_tokens: int
+
+
+def format_rows(model: ModelShape = SMOLLM2_SHAPE, budget_bytes: int = 512 * MiB, *,
+                formats: list[str] | None = None, block_size: int | None = None,
+                max_num_seqs: int | None = None) -> list[FormatRow]:
+    """:func:`kv_capacity` of each format (default: every registered one but ``auto``) at one budget.
+
+    Static-scale formats are sized with unit scales (their bytes do not depend on the values).
+    ``max_num_seqs`` (sizes the side pools) defaults to :class:`~kvpage.engine.config.EngineConfig`'s.
+    A format whose side pools leave no block in the budget, or that refuses ``block_size``, gets ``report=None``.
+
+    Raises:
+        UnknownKVFormatError: a name in ``formats`` is no format.
+    """
+    from kvpage.engine.config import EngineConfig
+    from kvpage.formats import StaticScaleFormat, available_formats, get_format
+    from kvpage.scales import StaticScales
+
+    names = [n for n in (formats or available_formats()) if n != "auto"]
+    extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    unit = StaticScales({i: 1.0 for i in range(model.num_layers)}, {i: 1.0 for i in range(model.num_layers)})
+
+    def report(name: str) -> CapacityReport | None:
+        scales = unit if isinstance(get_format(name), StaticScaleFormat) else None
+        try:
+            return kv_capacity(EngineConfig(kv_cache_dtype=name, kv_cache_scales=scales, block_size=block_size,
+                                            kv_cache_memory_bytes=budget_bytes, **extra), model)
+        except ValueError:  # BudgetTooSmallError, or a block size the format refuses
+            return None
+
+    f32, bf16 = (getattr(report(n), "tokens", 0) for n in ("float32", "bfloat16"))
+    return [FormatRow(n, report(n), f32, bf16) for n in names]
+
+
+def markdown_table(rows: list[FormatRow]) -> str:
+    """The README's capacity table: format, bytes/token, side pools, tokens that fit, ratios to float32 and bfloat16."""
+    budget = next((r.report.budget_bytes / MiB for r in rows if r.report is not None), 0.0)
+    out = [f"| format | block | bytes/token (pool) | side pools (MiB) | tokens in {budget:,.0f} MiB "
+           f"| vs float32 | vs bfloat16 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r.report
+        if c is None or not r.float32_tokens or not r.bfloat16_tokens:
+            out.append(f"| `{r.name}` | | | | does not fit (or refuses the block size) | | |")
+            continue
+        out.append(f"| `{c.kv_format}` | {c.block_size} | {c.bytes_per_token:,.0f} | {c.side_pool_bytes / MiB:.1f} "
+                   f"| {c.tokens:,} | {c.tokens / r.float32_tokens:.2f}x | {c.tokens / r.bfloat16_tokens:.2f}x |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvpage.engine.capacity [--budget-bytes N]``: print the capacity table (SmolLM2 shape) in Markdown."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvpage.engine.capacity", description=main.__doc__)
+    p.add_argument("--budget-bytes", type=int, default=512 * MiB, help="KV budget (default 512 MiB)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests at once (sizes side pools; default 64)")
+    args = p.parse_args(argv)
+    s = SMOLLM2_SHAPE
+    print(f"SmolLM2-135M ({s.num_layers} layers x {s.num_kv_heads} kv heads x head_dim {s.head_dim}), "
+          f"model dtype float32, default block size and max_num_seqs; side pools included:\n")
+    print(markdown_table(format_rows(s, args.budget_bytes, max_num_seqs=args.max_num_seqs)))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,210 @@
+"""Case C26: every capacity figure (tokens that fit, blocks, bytes, max concurrency, "x more tokens")
+equals what the engine really allocates, for every format, side pools included."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvpage.engine.capacity import SMOLLM2_SHAPE, BudgetTooSmallError, format_rows, kv_capacity, markdown_table
+from kvpage.engine.config import EngineConfig
+from kvpage.formats import StaticScaleFormat, available_formats, get_format
+from kvpage.model.config import ModelConfig
+from kvpage.model.llama import LlamaForCausalLM
+from kvpage.model.loader import LoadedModel
+from kvpage.scales import StaticScales
+
+MiB = 2**20
+LAYERS = 2
+
+
+class _Bytes:
+    """UTF-8 bytes as token ids (ids 256+ are special: 256 is EOS); enough for the engine and the CLI."""
+
+    all_special_ids = [256]
+    eos_token_id = 256
+
+    def __len__(self) -> int:
+        return 260
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(0x100 + i) for i in ids]
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A random 2-layer Llama (2 KV heads of 16 channels) in ``dtype`` on a byte tokenizer."""
+    torch.manual_seed(seed)
+    hf = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                     tie_word_embeddings=True, bos_token_id=257, eos_token_id=256)
+    config = ModelConfig.from_hf(hf)
+    model = LlamaForCausalLM(config)
+    sd = {n: (torch.ones(s) if n.endswith("norm.weight") else torch.randn(s) * 0.02)
+          for n, s in model.hf_parameter_shapes().items()}
+    model.load_hf_state_dict(sd)
+    return LoadedModel(config=config, model=model.to(dtype).eval(), tokenizer=_Bytes(), path=Path("/tiny-random-llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16() -> LoadedModel:
+    return tiny_model(dtype=torch.bfloat16)
+
+
+def _scales() -> StaticScales:
+    return StaticScales({i: 0.05 for i in range(LAYERS)}, {i: 0.05 for i in range(LAYERS)})
+
+
+# every registered format (auto = the model dtype), the quantize-on-seal ones with default and
+# non-default windows, the static-scale ones with a scales object
+CASES = [dict(kv_cache_dtype=n) for n in available_formats()
+         if not isinstance(get_format(n), StaticScaleFormat)]
+CASES += [dict(kv_cache_dtype=n, kv_cache_scales=_scales()) for n in available_formats()
+          if isinstance(get_format(n), StaticScaleFormat)]
+CASES += [dict(kv_cache_dtype="int4", kv_quant_residual_tokens=64),
+          dict(kv_cache_dtype="int2", kv_quant_residual_tokens=0),
+          dict(kv_cache_dtype="int2", kv_quant_residual_tokens=100, block_size=8),
+          dict(kv_cache_dtype="int8", dtype="bfloat16", block_size=8)]
+
+
+def _id(case: dict) -> str:
+    return "-".join(f"{v}" for k, v in case.items() if k != "kv_cache_scales")
+
+
+def _real(llm) -> tuple[int, int, int, dict[str, int]]:
+    """(pool bytes, side pool bytes, blocks, group -> blocks) from the tensors really allocated."""
+    pool = sum(t.numel() * t.element_size() for c in llm.controller.device_caches.values() for t in c.values())
+    side = sum(t.numel() * t.element_size() for tail in llm._built.tails.values()
+               for layer in tail.layers.values() for t in layer.values())
+    blocks = {g.name: {t.shape[0] for i in g.layer_indices for t in llm.controller.device_caches[i].values()}
+              for g in llm.spec.groups}
+    for name, counts in blocks.items():
+        assert len(counts) == 1, f"group {name}: layers disagree on the block count {counts}"
+    per_group = {name: counts.pop() for name, counts in blocks.items()}
+    return pool, side, llm.engine.kv.manager.num_blocks, per_group
+
+
+@pytest.mark.parametrize("budget", [3 * MiB, 7 * MiB + 12_345])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_c26_capacity_equals_the_real_allocation(tiny, tiny_bf16, case, budget) -> None:
+    from kvpage.engine.llm import LLM
+
+    cfg = EngineConfig(kv_cache_memory_bytes=budget, max_num_seqs=8, num_threads=1, **case)
+    predicted = kv_capacity(cfg, tiny.config)            # before anything is allocated
+    llm = LLM(tiny_bf16 if cfg.torch_dtype == torch.bfloat16 else tiny, config=cfg, progress=False)
+    pool, side, blocks, per_group = _real(llm)
+    c = llm.capacity
+    assert c == predicted
+    for name, n in per_group.items():                    # within one block per layer group
+        assert abs(n - c.num_blocks) <= 1, name
+    assert abs(blocks - c.num_blocks) <= 1
+    assert abs(pool + side - c.total_bytes) <= 0.01 * (pool + side)
+    assert abs(side - c.side_pool_bytes) <= 0.01 * max(side, 1)
+    assert (side > 0) == (case["kv_cache_dtype"] in ("int4", "int2"))
+    assert abs(blocks * llm.spec.block_size - c.tokens) <= 0.01 * c.tokens
+    assert c.tokens == llm.max_cache_tokens
+    # honest: what is allocated fits the budget, and one more block would not
+    real_per_block = pool // blocks
+    assert pool + side <= budget < pool + side + real_per_block
+    assert c.max_concurrency == pytest.approx(blocks / math.ceil(llm.max_model_len / llm.spec.block_size))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "fp8_static"])
+def test_c26_ratio_is_the_real_token_ratio_at_the_same_budget(tiny, fmt) -> None:
+    from kvpage.engine.llm import LLM
+
+    budget = 5 * MiB
+    scales = _scales() if fmt == "fp8_static" else None
+    llm = LLM(tiny, kv_cache_dtype=fmt, kv_cache_scales=scales, kv_cache_memory_bytes=budget, num_threads=1,
+              progress=False)
+    ref = LLM(tiny, kv_cache_dtype="auto", kv_cache_memory_bytes=budget, num_threads=1, progress=False)
+    real_ratio = _real(llm)[2] * llm.spec.block_size / (_real(ref)[2] * ref.spec.block_size)
+    assert llm.capacity.ratio == pytest.approx(real_ratio, rel=0.01)
+    assert llm.capacity.reference_tokens == pytest.approx(ref.max_cache_tokens, rel=0.01)
+    if fmt in ("int4", "int2"):  # the side pools make it less than the bytes-per-token ratio
+        assert llm.capacity.ratio < 0.97 * llm.model_dtype_kv_bytes_per_token / llm.kv_bytes_per_token
+
+
+def test_c26_cli_ratio_for_int4_is_within_1pct_of_the_real_one(tiny, capsys, monkeypatch) -> None:
+    from kvpage import cli
+    from kvpage.engine.llm import LLM
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    budget = 6 * MiB
+    rc = cli.main(["generate", "hello there", "--no-chat", "--kv-cache-dtype", "int4", "--max-tokens", "3",
+                   "--kv-cache-memory-bytes", str(budget), "--threads", "1"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    printed = float(re.search(r"\(([\d.]+)x more tokens per byte", out.out).group(1))
+    real = LLM(tiny, kv_cache_dtype="int4", kv_cache_memory_bytes=budget, num_threads=1, progress=False)
+    ref = LLM(tiny, kv_cache_memory_bytes=budget, num_threads=1, progress=False)
+    real_ratio = real.engine.kv.manager.num_blocks * 32 / (ref.engine.kv.manager.num_blocks * 16)
+    assert abs(printed - real_ratio) <= 0.01 * real_ratio
+    assert f"{real.max_cache_tokens:,} vs {ref.max_cache_tokens:,} tokens" in out.out
+    assert re.search(r"\[kvpage\] engine: 1 torch thread \(set\); int4 KV cache: [\d,]+ blocks", out.err)
+
+
+def test_c26_smollm2_figures_of_the_issue() -> None:
+    """The issue's measured pool sizes at 512 MiB: int4 67,104, int2 106,720, float32 11,648 tokens."""
+    rows = {r.name: r for r in format_rows(SMOLLM2_SHAPE, 512 * MiB)}
+    assert rows["float32"].report.tokens == 11_648
+    assert rows["int4"].report.tokens == 67_104 and f"{rows['int4'].report.ratio:.2f}" == "5.76"
+    assert rows["int2"].report.tokens == 106_720 and f"{rows['int2'].report.ratio:.2f}" == "9.16"
+    assert 91 * MiB < rows["int4"].report.side_pool_bytes < 92 * MiB
+    table = markdown_table(list(rows.values()))
+    assert "| `int4` | 32 | 6,570 | 91.4 | 67,104 | 5.76x | 2.88x |" in table
+
+
+def test_c26_formats_lists_tokens_that_fit(capsys) -> None:
+    from kvpage import cli
+
+    assert cli.main(["formats"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^int4 .* 67,104 ", out, re.M) and re.search(r"^float32 .* 11,648 ", out, re.M)
+    assert cli.main(["formats", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16",
+                     "--budget-bytes", str(3 * MiB), "--max-num-seqs", "8"]) == 0
+    out = capsys.readouterr().out
+    cfg = EngineConfig(kv_cache_dtype="int2", kv_cache_memory_bytes=3 * MiB, max_num_seqs=8)
+    assert re.search(rf"^int2 .* {kv_capacity(cfg, tiny_model().config).tokens:,} ", out, re.M)
+
+
+def test_c26_budget_below_the_side_pools_names_both_byte_counts(tiny) -> None:
+    from kvpage.engine.llm import LLM
+
+    cfg = EngineConfig(kv_cache_dtype="int4", kv_cache_memory_bytes=100_000, max_num_seqs=8)
+    side = kv_capacity(EngineConfig(kv_cache_dtype="int4", num_blocks=1, max_num_seqs=8), tiny.config).side_pool_bytes
+    assert side > 100_000
+    with pytest.raises(BudgetTooSmallError, match=rf"side pools of int4 need {side:,} bytes.*100,000 bytes given"):
+        LLM(tiny, config=cfg, progress=False)
+    with pytest.raises(ValueError, match="one block of int8 needs"):
+        LLM(tiny, kv_cache_dtype="int8", kv_cache_memory_bytes=100, progress=False)
+
+
+@pytest.mark.slow
+def test_c26_bundled_model_shape_and_cli_line(smollm2, capsys, monkeypatch) -> None:
+    from kvpage import cli
+    from kvpage.model import loader
+
+    c = smollm2.config
+    assert (c.num_layers, c.num_kv_heads, c.head_dim, c.max_position_embeddings) == (
+        SMOLLM2_SHAPE.num_layers, SMOLLM2_SHAPE.num_kv_heads, SMOLLM2_SHAPE.head_dim,
+        SMOLLM2_SHAPE.max_position_embeddings)
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: smollm2)
+    assert cli.main(["generate", "Hi", "--kv-cache-dtype", "int4", "--max-tokens", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "67,104 vs 11,648 tokens in the same 512.0 MiB (5.76x more tokens per byte" in out

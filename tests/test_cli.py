@@ -1,0 +1,171 @@
+"""The CLI and engine knobs of issue 12: thread rule, memory fraction, shared engine flags, help texts,
+block sizes of quantize-on-seal formats, and the tier counters line."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kvpage.engine import memory, threads
+from kvpage.engine.config import MIN_SEALED_BLOCK_SIZE, EngineConfig
+from kvpage.formats import available_formats
+
+from test_capacity import tiny_model
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+# -- threads ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cpus,load,at_import,want", [
+    (16, 0.2, 16, 16),    # a dedicated 16-core box gets its cores
+    (16, 3.6, 16, 12),    # minus the other load, rounded
+    (2, 2.4, 2, 1),       # a busy 2-core box: one thread, never 0
+    (32, 0.0, 16, 16),    # at most torch's default (physical cores)
+])
+def test_thread_rule(monkeypatch, cpus, load, at_import, want) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(threads, "_AT_IMPORT", at_import)
+    monkeypatch.setattr(threads, "_set_by_kvpage", torch.get_num_threads())  # as if kvpage had set it
+    monkeypatch.setattr(threads, "usable_cpus", lambda: cpus)  # no cgroup quota on the test machine's account
+    choice = threads.default_num_threads()
+    assert choice.num_threads == want and f"{cpus} CPUs - load {round(load)}" in choice.reason
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.default_num_threads() == threads.ThreadChoice(3, "OMP_NUM_THREADS")
+
+
+def test_thread_rule_keeps_an_explicit_torch_setting_and_llm_applies_it(monkeypatch, tiny) -> None:
+    from kvpage.engine.llm import LLM
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(threads, "_AT_IMPORT", before + 1)  # torch's count differs from its default...
+        monkeypatch.setattr(threads, "_set_by_kvpage", None)    # ...and kvpage did not set it
+        assert threads.default_num_threads() == threads.ThreadChoice(before, "torch.set_num_threads")
+        monkeypatch.setattr(threads, "default_num_threads", lambda: threads.ThreadChoice(1, "rule: test"))
+        llm = LLM(tiny, num_blocks=8, progress=False)  # num_threads=None: the rule, applied process-wide
+        assert llm.threads == threads.ThreadChoice(1, "rule: test") and torch.get_num_threads() == 1
+        assert LLM(tiny, num_blocks=8, num_threads=1, progress=False).threads.reason == "set"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_usable_cpus_is_the_affinity_mask() -> None:
+    assert 1 <= threads.usable_cpus() <= len(threads.os.sched_getaffinity(0))
+
+
+# -- memory fraction ------------------------------------------------------------------------------
+
+def test_memory_fraction_on_the_cpu_is_a_fraction_of_available_ram(monkeypatch, tiny, capsys) -> None:
+    from kvpage.engine.llm import LLM
+
+    monkeypatch.setattr(memory, "available_cpu_memory", lambda: 10 * MiB)
+    llm = LLM(tiny, kv_cache_dtype="int8", kv_cache_memory_fraction=0.25, num_threads=1)
+    c = llm.capacity
+    assert c.budget_bytes == int(0.25 * 10 * MiB) and c.total_bytes <= c.budget_bytes
+    assert c.budget_bytes - c.total_bytes < c.bytes_per_block
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[kvpage] engine: 1 torch thread (set); int8 KV cache: ")
+    assert f"{c.num_blocks:,} blocks x 16 tokens" in line and "kv_cache_memory_fraction 0.25 x 0.01 GiB" in line
+
+
+def test_available_cpu_memory_reads_memavailable() -> None:
+    psutil = pytest.importorskip("psutil")
+    assert memory.available_cpu_memory() == pytest.approx(psutil.virtual_memory().available, rel=0.1)
+
+
+def test_memory_fraction_on_cuda_subtracts_the_profiled_forward_peak(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "profile_forward_peak", lambda model, n, rows, ctx, dev: 2 * 2**30 + n)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (12 * 2**30, 80 * 2**30))
+    cfg = EngineConfig(kv_cache_memory_fraction=0.5, max_num_batched_tokens=1024)
+    b = memory.resolve_kv_budget(cfg, torch.nn.Identity(), torch.device("cuda"), 2048)
+    assert b.bytes == int(0.5 * (10 * 2**30 - 1024)) and "forward peak 2.00 GiB" in b.source
+
+
+@pytest.mark.parametrize("other", [dict(kv_cache_memory_bytes=MiB), dict(num_blocks=4)])
+def test_memory_fraction_excludes_the_other_sizes(other) -> None:
+    with pytest.raises(ValueError, match=f"kv_cache_memory_fraction and {next(iter(other))}"):
+        EngineConfig(kv_cache_memory_fraction=0.5, **other)
+    for bad in (0, 1.5, -0.1, True, "0.5"):
+        with pytest.raises(ValueError, match="kv_cache_memory_fraction must be a number in"):
+            EngineConfig(kv_cache_memory_fraction=bad)
+
+
+# -- block sizes of quantize-on-seal formats ----------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["int4", "int2", "kivi4"])
+def test_sealed_formats_need_blocks_of_at_least_8_tokens(fmt) -> None:
+    for bs in (1, 7):
+        with pytest.raises(ValueError, match=rf"block_size={bs} is too small for kv_cache_dtype='int[42]'"):
+            EngineConfig(kv_cache_dtype=fmt, block_size=bs)
+    assert EngineConfig(kv_cache_dtype=fmt, block_size=MIN_SEALED_BLOCK_SIZE).block_size_resolved == 8
+    assert EngineConfig(kv_cache_dtype="int8", block_size=1).block_size_resolved == 1  # token-wise: any size
+
+
+# -- flags and help -----------------------------------------------------------------------------------
+
+def test_help_lists_every_format_float16_and_the_thread_rule() -> None:
+    from kvpage.cli import build_parser
+
+    parser = build_parser()
+    subs = parser._subparsers._group_actions[0].choices
+    for name in ("generate", "serve", "eval", "calibrate"):
+        helps = {a.dest: a.help for a in subs[name]._actions}
+        assert "float16" in helps["dtype"], name
+        assert "1-minute load average" in helps["threads"] and subs[name].get_default("threads") is None
+    for name in ("generate", "serve"):
+        helps = {a.dest: a.help for a in subs[name]._actions}
+        assert all(f in helps["kv_cache_dtype"] for f in available_formats()), name
+        args = subs[name].parse_args(["x"] if name == "generate" else [])
+        assert (args.max_num_seqs, args.max_model_len, args.kv_cache_memory_fraction) == (64, None, None)
+
+
+def test_generate_passes_max_num_seqs_and_max_model_len(tiny, monkeypatch, capsys) -> None:
+    from kvpage import cli
+    from kvpage.model import loader
+
+    built = []
+    real_build = cli._build_llm
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(cli, "_build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
+    assert cli.main(["generate", "abc", "--no-chat", "--max-tokens", "2", "--max-num-seqs", "3",
+                     "--max-model-len", "100", "--num-blocks", "20", "--threads", "1"]) == 0
+    cfg = built[0].engine_config
+    assert (cfg.max_num_seqs, cfg.max_model_len, built[0].max_model_len) == (3, 100, 100)
+    assert cli.main(["generate", "abc", "--kv-cache-dtype", "int4", "--block-size", "7"]) == 2
+    assert "block_size=7 is too small for kv_cache_dtype='int4'" in capsys.readouterr().err
+
+
+# -- tier counters ------------------------------------------------------------------------------------
+
+def test_generate_prints_tier_counters_with_swap_space(tiny, monkeypatch, capsys) -> None:
+    from kvpage import cli
+    from kvpage.model import loader
+
+    built = []
+    real_build = cli._build_llm
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(cli, "_build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
+    prompt = "the quick brown fox jumps over the lazy dog " * 2  # 88 byte tokens: 5 full blocks
+    assert cli.main(["generate", prompt, "--no-chat", "--max-tokens", "4", "--kv-cache-dtype", "int8",
+                     "--num-blocks", "32", "--swap-space", "0.01", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\[kvpage\] 88 prompt tokens, 4 output tokens \(length\); time to first token", out)
+    (line,) = [x for x in out.splitlines() if x.startswith("[kvpage] tiers:")]
+    stats = built[0].kv_cache_stats()
+    stored = stats.tiers.tier_bytes["device_to_host"] // built[0].spec.bytes_per_block
+    assert stored >= 5 and stats.tiers.backups == stored  # write_through backed up every cached block
+    assert f"host 0 hits, 0 blocks loaded, {stored} stored ({stored} backups, 0 swapped out)" in line
+    assert re.search(rf"{stored} of \d+ host blocks used", line) and "device 0 block hits" in line
+    # without tiers there is no such line
+    assert cli.main(["generate", prompt, "--no-chat", "--max-tokens", "2", "--num-blocks", "32", "--threads", "1"]) == 0
+    assert "[kvpage] tiers:" not in capsys.readouterr().out
