@@ -91,6 +91,15 @@ def test_memory_fraction_on_cuda_subtracts_the_profiled_forward_peak(monkeypatch
     assert b.bytes == int(0.5 * (10 * 2**30 - 1024)) and "forward peak 2.00 GiB" in b.source
 
 
+def test_profiled_dummy_forward_runs_the_model(tiny) -> None:
+    """The pass profiled on CUDA (run here on the CPU): max_num_batched_tokens tokens past the context wrap."""
+    logits = memory.dummy_forward(tiny.model, 300, 4, tiny.config.max_position_embeddings, torch.device("cpu"))
+    assert logits.shape == (4, tiny.config.vocab_size) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="CUDA"):
+        memory.profile_forward_peak(tiny.model, 8, 1, 256, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("other", [dict(kv_cache_memory_bytes=MiB), dict(num_blocks=4)])
 def test_memory_fraction_excludes_the_other_sizes(other) -> None:
     with pytest.raises(ValueError, match=f"kv_cache_memory_fraction and {next(iter(other))}"):

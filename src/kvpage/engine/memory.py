@@ -67,12 +67,20 @@ def _sdpa(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return out.transpose(0, 1).contiguous()
 
 
+def dummy_forward(model: torch.nn.Module, num_tokens: int, num_rows: int, context: int,
+                  device: torch.device) -> torch.Tensor:
+    """One forward pass of ``num_tokens`` tokens (id 0, positions ``0..num_tokens-1`` modulo ``context``) as one
+    causal sequence, and the LM head on its last ``num_rows`` rows; returns those float32 logits ``[num_rows, V]``."""
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device) % context
+    with torch.inference_mode():
+        hidden = model(ids, positions, _sdpa)
+        return model.compute_logits(hidden[-num_rows:])
+
+
 def profile_forward_peak(model: torch.nn.Module, num_tokens: int, num_rows: int, context: int,
                          device: torch.device) -> int:
-    """Bytes a forward pass of ``num_tokens`` tokens allocates on CUDA ``device`` beyond what is already held.
-
-    Runs the model once on token id 0 at positions ``0..num_tokens-1`` (modulo ``context``)
-    and its LM head on the last ``num_rows`` rows, then frees everything.
+    """Bytes :func:`dummy_forward` allocates on CUDA ``device`` beyond what is already held (then freed).
 
     Raises:
         ValueError: ``device`` is not a CUDA device.
@@ -83,14 +91,10 @@ def profile_forward_peak(model: torch.nn.Module, num_tokens: int, num_rows: int,
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(num_tokens, device=device) % context
-    with torch.inference_mode():
-        hidden = model(ids, positions, _sdpa)
-        model.compute_logits(hidden[-num_rows:])
+    logits = dummy_forward(model, num_tokens, num_rows, context, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del hidden
+    del logits
     torch.cuda.empty_cache()
     return max(0, int(peak))
 
