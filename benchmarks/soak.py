@@ -176,7 +176,10 @@ class Soak:
         body = self._good_body(chat, False)
         content: bytes | None = None
         if kind == "bad_type":
-            body[self.rng.choice(["max_tokens", "stream", "temperature"])] = self.rng.choice(["5", "yes", True])
+            field, value = self.rng.choice([("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 2.5),
+                                            ("stream", "yes"), ("stream", 1), ("temperature", "1"),
+                                            ("temperature", True), ("n", 2), ("stop", 5)])
+            body[field] = value
             want = 400
         elif kind == "bad_oversized":
             body["max_tokens"] = self.max_model_len
