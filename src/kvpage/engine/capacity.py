@@ -227,8 +227,9 @@ def kv_capacity(
                     f"{open_b:,}, window copies {window_b:,}, first-block copies {sink_b:,}, for max_num_seqs="
                     f"{config.max_num_seqs}) and one block {bpb:,} bytes" if side else
                     f"one block of {config.kv_format.name} needs {bpb:,} bytes")
+            knob = "kv_cache_memory_fraction" if config.kv_cache_memory_fraction is not None else "kv_cache_memory_bytes"
             raise BudgetTooSmallError(f"KV budget too small: {what}, i.e. {side + bpb:,} bytes; "
-                                      f"{budget:,} bytes given (kv_cache_memory_bytes); raise it"
+                                      f"{budget:,} bytes given ({knob}); raise it"
                                       + (" or lower max_num_seqs" if side else ""))
         num_blocks = (budget - side) // bpb
     ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
