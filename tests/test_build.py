@@ -20,6 +20,8 @@ from kvpage.spec import CacheSpec
     ("kv_quant_residual_tokens", -1), ("swap_space", -1.0), ("swap_space", math.inf), ("kv_offload_policy", "lazy"),
     ("preemption_mode", "pause"), ("kv_disk_max_bytes", 0), ("kv_store", "http://x"), ("device", "tpu"),
     ("dtype", "int8"), ("enable_prefix_caching", "yes"),
+    # wrong types that used to pass here and fail later, deep inside (issue 12's class of poison input)
+    ("kv_cache_scales", 5), ("kv_disk_dir", 5), ("kv_disk_dir", ""), ("kv_store", 5), ("max_model_len", "8"),
 ])
 def test_each_bad_field_gets_one_error_naming_it(field: str, value: object) -> None:
     with pytest.raises(ValueError) as err:

@@ -192,6 +192,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self._check_tiers()
+        if self.kv_cache_scales is not None and not isinstance(self.kv_cache_scales, (str, Path, StaticScales)):
+            raise ValueError(f"kv_cache_scales must be a scales file path or a StaticScales, "
+                             f"got {type(self.kv_cache_scales).__name__} {self.kv_cache_scales!r}")
         scales = None if self.kv_cache_scales is None else StaticScales.coerce(self.kv_cache_scales)
         put("static_scales", scales)
         if scales is None and isinstance(fmt, StaticScaleFormat):  # fails here, before any model loads
@@ -221,6 +224,11 @@ class EngineConfig:
                                                           preemption_mode=self.preemption_mode))
         if self.preemption_mode == "swap" and s == 0:
             raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
+        d = self.kv_disk_dir
+        if d is not None and (not isinstance(d, (str, Path)) or not str(d).strip()):
+            raise ValueError(f"kv_disk_dir must be a directory path (str or Path), got {d!r}")
+        if self.kv_store is not None and not isinstance(self.kv_store, str):
+            raise ValueError(f"kv_store must be a redis://host:port/db URL string, got {self.kv_store!r}")
         if self.kv_disk_max_bytes is not None:
             if not _is_int(self.kv_disk_max_bytes) or self.kv_disk_max_bytes <= 0:
                 raise ValueError(f"kv_disk_max_bytes must be a positive number of bytes, got {self.kv_disk_max_bytes!r}")
