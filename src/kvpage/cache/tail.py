@@ -87,7 +87,8 @@ class TailTable:
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
         self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
-        self._release_after: list[int] = []                  # slots to free once the current plan ran
+        self._release_after: list[int] = []                  # window copies the current plan pushed out
+        self._sealed_after: list[int] = []                   # sealed blocks whose open slot the seal gather reads
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -205,6 +206,9 @@ class TailTable:
         self._is_live, self._is_in_use = is_live, is_in_use
         try:
             return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens)
+        except BaseException:
+            self._sealed_after = []  # nothing was sealed: the open slots must stay for a re-run
+            raise
         finally:
             self._is_live = self._is_in_use = None
 
@@ -261,13 +265,14 @@ class TailTable:
                             new_dst.append(base + t - j * bs)
                             new_src.append(row0 + t - first)
                     if j == 0 and self.num_sink_slots:
+                        self._drop_sink(b)  # a re-run of a failed step seals it again: one sink slot per block
                         sink = self._take_sink(b, protected)
                         if sink is not None:
                             sink_pos.append(len(seal_ids) - 1)
                             sink_slots.append(sink)
                     if j < keep_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
                         if slot is not None:
-                            self._release_after.append(b)  # every layer's seal gather reads it first
+                            self._sealed_after.append(b)  # every layer's seal gather reads it first
                         continue
                     self._window[b] = owner
                     self._window.move_to_end(b)
@@ -328,10 +333,23 @@ class TailTable:
         layer's seal gather reads its earlier tokens from it; a window copy pushed out
         of its request's window likewise.
         """
+        for b in self._release_after + self._sealed_after:
+            if b not in self._window:
+                self._drop_fp(b)
+        self._release_after, self._sealed_after = [], []
+
+    def abort(self) -> None:
+        """After a forward pass that raised (some layers may not have run the last plan): keep what a re-run needs.
+
+        The open slots of blocks the plan sealed stay (a re-run of the same tokens seals them again from
+        there; the forward writes the same K/V to the same slots, so the re-run is idempotent); window
+        copies the plan pushed out go, as :meth:`finish` would. A block that is never re-run frees its
+        slot when the pool hands the block out again (:meth:`invalidate`), or earlier as a dead block's.
+        """
         for b in self._release_after:
             if b not in self._window:
                 self._drop_fp(b)
-        self._release_after = []
+        self._release_after, self._sealed_after = [], []
 
 
 def tail_dtype(model_dtype: torch.dtype) -> torch.dtype:

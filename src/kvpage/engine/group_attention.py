@@ -78,7 +78,12 @@ class GroupAttention:
                                 layer_index=layer_index)
 
     def end_step(self) -> None:
-        """The step's layers all ran (or one failed): drop the step's state."""
+        """The step's layers all ran: drop the step's state."""
+        self._meta = None
+
+    def abort_step(self) -> None:
+        """The forward pass raised (some layers may not have run): drop the step's state so the same step can
+        be run again (its writes are idempotent)."""
         self._meta = None
 
 
@@ -134,6 +139,13 @@ class SealedGroupAttention(GroupAttention):
         if self._ctx is not None:
             self._ctx = None
             self.table.finish()
+
+    def abort_step(self) -> None:
+        """The forward pass raised: keep the open slots of the blocks the plan sealed (:meth:`TailTable.abort`)."""
+        super().abort_step()
+        if self._ctx is not None:
+            self._ctx = None
+            self.table.abort()
 
 
 def group_attention_for(

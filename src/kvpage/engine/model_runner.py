@@ -110,6 +110,9 @@ class ModelRunner:
                 last one (for perplexity over a prompt chunk, :mod:`kvpage.eval`; the
                 lm_head then runs on all ``T`` tokens, so leave it off for generation).
 
+        A forward pass that raises leaves the cache fit for running the same requests' tokens again
+        (each backend's ``abort_step``): the engine re-runs them to find which request failed.
+
         Returns:
             ``[len(batch), vocab]`` float32 logits of each request's last new token, or with
             ``all_logits`` ``[T, vocab]`` for all ``T`` new tokens in batch order (request
@@ -128,15 +131,22 @@ class ModelRunner:
             return by_layer[layer_index].attend(layer_index, q, k, v)
 
         started: list[GroupAttention] = []
+        ran = False
         try:
             for b in self.backends:
                 b.begin_step(step, self.device)
                 started.append(b)
             hidden = self.model(input_ids, positions, attn)                  # [T, hidden]
+            if all_logits:
+                logits = self.model.compute_logits(hidden)                    # [T, vocab]
+            else:
+                last = torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1
+                logits = self.model.compute_logits(hidden[last])             # [B, vocab]
+            ran = True
         finally:
             for b in started:
-                b.end_step()
-        if all_logits:
-            return self.model.compute_logits(hidden)                          # [T, vocab]
-        last = torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1
-        return self.model.compute_logits(hidden[last])                       # [B, vocab]
+                if ran:
+                    b.end_step()
+                else:
+                    b.abort_step()  # a re-run of the same batch (or of one request of it) must still work
+        return logits
