@@ -9,20 +9,46 @@ drive this class.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvpage.cache.requests import KVCacheStats
+from kvpage.engine.detokenize import REPLACEMENT, ends_with_split_character
 from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, sample
-from kvpage.engine.scheduler import Scheduler, SchedulerConfig
+from kvpage.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.engine.sequence import Request
+from kvpage.engine.validate import check_text, check_token_ids
 from kvpage.errors import PromptTooLongError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """A forward pass failed for every request of the step, each alone too: not one request's fault.
+
+    Every scheduled request was finished with ``finish_reason="error"`` (blocks freed) before this was raised,
+    so the engine stays consistent and usable; the original exception is ``__cause__``.
+
+    Attributes:
+        outputs: the final :class:`RequestOutput` of each request it finished.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -95,20 +121,36 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request.
+        """Queue a request after checking every field (nothing is queued when a check fails).
+
+        Args:
+            prompt: the prompt's text (kept for outputs), or ``None`` for a token prompt.
+            prompt_token_ids: the tokens to run: a list/tuple of ints in ``[0, vocab_size)``.
+            params: a :class:`SamplingParams`; its ``stop_token_ids`` must lie in the vocabulary too.
+            request_id: a non-empty str, unique among unfinished requests; default a fresh uuid.
+            cache_salt: a str that separates this tenant's prefix-cache entries, or ``None`` (shared).
 
         Raises:
-            ValueError: empty prompt, a token id outside the vocabulary, or a duplicate ``request_id``.
+            TypeError: an argument of the wrong type: ``prompt`` not str/None, ``prompt_token_ids`` not a
+                list/tuple, ``params`` not a :class:`SamplingParams` (the message says ``sampling_params``),
+                ``request_id`` not str, ``cache_salt`` not str/None.
+            ValueError: empty prompt, a token id (prompt or ``stop_token_ids``) that is not an int or lies
+                outside the vocabulary, a lone surrogate in ``prompt`` or ``cache_salt``, an empty or duplicate
+                ``request_id``.
             PromptTooLongError: the prompt reaches ``max_model_len``, or prompt + ``max_tokens``
                 cannot fit in the whole cache (it could never finish, even alone).
         """
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        if self.vocab_size is not None:
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        check_text(prompt, "prompt", optional=True)
+        ids = check_token_ids(prompt_token_ids, "prompt_token_ids", self.vocab_size)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}; "
+                            f"build one with SamplingParams(**fields)")
+        check_token_ids(list(params.stop_token_ids), "stop_token_ids", self.vocab_size, allow_empty=True)
+        if request_id is not None:
+            check_text(request_id, "request_id")
+            if not request_id:
+                raise ValueError("request_id must be a non-empty str")
+        check_text(cache_salt, "cache_salt", optional=True)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the model's context (max_model_len) is {self.max_model_len}. "
@@ -138,6 +180,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req, "abort")
         req.finish_time = time.perf_counter()
+        self._trim_split_character(req)
         out = self._output(req)
         self.requests.pop(request_id, None)
         return out
@@ -150,7 +193,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; return an output for every request that got a token or finished.
 
+        Fault isolation: a failure attributable to one request finishes only that request, with
+        ``finish_reason="error"`` and the message in ``CompletionOutput.error``; its blocks are freed and the
+        others go on. When the batch's forward pass raises, each request is re-run alone (the forward writes
+        the same K/V into the same slots, so a re-run is idempotent); those that fail alone are finished with
+        ``"error"``, the others keep the results of their re-run. Sampling, detokenization and stop checks
+        are isolated per request the same way.
+
         Raises:
+            EngineStepError: every request of the step failed alone too (a broken model, say); each was
+                finished with ``"error"`` first, so the engine stays usable.
             RuntimeError: requests wait but none can be scheduled (cannot happen
                 for requests admitted by :meth:`add_request`; guards against a hang).
         """
@@ -168,9 +220,14 @@ class LLMEngine:
             for c in sched.scheduled
         ]
         self.kv.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
-        logits = self.runner.execute(batch)                                    # [B, vocab] float32
-        self.scheduler.update_after_step(sched)
         outputs: list[RequestOutput] = []
+        try:
+            logits = self.runner.execute(batch)                                # [B, vocab] float32
+        except Exception as exc:
+            sched, logits, outputs = self._isolate_forward(sched, batch, exc)
+            if not sched.scheduled:
+                return outputs
+        self.scheduler.update_after_step(sched)
         now = time.perf_counter()
         # greedy rows: one argmax over the batch (per-row calls cost ~0.1 ms each at a 49k vocabulary; max().indices
         # is the same first-maximum index, 2.7x faster than argmax here)
@@ -182,13 +239,60 @@ class LLMEngine:
             )
             if not chunk.completes_sequence:
                 continue  # a prefill chunk: its logits are not needed
-            token = greedy[i] if greedy is not None and req.params.greedy else sample(row, req.params, req.generator)
-            self.generation_tokens += 1
-            self._append_token(req, token, now)
-            outputs.append(self._output(req))
+            try:
+                token = greedy[i] if greedy is not None and req.params.greedy else sample(row, req.params, req.generator)
+                self.generation_tokens += 1
+                self._append_token(req, token, now)
+                out = self._output(req)
+            except Exception as exc:  # this request's sampling, detokenization or stop check
+                self._fail(req, exc, now)
+                out = self._output(req)
+            outputs.append(out)
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _isolate_forward(
+        self, sched: SchedulerOutput, batch: list[ScheduledRequest], exc: Exception
+    ) -> tuple[SchedulerOutput, torch.Tensor, list[RequestOutput]]:
+        """The batch's forward raised: re-run each request alone, finish those that fail with ``"error"``.
+
+        Returns:
+            The step without the failed requests, the survivors' logits ``[B', vocab]`` float32, and the
+            failed requests' final outputs.
+
+        Raises:
+            EngineStepError: every request failed alone too (after finishing them all).
+        """
+        now = time.perf_counter()
+        kept, rows, failed = [], [], []
+        for chunk, one in zip(sched.scheduled, batch):
+            if len(batch) == 1:
+                error: Exception = exc
+            else:
+                try:
+                    rows.append(self.runner.execute([one]))
+                    kept.append(chunk)
+                    continue
+                except Exception as e:
+                    error = e
+            logger.warning("request %s failed in the forward pass: %s", chunk.request.request_id, _describe(error))
+            self._fail(chunk.request, error, now)
+            failed.append(self._output(chunk.request))
+            self.requests.pop(chunk.request.request_id, None)
+        if not kept:
+            raise EngineStepError(
+                f"the forward pass failed for every request of the step ({len(failed)}), each alone too: "
+                f"{_describe(exc)}", failed
+            ) from exc
+        return SchedulerOutput(kept, sched.preempted), torch.cat(rows), failed
+
+    def _fail(self, req: Request, exc: BaseException, now: float) -> None:
+        """Finish ``req`` with ``"error"`` (blocks freed), keeping what went wrong in ``req.error``."""
+        self.scheduler.finish(req, "error")
+        req.finish_reason = "error"  # also when the failure came after another finish reason was set
+        req.error = _describe(exc)
+        req.finish_time = now
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         if req.first_token_time is None:
@@ -199,16 +303,24 @@ class LLMEngine:
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        cut_by_string = False
         for s in p.stop:
             cut = text.find(s)
             if cut >= 0:
-                text, reason = text[:cut], "stop"
+                text, reason, cut_by_string = text[:cut], "stop", True
         req.text = text
         if reason is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if not cut_by_string:
+                self._trim_split_character(req)
             self.scheduler.finish(req, reason)
             req.finish_time = now
+
+    def _trim_split_character(self, req: Request) -> None:
+        """Drop a final U+FFFD that stands for a character cut by the end of the output (see :mod:`~kvpage.engine.detokenize`)."""
+        if req.text.endswith(REPLACEMENT) and ends_with_split_character(self.tokenizer, req.output_token_ids, req.text):
+            req.text = req.text[:-1]
 
     def _output(self, req: Request) -> RequestOutput:
         out_ids = req.output_token_ids
@@ -233,7 +345,7 @@ class LLMEngine:
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, req.text, list(out_ids), req.finish_reason, delta_text, delta_ids)],
+            outputs=[CompletionOutput(0, req.text, list(out_ids), req.finish_reason, delta_text, delta_ids, req.error)],
             finished=req.is_finished,
             metrics=metrics,
         )
@@ -243,7 +355,7 @@ class LLMEngine:
 
         Its blocks come from the same pool as the running requests'; don't call :meth:`step` while it is open.
         """
-        return ForcedSequence(self.kv, self.runner, prompt_len=prompt_len)
+        return ForcedSequence(self.kv, self.runner, prompt_len=prompt_len, vocab_size=self.vocab_size)
 
     # -- metrics -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

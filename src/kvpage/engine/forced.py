@@ -20,6 +20,7 @@ import torch
 
 from kvpage.cache.requests import KVRequest
 from kvpage.engine.model_runner import ScheduledRequest
+from kvpage.engine.validate import check_token_ids
 from kvpage.errors import OutOfBlocksError
 
 if TYPE_CHECKING:
@@ -40,16 +41,19 @@ class ForcedSequence:
             window copies (:mod:`kvpage.cache.tail`); 0 (default) treats every token as generated,
             as decoding does.
         request_id: label of the sequence's blocks; default a fresh unique id.
+        vocab_size: token ids must lie in ``[0, vocab_size)`` (``None`` checks only ``>= 0``).
 
     Raises:
-        ValueError: ``prompt_len < 0``.
+        ValueError: ``prompt_len`` not an int >= 0.
     """
 
     def __init__(
-        self, kv: SchedulerKVCache, runner: ModelRunner, *, prompt_len: int = 0, request_id: str | None = None
+        self, kv: SchedulerKVCache, runner: ModelRunner, *, prompt_len: int = 0, request_id: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
-        if prompt_len < 0:
-            raise ValueError(f"prompt_len must be >= 0, got {prompt_len}")
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
+            raise ValueError(f"prompt_len must be an integer >= 0, got {prompt_len!r}")
+        self._vocab_size = vocab_size
         self._kv = kv
         self._runner = runner
         self._prompt_len = prompt_len
@@ -77,12 +81,14 @@ class ForcedSequence:
             ``[1, vocab]`` float32 logits of the last fed token, or ``[len(token_ids), vocab]`` with ``all_logits``.
 
         Raises:
-            ValueError: no tokens, or the sequence is closed.
+            TypeError: ``token_ids`` is not a list/tuple/range.
+            ValueError: no tokens, a token id that is not an int or lies outside the vocabulary (nothing is
+                written then), or the sequence is closed.
             OutOfBlocksError: the free and evictable blocks cannot hold the new tokens (nothing is written then).
         """
-        ids = [int(t) for t in token_ids]
-        if not ids:
+        if isinstance(token_ids, (list, tuple, range)) and not token_ids:
             raise ValueError("feed needs at least one token")
+        ids = check_token_ids(token_ids, "token_ids", self._vocab_size)
         if self._closed:
             raise ValueError(f"sequence {self.request_id!r} is closed")
         start = self.num_tokens

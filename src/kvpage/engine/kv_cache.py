@@ -30,6 +30,15 @@ from kvpage.cache.manager import KVCacheEvent, KVCacheManager
 from kvpage.cache.requests import KVCacheBlocks, KVCacheStats, MatchResult, SupportsKVCache
 from kvpage.cache.tiers.connector import ExternalMatch, KVConnector
 from kvpage.cache.tiers.types import BlockLoad
+from kvpage.errors import KVPageError
+
+
+class TierLoadError(KVPageError):
+    """Starting the loads of a request's prefix from a tier raised; the request holds no blocks any more.
+
+    The scheduler then admits it again without tier hits (its prefix is recomputed); ``__cause__`` is the
+    tier's exception.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +153,14 @@ class SchedulerKVCache:
         return replace(st, tier_hits={**st.tier_hits, **tiers.tier_hits}, tiers=tiers)
 
     # -- admission ---------------------------------------------------------------------------------
-    def match_prefix(self, request: SupportsKVCache) -> TieredMatch:
-        """Device hits, then what the connector can load after them (see :meth:`KVCacheManager.match_prefix`)."""
+    def match_prefix(self, request: SupportsKVCache, *, external: bool = True) -> TieredMatch:
+        """Device hits, then what the connector can load after them (see :meth:`KVCacheManager.match_prefix`).
+
+        ``external=False`` asks for the device hits only (a request whose tier load failed once).
+        """
         m = self.manager.match_prefix(request)
         c = self.connector
-        if c is None or not self.manager.allows_external_prefix(m):
+        if c is None or not external or not self.manager.allows_external_prefix(m):
             return TieredMatch(m)
         n = len(request.all_token_ids)
         max_blocks = max(n - 1, 0) // self.block_size
@@ -187,6 +199,8 @@ class SchedulerKVCache:
 
         Raises:
             ValueError: as :meth:`KVCacheManager.allocate_slots`; a stale load source.
+            TierLoadError: the connector raised while pinning or starting the loads; the request's
+                blocks are freed first (nothing is left allocated for it).
         """
         c = self.connector
         admitting = not self.manager.has_request(request.request_id)
@@ -201,12 +215,17 @@ class SchedulerKVCache:
         m = m or MatchResult()
         computed = m.num_cached_tokens
         if c is not None:
-            if ext.loads:
-                c.pin(ext)  # before evictions reach the write policy: a write-back must not take the sources
-            self._sync_block_changes()
-            hashes = request.block_hashes[: len(m.block_ids)]
-            loaded = c.update_state_after_alloc(request.request_id, blocks.new_block_ids[: len(ext.loads)], ext,
-                                                m.block_ids, hashes)
+            try:
+                if ext.loads:
+                    c.pin(ext)  # before evictions reach the write policy: a write-back must not take the sources
+                self._sync_block_changes()
+                hashes = request.block_hashes[: len(m.block_ids)]
+                loaded = c.update_state_after_alloc(request.request_id, blocks.new_block_ids[: len(ext.loads)],
+                                                    ext, m.block_ids, hashes)
+            except Exception as exc:
+                self.free(request)
+                raise TierLoadError(f"loading the cached prefix of request {request.request_id!r} from a tier "
+                                    f"failed: {type(exc).__name__}: {exc}") from exc
             computed += loaded
             self.manager.count_external_hits(loaded)
             if loaded < ext.num_tokens:  # cut short: slots start at what arrived

@@ -27,6 +27,7 @@ from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.threads import apply_num_threads
+from kvpage.engine.validate import check_messages, check_prompt
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -194,23 +195,30 @@ class LLM:
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Token ids of a text prompt (no special tokens added) or of a ``{"prompt_token_ids": ...}`` dict."""
-        if isinstance(prompt, dict):
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
-            return prompt.get("prompt"), ids
-        if not isinstance(prompt, str):
-            raise TypeError(f"a prompt is a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
-        return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        """Token ids of a text prompt (no special tokens added) or of a ``{"prompt_token_ids": ...}`` dict.
+
+        Raises:
+            TypeError: neither a str nor a dict.
+            ValueError: a dict without ``prompt_token_ids``, with an empty list, non-integer ids or ids outside
+                the vocabulary, with unknown keys; a text with a lone surrogate (``"\ud800"``).
+        """
+        text, ids = check_prompt(prompt, self.config.vocab_size)
+        if ids is None:
+            assert text is not None  # (a text prompt)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text, ids
 
     def chat_prompt(self, messages: str | Sequence[dict[str, str]]) -> dict[str, Any]:
-        """Apply the tokenizer's chat template (with the generation prompt) to a message list or a single user message."""
+        """Apply the tokenizer's chat template (with the generation prompt) to a message list or a single user message.
+
+        Raises:
+            TypeError: ``messages`` is neither a str nor a list of dicts.
+            ValueError: an empty list; a message whose ``role`` or ``content`` is not a str (named as
+                ``messages[i].content``); no non-blank user message; no chat template.
+        """
         from kvpage.model.loader import apply_chat_template
 
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        if not any(str(m.get("content") or "").strip() for m in messages if m.get("role") == "user"):
-            raise ValueError("empty prompt: the conversation has no non-blank user message")
-        ids = apply_chat_template(self.tokenizer, messages)
+        ids = apply_chat_template(self.tokenizer, check_messages(messages))
         return {"prompt": self.tokenizer.decode(ids), "prompt_token_ids": ids}
 
     # -- generation ----------------------------------------------------------------------------
@@ -219,8 +227,18 @@ class LLM:
         messages: str | Sequence[dict[str, str]] | Sequence[str | Sequence[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate answers to one conversation or a list of them (each a message list or a user string)."""
-        if isinstance(messages, str) or (messages and isinstance(messages[0], dict)):
+        """Generate answers to one conversation or a list of them (each a message list or a user string).
+
+        Raises:
+            TypeError: ``messages`` is not a str or a list; ``sampling_params`` of the wrong type.
+            ValueError: an empty list, or a bad conversation (see :meth:`chat_prompt`); nothing is queued then.
+        """
+        if not isinstance(messages, (str, list, tuple)):
+            raise TypeError(f"messages must be a str, a list of message dicts or a list of conversations, "
+                            f"got {type(messages).__name__}")
+        if not messages:
+            raise ValueError("messages is empty: give a conversation (a list of {'role', 'content'} dicts) or a str")
+        if isinstance(messages, str) or isinstance(messages[0], dict):
             convs: list[Any] = [messages]
         else:
             convs = list(messages)
@@ -228,17 +246,28 @@ class LLM:
 
     def _add(self, prompts: PromptType | Sequence[PromptType],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+        """Check and queue every prompt, or none: any bad prompt or params raises before the first is queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a {{'prompt_token_ids': [...]}} dict or a list of them, "
+                            f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+            bad = next((i for i, p in enumerate(params_list) if not isinstance(p, SamplingParams)), None)
+            if bad is not None:
+                raise TypeError(f"sampling_params[{bad}] must be a SamplingParams, got "
+                                f"{type(params_list[bad]).__name__}")
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}; build one with SamplingParams(**fields)")
         encoded = [self.encode(p) for p in prompts]
         ids_out: list[str] = []
         try:
@@ -286,12 +315,16 @@ class LLM:
             sampling_params: one for all, or one per prompt; default ``SamplingParams()``.
 
         Returns:
-            One finished :class:`RequestOutput` per prompt.
+            One finished :class:`RequestOutput` per prompt. A request that failed on its own (its forward
+            pass, sampling or detokenization raised) has ``finish_reason == "error"`` and the message in
+            ``outputs[0].error``; the others are unaffected.
 
         Raises:
-            PromptTooLongError: a prompt exceeds the context or cannot fit in the whole cache
-                (nothing is queued then).
-            ValueError: empty prompt, or a params list of the wrong length.
+            TypeError: ``prompts`` or ``sampling_params`` of the wrong type (``None``, a dict for params, ...).
+            PromptTooLongError: a prompt exceeds the context or cannot fit in the whole cache.
+            ValueError: empty prompt, a malformed token prompt, or a params list of the wrong length.
+            EngineStepError: the model failed for every request (see :meth:`LLMEngine.step`).
+            Nothing is queued when a prompt or params check fails, whichever prompt of the list it is.
         """
         final: dict[str, RequestOutput] = {}
         ids = self._add(prompts, sampling_params)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Why a request ended (``CompletionOutput.finish_reason``).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 
 @dataclass
 class CompletionOutput:
@@ -12,10 +15,12 @@ class CompletionOutput:
         index: position among the request's outputs (always 0: ``n == 1``).
         text: decoded output so far, special tokens skipped, cut before a stop string.
         token_ids: generated token ids so far (a stop token included, as in vLLM).
-        finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"``
-            (``max_tokens`` or the context limit), ``"abort"``, or ``None`` while running.
+        finish_reason: one of :data:`FINISH_REASONS`: ``"stop"`` (EOS, stop token or stop string),
+            ``"length"`` (``max_tokens`` or the context limit), ``"abort"``, ``"error"`` (this request's
+            forward pass, sampling, detokenization or stop check raised; see ``error``), or ``None`` while running.
         delta_text: text added since the previous output of this request (streaming).
         delta_token_ids: tokens added since the previous output of this request.
+        error: with ``finish_reason == "error"``, what went wrong (``"<ExceptionType>: <message>"``); else ``None``.
     """
 
     index: int
@@ -24,6 +29,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass

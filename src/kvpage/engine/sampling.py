@@ -1,66 +1,105 @@
 """Sampling parameters and the sampler (temperature, top-k, top-p, per-request seeds).
 
 Semantics follow vLLM's ``SamplingParams``: ``temperature == 0`` is greedy,
-``top_k <= 0`` and ``top_p == 1`` disable those filters, ``seed`` makes one
+``top_k`` of -1 or 0 and ``top_p == 1`` disable those filters, ``seed`` makes one
 request's samples reproducible whatever else is in the batch.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+#: Seeds ``torch.Generator.manual_seed`` accepts; it maps a negative seed ``s`` to ``2**64 - 1 + s``
+#: (vLLM passes the seed to the same call and accepts the int64 range, which this contains).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
-@dataclass(frozen=True)
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True, init=False)
 class SamplingParams:
-    """How to pick output tokens for one request.
+    """How to pick output tokens for one request; every field is checked when it is built.
 
     Attributes:
-        max_tokens: output tokens to generate at most (>= 1).
-        temperature: softmax temperature; 0 means greedy (argmax).
+        max_tokens: output tokens to generate at most (an int >= 1; the engine caps it at the context).
+        temperature: softmax temperature, a finite number >= 0; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1].
-        top_k: keep the k most likely tokens; <= 0 keeps all.
-        seed: per-request random seed; ``None`` draws from the global generator.
-        stop: strings that end the output when generated (not included in the text).
-        stop_token_ids: token ids that end the output (besides the model's EOS).
-        ignore_eos: keep going past EOS (benchmarks).
+        top_k: keep the k most likely tokens (an int >= 1); -1 or 0 keeps all (vLLM).
+        seed: per-request random seed, an int in ``[-2**63, 2**64 - 1]`` (what ``torch.Generator.manual_seed``
+            takes; a negative seed is remapped by torch, as in vLLM); ``None`` draws from the global generator.
+        stop: strings that end the output when generated (not included in the text); given as one str or a
+            sequence of str, stored as a tuple with empty strings dropped.
+        stop_token_ids: token ids (ints >= 0) that end the output besides the model's EOS, stored as a tuple;
+            the engine checks them against the vocabulary at ``add_request``.
+        ignore_eos: keep going past EOS (benchmarks); a bool.
 
     Raises:
-        ValueError: out-of-range values.
+        ValueError: any field of the wrong type or out of range (the message names the field). Type errors are
+            ValueErrors here too, as in vLLM, so a caller (the HTTP server) maps every bad field to one 400.
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: tuple[str, ...] | list[str] | str | None = None
-    stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)
-    ignore_eos: bool = False
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
 
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer (<= 0 disables it), got {self.top_k!r}")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
+    def __init__(
+        self,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+    ) -> None:
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if not _is_int(top_k) or top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or -1 or 0 to disable it, got {top_k!r}")
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        stop = self.stop
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {seed!r}")
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
         if stop is None:
-            stop = ()
+            stops: tuple[str, ...] = ()
         elif isinstance(stop, str):
-            stop = (stop,)
-        object.__setattr__(self, "stop", tuple(s for s in stop if s))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            stops = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            bad = [s for s in stop if not isinstance(s, str)]
+            if bad:
+                raise ValueError(f"stop must be a string or a list of strings; got the entry {bad[0]!r}")
+            stops = tuple(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, range)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
+        bad_ids = [t for t in stop_token_ids if not _is_int(t) or t < 0]
+        if bad_ids:
+            raise ValueError(f"stop_token_ids must be integers >= 0; got the entry {bad_ids[0]!r}")
+        for name, value in (
+            ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+            ("seed", seed), ("stop", tuple(s for s in stops if s)), ("stop_token_ids", tuple(stop_token_ids)),
+            ("ignore_eos", ignore_eos),
+        ):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,9 @@ scheduler, reduced to one KV-cache group):
    ``max_num_seqs`` limit and the free blocks allow (none when this step
    preempted someone). Each is first matched against the prefix cache; only
    the uncached tokens are computed. With chunked prefill a long prompt is
-   split across steps.
+   split across steps. A tier load that raises at admission falls back to
+   recomputing that request's prefix (it is matched against the device only
+   from then on): a failing tier never fails a request.
 
 Tensor-free: the scheduler sees requests and block ids through the
 :class:`~kvpage.engine.kv_cache.SchedulerKVCache` (the device manager, and the
@@ -22,12 +24,15 @@ tier connector called around it), never tensors.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvpage.cache.manager import KVCacheManager
-from kvpage.engine.kv_cache import SchedulerKVCache
+from kvpage.engine.kv_cache import SchedulerKVCache, TierLoadError
 from kvpage.engine.sequence import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -191,14 +196,20 @@ class Scheduler:
         # 2. waiting: FCFS admission, unless this step had to preempt.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            match = self.kv.match_prefix(req)  # device hits, then host / store / swapped-out blocks
+            # device hits, then host / store / swapped-out blocks (device only once a tier load failed for it)
+            match = self.kv.match_prefix(req, external=not req.tier_load_failed)
             n = req.num_tokens - match.num_computed_tokens
             if n > budget:
                 if self.config.enable_chunked_prefill:
                     n = budget
                 elif out.scheduled:
                     break  # a whole prefill runs alone when it exceeds the budget
-            blocks = self.kv.allocate_slots(req, n, match)
+            try:
+                blocks = self.kv.allocate_slots(req, n, match)
+            except TierLoadError as e:  # the tier is a cache: recompute what it failed to load
+                logger.warning("%s; recomputing it", e)
+                req.tier_load_failed = True
+                continue
             if blocks is None:
                 break
             self.waiting.popleft()

@@ -41,11 +41,13 @@ class Request:
         extra_keys: mixed into block hashes (adapter id, multimodal digests).
         block_hashes: filled by the KV-cache manager; survives preemption.
         status: :class:`RequestStatus`.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``None`` (running).
+        error: with ``finish_reason == "error"``, ``"<ExceptionType>: <message>"`` of what failed.
         text: detokenized output (stop strings cut).
         generator: per-request RNG when ``params.seed`` is set.
         first_token_time, finish_time: ``perf_counter`` stamps, or ``None``.
         num_preemptions: times this request was preempted.
+        tier_load_failed: loading its prefix from a tier raised once; it is matched against the device only.
     """
 
     request_id: str
@@ -62,11 +64,13 @@ class Request:
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None
     text: str = ""
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    tier_load_failed: bool = False
     _emitted_tokens: int = 0
     _emitted_text: int = 0
 
@@ -98,5 +102,5 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        """Whether generation has ended (stop, length or abort)."""
+        """Whether generation has ended (stop, length, abort or error)."""
         return self.status is RequestStatus.FINISHED
