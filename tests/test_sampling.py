@@ -52,3 +52,21 @@ def test_sampling_frequencies_follow_the_tempered_softmax():
                             minlength=3).double() / n
     expected = torch.softmax(logits.double() / 2.0, dim=0)
     assert torch.allclose(counts, expected, atol=0.03)
+
+
+def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token() -> None:
+    """Regression (found by schemathesis): 1e-300 is in range for both, but in float32 it is 0, so the
+    temperature division overflowed and top-p dropped every token; both made NaN probabilities."""
+    from kvpage.engine.sampling import SAMPLING_EPS, SamplingParams, sample
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=g)
+    top = int(logits.argmax())
+    for t in (1e-300, SAMPLING_EPS / 2):
+        p = SamplingParams(temperature=t, seed=1)
+        assert p.greedy and sample(logits, p, torch.Generator().manual_seed(1)) == top
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+    for top_p in (1e-300, 1e-45, 1e-6):
+        p = SamplingParams(temperature=1.0, top_p=top_p)
+        picks = {sample(logits, p, torch.Generator().manual_seed(s)) for s in range(20)}
+        assert picks == {top}, (top_p, picks)

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import schemathesis
 from _tiny_model import tiny_random_model
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -68,15 +68,6 @@ def test_schema_lists_every_operation(live) -> None:
     assert listed == set(OPERATIONS)
 
 
-def _underflows_float32(body: object) -> bool:
-    """A positive temperature or top_p below float32's range (e.g. 1e-300): the sampler (engine/sampling.py)
-    turns it into 0 and returns NaN probabilities, i.e. a 500 with finish_reason "error". Skipped here until the
-    sampler handles it; ``test_server_errors.py::test_tiny_temperature_and_top_p`` (strict xfail) tracks it."""
-    if not isinstance(body, dict):
-        return False
-    return any(isinstance(v, float) and 0 < v < 1e-30 for v in (body.get("temperature"), body.get("top_p")))
-
-
 def _check_openai_error_body(response) -> None:
     if response.status_code < 400:
         return
@@ -100,7 +91,6 @@ def test_fuzz_operation(live, method: str, path: str, mode: str) -> None:
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=generation_mode))
     def run(case) -> None:
-        assume(not _underflows_float32(case.body))
         response = case.call(base_url=live.url, timeout=REQUEST_TIMEOUT_S)
         SEEN[(method, path, mode, response.status_code)] += 1
         case.validate_response(response, checks=CHECKS)

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+#: Temperatures below this decode greedily, as in vLLM: dividing float32 logits by a smaller one
+#: overflows (a temperature of 1e-300 made every probability NaN).
+SAMPLING_EPS = 1e-5
+
 #: Seeds ``torch.Generator.manual_seed`` accepts; it maps a negative seed ``s`` to ``2**64 - 1 + s``
 #: (vLLM passes the seed to the same call and accepts the int64 range, which this contains).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -103,8 +107,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether this request decodes greedily."""
-        return self.temperature == 0 or self.top_k == 1
+        """Whether this request decodes greedily: ``temperature`` below :data:`SAMPLING_EPS` (0 included) or ``top_k == 1``."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -124,6 +128,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False  # also when top_p is below float32's range (1e-300 rounds to 0 in the comparison)
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = torch.softmax(x, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
