@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpage.errors import KVPageError
 
@@ -106,7 +106,7 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None, help="redis://host:port/db of a KV block store shared between instances")
 
 
-def _build_llm(args: argparse.Namespace, **extra: object) -> LLM:
+def _build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
     """An :class:`~kvpage.engine.llm.LLM` from the shared engine flags (see :func:`_add_engine_args`) plus ``extra``."""
     from kvpage.engine.llm import LLM
 

@@ -32,6 +32,7 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.engine.model_runner import ModelRunner
 from kvpage.engine.scheduler import SchedulerConfig
+from kvpage.model.attention_fn import CausalLM
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class BuiltEngine:
         return sum(t.nbytes for t in self.tails.values())
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel, model: torch.nn.Module) -> BuiltEngine:
+def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> BuiltEngine:
     """Assemble the engine for ``loaded`` (config, tokenizer, name) running ``model`` (already on its device).
 
     Raises:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpage.cache.groups import SealedGroupManager, manager_for
 from kvpage.cache.tail import TailPool
@@ -38,10 +38,21 @@ MiB = 2**20
 class ModelShape(Protocol):
     """What capacity needs of a model (a :class:`~kvpage.model.config.ModelConfig` has it)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads per layer."""
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per head."""
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The model's context, in tokens."""
 
 
 @dataclass(frozen=True)
@@ -293,7 +304,7 @@ def format_rows(model: ModelShape = SMOLLM2_SHAPE, budget_bytes: int = 512 * MiB
     from kvpage.scales import StaticScales
 
     names = [n for n in (formats or available_formats()) if n != "auto"]
-    extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    extra: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     unit = StaticScales({i: 1.0 for i in range(model.num_layers)}, {i: 1.0 for i in range(model.num_layers)})
 
     def report(name: str) -> CapacityReport | None:

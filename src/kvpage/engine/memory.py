@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kvpage.engine.config import EngineConfig
+    from kvpage.model.attention_fn import CausalLM
 
 GiB = 2**30
 
@@ -59,7 +60,7 @@ def available_cpu_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _sdpa(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _sdpa(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over one sequence: ``q [T, H, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, H, D]``."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -67,7 +68,7 @@ def _sdpa(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return out.transpose(0, 1).contiguous()
 
 
-def dummy_forward(model: torch.nn.Module, num_tokens: int, num_rows: int, context: int,
+def dummy_forward(model: CausalLM, num_tokens: int, num_rows: int, context: int,
                   device: torch.device) -> torch.Tensor:
     """One forward pass of ``num_tokens`` tokens (id 0, positions ``0..num_tokens-1`` modulo ``context``) as one
     causal sequence, and the LM head on its last ``num_rows`` rows; returns those float32 logits ``[num_rows, V]``."""
@@ -78,7 +79,7 @@ def dummy_forward(model: torch.nn.Module, num_tokens: int, num_rows: int, contex
         return model.compute_logits(hidden[-num_rows:])
 
 
-def profile_forward_peak(model: torch.nn.Module, num_tokens: int, num_rows: int, context: int,
+def profile_forward_peak(model: CausalLM, num_tokens: int, num_rows: int, context: int,
                          device: torch.device) -> int:
     """Bytes :func:`dummy_forward` allocates on CUDA ``device`` beyond what is already held (then freed).
 
@@ -99,7 +100,7 @@ def profile_forward_peak(model: torch.nn.Module, num_tokens: int, num_rows: int,
     return max(0, int(peak))
 
 
-def resolve_kv_budget(config: EngineConfig, model: torch.nn.Module, device: torch.device, context: int) -> KVBudget:
+def resolve_kv_budget(config: EngineConfig, model: CausalLM, device: torch.device, context: int) -> KVBudget:
     """The budget ``config`` asks for on ``device``, with ``model`` already loaded there.
 
     Args:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.engine.group_attention import GroupAttention, StepLayout
+from kvpage.model.attention_fn import CausalLM
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.spec import CacheSpec
 
@@ -58,7 +59,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         spec: CacheSpec,
         backends: Sequence[GroupAttention],
         device: torch.device,

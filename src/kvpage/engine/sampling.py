@@ -98,12 +98,13 @@ class SamplingParams:
         bad_ids = [t for t in stop_token_ids if not _is_int(t) or t < 0]
         if bad_ids:
             raise ValueError(f"stop_token_ids must be integers >= 0; got the entry {bad_ids[0]!r}")
-        for name, value in (
+        checked: tuple[tuple[str, object], ...] = (
             ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
             ("seed", seed), ("stop", tuple(s for s in stops if s)), ("stop_token_ids", tuple(stop_token_ids)),
             ("ignore_eos", ignore_eos),
-        ):
-            object.__setattr__(self, name, value)
+        )
+        for name, checked_value in checked:
+            object.__setattr__(self, name, checked_value)
 
     @property
     def greedy(self) -> bool:

@@ -29,3 +29,17 @@ class AttentionFn(Protocol):
     """
 
     def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class CausalLM(Protocol):
+    """What the engine needs of a model family (the other half of the contract).
+
+    ``model(input_ids, positions, attn)``: ``input_ids`` and ``positions`` ``[num_tokens]`` int64 (the
+    varlen batch), ``attn`` the step's :class:`AttentionFn`; returns the hidden states
+    ``[num_tokens, hidden]``. ``compute_logits(hidden [N, hidden])`` returns float32 logits ``[N, vocab]``.
+    :class:`~kvpage.model.llama.LlamaForCausalLM` is one; so is any ``nn.Module`` with these two.
+    """
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

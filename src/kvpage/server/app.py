@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -295,7 +295,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             def make_prompt() -> tuple[str | None, list[int]]:
                 return llm.encode(text)
         else:
-            ids = [int(t) for t in prompt]
+            ids = [int(t) for t in cast(list[int], prompt)]  # the validator made one prompt of a one-element list
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
