@@ -24,6 +24,7 @@ from kvpage.engine.build import BuiltEngine, build_engine
 from kvpage.engine.capacity import CapacityReport, startup_line
 from kvpage.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, resolve_dtype
 from kvpage.engine.forced import ForcedSequence
+from kvpage.engine.output_router import OutputRouter
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.threads import apply_num_threads
@@ -102,6 +103,7 @@ class LLM:
         self.spec: CacheSpec = self._built.spec
         self.controller = self._built.controller
         self.engine = self._built.engine
+        self._router = OutputRouter(self.engine)  # outputs reach their own generate call or stream
         self.num_blocks = self._built.num_blocks
         self.max_model_len = self._built.max_model_len
         self.kv_quant_residual_tokens = cfg.residual_tokens
@@ -289,19 +291,21 @@ class LLM:
         Every yielded :class:`RequestOutput` carries the cumulative text and
         tokens plus ``delta_text``/``delta_token_ids`` since that request's
         previous output; the last one of a request has ``finished=True``.
-        Closing the iterator early aborts the requests still running.
+        Closing the iterator early aborts the requests still running. Streams and
+        :meth:`generate` calls may interleave on one ``LLM``: a step run by one
+        delivers the others' outputs to their own queues, so none is lost.
         """
-        pending = set(self._add(prompts, sampling_params))
+        ids = self._add(prompts, sampling_params)
+        pending = set(ids)
+        queue = self._router.open(ids)
         try:
             while pending:
-                for out in self.engine.step():
-                    if out.request_id in pending:
-                        if out.finished:
-                            pending.discard(out.request_id)
-                        yield out
+                out = self._router.next_output(queue, pending)
+                if out.finished:
+                    pending.discard(out.request_id)
+                yield out
         finally:
-            for rid in pending:
-                self.engine.abort_request(rid)
+            self._router.close(ids)
 
     def generate(
         self,
@@ -323,18 +327,19 @@ class LLM:
             TypeError: ``prompts`` or ``sampling_params`` of the wrong type (``None``, a dict for params, ...).
             PromptTooLongError: a prompt exceeds the context or cannot fit in the whole cache.
             ValueError: empty prompt, a malformed token prompt, or a params list of the wrong length.
-            EngineStepError: the model failed for every request (see :meth:`LLMEngine.step`).
+            RequestLostError: a request was finished behind this call's back (``llm.engine.abort_request``).
             Nothing is queued when a prompt or params check fails, whichever prompt of the list it is.
         """
         final: dict[str, RequestOutput] = {}
         ids = self._add(prompts, sampling_params)
-        wanted = set(ids)
+        pending = set(ids)
+        queue = self._router.open(ids)
         try:
-            while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        final[out.request_id] = out
+            while pending:
+                out = self._router.next_output(queue, pending)
+                if out.finished:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
         finally:
-            for rid in wanted - set(final):
-                self.engine.abort_request(rid)
+            self._router.close(ids)
         return [final[i] for i in ids]
