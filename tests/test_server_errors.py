@@ -226,6 +226,74 @@ def test_router_and_body_errors_are_openai_style(server, method, path, content, 
         assert r.headers["allow"] in ("POST", "GET")
 
 
+SURROGATE_CASES = [
+    # (id, path, raw JSON body with a lone-surrogate escape, status, param)
+    ("model", "/v1/completions", rb'{"model": "\ud800", "max_tokens": 3, "prompt": "x"}', 404, "model"),
+    ("max_tokens", "/v1/completions", rb'{"model": "tiny", "max_tokens": "\ud800", "prompt": "x"}', 400, "max_tokens"),
+    ("stream", "/v1/completions", rb'{"model": "tiny", "stream": "\udfff", "prompt": "x"}', 400, "stream"),
+    ("stream_options", "/v1/completions", rb'{"model": "tiny", "stream": true, "stream_options": "\ud800", '
+                                          rb'"prompt": "x"}', 400, "stream_options"),
+    ("seed", "/v1/completions", rb'{"model": "tiny", "seed": "\ud800", "prompt": "x"}', 400, "seed"),
+    ("prompt", "/v1/completions", rb'{"model": "tiny", "prompt": "\ud800"}', 400, "prompt"),
+    ("stop", "/v1/completions", rb'{"model": "tiny", "prompt": "x", "stop": ["\udc00"]}', 400, "stop[0]"),
+    ("messages", "/v1/chat/completions", rb'{"model": "tiny", "messages": "\ud800"}', 400, "messages"),
+    ("role", "/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "\ud800", "content": "x"}]}',
+     400, "messages[0].role"),
+    ("part-type", "/v1/chat/completions",
+     rb'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "\ud800"}]}]}', 400,
+     "messages[0].content[0].type"),
+    ("content", "/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "a\ud800"}]}',
+     400, "messages"),
+    ("include_usage", "/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                                              rb'"stream": true, "stream_options": {"include_usage": "\ud800"}}',
+     400, "stream_options.include_usage"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in SURROGATE_CASES],
+                         ids=[c[0] for c in SURROGATE_CASES])
+def test_lone_surrogate_is_echoed_escaped_not_a_500(server, path, body, status, param) -> None:
+    """A lone surrogate (``"\ud800"`` in the JSON) in a field the message quotes gives the field's 400 (404 for the
+    model), with the value written as the text ``\ud800`` in a body that is strict UTF-8 (it was a 500 from
+    ``JSONResponse.render``'s UnicodeEncodeError, or a reset connection when raised inside an exception handler)."""
+    import json as json_
+    assert b"\\u" in body and json_.loads(body)  # the body really carries an escaped lone surrogate
+    r = server.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    text = r.content.decode("utf-8")  # strict: raises on an encoded surrogate
+    assert not any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
+    err = error_of(r)
+    assert err["param"] == param, err
+    assert not any(0xD800 <= ord(ch) <= 0xDFFF for ch in err["message"]), err
+    assert "\\ud800" in err["message"] or "\\udfff" in err["message"] or "\\udc00" in err["message"], err
+
+
+def test_server_still_serves_after_surrogates(server) -> None:
+    """The surrogate requests left the server healthy, and UTF-8 text in a response is sent as is (not escaped)."""
+    r = server.http.post("/v1/completions", content='{"model": "tiny", "prompt": "ü", "max_tokens": 2}'.encode(),
+                         headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    r = server.http.post("/v1/completions", content='{"model": "ünï", "prompt": "x"}'.encode(),
+                         headers={"content-type": "application/json"})
+    assert r.status_code == 404 and "`ünï`".encode() in r.content
+
+
+def test_json_bodies_scrub_lone_surrogates_only() -> None:
+    """:func:`dumps` keeps non-ASCII and surrogate pairs, writes lone surrogates as text; SSE events use it."""
+    from kvpage.server.jsonsafe import SafeJSONResponse, dumps
+    from kvpage.server.protocol import ErrorInfo, ErrorResponse
+    from kvpage.server.sse import sse
+
+    assert dumps({"a": "ü😀", "b": [1, None]}) == '{"a":"ü😀","b":[1,null]}'
+    assert dumps({"k\udfff": ["x\ud800y"]}) == '{"k\\\\udfff":["x\\\\ud800y"]}'
+    assert json.loads(SafeJSONResponse({"m": "\ud800"}).body) == {"m": "\\ud800"}
+    event = sse(ErrorResponse(error=ErrorInfo(message="bad \udc80", type="server_error")))
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    event.encode("utf-8")
+    assert json.loads(event[6:])["error"]["message"] == "bad \\udc80"
+    assert json.loads(sse({"m": "\ud800"})[6:]) == {"m": "\\ud800"}
+
+
 def test_openapi_schema_states_the_limits(server) -> None:
     schema = server.http.get("/openapi.json").json()
     req = schema["components"]["schemas"]["CompletionRequest"]["properties"]

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpage.engine.outputs import RequestOutput
@@ -50,6 +50,7 @@ from kvpage.engine.sampling import SamplingParams
 from kvpage.errors import PromptTooLongError
 from kvpage.server.async_engine import AsyncEngine, EngineNotRunningError, EngineStepError, RequestStream
 from kvpage.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
+from kvpage.server.jsonsafe import SafeJSONResponse
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -186,7 +187,8 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         finally:
             await engine.shutdown()
 
-    app = FastAPI(title="kvpage", description="OpenAI-compatible API on a paged KV cache.", lifespan=lifespan)
+    app = FastAPI(title="kvpage", description="OpenAI-compatible API on a paged KV cache.", lifespan=lifespan,
+                  default_response_class=SafeJSONResponse)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model_name = name
@@ -264,7 +266,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         if not engine.is_running:
             raise APIError(503, f"the engine is not running{f': {engine.error}' if engine.error else ''}",
                            type="server_error")
-        return JSONResponse({"status": "ok"})
+        return SafeJSONResponse({"status": "ok"})
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route() -> Response:
@@ -313,7 +315,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         if out is None:
             return Response(status_code=499)  # nobody is listening
         c = out.outputs[0]
-        return JSONResponse(CompletionResponse(
+        return SafeJSONResponse(CompletionResponse(
             id=rid, created=created, model=name, usage=usage(out),
             choices=[CompletionChoice(text=c.text, finish_reason=c.finish_reason)],
         ).model_dump())
@@ -343,7 +345,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         if out is None:
             return Response(status_code=499)
         c = out.outputs[0]
-        return JSONResponse(ChatCompletionResponse(
+        return SafeJSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=name, usage=usage(out),
             choices=[ChatChoice(message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)],
         ).model_dump())

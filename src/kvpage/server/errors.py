@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpage.server.jsonsafe import SafeJSONResponse
 from kvpage.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ _MESSAGES = {
     "string_too_short": "must not be empty",
     "literal_error": "must be {expected}",
     "finite_number": "must be a finite number",
+    "string_unicode": "must be valid Unicode text (a lone surrogate such as \\ud800 is not)",
 }
 
 #: Why a field has the range it has, appended to its range errors.
@@ -84,8 +86,9 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        """The error as a JSON response."""
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status, headers=self.headers)
+        """The error as a JSON response (a :class:`SafeJSONResponse`: an echoed lone surrogate cannot break it)."""
+        return SafeJSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,
+                                headers=self.headers)
 
 
 def _is_union_tag(x: object) -> bool:
@@ -140,7 +143,8 @@ def _describe(e: dict[str, Any], path: str) -> str:
     if field in _HINTS and kind in ("greater_than_equal", "less_than_equal"):
         what += f": {_HINTS[field]}"
     if kind in _TYPE_ERRORS or kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than",
-                                        "too_short", "too_long", "literal_error", "finite_number"):
+                                        "too_short", "too_long", "literal_error", "finite_number",
+                                        "string_unicode"):
         what += f", got {_shown(e.get('input'))}"
     return f"{path}: {what}" if path else what
 

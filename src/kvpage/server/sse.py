@@ -9,7 +9,6 @@ finish chunk; a non-streamed request gets a 500 with that body
 """
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from kvpage.engine.outputs import RequestOutput
 from kvpage.server.async_engine import EngineStepError, RequestStream
 from kvpage.server.errors import APIError
+from kvpage.server.jsonsafe import dumps, model_json
 from kvpage.server.protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
@@ -75,10 +75,14 @@ class SSEResponse(StreamingResponse):
 
 
 def sse(payload: Any) -> str:
-    """One server-sent event (``data: <json>\\n\\n``) of a pydantic model or a JSON-able value."""
-    if hasattr(payload, "model_dump_json"):
-        return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
+    """One server-sent event (``data: <json>\\n\\n``) of a pydantic model or a JSON-able value.
+
+    Serialised by :mod:`kvpage.server.jsonsafe`, so a lone surrogate in the payload
+    (an echoed request value) is written as text instead of breaking the stream.
+    """
+    if hasattr(payload, "model_dump"):
+        return f"data: {model_json(payload)}\n\n"
+    return f"data: {dumps(payload)}\n\n"
 
 
 def usage(out: RequestOutput) -> UsageInfo:
