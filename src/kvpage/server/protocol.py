@@ -35,6 +35,9 @@ field                       accepted
                             array of ``{"type": "text", "text"}`` parts (null only for ``assistant``)
 ==========================  =================================================================
 
+Known OpenAI fields this server cannot honour (penalties, ``logprobs``, tools, ...)
+are accepted only at their "off" value: :mod:`kvpage.server.unsupported`.
+
 :mod:`kvpage.server.errors` turns validation failures into 400 OpenAI-style
 error bodies whose ``param`` names the field.
 
@@ -49,6 +52,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvpage.engine.sampling import SamplingParams
+from kvpage.server.unsupported import OffChat, OffCommon, OffCompletion, integral
 
 #: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's); chat defaults to "until the context is full".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -59,19 +63,13 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
-def _integral(v: Any) -> Any:
-    """``5.0`` -> ``5`` (JSON Schema's "integer" includes integral floats); ``1.5``, ``true``, ``"5"`` pass through
-    unchanged for the strict check to reject."""
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
 # Integer fields: strict (no bools, no strings), but ``5.0`` counts as 5. The constraints come before the
 # validator so that the JSON schema states them as ``minimum``/``maximum``.
-PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
-TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
-TopK = Annotated[int, Field(ge=-1), BeforeValidator(_integral)]
-Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_integral)]
-OneChoice = Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(integral)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(integral)]
+TopK = Annotated[int, Field(ge=-1), BeforeValidator(integral)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(integral)]
+OneChoice = Annotated[int, Field(ge=1, le=1), BeforeValidator(integral)]
 StopString = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -84,7 +82,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(OffCommon):
     """Fields shared by both generation endpoints (sampling, streaming, vLLM extensions); strict types."""
 
     model_config = _STRICT
@@ -146,7 +144,7 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_Request, OffCompletion):
     """``POST /v1/completions``: a prompt as text or token ids (one prompt per request).
 
     A one-element list (``["text"]`` or ``[[ids...]]``) is accepted as that prompt,
@@ -217,7 +215,7 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, OffChat):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template.
 
     ``max_completion_tokens`` (the newer OpenAI name) wins over ``max_tokens``.
@@ -226,7 +224,6 @@ class ChatCompletionRequest(_Request):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
-
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` if given, else ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
