@@ -178,3 +178,34 @@ def test_generate_prints_tier_counters_with_swap_space(tiny, monkeypatch, capsys
     # without tiers there is no such line
     assert cli.main(["generate", prompt, "--no-chat", "--max-tokens", "2", "--num-blocks", "32", "--threads", "1"]) == 0
     assert "[kvpage] tiers:" not in capsys.readouterr().out
+
+
+def test_tier_line_reports_the_tier_counters_of_a_disk_store(tiny, monkeypatch, capsys, tmp_path) -> None:
+    """The store part of the tiers line is what ``kv_cache_stats()`` says (hits per tier, blocks loaded/stored),
+    not the store's own lookup/put counters: on an empty dir 0 hits and every cached block stored; a second
+    run on the same dir is served from disk."""
+    from kvpage import cli
+    from kvpage.model import loader
+
+    built = []
+    real_build = cli._build_llm
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(cli, "_build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
+    prompt = "the quick brown fox jumps over the lazy dog " * 2  # 88 byte tokens: 5 full blocks
+    argv = ["generate", prompt, "--no-chat", "--max-tokens", "4", "--kv-cache-dtype", "int8", "--num-blocks", "32",
+            "--swap-space", "0.01", "--kv-disk-dir", str(tmp_path / "kv"), "--threads", "1"]
+    lines = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[kvpage] tiers:")]
+        lines.append(line)
+    for line, llm in zip(lines, built):
+        stats = llm.kv_cache_stats()
+        bpb = llm.spec.bytes_per_block
+        hits, read, written = (stats.tier_hits.get("disk", 0), stats.tiers.tier_bytes["store_read"] // bpb,
+                               stats.tiers.tier_bytes["store_write"] // bpb)
+        assert f"disk {hits} hits, {read} blocks loaded, {written} stored" in line, line
+    first, second = (llm.kv_cache_stats() for llm in built)
+    assert first.tier_hits.get("disk", 0) == 0
+    assert first.tiers.tier_bytes["store_write"] >= 5 * built[0].spec.bytes_per_block
+    assert second.tier_hits["disk"] >= 5 and "disk 0 hits" not in lines[1]

@@ -184,11 +184,14 @@ def _capacity_lines(llm: LLM) -> list[str]:
 
 
 def tier_line(llm: LLM) -> str | None:
-    """One line of tier counters (``None`` without tiers): blocks served, host loads/stores, store hits/misses/puts.
+    """One line of tier counters (``None`` without tiers), every number taken from ``llm.kv_cache_stats()``.
 
-    Host: blocks served to requests (hits), blocks copied host->device (loaded) and device->host
-    (stored: write-policy backups and swap-outs). Each store (``disk``, ``redis``): hits and misses
-    of its lookups, blocks written, records rejected and I/O errors.
+    Device: blocks served from the device prefix cache (``tier_hits["device"]``). Host: blocks served
+    to requests (hits), blocks copied host->device (loaded) and device->host (stored: write-policy
+    backups and swap-outs), from ``tiers.tier_bytes`` in blocks. Stores (``disk``, ``redis``): each
+    store's hits (blocks served, ``tier_hits[name]``), then blocks loaded from and written to the
+    stores (``tier_bytes["store_read"]``/``["store_write"]`` in blocks; one figure for all stores,
+    as the tiers count them), records rejected and I/O errors.
     """
     conn = llm.kv_connector
     if conn is None:
@@ -196,17 +199,19 @@ def tier_line(llm: LLM) -> str | None:
     kv = llm.kv_cache_stats()
     t = kv.tiers
     parts = [f"device {kv.tier_hits.get('device', 0)} block hits"]
+    bpb = max(1, conn.offload.block_bytes)
     if t is not None and t.num_host_blocks:
-        bpb = max(1, conn.offload.block_bytes)
         parts.append(f"host {kv.tier_hits.get('host', 0)} hits, {t.tier_bytes['host_to_device'] // bpb} blocks "
                      f"loaded, {t.tier_bytes['device_to_host'] // bpb} stored ({t.backups} backups, "
                      f"{t.swapped_out_blocks} swapped out), {t.num_host_blocks - t.num_host_free} of "
                      f"{t.num_host_blocks} host blocks used")
-    for name, store in conn.offload.stores:
-        st = store.stats
-        parts.append(f"{name} {st.hits} hits, {st.misses} misses, {st.puts} blocks stored"
-                     + (f", {st.rejected} rejected" if st.rejected else "")
-                     + (f", {st.errors} errors" if st.errors else ""))
+    names = [name for name, _ in conn.offload.stores]
+    if names and t is not None:
+        hits = ", ".join(f"{name} {kv.tier_hits.get(name, 0)} hits" for name in names)
+        moved = (f"{t.tier_bytes['store_read'] // bpb} blocks loaded, {t.tier_bytes['store_write'] // bpb} stored"
+                 + (" (all stores)" if len(names) > 1 else ""))
+        parts.append(f"{hits}, {moved}" + (f", {t.store_rejected} rejected" if t.store_rejected else "")
+                     + (f", {t.store_errors} errors" if t.store_errors else ""))
     return "[kvpage] tiers: " + "; ".join(parts)
 
 
