@@ -174,7 +174,13 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now (finish reason ``abort``) and free its blocks; unknown or finished ids return ``None``."""
+        """Stop a request now (finish reason ``abort``) and free its blocks; unknown or finished ids return ``None``.
+
+        Raises:
+            TypeError: ``request_id`` is not a str.
+        """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
@@ -354,8 +360,10 @@ class LLMEngine:
         """A teacher-forced sequence over this engine's cache (see :class:`~kvpage.engine.forced.ForcedSequence`).
 
         Its blocks come from the same pool as the running requests'; don't call :meth:`step` while it is open.
+        It holds at most :attr:`max_model_len` tokens (a longer feed is a ``ValueError``).
         """
-        return ForcedSequence(self.kv, self.runner, prompt_len=prompt_len, vocab_size=self.vocab_size)
+        return ForcedSequence(self.kv, self.runner, prompt_len=prompt_len, vocab_size=self.vocab_size,
+                              max_model_len=self.max_model_len)
 
     # -- metrics -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

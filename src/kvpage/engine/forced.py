@@ -20,7 +20,7 @@ import torch
 
 from kvpage.cache.requests import KVRequest
 from kvpage.engine.model_runner import ScheduledRequest
-from kvpage.engine.validate import check_token_ids
+from kvpage.engine.validate import as_int, check_token_ids
 from kvpage.errors import OutOfBlocksError
 
 if TYPE_CHECKING:
@@ -42,21 +42,28 @@ class ForcedSequence:
             as decoding does.
         request_id: label of the sequence's blocks; default a fresh unique id.
         vocab_size: token ids must lie in ``[0, vocab_size)`` (``None`` checks only ``>= 0``).
+        max_model_len: most tokens the sequence may hold (the model's context; ``None``: no limit
+            beyond the cache's blocks). The engine passes its own.
 
     Raises:
-        ValueError: ``prompt_len`` not an int >= 0.
+        ValueError: ``prompt_len`` not an int >= 0, or ``max_model_len`` not an int >= 1 nor ``None``.
     """
 
     def __init__(
         self, kv: SchedulerKVCache, runner: ModelRunner, *, prompt_len: int = 0, request_id: str | None = None,
-        vocab_size: int | None = None,
+        vocab_size: int | None = None, max_model_len: int | None = None,
     ) -> None:
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
+        prompt_len_ = as_int(prompt_len)
+        if prompt_len_ is None or prompt_len_ < 0:
             raise ValueError(f"prompt_len must be an integer >= 0, got {prompt_len!r}")
+        limit = None if max_model_len is None else as_int(max_model_len)
+        if max_model_len is not None and (limit is None or limit < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1 or None, got {max_model_len!r}")
         self._vocab_size = vocab_size
+        self._max_model_len = limit
         self._kv = kv
         self._runner = runner
-        self._prompt_len = prompt_len
+        self._prompt_len = prompt_len_
         self._req = KVRequest(request_id or f"kvpage-forced-{uuid.uuid4().hex}", [])
         self._closed = False
 
@@ -75,23 +82,30 @@ class ForcedSequence:
 
         Args:
             token_ids: one or more token ids.
-            all_logits: return the logits of every fed token, not only the last one.
+            all_logits: return the logits of every fed token, not only the last one (a bool).
 
         Returns:
             ``[1, vocab]`` float32 logits of the last fed token, or ``[len(token_ids), vocab]`` with ``all_logits``.
 
         Raises:
             TypeError: ``token_ids`` is not a list/tuple/range.
-            ValueError: no tokens, a token id that is not an int or lies outside the vocabulary (nothing is
-                written then), or the sequence is closed.
+            ValueError: no tokens, a token id that is not an int or lies outside the vocabulary, more tokens
+                than ``max_model_len`` in all, ``all_logits`` not a bool (nothing is written then), or the
+                sequence is closed.
             OutOfBlocksError: the free and evictable blocks cannot hold the new tokens (nothing is written then).
         """
         if isinstance(token_ids, (list, tuple, range)) and not token_ids:
             raise ValueError("feed needs at least one token")
         ids = check_token_ids(token_ids, "token_ids", self._vocab_size)
+        if not isinstance(all_logits, bool):
+            raise ValueError(f"all_logits must be a bool, got {all_logits!r}")
         if self._closed:
             raise ValueError(f"sequence {self.request_id!r} is closed")
         start = self.num_tokens
+        if self._max_model_len is not None and start + len(ids) > self._max_model_len:
+            raise ValueError(
+                f"token_ids: {len(ids)} tokens after {start} would make {start + len(ids)}, beyond the model's "
+                f"context (max_model_len) of {self._max_model_len} tokens")
         blocks = self._kv.allocate_slots(self._req, len(ids))
         if blocks is None:
             raise OutOfBlocksError(

@@ -7,22 +7,71 @@ request's samples reproducible whatever else is in the batch.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvpage.engine.validate import as_int
+
 #: Temperatures below this decode greedily, as in vLLM: dividing float32 logits by a smaller one
 #: overflows (a temperature of 1e-300 made every probability NaN).
 SAMPLING_EPS = 1e-5
 
-#: Seeds ``torch.Generator.manual_seed`` accepts; it maps a negative seed ``s`` to ``2**64 - 1 + s``
-#: (vLLM passes the seed to the same call and accepts the int64 range, which this contains).
+#: Seeds ``torch.Generator.manual_seed`` accepts; it maps a negative seed ``s`` to ``s + 2**64`` (so -1 is
+#: ``2**64 - 1``); vLLM passes the seed to the same call and accepts the int64 range, which this contains.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
+_MASK64 = 2**64 - 1
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit words in which every output bit depends on every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def generator_seed(seed: int) -> int:
+    """The seed handed to a request's ``torch.Generator``, derived so that every bit of ``seed`` counts.
+
+    torch's CPU generator (mt19937) is seeded from the low 32 bits only:
+    ``manual_seed(0)``, ``manual_seed(2**32)`` and ``manual_seed(2**63)`` give the same
+    stream, and torch maps a negative seed ``s`` to ``s + 2**64`` (``-1`` is ``2**64 - 1``).
+    Here the seed's 64-bit word goes through splitmix64's finalizer; a negative seed
+    then goes through it once more after XOR with a constant, so it is not the same
+    seed as ``s + 2**64``; the result is folded to 32 bits (high half XOR low half).
+    Different seeds give different streams except by chance (about ``2**-32`` per pair,
+    the most a 32-bit state seed allows); the same seed always gives the same stream.
+
+    Args:
+        seed: an int in ``[SEED_MIN, SEED_MAX]``.
+
+    Returns:
+        An int in ``[0, 2**32)``.
+    """
+    z = _mix64(seed & _MASK64)
+    if seed < 0:
+        z = _mix64(z ^ 0x9E3779B97F4A7C15)
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
+
+
+def _as_float(value: object, name: str) -> float:
+    """``value`` as a finite plain float if it is a real number (int, float, numpy scalars; not bool).
+
+    Raises:
+        ValueError: not a real number, a bool, not finite, or too large for a float (``10**400``), naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    try:
+        out = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an int too large for a float") from None
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return out
 
 
 @dataclass(frozen=True, init=False)
@@ -34,8 +83,10 @@ class SamplingParams:
         temperature: softmax temperature, a finite number >= 0; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens (an int >= 1); -1 or 0 keeps all (vLLM).
-        seed: per-request random seed, an int in ``[-2**63, 2**64 - 1]`` (what ``torch.Generator.manual_seed``
-            takes; a negative seed is remapped by torch, as in vLLM); ``None`` draws from the global generator.
+        seed: per-request random seed, an int in ``[-2**63, 2**64 - 1]`` (the range vLLM and
+            ``torch.Generator.manual_seed`` take); the request's generator is seeded with
+            :func:`generator_seed` of it, so seeds that differ only above bit 31, or ``-1`` and
+            ``2**64 - 1``, still give different samples. ``None`` draws from the global generator.
         stop: strings that end the output when generated (not included in the text); given as one str or a
             sequence of str, stored as a tuple with empty strings dropped.
         stop_token_ids: token ids (ints >= 0) that end the output besides the model's EOS, stored as a tuple;
@@ -67,18 +118,20 @@ class SamplingParams:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
     ) -> None:
-        if not _is_int(max_tokens) or max_tokens < 1:
+        max_tokens_ = as_int(max_tokens)
+        if max_tokens_ is None or max_tokens_ < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if not _is_int(top_k) or top_k < -1:
+        top_k_ = as_int(top_k)
+        if top_k_ is None or top_k_ < -1:
             raise ValueError(f"top_k must be an integer >= 1, or -1 or 0 to disable it, got {top_k!r}")
-        for name, value in (("temperature", temperature), ("top_p", top_p)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
+        temperature_ = _as_float(temperature, "temperature")
+        top_p_ = _as_float(top_p, "top_p")
+        if temperature_ < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature_}")
+        if not 0 < top_p_ <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p_}")
+        seed_ = None if seed is None else as_int(seed)
+        if seed is not None and (seed_ is None or not SEED_MIN <= seed_ <= SEED_MAX):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {seed!r}")
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
@@ -95,12 +148,14 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, range)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
-        bad_ids = [t for t in stop_token_ids if not _is_int(t) or t < 0]
+        ids = [as_int(t) for t in stop_token_ids]
+        bad_ids = [t for t, i in zip(stop_token_ids, ids) if i is None or i < 0]
         if bad_ids:
             raise ValueError(f"stop_token_ids must be integers >= 0; got the entry {bad_ids[0]!r}")
         checked: tuple[tuple[str, object], ...] = (
-            ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-            ("seed", seed), ("stop", tuple(s for s in stops if s)), ("stop_token_ids", tuple(stop_token_ids)),
+            ("max_tokens", max_tokens_), ("temperature", temperature_), ("top_p", top_p_), ("top_k", top_k_),
+            ("seed", seed_), ("stop", tuple(s for s in stops if s)),
+            ("stop_token_ids", tuple(i for i in ids if i is not None)),
             ("ignore_eos", ignore_eos),
         )
         for name, checked_value in checked:

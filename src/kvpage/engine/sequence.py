@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpage.engine.sampling import SamplingParams
+from kvpage.engine.sampling import SamplingParams, generator_seed
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +44,8 @@ class Request:
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``None`` (running).
         error: with ``finish_reason == "error"``, ``"<ExceptionType>: <message>"`` of what failed.
         text: detokenized output (stop strings cut).
-        generator: per-request RNG when ``params.seed`` is set.
+        generator: per-request RNG when ``params.seed`` is set, seeded with
+            :func:`~kvpage.engine.sampling.generator_seed` (all 64 bits of the seed count).
         first_token_time, finish_time: ``perf_counter`` stamps, or ``None``.
         num_preemptions: times this request was preempted.
         tier_load_failed: loading its prefix from a tier raised once; it is matched against the device only.
@@ -78,7 +79,7 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(int(self.params.seed))
+            self.generator = torch.Generator().manual_seed(generator_seed(self.params.seed))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,8 +10,23 @@ engine state.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, SupportsIndex
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as a plain int if it is integral, else ``None``.
+
+    Integral: an int or anything ``operator.index`` takes (numpy integer scalars, a one-element
+    integer tensor). Not integral: bools, floats (``5.0`` too), strings, float tensors.
+    """
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # has __index__ but refuses: a float tensor, a tensor of several elements
+        return None
 
 
 def check_text(value: object, field: str, *, optional: bool = False) -> str | None:
@@ -37,8 +52,8 @@ def check_text(value: object, field: str, *, optional: bool = False) -> str | No
 def check_token_ids(value: object, field: str, vocab_size: int | None, *, allow_empty: bool = False) -> list[int]:
     """``value`` as a list of token ids in ``[0, vocab_size)`` (no check of the upper end when ``vocab_size`` is None).
 
-    Accepts a list, tuple or range of ints (numpy/torch integer scalars too); bools, floats and strings are not
-    token ids.
+    Accepts a list, tuple or range of ints (numpy/torch integer scalars too: :func:`as_int`); bools, floats,
+    float tensors and strings are not token ids.
 
     Raises:
         TypeError: not a list/tuple/range (a str, a dict, an int, ...).
@@ -49,9 +64,10 @@ def check_token_ids(value: object, field: str, vocab_size: int | None, *, allow_
         raise TypeError(f"{field} must be a list of token ids (ints), got {type(value).__name__}")
     ids: list[int] = []
     for i, t in enumerate(value):
-        if isinstance(t, bool) or not hasattr(type(t), "__index__"):
+        tid = as_int(t)
+        if tid is None:
             raise ValueError(f"{field}[{i}] must be an integer token id, got {t!r} ({type(t).__name__})")
-        ids.append(int(t.__index__()))
+        ids.append(tid)
     if not ids and not allow_empty:
         raise ValueError(f"empty prompt: {field} needs at least one token")
     bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]

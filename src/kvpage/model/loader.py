@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,11 +117,16 @@ def load_model(
             ``config.json``, ``*.safetensors`` or tokenizer files (message says what to provide).
         ValueError: unsupported architecture (named), file type, or tensors that
             do not fit the config.
+        TypeError: ``path`` (``LLM(model=...)``) is neither a str, an ``os.PathLike`` nor ``None``
+            (bytes too: give the path as a str).
 
     Timing (bundled 135M Q4_1 GGUF, this project's 2-core CPU): ≈2.7 s in a fresh
     process (≈2 s of it importing transformers), ≈0.8 s for a further load; transformers'
     ``from_pretrained(gguf_file=...)`` takes ≈17 s plus ≈3 s for ``AutoTokenizer``.
     """
+    if isinstance(path, bytes) or (path is not None and not isinstance(path, (str, os.PathLike))):
+        raise TypeError(f"model must be a path to a .gguf file or a model folder (a str or os.PathLike), or None "
+                        f"for the default model; got {type(path).__name__}")
     path = default_model_path() if path is None else Path(path).expanduser().resolve()
     if not path.exists():
         raise ModelNotFoundError(
