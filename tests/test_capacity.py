@@ -195,6 +195,25 @@ def test_c26_budget_below_the_side_pools_names_both_byte_counts(tiny) -> None:
         LLM(tiny, kv_cache_dtype="int8", kv_cache_memory_bytes=100, progress=False)
 
 
+def test_c26_budget_too_small_message_reads_well(tiny) -> None:
+    """Each byte count once, plural only when due: "one block of float32 needs N bytes; 1 byte given"; with side
+    pools, their sum, the block and the total, each named."""
+    bpb = kv_capacity(EngineConfig(kv_cache_dtype="float32", num_blocks=1), tiny.config).bytes_per_block
+    with pytest.raises(BudgetTooSmallError) as e:
+        kv_capacity(EngineConfig(kv_cache_dtype="float32", kv_cache_memory_bytes=1), tiny.config)
+    assert str(e.value) == (f"KV budget too small: one block of float32 needs {bpb:,} bytes; 1 byte given "
+                            f"(kv_cache_memory_bytes); raise it")
+    rep = kv_capacity(EngineConfig(kv_cache_dtype="int4", num_blocks=1, max_num_seqs=8), tiny.config)
+    with pytest.raises(BudgetTooSmallError) as e:
+        kv_capacity(EngineConfig(kv_cache_dtype="int4", kv_cache_memory_bytes=100_000, max_num_seqs=8), tiny.config)
+    msg = str(e.value)
+    total = rep.side_pool_bytes + rep.bytes_per_block
+    assert msg.startswith(f"KV budget too small: the side pools of int4 need {rep.side_pool_bytes:,} bytes (")
+    assert f"for max_num_seqs=8) plus {rep.bytes_per_block:,} bytes for one block, {total:,} bytes in all; " in msg
+    assert msg.endswith("100,000 bytes given (kv_cache_memory_bytes); raise it or lower max_num_seqs")
+    assert "i.e." not in msg and msg.count(f"{total:,}") == 1
+
+
 @pytest.mark.slow
 def test_c26_bundled_model_shape_and_cli_line(smollm2, capsys, monkeypatch) -> None:
     from kvpage import cli

@@ -234,14 +234,17 @@ def kv_capacity(
     else:
         budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
         if budget < side + bpb:
-            what = (f"the side pools of {config.kv_format.name} need {side:,} bytes (open-block tail slots "
-                    f"{open_b:,}, window copies {window_b:,}, first-block copies {sink_b:,}, for max_num_seqs="
-                    f"{config.max_num_seqs}) and one block {bpb:,} bytes" if side else
-                    f"one block of {config.kv_format.name} needs {bpb:,} bytes")
-            knob = "kv_cache_memory_fraction" if config.kv_cache_memory_fraction is not None else "kv_cache_memory_bytes"
-            raise BudgetTooSmallError(f"KV budget too small: {what}, i.e. {side + bpb:,} bytes; "
-                                      f"{budget:,} bytes given ({knob}); raise it"
-                                      + (" or lower max_num_seqs" if side else ""))
+            knob = ("kv_cache_memory_fraction" if config.kv_cache_memory_fraction is not None
+                    else "kv_cache_memory_bytes")
+            given = f"{budget:,} byte{'' if budget == 1 else 's'} given ({knob})"
+            if side:
+                raise BudgetTooSmallError(
+                    f"KV budget too small: the side pools of {config.kv_format.name} need {side:,} bytes "
+                    f"(open-block tail slots {open_b:,}, window copies {window_b:,}, first-block copies {sink_b:,}, "
+                    f"for max_num_seqs={config.max_num_seqs}) plus {bpb:,} bytes for one block, "
+                    f"{side + bpb:,} bytes in all; {given}; raise it or lower max_num_seqs")
+            raise BudgetTooSmallError(f"KV budget too small: one block of {config.kv_format.name} needs {bpb:,} "
+                                      f"bytes; {given}; raise it")
         num_blocks = (budget - side) // bpb
     ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                           model_dtype=config.torch_dtype, block_size=spec.block_size)
