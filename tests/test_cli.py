@@ -209,3 +209,25 @@ def test_tier_line_reports_the_tier_counters_of_a_disk_store(tiny, monkeypatch, 
     assert first.tier_hits.get("disk", 0) == 0
     assert first.tiers.tier_bytes["store_write"] >= 5 * built[0].spec.bytes_per_block
     assert second.tier_hits["disk"] >= 5 and "disk 0 hits" not in lines[1]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "x", "--max-num-seqs", "0"], "argument --max-num-seqs: must be a positive integer, got 0"),
+    (["generate", "x", "--threads", "abc"], "argument --threads: must be a positive integer, got 'abc'"),
+    (["serve", "--port", "70000"], "argument --port: a TCP port is 0-65535, got 70000"),
+    (["generate"], "the following arguments are required: prompt"),
+    (["bogus"], "invalid choice: 'bogus'"),
+])
+def test_argparse_errors_are_one_line_and_a_help_hint(argv, words, capsys) -> None:
+    """A flag argparse rejects prints ``kvpage <cmd>: error: ...`` and a --help hint (not the 20-line usage), exit 2."""
+    from kvpage import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    prog = "kvpage" if argv[0] == "bogus" else f"kvpage {argv[0]}"
+    assert captured.out == ""
+    first, hint = captured.err.splitlines()  # exactly two lines
+    assert first.startswith(f"{prog}: error: ") and words in first
+    assert hint == f"run '{prog} --help' for the options" and "usage:" not in captured.err

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvpage.errors import KVPageError
 
@@ -21,9 +21,17 @@ if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
 
 
+def _int(text: str, what: str) -> int:
+    """``text`` as an int, else an ``ArgumentTypeError`` saying it must be ``what`` (argparse prints it as is)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    value = int(text)
+    value = _int(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
@@ -31,7 +39,7 @@ def _positive_int(text: str) -> int:
 
 def _nonnegative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    value = int(text)
+    value = _int(text, "an integer >= 0")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
     return value
@@ -39,7 +47,7 @@ def _nonnegative_int(text: str) -> int:
 
 def _port(text: str) -> int:
     """argparse type: a TCP port, 0 (any free port) to 65535."""
-    value = int(text)
+    value = _int(text, "a TCP port (0-65535)")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {value}")
     return value
@@ -358,9 +366,25 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line and a hint, not the whole usage block.
+
+    ``kvpage generate --max-num-seqs 0`` prints ``kvpage generate: error: argument --max-num-seqs: ...``
+    and ``run 'kvpage generate --help' for the options`` on stderr, then exits with status 2
+    (argparse's). Sub-command parsers are of this class too (``add_subparsers`` uses the parent's).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``<prog>: error: <message>`` and a ``--help`` hint on stderr; exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message}\nrun '{self.prog} --help' for the options\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve``, ``eval`` and ``formats``)."""
-    parser = argparse.ArgumentParser(prog="kvpage", description="Paged, quantized KV cache and a small LLM engine.")
+    """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve``, ``eval`` and ``formats``).
+
+    A bad flag exits with status 2 after one error line and a ``--help`` hint (:class:`_Parser`).
+    """
+    parser = _Parser(prog="kvpage", description="Paged, quantized KV cache and a small LLM engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer a prompt from a paged KV cache")
     g.add_argument("prompt", help="the prompt (a user message with --chat)")
