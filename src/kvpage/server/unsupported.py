@@ -43,7 +43,7 @@ def _unsupported(v: Any, why: str) -> ValueError:
     return ValueError(f"{shown} is not supported: {why}")
 
 
-def _only(description: str, *accepted: dict[str, Any], nullable: bool = True) -> Any:
+def _schema_only(description: str, *accepted: dict[str, Any], nullable: bool = True) -> dict[str, Any]:
     """``Field`` keywords whose JSON schema lists exactly the accepted values (``accepted``, and null if ``nullable``).
 
     So schema-driven clients and fuzzers (schemathesis) see what the server takes;
@@ -59,6 +59,11 @@ def _only(description: str, *accepted: dict[str, Any], nullable: bool = True) ->
     return {"description": description, "json_schema_extra": schema}
 
 
+def _only(description: str, *accepted: dict[str, Any]) -> Any:
+    """A ``Field`` defaulting to ``None`` (off) whose schema is :func:`_schema_only`'s."""
+    return Field(None, **_schema_only(description, *accepted))
+
+
 class ResponseFormat(BaseModel):
     """``response_format``: only ``{"type": "text"}`` (plain text) is served; JSON modes are rejected."""
 
@@ -67,7 +72,7 @@ class ResponseFormat(BaseModel):
     type: str
 
 
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False, **_only(
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False, **_schema_only(
     "Only 0: this server applies no presence or frequency penalty.", {"type": "number", "const": 0}, nullable=False))]
 
 
@@ -78,11 +83,11 @@ class OffCommon(BaseModel):
 
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = Field(None, **_only(
-        "Only null or {}: no logit bias is applied.", {"type": "object", "maxProperties": 0}))
-    response_format: ResponseFormat | None = Field(None, **_only(
+    logit_bias: dict[str, float] | None = _only(
+        "Only null or {}: no logit bias is applied.", {"type": "object", "maxProperties": 0})
+    response_format: ResponseFormat | None = _only(
         'Only null or {"type": "text"}: plain text.',
-        {"type": "object", "properties": {"type": {"type": "string", "const": "text"}}, "required": ["type"]}))
+        {"type": "object", "properties": {"type": {"type": "string", "const": "text"}}, "required": ["type"]})
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -111,12 +116,12 @@ class OffCompletion(BaseModel):
 
     model_config = _STRICT
 
-    logprobs: Annotated[int, BeforeValidator(integral)] | None = Field(
-        None, **_only("Only null: this server returns no log-probabilities."))
-    best_of: Annotated[int, BeforeValidator(integral)] | None = Field(
-        None, **_only("Only null or 1: one sequence is generated per request.", {"type": "integer", "const": 1}))
-    suffix: str | None = Field(None, **_only('Only null or "": insertion is not supported.',
-                                                {"type": "string", "maxLength": 0}))
+    logprobs: Annotated[int, BeforeValidator(integral)] | None = _only(
+        "Only null: this server returns no log-probabilities.")
+    best_of: Annotated[int, BeforeValidator(integral)] | None = _only(
+        "Only null or 1: one sequence is generated per request.", {"type": "integer", "const": 1})
+    suffix: str | None = _only(
+        'Only null or "": insertion is not supported.', {"type": "string", "maxLength": 0})
 
     @field_validator("logprobs")
     @classmethod
@@ -146,18 +151,18 @@ class OffChat(BaseModel):
 
     model_config = _STRICT
 
-    logprobs: bool | None = Field(None, **_only("Only null or false: this server returns no log-probabilities.",
-                                                 {"type": "boolean", "const": False}))
-    top_logprobs: Annotated[int, BeforeValidator(integral)] | None = Field(
-        None, **_only("Only null or 0: this server returns no log-probabilities.", {"type": "integer", "const": 0}))
-    tools: list[dict[str, Any]] | None = Field(None, **_only("Only null or []: tool calls are not supported.",
-                                                                  {"type": "array", "maxItems": 0}))
-    functions: list[dict[str, Any]] | None = Field(None, **_only("Only null or []: function calls are not supported.",
-                                                                      {"type": "array", "maxItems": 0}))
-    tool_choice: Union[str, dict[str, Any], None] = Field(None, **_only(
-        'Only null or "none": tools and functions are not supported.', {"type": "string", "const": "none"}))
-    function_call: Union[str, dict[str, Any], None] = Field(None, **_only(
-        'Only null or "none": tools and functions are not supported.', {"type": "string", "const": "none"}))
+    logprobs: bool | None = _only(
+        "Only null or false: this server returns no log-probabilities.", {"type": "boolean", "const": False})
+    top_logprobs: Annotated[int, BeforeValidator(integral)] | None = _only(
+        "Only null or 0: this server returns no log-probabilities.", {"type": "integer", "const": 0})
+    tools: list[dict[str, Any]] | None = _only(
+        "Only null or []: tool calls are not supported.", {"type": "array", "maxItems": 0})
+    functions: list[dict[str, Any]] | None = _only(
+        "Only null or []: function calls are not supported.", {"type": "array", "maxItems": 0})
+    tool_choice: Union[str, dict[str, Any], None] = _only(
+        'Only null or "none": tools and functions are not supported.', {"type": "string", "const": "none"})
+    function_call: Union[str, dict[str, Any], None] = _only(
+        'Only null or "none": tools and functions are not supported.', {"type": "string", "const": "none"})
 
     @field_validator("logprobs")
     @classmethod
