@@ -153,7 +153,8 @@ def test_report_files_have_the_fields(tmp_path):
     data = json.loads(path.read_text())
     assert data["baseline"] == "auto" and data["model"] == "m" and data["num_tokens"] == 64
     fields = {"name", "kv_cache_dtype", "mode", "num_tokens", "num_predictions", "nll", "ppl", "bits_per_value",
-              "kv_bytes_per_token", "seconds", "block_size", "residual_tokens", "chunk_size", "delta_ppl_percent"}
+              "kv_bytes_per_token", "seconds", "block_size", "residual_tokens", "chunk_size", "delta_ppl_percent",
+              "divergence"}
     assert [set(r) for r in data["results"]] == [fields] * 3
     assert [r["delta_ppl_percent"] for r in data["results"]] == pytest.approx([0.0, 0.1, 1.0])
     png = plot_ppl_vs_bits(tmp_path / "o" / "ppl_vs_bits.png", results)

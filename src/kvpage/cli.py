@@ -5,7 +5,7 @@
 prints the answer, the speed, the KV bytes per token and the saving against a
 cache in the model's dtype. ``kvpage serve`` serves the model over an
 OpenAI-compatible HTTP API (see :mod:`kvpage.server`). ``kvpage eval --text FILE``
-measures each KV format's perplexity against the unquantized cache (see :mod:`kvpage.eval`).
+measures each KV format's perplexity and KL divergence against the unquantized cache (see :mod:`kvpage.eval`).
 """
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ def _cmd_formats(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    """``kvpage eval``: perplexity of a text per KV format (see :mod:`kvpage.eval`), table + results.json + PNG."""
+    """``kvpage eval``: perplexity and KL divergence of a text per KV format (:mod:`kvpage.eval`); table, JSON, PNGs."""
     import platform
     import time
     from pathlib import Path
@@ -283,7 +283,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from kvpage.engine.config import resolve_dtype
     from kvpage.engine.threads import apply_num_threads
-    from kvpage.eval import evaluate_formats, format_table, plot_ppl_vs_bits, text_token_ids, write_results_json
+    from kvpage.eval import (
+        evaluate_formats,
+        format_table,
+        plot_kld_vs_bits,
+        plot_ppl_vs_bits,
+        text_token_ids,
+        write_results_json,
+    )
     from kvpage.formats import canonical_format_name
     from kvpage.model.loader import load_model
 
@@ -318,7 +325,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = evaluate_formats(loaded, ids, formats, mode=args.mode, chunk_size=args.chunk_size,
                                block_size=args.block_size, num_threads=threads.num_threads, progress=args.progress,
-                               llm_kwargs=llm_kwargs)
+                               llm_kwargs=llm_kwargs, kl_divergence=args.kl_divergence)
     total = time.perf_counter() - start
     print(format_table(results))
     out = Path(args.out)
@@ -330,9 +337,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
     )
     json_path = write_results_json(out / "results.json", results, **meta)
-    png_path = plot_ppl_vs_bits(out / "ppl_vs_bits.png", results,
-                                title=f"{Path(loaded.path).name}: {text.name}, {len(ids)} tokens, {args.mode} mode")
-    print(f"[kvpage] wrote {json_path} and {png_path} ({total:.1f} s)")
+    title = f"{Path(loaded.path).name}: {text.name}, {len(ids)} tokens, {args.mode} mode"
+    pngs = [plot_ppl_vs_bits(out / "ppl_vs_bits.png", results, title=title)]
+    if len(results) > 1 and any(r.divergence is not None for r in results[1:]):
+        pngs.append(plot_kld_vs_bits(out / "kld_vs_bits.png", results, title=f"{title}; vs {results[0].name}"))
+    else:
+        (out / "kld_vs_bits.png").unlink(missing_ok=True)  # never leave an earlier run's plot beside these results
+    print(f"[kvpage] wrote {json_path} and {', '.join(map(str, pngs))} ({total:.1f} s)")
     return 0
 
 
@@ -412,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     s.set_defaults(func=_cmd_serve)
-    e = sub.add_parser("eval", help="perplexity of a text per KV format: table, results.json, Δppl-vs-bits plot")
+    e = sub.add_parser("eval", help="perplexity and KL divergence of a text per KV format: table, results.json, "
+                                    "Δppl- and KLD-vs-bits plots")
     e.add_argument("--text", required=True, help="UTF-8 text file to score (no BOS is added)")
     e.add_argument("--formats", default="auto,int8,fp8",
                    help="comma-separated KV formats (default auto,int8,fp8); the unquantized cache (auto) "
@@ -427,7 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
     e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     e.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
-    e.add_argument("--out", default="kvpage-eval", help="folder for results.json and ppl_vs_bits.png (default ./kvpage-eval)")
+    e.add_argument("--out", default="kvpage-eval",
+                   help="folder for results.json, ppl_vs_bits.png and kld_vs_bits.png (default ./kvpage-eval)")
+    e.add_argument("--kl-divergence", action=argparse.BooleanOptionalAction, default=True,
+                   help="KL divergence and same-top-token %% against the unquantized cache at every position "
+                        "(default on; keeps its log-probs in a temporary file of 4 x vocab bytes per token)")
     e.add_argument("--kv-cache-scales", default=None, help="static KV scales file (for the *_static formats)")
     e.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
                    help="full-precision window of quantize-on-seal formats, in tokens (default: the LLM's)")

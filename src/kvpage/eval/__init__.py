@@ -2,10 +2,18 @@
 
 * :func:`evaluate_perplexity` — one :class:`~kvpage.engine.llm.LLM`, one text, ``decode`` or ``chunked`` mode;
 * :func:`evaluate_formats` — several formats on one set of loaded weights;
-* :mod:`kvpage.eval.report` — text table, ``results.json``, Δppl-vs-bits PNG.
+* :mod:`kvpage.eval.divergence` — KL divergence and top-1 agreement against the unquantized cache;
+* :mod:`kvpage.eval.report` — text table, ``results.json``, Δppl- and KLD-vs-bits PNGs.
 """
 from __future__ import annotations
 
+from kvpage.eval.divergence import (
+    Divergence,
+    ReferenceLogits,
+    kl_divergence_rows,
+    log_probs,
+    summarize_divergence,
+)
 from kvpage.eval.perplexity import (
     DEFAULT_CHUNK_SIZE,
     MODES,
@@ -19,6 +27,7 @@ from kvpage.eval.perplexity import (
 from kvpage.eval.report import (
     delta_ppl_percent,
     format_table,
+    plot_kld_vs_bits,
     plot_ppl_vs_bits,
     results_payload,
     write_results_json,
@@ -27,15 +36,21 @@ from kvpage.eval.report import (
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "MODES",
+    "Divergence",
     "KVCost",
     "PerplexityResult",
+    "ReferenceLogits",
     "delta_ppl_percent",
     "evaluate_formats",
     "evaluate_perplexity",
     "format_table",
+    "kl_divergence_rows",
     "kv_cost",
+    "log_probs",
+    "plot_kld_vs_bits",
     "plot_ppl_vs_bits",
     "results_payload",
+    "summarize_divergence",
     "text_token_ids",
     "write_results_json",
 ]

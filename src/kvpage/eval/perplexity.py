@@ -22,20 +22,25 @@ evaluations report. Two ways to feed the text:
   Formats whose stored bytes depend on when a block is sealed may differ more.
 
 Both feed the text through :meth:`LLM.open_sequence <kvpage.engine.llm.LLM.open_sequence>`:
-the engine's real blocks, model and attention backends, never a simulation.
+the engine's real blocks, model and attention backends, never a simulation. With a reference
+(:class:`~kvpage.eval.divergence.ReferenceLogits`, kept by the baseline run), each format's result
+also carries the KL divergence of its next-token distributions from the baseline's at every scored
+position, the same-top-token rate and the paired standard errors (:mod:`kvpage.eval.divergence`).
 """
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from kvpage.errors import OutOfBlocksError
+from kvpage.eval.divergence import Divergence, ReferenceLogits, kl_divergence_rows, log_probs, summarize_divergence
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
@@ -109,10 +114,13 @@ class PerplexityResult:
         ppl: ``exp(nll)``.
         bits_per_value: effective bits per cached value over ``num_tokens`` tokens (:func:`kv_cost`).
         kv_bytes_per_token: KV bytes per token over all layers, K and V (:func:`kv_cost`).
-        seconds: wall time of the forward passes and scoring, in seconds (model load excluded).
+        seconds: wall time of the forward passes and scoring (KL included), in seconds (model load excluded).
         block_size: tokens per KV block.
         residual_tokens: the full-precision window of quantize-on-seal formats, in tokens (0: none/unused).
         chunk_size: tokens per forward pass (1 in decode mode).
+        divergence: KL divergence, top-1 agreement and the paired standard errors against the
+            baseline run (:class:`~kvpage.eval.divergence.Divergence`); the baseline's own is against
+            itself (KL 0, top-1 100 %); ``None`` when no reference was kept or compared.
     """
 
     name: str
@@ -128,10 +136,25 @@ class PerplexityResult:
     block_size: int
     residual_tokens: int = 0
     chunk_size: int = 1
+    divergence: Divergence | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict."""
+        """The fields as a JSON-ready dict (``divergence`` a nested dict or ``None``)."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> PerplexityResult:
+        """Rebuild a result from :meth:`to_dict`'s dict or a ``results.json`` row (unknown keys such as
+        ``delta_ppl_percent`` are ignored; ``divergence`` becomes a :class:`~kvpage.eval.divergence.Divergence`).
+
+        Raises:
+            TypeError: a field is missing.
+        """
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in row.items() if k in names}
+        if kw.get("divergence") is not None:
+            kw["divergence"] = Divergence(**kw["divergence"])
+        return cls(**kw)
 
 
 def _check_tokens(llm: LLM, token_ids: Sequence[int]) -> list[int]:
@@ -155,11 +178,10 @@ def _check_tokens(llm: LLM, token_ids: Sequence[int]) -> list[int]:
     return ids
 
 
-def _nll_sum(logits: torch.Tensor, targets: Sequence[int]) -> float:
-    """Summed NLL in nats of ``targets`` under ``logits`` ``[n, vocab]`` (log-softmax in float64)."""
-    logp = torch.log_softmax(logits.double(), dim=-1)                                    # [n, vocab] float64
-    tgt = torch.as_tensor(list(targets), dtype=torch.long, device=logits.device)         # [n]
-    return float(-logp.gather(1, tgt[:, None]).sum())
+def _token_nll(logp: torch.Tensor, targets: Sequence[int]) -> torch.Tensor:
+    """``[n]`` float64 NLL in nats of each of ``targets`` under float64 log-probs ``logp`` ``[n, vocab]``."""
+    tgt = torch.as_tensor(list(targets), dtype=torch.long, device=logp.device)           # [n]
+    return -logp.gather(1, tgt[:, None])[:, 0]
 
 
 def evaluate_perplexity(
@@ -170,6 +192,8 @@ def evaluate_perplexity(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     progress: bool = True,
     name: str | None = None,
+    record: ReferenceLogits | None = None,
+    reference: ReferenceLogits | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``token_ids`` through ``llm``'s paged KV cache in its format.
 
@@ -189,13 +213,21 @@ def evaluate_perplexity(
         chunk_size: tokens per forward pass in ``chunked`` mode (>= 1; ignored in ``decode``).
         progress: show a tqdm progress bar over tokens (on stderr).
         name: label of the result; default the canonical format name.
+        record: this is the baseline run: append every position's float32 logits, their argmax and
+            token NLL to this empty store (side effect: ~``4 * vocab`` bytes per position on disk); the
+            result's ``divergence`` is then against itself.
+        reference: compare to this baseline store (filled by a ``record`` run over the same tokens, same
+            mode and chunk size): per position ``KL(P_base || P_fmt)`` (float64 log-softmax of both float32
+            logits, :func:`~kvpage.eval.divergence.kl_divergence_rows`), argmax agreement and the
+            token-by-token NLL differences, summarized into the result's ``divergence``.
 
     Returns:
         A :class:`PerplexityResult`.
 
     Raises:
         ValueError: fewer than 2 tokens, a token outside the vocabulary, more tokens than
-            ``llm.max_model_len``, an unknown ``mode`` or ``chunk_size < 1``.
+            ``llm.max_model_len``, an unknown ``mode`` or ``chunk_size < 1``; both ``record`` and
+            ``reference``, a non-empty ``record``, or a ``reference`` of another length or vocabulary.
         OutOfBlocksError: the free blocks cannot hold ``num_tokens - 1`` tokens.
     """
     from tqdm import tqdm
@@ -205,11 +237,23 @@ def evaluate_perplexity(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     ids = _check_tokens(llm, token_ids)
+    if record is not None and reference is not None:
+        raise ValueError("give record (the baseline run) or reference (a compared run), not both")
+    if record is not None and record.num_positions:
+        raise ValueError(f"record must be an empty store; it holds {record.num_positions} positions")
+    if reference is not None and (reference.num_positions != len(ids) - 1
+                                  or reference.vocab_size != llm.config.vocab_size):
+        raise ValueError(f"the reference holds {reference.num_positions} positions of vocabulary "
+                         f"{reference.vocab_size}; this text needs {len(ids) - 1} of {llm.config.vocab_size}")
     step = 1 if mode == "decode" else chunk_size
     canonical = llm.spec.main.layer.kv_format
     label = name or canonical
     n_run = len(ids) - 1                  # positions fed: 0 .. n-2; position t predicts token t + 1
-    total = 0.0
+    nll_tok: list[np.ndarray] = []   # per-position NLL; KL and top-1 agreement only when compared to a reference
+    kld: list[np.ndarray] = []
+    same_top: list[np.ndarray] = []
+    if reference is not None:
+        reference.rewind()
     start = time.perf_counter()
     bar = tqdm(total=n_run, desc=f"{label} ({mode})", unit="tok", disable=not progress, leave=False)
     try:
@@ -217,12 +261,26 @@ def evaluate_perplexity(
             for a in range(0, n_run, step):
                 b = min(a + step, n_run)
                 logits = seq.feed(ids[a:b], all_logits=mode != "decode")    # [1 or b - a, vocab] float32
-                total += _nll_sum(logits, ids[a + 1 : b + 1])
+                logp = log_probs(logits)                                    # [b - a, vocab] float64
+                nll = _token_nll(logp, ids[a + 1 : b + 1])                  # [b - a] float64
+                nll_tok.append(nll.cpu().numpy())
+                if record is not None:
+                    record.append(logits, logits.argmax(dim=-1), nll)
+                elif reference is not None:
+                    base_logits, top_base = reference.read(b - a)             # [b - a, vocab] float32 (CPU), [b - a]
+                    kld.append(kl_divergence_rows(log_probs(base_logits.to(logp.device)), logp).cpu().numpy())
+                    same_top.append(logits.argmax(dim=-1).cpu().numpy() == top_base)
                 bar.update(b - a)
     finally:
         bar.close()
     seconds = time.perf_counter() - start
-    nll = total / n_run
+    token_nll = np.concatenate(nll_tok)                                              # [n_run] float64
+    nll_mean = float(token_nll.sum()) / n_run
+    divergence = None
+    if record is not None:   # the baseline against itself: zero KL, full agreement, zero Δ
+        divergence = summarize_divergence(np.zeros(n_run), np.ones(n_run, dtype=bool), token_nll, token_nll)
+    elif reference is not None:
+        divergence = summarize_divergence(np.concatenate(kld), np.concatenate(same_top), token_nll, reference.nll())
     cost = kv_cost(llm, len(ids))
     return PerplexityResult(
         name=label,
@@ -230,14 +288,15 @@ def evaluate_perplexity(
         mode=mode,
         num_tokens=len(ids),
         num_predictions=n_run,
-        nll=nll,
-        ppl=math.exp(nll),
+        nll=nll_mean,
+        ppl=math.exp(nll_mean),
         bits_per_value=cost.bits_per_value,
         kv_bytes_per_token=cost.kv_bytes_per_token,
         seconds=seconds,
         block_size=llm.spec.block_size,
         residual_tokens=int(getattr(llm, "kv_quant_residual_tokens", 0) or 0),
         chunk_size=step,
+        divergence=divergence,
     )
 
 
@@ -270,11 +329,17 @@ def evaluate_formats(
     num_threads: int | None = None,
     progress: bool = True,
     llm_kwargs: dict[str, Any] | None = None,
+    kl_divergence: bool = True,
+    reference_dir: str | Path | None = None,
 ) -> list[PerplexityResult]:
     """:func:`evaluate_perplexity` for each format, in order, on one set of loaded weights.
 
     Each format gets its own :class:`~kvpage.engine.llm.LLM` over ``model`` with just the blocks
-    the text needs (prefix caching off), freed before the next one is built.
+    the text needs (prefix caching off), freed before the next one is built. With ``kl_divergence``
+    the first format is the baseline: its log-probs stream to a temporary file
+    (:class:`~kvpage.eval.divergence.ReferenceLogits`, ``4 * vocab`` bytes per scored token: 201 MB
+    for 1,024 SmolLM2 tokens; deleted on return, also on error) and every later result carries its
+    ``divergence`` against them.
 
     Args:
         model: the loaded weights (its dtype is the compute dtype and ``auto``'s cache dtype).
@@ -282,6 +347,8 @@ def evaluate_formats(
         block_size: tokens per block for every format; ``None`` = each format's own default
             (16; 32 for the quantize-on-seal ``int4``/``int2``, as ``LLM`` chooses).
         llm_kwargs: extra :class:`~kvpage.engine.llm.LLM` arguments (e.g. ``kv_cache_scales``).
+        kl_divergence: keep the first format's distributions and compare the others to them.
+        reference_dir: folder of that temporary file (default the system's, ``$TMPDIR``).
 
     Raises:
         UnknownKVFormatError: an unknown format (raised before any evaluation when checked up front
@@ -294,11 +361,18 @@ def evaluate_formats(
 
     dtype = next(model.model.parameters()).dtype
     out: list[PerplexityResult] = []
-    for fmt in formats:
-        bs = block_size or get_format(canonical_format_name(fmt, dtype)).preferred_block_size
-        num_blocks = -(-len(token_ids) // bs) + 1
-        llm = LLM(model, kv_cache_dtype=fmt, block_size=bs, num_blocks=num_blocks, dtype=dtype,
-                  num_threads=num_threads, progress=False, enable_prefix_caching=False, **(llm_kwargs or {}))
-        out.append(evaluate_perplexity(llm, token_ids, mode=mode, chunk_size=chunk_size, progress=progress, name=fmt))
-        del llm
+    store = ReferenceLogits(model.config.vocab_size, dir=reference_dir) if kl_divergence else None
+    try:
+        for i, fmt in enumerate(formats):
+            bs = block_size or get_format(canonical_format_name(fmt, dtype)).preferred_block_size
+            num_blocks = -(-len(token_ids) // bs) + 1
+            llm = LLM(model, kv_cache_dtype=fmt, block_size=bs, num_blocks=num_blocks, dtype=dtype,
+                      num_threads=num_threads, progress=False, enable_prefix_caching=False, **(llm_kwargs or {}))
+            out.append(evaluate_perplexity(llm, token_ids, mode=mode, chunk_size=chunk_size, progress=progress,
+                                           name=fmt, record=store if i == 0 else None,
+                                           reference=store if i > 0 else None))
+            del llm
+    finally:
+        if store is not None:
+            store.close()
     return out
