@@ -84,16 +84,11 @@ REFERENCE_TABLE = """\
 """
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+def _cpu_name(payload: dict) -> str:
+    """The CPU the numbers were measured on: ``results.json``'s ``cpu`` (kvpage eval records it since KL was added).
 
-    return platform.processor() or platform.machine()
+    Never this machine's: ``--render-only`` may run elsewhere than the measurement did."""
+    return str(payload.get("cpu") or "CPU not recorded")
 
 
 def _target_cell(name: str, canonical: str, delta: float, bits: float) -> str:
@@ -176,7 +171,7 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
         eval_command,
         "```",
         "",
-        f"- Machine: {_cpu_name()}, {payload.get('cpu_count')} CPUs, {payload['threads']} torch thread(s); "
+        f"- Machine: {_cpu_name(payload)}, {payload.get('cpu_count')} CPUs, {payload['threads']} torch thread(s); "
         f"torch {payload['torch']}, Python {payload.get('python')}; {payload['date']}.",
         f"- Block size {payload['block_size'] or 'per format (16; 32 for int4/int2)'}; total eval time {payload['total_seconds']:.0f} s"
         + (f" (script wall time {wall_s:.0f} s, model load included)" if wall_s is not None else "")
@@ -222,15 +217,14 @@ def main(argv: list[str] | None = None) -> int:
             return rc
     payload = json.loads((out / "results.json").read_text())
     if args.render_only:  # redraw the plot from the saved numbers too
-        import dataclasses
-
         from kvpage.eval import PerplexityResult
-        from kvpage.eval.report import plot_ppl_vs_bits
+        from kvpage.eval.report import plot_kld_vs_bits, plot_ppl_vs_bits
 
-        names = {f.name for f in dataclasses.fields(PerplexityResult)}
-        rows = [PerplexityResult(**{k: v for k, v in r.items() if k in names}) for r in payload["results"]]
-        plot_ppl_vs_bits(out / "ppl_vs_bits.png", rows,
-                         title=f"{Path(str(payload.get('model', 'model'))).name}: GPL-3, {payload['num_tokens']} tokens, {payload['mode']} mode")
+        rows = [PerplexityResult.from_dict(r) for r in payload["results"]]
+        title = f"{Path(str(payload.get('model', 'model'))).name}: GPL-3, {payload['num_tokens']} tokens, {payload['mode']} mode"
+        plot_ppl_vs_bits(out / "ppl_vs_bits.png", rows, title=title)
+        if all(r.divergence is not None for r in rows):
+            plot_kld_vs_bits(out / "kld_vs_bits.png", rows, title=title)
     shown = ["eval", "--text", payload["text"], "--formats", ",".join(r["name"] for r in payload["results"]),
              "--tokens", str(payload["num_tokens"]), "--mode", payload["mode"], "--threads", str(payload["threads"]),
              "--out", str(out)]

@@ -283,6 +283,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from kvpage.engine.config import resolve_dtype
     from kvpage.engine.threads import apply_num_threads
+    from kvpage.eval.report import cpu_model_name
     from kvpage.eval import (
         evaluate_formats,
         format_table,
@@ -333,7 +334,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         model=str(loaded.path), dtype=str(dtype).removeprefix("torch."), text=str(text), num_tokens=len(ids),
         bos=False, mode=args.mode, chunk_size=args.chunk_size if args.mode == "chunked" else 1,
         block_size=args.block_size, threads=threads.num_threads, total_seconds=total, torch=torch.__version__,
-        machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cpu_count=os.cpu_count(),
+        machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cpu=cpu_model_name(), cpu_count=os.cpu_count(),
         python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
     )
     json_path = write_results_json(out / "results.json", results, **meta)

@@ -14,6 +14,19 @@ from typing import Any
 
 from kvpage.eval.perplexity import PerplexityResult
 
+
+def cpu_model_name() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``'s ``model name``), else ``platform.processor()`` or the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
 #: Version of the ``results.json`` layout (2: each row's ``divergence``).
 RESULTS_SCHEMA_VERSION = 2
 
