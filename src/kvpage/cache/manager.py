@@ -391,12 +391,48 @@ class KVCacheManager:
         ids = [b for b in st.block_ids if b not in held]
         # one call: an indexed twin can be a parent of our blocks or a child of them
         self.pool.release([*reversed(ids), *reversed(st.anchors)])
+        self._freed(ids)
         return True
 
     def release_held(self, block_ids: Sequence[int]) -> None:
         """Give back blocks a :meth:`free` kept (their load finished or was abandoned)."""
         if block_ids:
             self.pool.release(list(block_ids))
+            self._freed(block_ids)
+
+    def _freed(self, block_ids: Sequence[int]) -> None:
+        """Tell every group manager which of ``block_ids`` died (not cached, no longer referenced)."""
+        dead = [b for b in block_ids if not self.is_live(b)]
+        if dead:
+            for g in self.groups:
+                g.on_blocks_freed(dead)
+
+    # -- side slots (the tail pool of quantize-on-seal groups) ------------------------------------
+
+    def side_slots_free(self) -> tuple[int | None, ...]:
+        """Per group, the side slots the next forward pass can take (``None``: the group keeps none); no side effects."""
+        return tuple(g.side_slots_free(self.is_in_use, self.is_live) for g in self.groups)
+
+    def side_slots_needed(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
+                          match: MatchResult | None = None) -> tuple[int, ...]:
+        """Per group, the side slots a chunk of ``num_new_tokens`` after ``num_computed`` takes in its step.
+
+        Counted before :meth:`allocate_slots` (the blocks it would add are new: nothing kept for them).
+        A step fits when, per group, the sum over its chunks is at most :meth:`side_slots_free`.
+
+        Args:
+            request: the request (held blocks, or being admitted with ``match``).
+            num_computed: tokens already in the cache before the chunk (its first position).
+            num_new_tokens: tokens of the chunk.
+            match: the admission's device match (its blocks are the request's first ones); ignored once
+                the request holds blocks.
+
+        Raises:
+            ValueError: negative counts.
+        """
+        st = self._reqs.get(request.request_id)
+        held: Sequence[int] = st.block_ids if st is not None else (match.block_ids if match is not None else ())
+        return tuple(g.side_slots_needed(request, held, num_computed, num_new_tokens) for g in self.groups)
 
     def preempt(self, request: SupportsKVCache | str, *, keep: Sequence[int] = ()) -> bool:
         """:meth:`free` a running request to recompute it later (vLLM v1), counting a preemption if it held blocks.

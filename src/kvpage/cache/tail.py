@@ -24,6 +24,12 @@ Entries belong to a block's *content*: whenever the pool hands a block out anew
 (:meth:`TailTable.invalidate`, wired to the block pool's allocation) its entries
 are dropped, so a reused block id can never show another request's tokens.
 
+In one step a request holds at most ``1 + window + 1`` slots: its open block, its
+window, and the block it seals this step (its earlier tokens are read by every
+layer's seal gather, so that slot is freed after the step). The scheduler counts
+each chunk's slots before it runs (:meth:`TailTable.slots_to_take` against
+:meth:`TailTable.num_takeable`) and defers or preempts instead of overrunning.
+
 :class:`TailTable` is the tensor-free bookkeeping; :class:`TailPool` adds the
 per-layer tensors. Both are driven once per forward pass by :meth:`TailTable.plan`,
 whose :class:`~kvpage.ops.seal_plan.SealPlan` every layer then applies.
@@ -87,7 +93,6 @@ class TailTable:
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
         self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
-        self._release_after: list[int] = []                  # window copies the current plan pushed out
         self._sealed_after: list[int] = []                   # sealed blocks whose open slot the seal gather reads
 
     # -- queries ---------------------------------------------------------------------------------
@@ -110,6 +115,65 @@ class TailTable:
         """Sink slots in use."""
         return len(self._sink)
 
+    @property
+    def num_free(self) -> int:
+        """16-bit slots no entry holds."""
+        return self._slots.num_free
+
+    def num_takeable(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int:
+        """16-bit slots the next plan can surely take: free ones, and those a plan reclaims whatever its batch.
+
+        A plan reclaims the slot of a dead block (``not is_live``) and a window copy, unless a request of
+        its batch references the block; counted here are only entries of blocks no request references
+        (``not is_in_use``), so the count holds for any batch. No side effects.
+        """
+        return self._slots.num_free + sum(
+            1 for b in self._slot if not is_in_use(b) and (b in self._window or not is_live(b))
+        )
+
+    def slots_to_take(
+        self, block_ids: Sequence[int], num_computed: int, num_new: int, prompt_len: int = 0,
+        owner: Hashable | None = None,
+    ) -> int:
+        """Net 16-bit slots a plan of this one chunk takes beyond what the request holds now (no side effects).
+
+        Mirrors :meth:`plan`: a block that ends the chunk partial, or fills inside the request's window
+        (generated tokens only), needs a slot, and takes one unless it has an entry; the window copies the
+        chunk pushes out are freed first and offset the count. The slot of a continued block sealed outside
+        the window is already held (and freed by :meth:`finish`), so it costs nothing more. Never negative:
+        slots a chunk frees are not counted for the other chunks of its step. The scheduler sums this over a
+        step's chunks and compares with :meth:`num_takeable`.
+
+        Args:
+            block_ids: the request's block ids held now (blocks after them are new: no entries).
+            num_computed: tokens already computed (the chunk's first position).
+            num_new: tokens of the chunk (>= 0).
+            prompt_len: the request's prompt length in tokens (as :meth:`plan`'s ``prompt_lens``).
+            owner: who owns the request's window copies (as :meth:`plan`'s ``owners``).
+
+        Raises:
+            ValueError: negative counts.
+        """
+        if num_computed < 0 or num_new < 0:
+            raise ValueError(f"num_computed and num_new must be >= 0, got {num_computed}, {num_new}")
+        bs, first, s = self.block_size, num_computed, num_computed + num_new
+        keep_from = s // bs - self.window_blocks
+        takes = 0
+        for j in range(first // bs, math.ceil(s / bs)):
+            fills = min(s, (j + 1) * bs) == (j + 1) * bs
+            if fills and (j < keep_from or (j + 1) * bs <= prompt_len):
+                continue  # sealed outside the window: no slot kept
+            if j >= len(block_ids) or int(block_ids[j]) not in self._slot:
+                takes += 1
+        return max(0, takes - len(self._pushed_out(block_ids, first, keep_from, owner)))
+
+    def _pushed_out(self, table: Sequence[int], first: int, keep_from: int, owner: Hashable) -> list[int]:
+        """The request's window copies among blocks before ``keep_from`` that this chunk does not touch."""
+        bs, w = self.block_size, self.window_blocks
+        hi = min(max(0, keep_from), first // bs, len(table))
+        return [b for b in (int(table[j]) for j in range(max(0, first // bs - w - 1), hi))
+                if b in self._window and self._window[b] == owner]
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     def invalidate(self, block_ids: Sequence[int]) -> None:
@@ -117,6 +181,14 @@ class TailTable:
         for b in block_ids:
             self._drop_fp(b)
             self._drop_sink(b)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop every entry of ``block_ids``: their content died (freed to the pool's free list, not cached).
+
+        Called when a request is freed, so its open slot and window copies are free at once instead of
+        waiting to be reclaimed. Call it between steps (not between a :meth:`plan` and its :meth:`finish`).
+        """
+        self.invalidate(block_ids)
 
     def reset(self) -> None:
         """Drop every entry (the pool was re-allocated)."""
@@ -240,6 +312,10 @@ class TailTable:
         for table, s, n, owner, plen in zip(block_tables, seq_lens, query_lens, owners, prompt_lens):
             first = s - n
             keep_from = s // bs - w  # sealed blocks from this index on keep a 16-bit copy
+            # Window copies this step pushes out of the request's window go first: nothing reads them this
+            # step, and freeing them before the request's new blocks take slots bounds its peak by 1 + w + 1.
+            for b in self._pushed_out(table, first, keep_from, owner):
+                self._drop_fp(b)
             for j in range(first // bs, math.ceil(s / bs)):
                 b = int(table[j])
                 lo, hi = max(first, j * bs), min(s, (j + 1) * bs)
@@ -272,6 +348,7 @@ class TailTable:
                             sink_slots.append(sink)
                     if j < keep_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
                         if slot is not None:
+                            self._window.pop(b, None)  # (a stale entry of a failed step's plan)
                             self._sealed_after.append(b)  # every layer's seal gather reads it first
                         continue
                     self._window[b] = owner
@@ -281,12 +358,6 @@ class TailTable:
                 for t in range(lo, hi):
                     tail_dst.append(slot * bs + t - j * bs)
                     tail_src.append(row0 + t - first)
-            # Window copies that this step pushed out of the request's window.
-            for j in range(max(0, first // bs - w - 1), max(0, keep_from)):
-                b = int(table[j])
-                if b in self._window and self._window[b] == owner:
-                    del self._window[b]
-                    self._release_after.append(b)
             row0 += n
         reads = []
         for table, s, owner in zip(block_tables, seq_lens, owners):
@@ -330,26 +401,23 @@ class TailTable:
         """After every layer applied the last plan: free the 16-bit slots it retired.
 
         A block sealed outside the window keeps its open slot until now, because every
-        layer's seal gather reads its earlier tokens from it; a window copy pushed out
-        of its request's window likewise.
+        layer's seal gather reads its earlier tokens from it. (Window copies a plan pushes
+        out are freed by the plan itself: nothing reads them in that step.)
         """
-        for b in self._release_after + self._sealed_after:
+        for b in self._sealed_after:
             if b not in self._window:
                 self._drop_fp(b)
-        self._release_after, self._sealed_after = [], []
+        self._sealed_after = []
 
     def abort(self) -> None:
         """After a forward pass that raised (some layers may not have run the last plan): keep what a re-run needs.
 
         The open slots of blocks the plan sealed stay (a re-run of the same tokens seals them again from
-        there; the forward writes the same K/V to the same slots, so the re-run is idempotent); window
-        copies the plan pushed out go, as :meth:`finish` would. A block that is never re-run frees its
-        slot when the pool hands the block out again (:meth:`invalidate`), or earlier as a dead block's.
+        there; the forward writes the same K/V to the same slots, so the re-run is idempotent). A block
+        that is never re-run frees its slot when its request is freed (:meth:`release`), when the pool
+        hands the block out again (:meth:`invalidate`), or earlier as a dead block's.
         """
-        for b in self._release_after:
-            if b not in self._window:
-                self._drop_fp(b)
-        self._release_after, self._sealed_after = [], []
+        self._sealed_after = []
 
 
 def tail_dtype(model_dtype: torch.dtype) -> torch.dtype:

@@ -184,6 +184,16 @@ class SchedulerKVCache:
         m, ext = self._split(match)
         return self.manager.can_allocate(request, num_new_tokens, m, num_external_tokens=ext.num_tokens)
 
+    def side_slots_free(self) -> tuple[int | None, ...]:
+        """Per layer group, the tail slots the next forward pass can take (see :meth:`KVCacheManager.side_slots_free`)."""
+        return self.manager.side_slots_free()
+
+    def side_slots_needed(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
+                          match: TieredMatch | MatchResult | None = None) -> tuple[int, ...]:
+        """Per layer group, the tail slots a chunk takes in its step (see :meth:`KVCacheManager.side_slots_needed`)."""
+        m, _ = self._split(match)
+        return self.manager.side_slots_needed(request, num_computed, num_new_tokens, m)
+
     def allocate_slots(
         self, request: SupportsKVCache, num_new_tokens: int, match: TieredMatch | MatchResult | None = None
     ) -> KVCacheBlocks | None:

@@ -18,6 +18,13 @@ scheduler, reduced to one KV-cache group):
    recomputing that request's prefix (it is matched against the device only
    from then on): a failing tier never fails a request.
 
+Quantize-on-seal formats (``int4``, ``int2``) also need 16-bit tail slots in each
+step (open blocks, window copies; :mod:`kvpage.cache.tail`), counted like
+blocks: a chunk whose slots the tail cannot supply is first cut back to a block
+boundary (a block that fills is sealed and needs no new slot), and when even
+that does not fit, a running request is preempted (a waiting one waits), so the
+forward pass never runs out of tail slots.
+
 Tensor-free: the scheduler sees requests and block ids through the
 :class:`~kvpage.engine.kv_cache.SchedulerKVCache` (the device manager, and the
 tier connector called around it), never tensors.
@@ -29,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpage.cache.manager import KVCacheManager
-from kvpage.engine.kv_cache import SchedulerKVCache, TierLoadError
+from kvpage.engine.kv_cache import SchedulerKVCache, TieredMatch, TierLoadError
 from kvpage.engine.sequence import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -111,6 +118,55 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class _SideSlots:
+    """One step's tail-slot accounting: the slots each scheduled chunk's seal plan will take, per layer group.
+
+    Free counts are read afresh on every check (preempting a request frees its slots at once); a group
+    without side slots (``None``) never limits a chunk.
+    """
+
+    def __init__(self, kv: SchedulerKVCache) -> None:
+        self.kv = kv
+        self.active = any(f is not None for f in kv.side_slots_free())
+        self.used = [0] * len(kv.side_slots_free())
+        self.booked: dict[str, tuple[int, ...]] = {}
+
+    def fits(self, req: Request, start: int, n: int, match: TieredMatch | None = None) -> bool:
+        """Whether a chunk of ``n`` tokens after ``start`` fits next to the chunks booked so far."""
+        if not self.active:
+            return True
+        need = self.kv.side_slots_needed(req, start, n, match)
+        return all(f is None or u + x <= f for f, u, x in zip(self.kv.side_slots_free(), self.used, need))
+
+    def fit(self, req: Request, start: int, n: int, *, chunkable: bool, match: TieredMatch | None = None) -> int:
+        """The most of ``n`` tokens that fit: ``n``, else (``chunkable``) the longest chunk ending on a block
+        boundary that fits, else 0."""
+        if self.fits(req, start, n, match):
+            return n
+        if not chunkable:
+            return 0
+        bs = self.kv.block_size
+        end = (start + n) // bs * bs
+        while end > start:
+            if self.fits(req, start, end - start, match):
+                return end - start
+            end -= bs
+        return 0
+
+    def book(self, req: Request, start: int, n: int) -> None:
+        """Count the scheduled chunk's slots (call after its blocks are allocated)."""
+        if self.active:
+            need = self.kv.side_slots_needed(req, start, n)
+            self.used = [u + x for u, x in zip(self.used, need)]
+            self.booked[req.request_id] = need
+
+    def give_back(self, req: Request) -> None:
+        """Uncount a chunk taken back from the step (its request was preempted)."""
+        need = self.booked.pop(req.request_id, None)
+        if need is not None:
+            self.used = [u - x for u, x in zip(self.used, need)]
+
+
 class Scheduler:
     """FCFS continuous batching over a :class:`~kvpage.engine.kv_cache.SchedulerKVCache`.
 
@@ -165,6 +221,7 @@ class Scheduler:
         """Choose the next forward pass (see the module docstring for the policy)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        side = _SideSlots(self.kv)
         # 1. running: decodes first, then unfinished prefills, each in admission order.
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -173,24 +230,28 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = self.kv.allocate_slots(req, n)
-            while blocks is None:
+            want = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                n = side.fit(req, req.num_computed_tokens, want, chunkable=True)  # tail slots first, then blocks
+                blocks = self.kv.allocate_slots(req, n) if n else None
+                if blocks is not None:
+                    break
                 # Preempt the most recently admitted request; if it was already scheduled
                 # this step (a decode ahead of this prefill), take its chunk back too.
                 victim = self.running[-1]
                 for i, chunk in enumerate(out.scheduled):
                     if chunk.request is victim:
                         budget += chunk.num_new_tokens
+                        side.give_back(victim)
                         del out.scheduled[i]
                         break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
-                blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 continue
+            side.book(req, req.num_computed_tokens, n)
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
             budget -= n
         # 2. waiting: FCFS admission, unless this step had to preempt.
@@ -204,6 +265,9 @@ class Scheduler:
                     n = budget
                 elif out.scheduled:
                     break  # a whole prefill runs alone when it exceeds the budget
+            n = side.fit(req, match.num_computed_tokens, n, chunkable=self.config.enable_chunked_prefill, match=match)
+            if not n:
+                break  # the tail cannot take it this step: it waits, as for blocks
             try:
                 blocks = self.kv.allocate_slots(req, n, match)
             except TierLoadError as e:  # the tier is a cache: recompute what it failed to load
@@ -218,6 +282,8 @@ class Scheduler:
             computed = blocks.num_computed_tokens if blocks.num_computed_tokens is not None else match.num_cached_tokens
             short = match.num_computed_tokens - computed
             extra = min(short, budget - n) if self.config.enable_chunked_prefill else short
+            while extra > 0 and not side.fits(req, computed, n + extra):
+                extra -= (extra % self.kv.block_size) or self.kv.block_size  # same end offset: same tail need
             if extra > 0:
                 blocks = self.kv.allocate_slots(req, extra)
                 assert blocks is not None and not blocks.new_block_ids
@@ -227,6 +293,7 @@ class Scheduler:
                 req.num_cached_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            side.book(req, computed, n)
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
             budget -= n
         return out

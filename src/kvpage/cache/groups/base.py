@@ -10,7 +10,7 @@ indexed, what to drop when a block id is handed out anew. Tensor-free.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpage.cache.requests import SupportsKVCache
 from kvpage.spec import LayerGroupSpec
@@ -54,6 +54,18 @@ class GroupManager:
 
     def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
         """The pool handed ``block_ids`` out for new content: forget anything kept for their old content."""
+
+    def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
+        """A request was freed and ``block_ids`` died with it (back on the free list): drop what was kept for them."""
+
+    def side_slots_free(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int | None:
+        """Per-step side slots (tail slots) the next forward pass can take; ``None``: the group keeps none."""
+        return None
+
+    def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
+                          num_new_tokens: int) -> int:
+        """Side slots a chunk of ``num_new_tokens`` after ``num_computed`` takes in its step (0 without side slots)."""
+        return 0
 
     def reset(self) -> None:
         """The device pool was re-allocated: forget everything kept per block."""

@@ -8,7 +8,7 @@ hit, and only prompt blocks are indexed. Tensor-free.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpage.cache.groups.base import GroupManager
 from kvpage.cache.requests import SupportsKVCache
@@ -73,6 +73,21 @@ class SealedGroupManager(GroupManager):
     def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
         """Drop the tail entries of blocks handed out anew (they may never show another request's tokens)."""
         self.table.invalidate(block_ids)
+
+    def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
+        """Free at once the tail slots of a freed request's dead blocks (its open block and window copies)."""
+        self.table.release(block_ids)
+
+    def side_slots_free(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int:
+        """Tail slots the next plan can take whatever its batch (:meth:`TailTable.num_takeable`)."""
+        return self.table.num_takeable(is_in_use, is_live)
+
+    def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
+                          num_new_tokens: int) -> int:
+        """Tail slots the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the engine's plans)."""
+        prompt = getattr(request, "num_prompt_tokens", None)
+        return self.table.slots_to_take(block_ids, num_computed, num_new_tokens,
+                                        0 if prompt is None else int(prompt), request.request_id)
 
     def reset(self) -> None:
         """Drop every tail entry."""
