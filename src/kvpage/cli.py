@@ -5,7 +5,8 @@
 prints the answer, the speed, the KV bytes per token and the saving against a
 cache in the model's dtype. ``kvpage serve`` serves the model over an
 OpenAI-compatible HTTP API (see :mod:`kvpage.server`). ``kvpage eval --text FILE``
-measures each KV format's perplexity and KL divergence against the unquantized cache (see :mod:`kvpage.eval`).
+measures each KV format's perplexity and KL divergence against the unquantized cache, ``kvpage eval --suite``
+over the evaluation set (see :mod:`kvpage.eval.command`).
 """
 from __future__ import annotations
 
@@ -273,81 +274,6 @@ def _cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
-    """``kvpage eval``: perplexity and KL divergence of a text per KV format (:mod:`kvpage.eval`); table, JSON, PNGs."""
-    import platform
-    import time
-    from pathlib import Path
-
-    import torch
-
-    from kvpage.engine.config import resolve_dtype
-    from kvpage.engine.threads import apply_num_threads
-    from kvpage.eval.report import cpu_model_name
-    from kvpage.eval import (
-        evaluate_formats,
-        format_table,
-        plot_kld_vs_bits,
-        plot_ppl_vs_bits,
-        text_token_ids,
-        write_results_json,
-    )
-    from kvpage.formats import canonical_format_name
-    from kvpage.model.loader import load_model
-
-    # Everything that can be wrong is checked before the model loads.
-    dtype = resolve_dtype(args.dtype)
-    names = [n.strip() for n in args.formats.split(",") if n.strip()]
-    if not names:
-        raise ValueError("--formats is empty; give e.g. auto,int8,fp8")
-    baseline = canonical_format_name("auto", dtype)
-    formats, seen = ["auto"], {baseline}  # the unquantized (model dtype) cache first: the Δ baseline
-    for n in names:
-        c = canonical_format_name(n, dtype)  # UnknownKVFormatError lists the valid names
-        if c not in seen:
-            formats.append(n)
-            seen.add(c)
-    text = Path(args.text)
-    if not text.is_file():
-        raise FileNotFoundError(f"--text {text}: no such file")
-    llm_kwargs: dict[str, object] = {}
-    if args.kv_cache_scales is not None:
-        llm_kwargs["kv_cache_scales"] = args.kv_cache_scales
-    if args.kv_quant_residual_tokens is not None:
-        llm_kwargs["kv_quant_residual_tokens"] = args.kv_quant_residual_tokens
-    threads = apply_num_threads(args.threads)  # once, so every format's engine runs with the same count
-    loaded = load_model(args.model, dtype=dtype, progress=args.progress)
-    ids = text_token_ids(loaded.tokenizer, text, args.tokens)
-    label = "decode, 1 token per step" if args.mode == "decode" else f"chunked, {args.chunk_size} tokens per step"
-    print(f"[kvpage] eval: first {len(ids)} tokens of {text} (no BOS), {label}; {Path(loaded.path).name}, "
-          f"{str(dtype).removeprefix('torch.')}, block {args.block_size or 'per format'}, "
-          f"{threads.num_threads} torch thread(s) ({threads.reason})",
-          flush=True)
-    start = time.perf_counter()
-    results = evaluate_formats(loaded, ids, formats, mode=args.mode, chunk_size=args.chunk_size,
-                               block_size=args.block_size, num_threads=threads.num_threads, progress=args.progress,
-                               llm_kwargs=llm_kwargs, kl_divergence=args.kl_divergence)
-    total = time.perf_counter() - start
-    print(format_table(results))
-    out = Path(args.out)
-    meta = dict(
-        model=str(loaded.path), dtype=str(dtype).removeprefix("torch."), text=str(text), num_tokens=len(ids),
-        bos=False, mode=args.mode, chunk_size=args.chunk_size if args.mode == "chunked" else 1,
-        block_size=args.block_size, threads=threads.num_threads, total_seconds=total, torch=torch.__version__,
-        machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cpu=cpu_model_name(), cpu_count=os.cpu_count(),
-        python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
-    )
-    json_path = write_results_json(out / "results.json", results, **meta)
-    title = f"{Path(loaded.path).name}: {text.name}, {len(ids)} tokens, {args.mode} mode"
-    pngs = [plot_ppl_vs_bits(out / "ppl_vs_bits.png", results, title=title)]
-    if len(results) > 1 and any(r.divergence is not None for r in results[1:]):
-        pngs.append(plot_kld_vs_bits(out / "kld_vs_bits.png", results, title=f"{title}; vs {results[0].name}"))
-    else:
-        (out / "kld_vs_bits.png").unlink(missing_ok=True)  # never leave an earlier run's plot beside these results
-    print(f"[kvpage] wrote {json_path} and {', '.join(map(str, pngs))} ({total:.1f} s)")
-    return 0
-
-
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     """``kvpage calibrate``: per-layer K/V absmax on sample text -> a scales file for int8_static / fp8_static."""
     from pathlib import Path
@@ -424,32 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     s.set_defaults(func=_cmd_serve)
-    e = sub.add_parser("eval", help="perplexity and KL divergence of a text per KV format: table, results.json, "
-                                    "Δppl- and KLD-vs-bits plots")
-    e.add_argument("--text", required=True, help="UTF-8 text file to score (no BOS is added)")
-    e.add_argument("--formats", default="auto,int8,fp8",
-                   help="comma-separated KV formats (default auto,int8,fp8); the unquantized cache (auto) "
-                        "always runs first as the baseline")
-    e.add_argument("--tokens", type=_positive_int, default=1024, help="score the text's first N tokens (default 1024)")
-    e.add_argument("--mode", choices=["decode", "chunked"], default="decode",
-                   help="decode: one token per step through the cache (default); chunked: --chunk-size tokens "
-                        "per step (faster)")
-    e.add_argument("--chunk-size", type=_positive_int, default=128, help="tokens per step in chunked mode (default 128)")
-    e.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    e.add_argument("--block-size", type=_positive_int, default=None,
-                   help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
-    e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    e.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
-    e.add_argument("--out", default="kvpage-eval",
-                   help="folder for results.json, ppl_vs_bits.png and kld_vs_bits.png (default ./kvpage-eval)")
-    e.add_argument("--kl-divergence", action=argparse.BooleanOptionalAction, default=True,
-                   help="KL divergence and same-top-token %% against the unquantized cache at every position "
-                        "(default on; keeps its log-probs in a temporary file of 4 x vocab bytes per token)")
-    e.add_argument("--kv-cache-scales", default=None, help="static KV scales file (for the *_static formats)")
-    e.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
-                   help="full-precision window of quantize-on-seal formats, in tokens (default: the LLM's)")
-    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars (default on)")
-    e.set_defaults(func=_cmd_eval)
+    from kvpage.eval.command import add_eval_parser  # here: it imports this module's argparse types
+
+    add_eval_parser(sub)
     c = sub.add_parser("calibrate", help="calibrate static K/V scales (int8_static, fp8_static) on sample text")
     c.add_argument("--text", required=True, help="UTF-8 text file to calibrate on (no BOS is added)")
     c.add_argument("--out", required=True, help="scales file to write (safetensors), e.g. scales.safetensors")

@@ -1,0 +1,222 @@
+"""The ``kvpage eval`` sub-command: its flags (:func:`add_eval_parser`) and what it runs (:func:`run_eval`).
+
+``--text FILE`` scores one text per KV format; ``--suite`` scores every member of the evaluation set
+(:mod:`kvpage.eval.suite`) on one loaded model and adds a summary with the held-back member apart.
+Heavy imports (torch, the model loader) happen inside :func:`run_eval`, after the flags are checked.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpage.cli import DTYPE_HELP, _nonnegative_int, _positive_int, _threads_help
+
+#: Tokens scored by ``--text`` unless ``--tokens`` says otherwise (suite members carry their own).
+DEFAULT_TEXT_TOKENS = 1024
+
+
+def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``eval`` sub-command to ``sub`` (an ``add_subparsers()`` result); returns its parser.
+
+    Exactly one of ``--text`` / ``--suite`` is required (argparse exits with status 2 otherwise).
+    """
+    e = sub.add_parser("eval", help="perplexity and KL divergence of a text (or the evaluation set) per KV format: "
+                                    "table, results.json, Δppl- and KLD-vs-bits plots")
+    what = e.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", help="UTF-8 text file to score (no BOS is added)")
+    what.add_argument("--suite", action="store_true",
+                      help="score every member of the evaluation set (kvpage.eval.suite: texts of several kinds "
+                           "found on this machine, one held back) and summarize them")
+    e.add_argument("--suite-members", default=None,
+                   help="with --suite: comma-separated member names to run (default all)")
+    e.add_argument("--formats", default="auto,int8,fp8",
+                   help="comma-separated KV formats (default auto,int8,fp8); the unquantized cache (auto) "
+                        "always runs first as the baseline")
+    e.add_argument("--tokens", type=_positive_int, default=None,
+                   help=f"score the text's first N tokens (default {DEFAULT_TEXT_TOKENS}; with --suite each "
+                        f"member's own count unless given)")
+    e.add_argument("--mode", choices=["decode", "chunked"], default="decode",
+                   help="decode: one token per step through the cache (default); chunked: --chunk-size tokens "
+                        "per step (faster)")
+    e.add_argument("--chunk-size", type=_positive_int, default=128, help="tokens per step in chunked mode (default 128)")
+    e.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    e.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
+    e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    e.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
+    e.add_argument("--out", default="kvpage-eval",
+                   help="folder for results.json, ppl_vs_bits.png and kld_vs_bits.png (default ./kvpage-eval; "
+                        "with --suite one sub-folder of plots per member)")
+    e.add_argument("--kl-divergence", action=argparse.BooleanOptionalAction, default=True,
+                   help="KL divergence and same-top-token %% against the unquantized cache at every position "
+                        "(default on; keeps its log-probs in a temporary file of 4 x vocab bytes per token)")
+    e.add_argument("--kv-cache-scales", default=None, help="static KV scales file (for the *_static formats)")
+    e.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
+                   help="full-precision window of quantize-on-seal formats, in tokens (default: the LLM's)")
+    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars (default on)")
+    e.set_defaults(func=run_eval)
+    return e
+
+
+def _format_list(spec: str, dtype: Any) -> list[str]:
+    """``--formats`` as a list starting with ``auto``, duplicates (by canonical name) dropped.
+
+    Raises:
+        ValueError: the list is empty.
+        UnknownKVFormatError: a name no format answers to (the message lists the valid ones).
+    """
+    from kvpage.formats import canonical_format_name
+
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--formats is empty; give e.g. auto,int8,fp8")
+    formats, seen = ["auto"], {canonical_format_name("auto", dtype)}  # the unquantized cache first: the Δ baseline
+    for n in names:
+        c = canonical_format_name(n, dtype)
+        if c not in seen:
+            formats.append(n)
+            seen.add(c)
+    return formats
+
+
+def _write_plots(out: Path, results: list[Any], title: str) -> list[Path]:
+    """``ppl_vs_bits.png`` and, when the results carry KL, ``kld_vs_bits.png`` in ``out`` (a stale one removed)."""
+    from kvpage.eval import plot_kld_vs_bits, plot_ppl_vs_bits
+
+    pngs = [plot_ppl_vs_bits(out / "ppl_vs_bits.png", results, title=title)]
+    if len(results) > 1 and any(r.divergence is not None for r in results[1:]):
+        pngs.append(plot_kld_vs_bits(out / "kld_vs_bits.png", results, title=f"{title}; vs {results[0].name}"))
+    else:
+        (out / "kld_vs_bits.png").unlink(missing_ok=True)  # never leave an earlier run's plot beside these results
+    return pngs
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """``kvpage eval``: perplexity and KL divergence per KV format (:mod:`kvpage.eval`); table, JSON, PNGs.
+
+    Every flag is checked before the model loads. Side effects: writes ``results.json`` and the plots
+    under ``--out``; with ``--suite`` also one folder of plots per member, and a warning on stderr for
+    each member whose text's sha256 differs from the one the suite recorded.
+
+    Returns:
+        0 (errors raise: ``ValueError``, ``FileNotFoundError`` and ``KVPageError`` become status 2 in
+        :func:`kvpage.cli.main`).
+    """
+    import platform
+    import time
+
+    import torch
+
+    from kvpage.engine.config import resolve_dtype
+    from kvpage.engine.threads import apply_num_threads
+    from kvpage.eval.report import cpu_model_name
+    from kvpage.model.loader import load_model
+
+    dtype = resolve_dtype(args.dtype)
+    formats = _format_list(args.formats, dtype)
+    if args.suite_members is not None and not args.suite:
+        raise ValueError("--suite-members needs --suite")
+    if args.suite:
+        from kvpage.eval.suite import SUITE, check_suite, resolve_member, select_members
+
+        members = select_members(args.suite_members)
+        resolved = [resolve_member(m) for m in members]          # FileNotFoundError before the model loads
+        for r in resolved:
+            warning = r.mismatch_warning()
+            if warning is not None:
+                print(f"[kvpage] warning: {warning}", file=sys.stderr, flush=True)
+        check_suite(SUITE)
+    else:
+        text = Path(args.text)
+        if not text.is_file():
+            raise FileNotFoundError(f"--text {text}: no such file")
+    llm_kwargs: dict[str, object] = {}
+    if args.kv_cache_scales is not None:
+        llm_kwargs["kv_cache_scales"] = args.kv_cache_scales
+    if args.kv_quant_residual_tokens is not None:
+        llm_kwargs["kv_quant_residual_tokens"] = args.kv_quant_residual_tokens
+    threads = apply_num_threads(args.threads)  # once, so every format's engine runs with the same count
+    loaded = load_model(args.model, dtype=dtype, progress=args.progress)
+    label = "decode, 1 token per step" if args.mode == "decode" else f"chunked, {args.chunk_size} tokens per step"
+    setup = (f"{label}; {Path(loaded.path).name}, {str(dtype).removeprefix('torch.')}, "
+             f"block {args.block_size or 'per format'}, {threads.num_threads} torch thread(s) ({threads.reason})")
+    where = dict(model=str(loaded.path), dtype=str(dtype).removeprefix("torch."))
+    how = dict(bos=False, mode=args.mode, chunk_size=args.chunk_size if args.mode == "chunked" else 1,
+               block_size=args.block_size, threads=threads.num_threads)
+    machine = dict(torch=torch.__version__, machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                   cpu=cpu_model_name(), cpu_count=os.cpu_count(), python=platform.python_version(),
+                   date=time.strftime("%Y-%m-%d %H:%M:%S %z"))
+    run = dict(formats=formats, mode=args.mode, chunk_size=args.chunk_size, block_size=args.block_size,
+               num_threads=threads.num_threads, progress=args.progress, llm_kwargs=llm_kwargs,
+               kl_divergence=args.kl_divergence)
+    out = Path(args.out)
+    if args.suite:
+        return _run_suite(loaded, resolved, args.tokens, out, setup, {**where, **how}, machine, run)
+    from kvpage.eval import evaluate_formats, format_table, text_token_ids, write_results_json
+
+    ids = text_token_ids(loaded.tokenizer, text, args.tokens or DEFAULT_TEXT_TOKENS)
+    print(f"[kvpage] eval: first {len(ids)} tokens of {text} (no BOS), {setup}", flush=True)
+    start = time.perf_counter()
+    results = evaluate_formats(loaded, ids, **run)
+    total = time.perf_counter() - start
+    print(format_table(results))
+    json_path = write_results_json(out / "results.json", results, **where, text=str(text), num_tokens=len(ids),
+                                   **how, total_seconds=total, **machine)
+    pngs = _write_plots(out, results, f"{Path(loaded.path).name}: {text.name}, {len(ids)} tokens, {args.mode} mode")
+    print(f"[kvpage] wrote {json_path} and {', '.join(map(str, pngs))} ({total:.1f} s)")
+    return 0
+
+
+def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, out: Path, setup: str, meta: dict[str, Any],
+               machine: dict[str, Any], run: dict[str, Any]) -> int:
+    """``kvpage eval --suite`` once the model is loaded: every member through :func:`evaluate_formats`.
+
+    Args:
+        loaded: the :class:`~kvpage.model.loader.LoadedModel` every member reuses.
+        resolved: the members' :class:`~kvpage.eval.suite.ResolvedText`, in suite order.
+        tokens: ``--tokens`` (``None``: each member's own count).
+        out: the output folder: ``results.json`` there, ``<member>/ppl_vs_bits.png`` and
+            ``<member>/kld_vs_bits.png`` below it.
+        setup: the mode/model/threads words of the start line.
+        meta, machine: ``results.json`` fields before and after the members' totals.
+        run: :func:`evaluate_formats` keyword arguments (formats, mode, ...).
+
+    Raises:
+        ValueError: a member's text has fewer tokens than asked for (checked for every member before
+            the first is scored), or more than the model's context.
+    """
+    import time
+
+    from kvpage.eval import evaluate_formats, format_table
+    from kvpage.eval.suite import member_token_ids
+    from kvpage.eval.suite_report import format_summary_table, summarize_suite, write_suite_json
+
+    ids = [member_token_ids(loaded.tokenizer, r, tokens) for r in resolved]   # every count checked up front
+    context = loaded.config.max_position_embeddings
+    long = [f"{r.member.name} ({len(i)})" for r, i in zip(resolved, ids) if len(i) > context]
+    if long:
+        raise ValueError(f"suite member(s) {', '.join(long)} score more tokens than the model's context of {context}; "
+                         f"give --tokens {context} or fewer")
+    held = next((r.member.name for r in resolved if r.member.held_back), None)
+    print(f"[kvpage] eval --suite: {len(resolved)} member(s) ({', '.join(r.member.name for r in resolved)}; "
+          f"held back: {held or 'not run'}), no BOS, {setup}", flush=True)
+    runs, pngs = [], []
+    start = time.perf_counter()
+    for r, member_ids in zip(resolved, ids):
+        m = r.member
+        print(f"\n## {m.name}{' (held back)' if m.held_back else ''}: {m.kind}, first {len(member_ids)} tokens "
+              f"of {r.origin} (sha256 {r.sha256[:12]})", flush=True)
+        results = evaluate_formats(loaded, member_ids, **run)
+        print(format_table(results), flush=True)
+        runs.append((r, results))
+        title = f"{Path(loaded.path).name}: {m.name} ({m.kind}), {len(member_ids)} tokens, {run['mode']} mode"
+        pngs += _write_plots(out / m.name, results, title)
+    total = time.perf_counter() - start
+    print(f"\n## summary over the tuning members; {held or 'no held-back member'} apart")
+    print(format_summary_table(summarize_suite(runs), held))
+    json_path = write_suite_json(out / "results.json", runs, **meta, total_seconds=total, **machine)
+    print(f"[kvpage] wrote {json_path} and {len(pngs)} plots under {out} ({total:.1f} s)")
+    return 0
