@@ -3,7 +3,9 @@
 * :func:`evaluate_perplexity` — one :class:`~kvpage.engine.llm.LLM`, one text, ``decode`` or ``chunked`` mode;
 * :func:`evaluate_formats` — several formats on one set of loaded weights;
 * :mod:`kvpage.eval.divergence` — KL divergence and top-1 agreement against the unquantized cache;
-* :mod:`kvpage.eval.report` — text table, ``results.json``, Δppl- and KLD-vs-bits PNGs.
+* :mod:`kvpage.eval.report` — text table, ``results.json``, Δppl- and KLD-vs-bits PNGs;
+* :mod:`kvpage.eval.suite` — the evaluation set (texts of several kinds found at run time, one held back),
+  summarized by :mod:`kvpage.eval.suite_report`; :mod:`kvpage.eval.command` is ``kvpage eval``.
 """
 from __future__ import annotations
 
