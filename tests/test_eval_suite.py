@@ -181,3 +181,23 @@ def test_suite_longer_than_context_exits_2_before_scoring(tmp_path, monkeypatch)
                              "--no-progress"], monkeypatch)        # the tiny model's context is 512 tokens
     assert rc == 2 and "argparse (4096)" in err and "context of 512" in err
     assert "## gpl3" not in printed and not (tmp_path / "results.json").exists()
+
+
+def test_suite_markdown_from_results_json(tmp_path, monkeypatch):
+    from kvpage.eval.suite_report import suite_markdown
+
+    rc, _, _ = _run(["eval", "--suite", "--suite-members", "gpl3,language_reference", "--tokens", "16",
+                     "--formats", "int8", "--out", str(tmp_path), "--threads", "1", "--no-progress"], monkeypatch)
+    assert rc == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    md = suite_markdown(data)
+    lines = md.splitlines()
+    gpl = next(x for x in lines if x.startswith("| `gpl3` | legal prose"))
+    assert "| 16 |" in gpl and "`3972dc9744f6`" in gpl and gpl.endswith("| no |")
+    assert next(x for x in lines if x.startswith("| `language_reference` |")).endswith("| **yes** |")
+    int8 = data["summary"][1]
+    row = next(x for x in lines if x.startswith("| `int8` | ") and "/" not in x)
+    assert f"{int8['tuning_delta_ppl_percent']:+.2f}%" in row and f"{int8['held_back_kld_mean']:.5f}" in row
+    per = next(x for x in lines if x.startswith("| `int8` | ") and "/" in x)
+    ref = data["members"][1]["results"][1]
+    assert per.endswith(f"{ref['delta_ppl_percent']:+.2f}% / {ref['divergence']['kld_mean']:.5f} |")

@@ -154,3 +154,49 @@ def write_suite_json(path: str | Path, runs: Sequence[tuple[ResolvedText, Sequen
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(suite_payload(runs, **meta), indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def _md(value: float | None, spec: str) -> str:
+    """A Markdown table cell: ``value`` with ``spec``, or an em dash for ``None``."""
+    return "—" if value is None else format(value, spec)
+
+
+def suite_markdown(payload: dict[str, Any]) -> str:
+    """Markdown tables of a suite ``results.json`` payload (:func:`suite_payload`), for a report such as ACCURACY.md.
+
+    Three tables: the members (kind, where the text was found, tokens scored, sha256 prefix, whether it
+    matched the recorded text, held back or not); the summary per format (mean bits, the tuning members'
+    mean Δppl %, KLD and top-1 %, then the held-back member's); and each format's Δppl % / mean KLD per
+    member (``—`` without KL).
+
+    Raises:
+        KeyError: the payload lacks ``members`` or ``summary`` (not a suite ``results.json``).
+    """
+    members, summary = payload["members"], payload["summary"]
+    held = payload.get("held_back")
+    out = ["| member | kind | text | tokens | sha256 | held back |", "|---|---|---|---|---|---|"]
+    for m in members:
+        version = f" ({m['version_of']} {m['version']})" if m.get("version_of") else ""
+        same = "" if m["sha256_matches"] else " (differs from the recorded text)"
+        out.append(f"| `{m['name']}` | {m['kind']} | `{m['origin']}`{version} | {m['num_tokens']:,} | "
+                   f"`{m['text_sha256'][:12]}`{same} | {'**yes**' if m['held_back'] else 'no'} |")
+    n = summary[0]["tuning_members"] if summary else 0
+    out += ["", f"| format | bits/value | Δppl, tuning mean ({n}) | KLD, tuning mean | top-1 %, tuning mean | "
+                f"Δppl, held back (`{held or 'not run'}`) | KLD, held back | top-1 %, held back |",
+            "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        out.append(f"| `{s['name']}` | {s['bits_per_value']:.3f} | {_md(s['tuning_delta_ppl_percent'], '+.2f')}% | "
+                   f"{_md(s['tuning_kld_mean'], '.5f')} | {_md(s['tuning_top1_percent'], '.2f')} | "
+                   f"{_md(s['held_back_delta_ppl_percent'], '+.2f')}% | {_md(s['held_back_kld_mean'], '.5f')} | "
+                   f"{_md(s['held_back_top1_percent'], '.2f')} |")
+    names = [f"`{m['name']}`{' (held back)' if m['held_back'] else ''}" for m in members]
+    out += ["", "| format | " + " | ".join(f"{n}: Δppl / KLD" for n in names) + " |",
+            "|---|" + "---|" * len(members)]
+    for i, s in enumerate(summary):
+        cells = []
+        for m in members:
+            row = m["results"][i]
+            kld = row["divergence"]["kld_mean"] if row.get("divergence") else None
+            cells.append(f"{row['delta_ppl_percent']:+.2f}% / {_md(kld, '.5f')}")
+        out.append(f"| `{s['name']}` | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
