@@ -37,7 +37,8 @@ def test_every_member_resolves_to_its_token_count(tokenizer):
         assert len(ids) == m.tokens, m.name
         assert len(tokenizer.encode(r.text, add_special_tokens=False)) > m.tokens, m.name
         assert r.text.strip() and len(r.text) > 4 * m.tokens // 2, m.name
-        assert r.sha256_matches, r.mismatch_warning()    # the recorded text, on the machine the suite was fixed on
+        if r.version == m.recorded_version:             # same package / Python version: the recorded text exactly
+            assert r.sha256_matches, r.mismatch_warning()
     assert max(m.tokens for m in SUITE) >= 4096          # a context half the model's 8,192
     assert len({m.kind for m in SUITE}) >= KINDS_AT_LEAST
 
