@@ -106,7 +106,8 @@ def test_suite_end_to_end_on_tiny_model(tmp_path, monkeypatch):
     for s in SUITE:
         m = members[s.name]
         assert m["kind"] == s.kind and m["locator"] == s.locator and m["num_tokens"] == 24
-        assert m["text_sha256"] == resolve_member(s).sha256 and m["sha256_matches"] is True
+        assert m["text_sha256"] == resolve_member(s).sha256
+        assert m["sha256_matches"] is (m["text_sha256"] == s.recorded_sha256)
         assert [r["name"] for r in m["results"]] == ["auto", "int8", "int4"]
         assert all(r["num_predictions"] == 23 for r in m["results"])
         assert (tmp_path / s.name / "ppl_vs_bits.png").is_file() and (tmp_path / s.name / "kld_vs_bits.png").is_file()
@@ -125,7 +126,8 @@ def test_suite_end_to_end_on_tiny_model(tmp_path, monkeypatch):
     assert int8["held_back_kld_mean"] == ref["divergence"]["kld_mean"] > 0
     assert summary["auto"]["tuning_kld_mean"] == 0 and summary["auto"]["tuning_delta_ppl_percent"] == 0
     assert "held back: language_reference" in printed and f"{int8['held_back_kld_mean']:.6f}" in printed
-    assert "warning" not in err
+    changed = [m["name"] for m in members.values() if not m["sha256_matches"]]   # [] where the suite was fixed
+    assert [n for n in members if f"suite member {n!r}: text sha256" in err] == changed
 
 
 def test_suite_members_pick_and_token_override(tmp_path, monkeypatch):
