@@ -16,52 +16,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvpage.cli_args import DTYPE_HELP, nonnegative_int, port, positive_int, threads_help
 from kvpage.errors import KVPageError
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
-
-
-def _int(text: str, what: str) -> int:
-    """``text`` as an int, else an ``ArgumentTypeError`` saying it must be ``what`` (argparse prints it as is)."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = _int(text, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = _int(text, "an integer >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    """argparse type: a TCP port, 0 (any free port) to 65535."""
-    value = _int(text, "a TCP port (0-65535)")
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {value}")
-    return value
-
-
-#: ``--dtype`` help, the same for every sub-command.
-DTYPE_HELP = "model compute dtype: auto (float32), float32, bfloat16, float16"
-
-
-def _threads_help() -> str:
-    from kvpage.engine.threads import RULE_HELP
-
-    return f"torch CPU threads ({RULE_HELP}); the engine's start-up line prints the count"
 
 
 def _format_help() -> str:
@@ -76,10 +35,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help=_format_help())
     p.add_argument("--kv-cache-scales", default=None,
                    help="static K/V scales file (safetensors from `kvpage calibrate`); required by int8_static / fp8_static")
-    p.add_argument("--block-size", type=_positive_int, default=None,
+    p.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV block (default 16; 32 for int4/int2, whose key group is the block: "
                         "they need >= 8)")
-    p.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
+    p.add_argument("--kv-quant-residual-tokens", type=nonnegative_int, default=None,
                    help="int4/int2: recent tokens whose sealed blocks keep a 16-bit copy (default: int4 0, int2 32)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache budget in bytes, side pools of int4/int2 included (default 512 MiB)")
@@ -90,13 +49,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and --num-blocks")
     p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
+    p.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
                    help="attention kernels: auto (kvpage's C++ CPU kernels where they serve the format, else "
                         "reference), cpu (refused at start-up where they cannot serve), reference (PyTorch SDPA)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64,
+    p.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="requests running at once (default 64; sizes the side pools of int4/int2)")
     _add_tier_args(p)
 
@@ -339,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--port", type=port, default=8000, help="TCP port (default 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's stem or folder name)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
@@ -357,21 +316,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--text", required=True, help="UTF-8 text file to calibrate on (no BOS is added)")
     c.add_argument("--out", required=True, help="scales file to write (safetensors), e.g. scales.safetensors")
     c.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    c.add_argument("--tokens", type=_positive_int, default=2048, help="calibrate on the text's first N tokens (default 2048)")
-    c.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens per forward pass (default 512)")
+    c.add_argument("--tokens", type=positive_int, default=2048, help="calibrate on the text's first N tokens (default 2048)")
+    c.add_argument("--chunk-size", type=positive_int, default=512, help="tokens per forward pass (default 512)")
     c.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    c.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
+    c.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar (default on)")
     c.set_defaults(func=_cmd_calibrate)
     f = sub.add_parser("formats", help="list KV formats: aliases, bits per value, tokens that fit at a budget")
-    f.add_argument("--budget-bytes", type=_positive_int, default=512 * 2**20,
+    f.add_argument("--budget-bytes", type=positive_int, default=512 * 2**20,
                    help="KV budget for the tokens column, side pools included (default 512 MiB)")
-    f.add_argument("--num-layers", type=_positive_int, default=None, help="model layers (default: the bundled model's, 30)")
-    f.add_argument("--num-kv-heads", type=_positive_int, default=None, help="KV heads (default: the bundled model's, 3)")
-    f.add_argument("--head-dim", type=_positive_int, default=None, help="head dim (default: the bundled model's, 64)")
-    f.add_argument("--max-num-seqs", type=_positive_int, default=64,
+    f.add_argument("--num-layers", type=positive_int, default=None, help="model layers (default: the bundled model's, 30)")
+    f.add_argument("--num-kv-heads", type=positive_int, default=None, help="KV heads (default: the bundled model's, 3)")
+    f.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default: the bundled model's, 64)")
+    f.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="requests at once, which size int4/int2's side pools (default 64)")
-    f.add_argument("--block-size", type=_positive_int, default=None,
+    f.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per block (default: each format's, 16; 32 for int4/int2)")
     f.set_defaults(func=_cmd_formats)
     return parser

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.cli import DTYPE_HELP, _nonnegative_int, _positive_int, _threads_help
+from kvpage.cli_args import DTYPE_HELP, nonnegative_int, positive_int, threads_help
 
 #: Tokens scored by ``--text`` unless ``--tokens`` says otherwise (suite members carry their own).
 DEFAULT_TEXT_TOKENS = 1024
@@ -35,18 +35,18 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--formats", default="auto,int8,fp8",
                    help="comma-separated KV formats (default auto,int8,fp8); the unquantized cache (auto) "
                         "always runs first as the baseline")
-    e.add_argument("--tokens", type=_positive_int, default=None,
+    e.add_argument("--tokens", type=positive_int, default=None,
                    help=f"score the text's first N tokens (default {DEFAULT_TEXT_TOKENS}; with --suite each "
                         f"member's own count unless given)")
     e.add_argument("--mode", choices=["decode", "chunked"], default="decode",
                    help="decode: one token per step through the cache (default); chunked: --chunk-size tokens "
                         "per step (faster)")
-    e.add_argument("--chunk-size", type=_positive_int, default=128, help="tokens per step in chunked mode (default 128)")
+    e.add_argument("--chunk-size", type=positive_int, default=128, help="tokens per step in chunked mode (default 128)")
     e.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    e.add_argument("--block-size", type=_positive_int, default=None,
+    e.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
     e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    e.add_argument("--threads", type=_positive_int, default=None, help=_threads_help())
+    e.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     e.add_argument("--out", default="kvpage-eval",
                    help="folder for results.json, ppl_vs_bits.png and kld_vs_bits.png (default ./kvpage-eval; "
                         "with --suite one sub-folder of plots per member)")
@@ -54,7 +54,7 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
                    help="KL divergence and same-top-token %% against the unquantized cache at every position "
                         "(default on; keeps its log-probs in a temporary file of 4 x vocab bytes per token)")
     e.add_argument("--kv-cache-scales", default=None, help="static KV scales file (for the *_static formats)")
-    e.add_argument("--kv-quant-residual-tokens", type=_nonnegative_int, default=None,
+    e.add_argument("--kv-quant-residual-tokens", type=nonnegative_int, default=None,
                    help="full-precision window of quantize-on-seal formats, in tokens (default: the LLM's)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars (default on)")
     e.set_defaults(func=run_eval)

@@ -218,7 +218,7 @@ def resolve_member(member: SuiteMember) -> ResolvedText:
             raise FileNotFoundError(f"suite member {member.name!r}: {path} does not exist")
         text, origin = _read_utf8(path), str(path)
     elif scheme == "package-description":
-        payload = importlib.metadata.metadata(arg).get_payload()
+        payload = importlib.metadata.metadata(arg).json.get("description")  # the long description (the body)
         if not isinstance(payload, str) or not payload.strip():
             raise FileNotFoundError(f"suite member {member.name!r}: {arg}'s metadata has no description")
         text, origin = payload, f"{arg} METADATA (long description)"

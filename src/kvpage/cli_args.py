@@ -1,0 +1,51 @@
+"""argparse value types and help texts shared by the ``kvpage`` sub-commands (:mod:`kvpage.cli`, :mod:`kvpage.eval.command`).
+
+A leaf module: it imports nothing of kvpage at import time, so every sub-command's module can use it
+without importing :mod:`kvpage.cli` (which imports them).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def _int(text: str, what: str) -> int:
+    """``text`` as an int, else an ``ArgumentTypeError`` saying it must be ``what`` (argparse prints it as is)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _int(text, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _int(text, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    value = _int(text, "a TCP port (0-65535)")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {value}")
+    return value
+
+
+#: ``--dtype`` help, the same for every sub-command.
+DTYPE_HELP = "model compute dtype: auto (float32), float32, bfloat16, float16"
+
+
+def threads_help() -> str:
+    """``--threads`` help: the thread rule of :mod:`kvpage.engine.threads`."""
+    from kvpage.engine.threads import RULE_HELP
+
+    return f"torch CPU threads ({RULE_HELP}); the engine's start-up line prints the count"
