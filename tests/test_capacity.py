@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
+from _tiny import tiny_loaded
 from kvpage.engine.capacity import SMOLLM2_SHAPE, BudgetTooSmallError, format_rows, kv_capacity, markdown_table
 from kvpage.engine.config import EngineConfig
 from kvpage.formats import StaticScaleFormat, available_formats, get_format
-from kvpage.model.config import ModelConfig
-from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.loader import LoadedModel
 from kvpage.scales import StaticScales
 
@@ -22,37 +20,10 @@ MiB = 2**20
 LAYERS = 2
 
 
-class _Bytes:
-    """UTF-8 bytes as token ids (ids 256+ are special: 256 is EOS); enough for the engine and the CLI."""
-
-    all_special_ids = [256]
-    eos_token_id = 256
-
-    def __len__(self) -> int:
-        return 260
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [chr(0x100 + i) for i in ids]
-
-
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """A random 2-layer Llama (2 KV heads of 16 channels) in ``dtype`` on a byte tokenizer."""
-    torch.manual_seed(seed)
-    hf = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                     tie_word_embeddings=True, bos_token_id=257, eos_token_id=256)
-    config = ModelConfig.from_hf(hf)
-    model = LlamaForCausalLM(config)
-    sd = {n: (torch.ones(s) if n.endswith("norm.weight") else torch.randn(s) * 0.02)
-          for n, s in model.hf_parameter_shapes().items()}
-    model.load_hf_state_dict(sd)
-    return LoadedModel(config=config, model=model.to(dtype).eval(), tokenizer=_Bytes(), path=Path("/tiny-random-llama"))
+    """The suite's random 2-layer Llama (2 KV heads of 16 channels, byte tokenizer; tests/_tiny.py) in ``dtype``."""
+    loaded = tiny_loaded(seed, layers=LAYERS, max_positions=256)
+    return replace(loaded, model=loaded.model.to(dtype).eval())
 
 
 @pytest.fixture(scope="module")

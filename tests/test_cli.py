@@ -7,18 +7,17 @@ import re
 import pytest
 import torch
 
+from _tiny import tiny_loaded
 from kvpage.engine import memory, threads
 from kvpage.engine.config import MIN_SEALED_BLOCK_SIZE, EngineConfig
 from kvpage.formats import available_formats
-
-from test_capacity import tiny_model
 
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_model()
+    return tiny_loaded(0, max_positions=256)
 
 
 # -- threads ------------------------------------------------------------------------------------
