@@ -127,8 +127,9 @@ class _SideSlots:
 
     def __init__(self, kv: SchedulerKVCache) -> None:
         self.kv = kv
-        self.active = any(f is not None for f in kv.side_slots_free())
-        self.used = [0] * len(kv.side_slots_free())
+        free = kv.side_slots_free()
+        self.active = any(f is not None for f in free)
+        self.used = [0] * len(free)
         self.booked: dict[str, tuple[int, ...]] = {}
 
     def fits(self, req: Request, start: int, n: int, match: TieredMatch | None = None) -> bool:
