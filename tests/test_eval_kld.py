@@ -29,7 +29,8 @@ from kvpage.eval import (
     plot_kld_vs_bits,
     summarize_divergence,
 )
-from kvpage.eval.report import spread_positions
+from kvpage.eval.divergence import DEPTH_SPLIT, Divergence
+from kvpage.eval.report import DEPTH_KLD_RATIO_FLAG, format_depth_table, spread_positions
 
 GPL3 = Path(__file__).parent / "data" / "GPL-3"
 
@@ -128,6 +129,95 @@ def test_standard_errors_predict_the_spread_over_replicates():
         assert s[:, se].mean() == pytest.approx(s[:, value].std(ddof=1), rel=0.06)
 
 
+def _np_part(kld, same, nll_f, nll_b, a: int, b: int) -> dict[str, float]:
+    """One depth part's figures the long way: numpy on slices of the per-position arrays."""
+    k, d = kld[a:b], nll_f[a:b] - nll_b[a:b]
+    m = d.sum() / (b - a)
+    se_d = np.sqrt(((d - m) ** 2).sum() / (b - a - 1) / (b - a))
+    return dict(kld_mean=k.sum() / (b - a), kld_se=np.sqrt(((k - k.mean()) ** 2).sum() / (b - a - 1) / (b - a)),
+                top1_percent=100 * np.count_nonzero(same[a:b]) / (b - a), ln_ppl_ratio=m,
+                delta_ppl_percent=100 * (np.exp(m) - 1), delta_ppl_se_percent=100 * np.exp(m) * se_d)
+
+
+def test_depth_split_matches_numpy_on_the_position_arrays():
+    rng = np.random.default_rng(21)
+    n = 3000
+    kld = np.r_[rng.exponential(0.01, DEPTH_SPLIT), rng.exponential(0.035, n - DEPTH_SPLIT)]  # deeper: 3.5x
+    same = rng.uniform(size=n) < np.r_[np.full(DEPTH_SPLIT, 0.95), np.full(n - DEPTH_SPLIT, 0.85)]
+    nll_b = rng.normal(3.0, 1.5, n)
+    nll_f = nll_b + rng.normal(0.0, 0.1, n) + np.r_[np.zeros(DEPTH_SPLIT), np.full(n - DEPTH_SPLIT, 0.05)]
+    dep = summarize_divergence(kld, same, nll_f, nll_b).depth
+    assert DEPTH_SPLIT == 1024 and dep is not None and dep.split == 1024 and dep.rest is not None
+    assert (dep.first.start, dep.first.stop, dep.first.num_positions) == (0, 1024, 1024)
+    assert (dep.rest.start, dep.rest.stop, dep.rest.num_positions) == (1024, 3000, 1976)
+    for part, (a, b) in ((dep.first, (0, 1024)), (dep.rest, (1024, 3000))):
+        for key, want in _np_part(kld, same, nll_f, nll_b, a, b).items():
+            assert getattr(part, key) == pytest.approx(want, rel=1e-9, abs=1e-12), key
+    assert dep.rest.delta_ppl_percent == pytest.approx(5.1, abs=1.5) and abs(dep.first.delta_ppl_percent) < 1.5
+    assert dep.kld_ratio() == pytest.approx(kld[1024:].mean() / kld[:1024].mean(), rel=1e-12)
+    assert 2.8 < dep.kld_ratio() < 4.2
+    # the parts weigh up to the whole
+    whole = summarize_divergence(kld, same, nll_f, nll_b)
+    assert (1024 * dep.first.kld_mean + 1976 * dep.rest.kld_mean) / n == pytest.approx(whole.kld_mean, rel=1e-12)
+    # another split point, given explicitly
+    dep7 = summarize_divergence(kld, same, nll_f, nll_b, depth_split=7).depth
+    assert dep7 is not None and dep7.rest is not None and dep7.first.num_positions == 7
+    assert dep7.first.kld_mean == pytest.approx(kld[:7].mean(), rel=1e-12)
+    with pytest.raises(ValueError, match="depth_split"):
+        summarize_divergence(kld, same, nll_f, nll_b, depth_split=0)
+
+
+@pytest.mark.parametrize("n", [1023, 1024, 1025])
+def test_depth_rest_is_none_up_to_the_split(n):
+    """A 1,024-token text scores 1,023 positions, a 1,025-token one 1,024: no rest; one more gives a 1-position rest."""
+    rng = np.random.default_rng(n)
+    kld, same = rng.exponential(0.01, n), rng.uniform(size=n) < 0.9
+    nll_b = rng.normal(3.0, 1.0, n)
+    nll_f = nll_b + rng.normal(0.01, 0.1, n)
+    d = summarize_divergence(kld, same, nll_f, nll_b)
+    assert d.depth is not None and d.depth.first.num_positions == min(n, 1024)
+    if n <= 1024:
+        assert d.depth.rest is None and d.depth.kld_ratio() is None
+        assert d.depth.first.kld_mean == pytest.approx(d.kld_mean, rel=1e-12)
+        assert d.depth.first.ln_ppl_ratio == pytest.approx(d.ln_ppl_ratio, rel=1e-12)
+        assert d.depth.first.delta_ppl_se_percent == pytest.approx(d.delta_ppl_se_percent, rel=1e-12)
+    else:
+        rest = d.depth.rest
+        assert rest is not None and (rest.start, rest.num_positions, rest.kld_se) == (1024, 1, 0.0)
+        assert rest.kld_mean == kld[-1] and rest.ln_ppl_ratio == pytest.approx(nll_f[-1] - nll_b[-1], rel=1e-12)
+    # JSON round trip, and a schema-2 row (no depth) still loads
+    back = Divergence.from_dict(json.loads(json.dumps(d.to_dict())))
+    assert back == d
+    old = d.to_dict()
+    del old["depth"]
+    assert Divergence.from_dict(old).depth is None and Divergence.from_dict(old).kld_mean == d.kld_mean
+
+
+def test_depth_table_values_and_flag():
+    rng = np.random.default_rng(5)
+    n = 1500
+
+    def res(name: str, kld: np.ndarray) -> PerplexityResult:
+        nll_b = rng.normal(3.0, 1.0, n)
+        div = summarize_divergence(kld, np.ones(n, dtype=bool), nll_b + 0.01, nll_b)
+        return PerplexityResult(name=name, kv_cache_dtype=name, mode="decode", num_tokens=n + 1, num_predictions=n,
+                                nll=3.0, ppl=math.exp(3.0), bits_per_value=8.0, kv_bytes_per_token=1.0, seconds=1.0,
+                                block_size=16, divergence=div)
+
+    flat = res("flat", np.full(n, 0.002))
+    deep = res("deep", np.r_[np.full(1024, 0.001), np.full(n - 1024, 0.0031)])
+    table = format_depth_table([res("auto", np.zeros(n)), flat, deep])
+    assert table is not None and "first 1,024 positions" in table and "positions 1,024-1,499" in table
+    lines = {line.split()[0]: line for line in table.splitlines()[3:-1]}
+    assert lines["auto"].split()[-1] == "-"                      # 0 / 0: no ratio for the baseline
+    assert lines["flat"].split()[-1] == "1.00" and "0.002000" in lines["flat"]
+    assert lines["deep"].endswith("3.10 !") and "0.001000" in lines["deep"] and "0.003100" in lines["deep"]
+    assert "+1.01" in lines["deep"]                             # Δppl of a constant 0.01-nat Δ NLL: 100 (e^0.01 - 1)
+    assert DEPTH_KLD_RATIO_FLAG == 2.0
+    old = PerplexityResult.from_dict({**deep.to_dict(), "divergence": {**deep.to_dict()["divergence"], "depth": None}})
+    assert format_depth_table([old]) is None and format_depth_table([_kld_fake("x", 8, 0.1)]) is None
+
+
 def test_reference_store_round_trips_rows_in_any_chunking(tmp_path):
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(10, 33, generator=g)                    # float32 logits
@@ -197,6 +287,7 @@ def tiny_eval(tmp_path_factory):
     out = tmp_path_factory.mktemp("kld")
     mp = pytest.MonkeyPatch()
     mp.setattr("kvpage.model.loader.load_model", lambda *a, **k: model)
+    mp.setattr("kvpage.eval.divergence.DEPTH_SPLIT", 64)      # the tiny model's context is 512: split at 64
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf):
@@ -216,7 +307,7 @@ def _direct_logits(model, fmt: str, ids: list[int]) -> np.ndarray:
 
 def test_eval_reports_kld_end_to_end(tiny_eval):
     data, printed, out, model = tiny_eval
-    assert data["schema_version"] == 2 and (out / "kld_vs_bits.png").is_file() and (out / "ppl_vs_bits.png").is_file()
+    assert data["schema_version"] == 3 and (out / "kld_vs_bits.png").is_file() and (out / "ppl_vs_bits.png").is_file()
     auto, int8 = data["results"]
     assert auto["name"] == "auto" and int8["name"] == "int8"
     assert auto["divergence"]["kld_mean"] == 0 and auto["divergence"]["kld_max"] == 0
@@ -238,6 +329,18 @@ def test_eval_reports_kld_end_to_end(tiny_eval):
     assert d["delta_ppl_se_percent"] == pytest.approx(100 * math.exp(dn.mean()) * dn.std(ddof=1) / math.sqrt(95),
                                                       rel=1e-4)
     assert "KLD" in printed and "top-1 %" in printed and f"{d['kld_mean']:.6f}" in printed
+    # by depth: positions 0-63 and 64-94, against numpy on the direct logits' per-position arrays
+    dep = d["depth"]
+    assert dep["split"] == 64 and dep["first"]["num_positions"] == 64 and dep["rest"]["num_positions"] == 31
+    nll_q = -_np_log_softmax(q.astype(np.float64))[np.arange(95), tgt]
+    nll_a = -_np_log_softmax(base.astype(np.float64))[np.arange(95), tgt]
+    same = base.argmax(-1) == q.argmax(-1)
+    for key in ("first", "rest"):
+        a, b = (0, 64) if key == "first" else (64, 95)
+        for field, want in _np_part(ref, same, nll_q, nll_a, a, b).items():
+            assert dep[key][field] == pytest.approx(want, rel=2e-3, abs=1e-9), (key, field)
+    assert auto["divergence"]["depth"]["rest"]["kld_mean"] == 0
+    assert "KLD by depth" in printed and f"{dep['rest']['kld_mean']:.6f}" in printed
     # results.json rows rebuild the printed table exactly
     table = format_table([PerplexityResult.from_dict(r) for r in data["results"]])
     assert table in printed and f"{d['kld_mean']:.6f}" in table

@@ -2,7 +2,8 @@
 
 What ``llama-perplexity --kl-divergence`` reports, computed at every scored position: the baseline run
 streams its float32 logits to a :class:`ReferenceLogits` file, each later format reads them back
-position by position and :func:`summarize_divergence` turns the per-position values into a :class:`Divergence`.
+position by position and :func:`summarize_divergence` turns the per-position values into a :class:`Divergence`,
+with the same figures over the first :data:`DEPTH_SPLIT` scored positions and over the rest (:class:`DepthSplit`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,73 @@ def kl_divergence_rows(lp_base: torch.Tensor, lp_fmt: torch.Tensor) -> torch.Ten
     return terms.sum(dim=-1).clamp_min(0.0)                                         # [n] float64
 
 
+#: Scored positions in the "first" part of :class:`DepthSplit`; the rest are the deeper ones.
+DEPTH_SPLIT = 1024
+
+
+@dataclass(frozen=True)
+class DepthPart:
+    """Mean KLD and Δppl over a contiguous range ``[start, stop)`` of scored positions (position ``t`` predicts token ``t + 1``).
+
+    Standard errors as :class:`Divergence`'s (sample standard deviation over ``sqrt(n)``; binomial for top-1).
+
+    Attributes:
+        start: first scored position of the part (0-based).
+        stop: one past its last.
+        num_positions: ``stop - start``.
+        kld_mean: mean per-position ``KL(P_base || P_fmt)`` over the part, in nats.
+        kld_se: its standard error, in nats.
+        top1_percent: same-top-token rate over the part, in percent.
+        ln_ppl_ratio: mean per-token NLL difference (format minus baseline) over the part, in nats:
+            ``ln(PPL_fmt / PPL_base)`` of these tokens alone.
+        ln_ppl_ratio_se: its standard error, in nats.
+        delta_ppl_percent: ``100 * (exp(ln_ppl_ratio) - 1)``: Δppl % of the part's tokens.
+        delta_ppl_se_percent: its standard error (delta method), in percentage points.
+    """
+
+    start: int
+    stop: int
+    num_positions: int
+    kld_mean: float
+    kld_se: float
+    top1_percent: float
+    ln_ppl_ratio: float
+    ln_ppl_ratio_se: float
+    delta_ppl_percent: float
+    delta_ppl_se_percent: float
+
+
+@dataclass(frozen=True)
+class DepthSplit:
+    """A divergence split by depth: the first ``split`` scored positions and the ones after them.
+
+    Quantization error can grow with depth (more keys to mis-rank, more rounded values summed), so a
+    long text's mean hides how its deep positions fare; :meth:`kld_ratio` compares the two parts.
+
+    Attributes:
+        split: scored positions in ``first`` at most (:data:`DEPTH_SPLIT` unless told otherwise).
+        first: positions ``[0, min(n, split))``.
+        rest: positions ``[split, n)``; ``None`` when ``n <= split`` (a text of ``split + 1`` tokens or fewer).
+    """
+
+    split: int
+    first: DepthPart
+    rest: DepthPart | None
+
+    def kld_ratio(self) -> float | None:
+        """``rest.kld_mean / first.kld_mean``: > 1 when deep positions diverge more; ``None`` without a
+        rest or when the first part's KLD is 0 (the baseline against itself)."""
+        if self.rest is None or self.first.kld_mean <= 0:
+            return None
+        return self.rest.kld_mean / self.first.kld_mean
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DepthSplit:
+        """Rebuild from :func:`dataclasses.asdict`'s nested dict (``results.json``)."""
+        rest = d.get("rest")
+        return cls(split=int(d["split"]), first=DepthPart(**d["first"]), rest=DepthPart(**rest) if rest else None)
+
+
 @dataclass(frozen=True)
 class Divergence:
     """How far one format's next-token distributions are from the baseline's, over ``n`` scored positions.
@@ -75,6 +143,9 @@ class Divergence:
             from ``ln_ppl_ratio_se`` (delta method: ``100 * exp(ln_ppl_ratio) * ln_ppl_ratio_se``), in
             percentage points. Pairing the two runs token by token is what makes it small: it measures the
             format's effect, not the text's own variance.
+        depth: the same means over the first :data:`DEPTH_SPLIT` scored positions and the rest
+            (:class:`DepthSplit`); ``None`` in results written before it existed (``results.json``
+            schema 2).
     """
 
     num_positions: int
@@ -88,10 +159,22 @@ class Divergence:
     ln_ppl_ratio: float
     ln_ppl_ratio_se: float
     delta_ppl_se_percent: float
+    depth: DepthSplit | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict."""
+        """The fields as a JSON-ready dict (``depth`` a nested dict or ``None``)."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Divergence:
+        """Rebuild from :meth:`to_dict`'s dict; one without ``depth`` (schema 2) gets ``depth=None``.
+
+        Raises:
+            TypeError: a field is missing or unknown.
+        """
+        kw = dict(d)
+        depth = kw.pop("depth", None)
+        return cls(**kw, depth=DepthSplit.from_dict(depth) if depth else None)
 
 
 def standard_error(values: np.ndarray) -> float:
@@ -102,19 +185,35 @@ def standard_error(values: np.ndarray) -> float:
     return float(np.std(values, ddof=1) / math.sqrt(n))
 
 
+def _depth_part(k: np.ndarray, same_top: np.ndarray, d: np.ndarray, start: int, stop: int) -> DepthPart:
+    """:class:`DepthPart` of positions ``[start, stop)`` of per-position KLD ``k``, top-1 hits and Δ NLL ``d`` (all ``[n]``)."""
+    kp, dp = k[start:stop], d[start:stop]
+    ln_ratio, ln_se = float(dp.mean()), standard_error(dp)
+    return DepthPart(start=start, stop=stop, num_positions=stop - start, kld_mean=float(kp.mean()),
+                     kld_se=standard_error(kp),
+                     top1_percent=100.0 * float(np.count_nonzero(same_top[start:stop])) / (stop - start),
+                     ln_ppl_ratio=ln_ratio, ln_ppl_ratio_se=ln_se, delta_ppl_percent=100.0 * math.expm1(ln_ratio),
+                     delta_ppl_se_percent=100.0 * math.exp(ln_ratio) * ln_se)
+
+
 def summarize_divergence(kld: np.ndarray, same_top: np.ndarray, nll_fmt: np.ndarray,
-                         nll_base: np.ndarray) -> Divergence:
-    """A :class:`Divergence` from per-position values.
+                         nll_base: np.ndarray, *, depth_split: int | None = None) -> Divergence:
+    """A :class:`Divergence` from per-position values, with its :class:`DepthSplit` at ``depth_split``.
 
     Args:
         kld: ``[n]`` float per-position ``KL(P_base || P_fmt)``, in nats (:func:`kl_divergence_rows`).
         same_top: ``[n]`` bool, the format's argmax equals the baseline's.
         nll_fmt: ``[n]`` float, the format's negative log-likelihood of each scored token, in nats.
         nll_base: ``[n]`` float, the baseline's for the same tokens.
+        depth_split: scored positions in the depth split's first part (``>= 1``; ``None``: the module's
+            :data:`DEPTH_SPLIT`, read at call time); the rest is ``None`` when ``n <= depth_split``.
 
     Raises:
-        ValueError: empty or differently sized inputs.
+        ValueError: empty or differently sized inputs, or ``depth_split < 1``.
     """
+    depth_split = DEPTH_SPLIT if depth_split is None else depth_split
+    if depth_split < 1:
+        raise ValueError(f"depth_split must be >= 1, got {depth_split}")
     n = int(kld.size)
     if n == 0 or not (same_top.size == nll_fmt.size == nll_base.size == n):
         raise ValueError(f"need four non-empty arrays of one length, got {kld.size}, {same_top.size}, "
@@ -123,6 +222,9 @@ def summarize_divergence(kld: np.ndarray, same_top: np.ndarray, nll_fmt: np.ndar
     d = nll_fmt.astype(np.float64) - nll_base.astype(np.float64)                   # [n] per-token Δ NLL, nats
     p = float(np.count_nonzero(same_top)) / n
     ln_ratio, ln_se = float(d.mean()), standard_error(d)
+    first = min(n, depth_split)
+    depth = DepthSplit(split=depth_split, first=_depth_part(k, same_top, d, 0, first),
+                       rest=_depth_part(k, same_top, d, depth_split, n) if n > depth_split else None)
     return Divergence(
         num_positions=n,
         kld_mean=float(k.mean()),
@@ -135,6 +237,7 @@ def summarize_divergence(kld: np.ndarray, same_top: np.ndarray, nll_fmt: np.ndar
         ln_ppl_ratio=ln_ratio,
         ln_ppl_ratio_se=ln_se,
         delta_ppl_se_percent=100.0 * math.exp(ln_ratio) * ln_se,
+        depth=depth,
     )
 
 

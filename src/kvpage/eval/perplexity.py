@@ -120,7 +120,9 @@ class PerplexityResult:
         chunk_size: tokens per forward pass (1 in decode mode).
         divergence: KL divergence, top-1 agreement and the paired standard errors against the
             baseline run (:class:`~kvpage.eval.divergence.Divergence`); the baseline's own is against
-            itself (KL 0, top-1 100 %); ``None`` when no reference was kept or compared.
+            itself (KL 0, top-1 100 %); ``None`` when no reference was kept or compared. Its ``depth``
+            holds the same means over the first :data:`~kvpage.eval.divergence.DEPTH_SPLIT` scored
+            positions and over the rest.
     """
 
     name: str
@@ -145,7 +147,8 @@ class PerplexityResult:
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> PerplexityResult:
         """Rebuild a result from :meth:`to_dict`'s dict or a ``results.json`` row (unknown keys such as
-        ``delta_ppl_percent`` are ignored; ``divergence`` becomes a :class:`~kvpage.eval.divergence.Divergence`).
+        ``delta_ppl_percent`` are ignored; ``divergence`` becomes a :class:`~kvpage.eval.divergence.Divergence`,
+        with ``depth=None`` when the row predates the depth split).
 
         Raises:
             TypeError: a field is missing.
@@ -153,7 +156,7 @@ class PerplexityResult:
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in row.items() if k in names}
         if kw.get("divergence") is not None:
-            kw["divergence"] = Divergence(**kw["divergence"])
+            kw["divergence"] = Divergence.from_dict(kw["divergence"])
         return cls(**kw)
 
 

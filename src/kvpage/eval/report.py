@@ -27,8 +27,10 @@ def cpu_model_name() -> str:
 
     return platform.processor() or platform.machine()
 
-#: Version of the ``results.json`` layout (2: each row's ``divergence``).
-RESULTS_SCHEMA_VERSION = 2
+#: Version of the ``results.json`` layout (2: each row's ``divergence``; 3: its ``depth`` split).
+RESULTS_SCHEMA_VERSION = 3
+#: A rest-over-first KLD ratio above this is flagged in the depth tables (the issue's "worse by more than 2x").
+DEPTH_KLD_RATIO_FLAG = 2.0
 
 
 def delta_ppl_percent(result: PerplexityResult, baseline: PerplexityResult) -> float:
@@ -64,12 +66,49 @@ def format_table(results: Sequence[PerplexityResult]) -> str:
     return "\n".join(lines)
 
 
+def format_depth_table(results: Sequence[PerplexityResult]) -> str | None:
+    """KLD and Δppl by depth: the first ``split`` scored positions, the rest, and their KLD ratio, per result.
+
+    Columns: format, then for each part its mean KLD ± se (nats) and Δppl % ± se (percentage points),
+    then ``rest / first`` KLD and a ``!`` where that ratio exceeds :data:`DEPTH_KLD_RATIO_FLAG`. A
+    result without a depth split, or whose text is too short for a rest part, reads ``-`` there.
+
+    Returns:
+        The table, or ``None`` when no result has a rest part (every text ``<= split + 1`` tokens).
+    """
+    splits = [r.divergence.depth for r in results if r.divergence is not None and r.divergence.depth is not None]
+    deep = [s for s in splits if s.rest is not None]
+    if not deep:
+        return None
+    split, stop = deep[0].split, max(s.rest.stop for s in deep if s.rest is not None)
+    first_h, rest_h = f"first {split:,} positions", f"positions {split:,}-{stop - 1:,}"
+    width = max(10, *(len(r.name) for r in results))
+    title = f"{'':<{width}} | {first_h:^38} | {rest_h:^38} |"
+    head = (f"{'format':<{width}} | {'KLD':>9} {'± se':>9} {'Δppl %':>8} {'± se':>8} | "
+            f"{'KLD':>9} {'± se':>9} {'Δppl %':>8} {'± se':>8} | {'rest/first':>10}")
+    lines = [title, head, "-" * len(head)]
+    for r in results:
+        dep = r.divergence.depth if r.divergence is not None else None
+        cells = []
+        for part in ((dep.first, dep.rest) if dep is not None else (None, None)):
+            cells.append(f"{part.kld_mean:>9.6f} {part.kld_se:>9.6f} {part.delta_ppl_percent:>+8.2f} "
+                         f"{part.delta_ppl_se_percent:>8.2f}" if part is not None
+                         else f"{'-':>9} {'-':>9} {'-':>8} {'-':>8}")
+        ratio = dep.kld_ratio() if dep is not None else None
+        flag = " !" if ratio is not None and ratio > DEPTH_KLD_RATIO_FLAG else ""
+        lines.append(f"{r.name:<{width}} | {cells[0]} | {cells[1]} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}':>10}{flag}")
+    lines.append(f"(! marks a rest/first KLD ratio above {DEPTH_KLD_RATIO_FLAG:g})")
+    return "\n".join(lines)
+
+
 def results_payload(results: Sequence[PerplexityResult], **meta: Any) -> dict[str, Any]:
     """The ``results.json`` content: ``meta`` (model, text, machine, ...), baseline name, and one row per result.
 
     Each row is :meth:`PerplexityResult.to_dict` (its ``divergence`` a nested dict of
-    :class:`~kvpage.eval.divergence.Divergence` fields, or ``null``) plus ``delta_ppl_percent``
-    (``0.0`` for the baseline).
+    :class:`~kvpage.eval.divergence.Divergence` fields, or ``null``; inside it ``depth``: ``split``,
+    ``first`` and ``rest`` (``null`` for a text of ``split + 1`` tokens or fewer), each a
+    :class:`~kvpage.eval.divergence.DepthPart` dict) plus ``delta_ppl_percent`` (``0.0`` for the baseline).
 
     Raises:
         ValueError: no results.
