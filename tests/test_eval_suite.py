@@ -16,8 +16,25 @@ import pytest
 
 from _tiny import tiny_loaded
 from kvpage.cli import main
-from kvpage.eval.suite import SUITE, SuiteMember, check_suite, member_token_ids, resolve_member, select_members
-from kvpage.eval.suite_report import format_summary_table, summarize_suite
+from kvpage.eval.suite import (
+    SUITE,
+    ResolvedText,
+    SuiteMember,
+    check_suite,
+    member_token_ids,
+    resolve_member,
+    select_members,
+)
+from kvpage.eval.suite_report import (
+    LONG_CONTEXT_TOKENS,
+    depth_rows,
+    format_depth_summary,
+    format_summary_table,
+    payload_depth_rows,
+    summarize_suite,
+    suite_markdown,
+    suite_payload,
+)
 
 KINDS_AT_LEAST = 4
 
@@ -99,7 +116,7 @@ def test_suite_end_to_end_on_tiny_model(tmp_path, monkeypatch):
                              "--threads", "1", "--no-progress"], monkeypatch)
     assert rc == 0, err
     data = json.loads((tmp_path / "results.json").read_text())
-    assert data["suite_schema_version"] == 1 and data["held_back"] == "language_reference"
+    assert data["suite_schema_version"] == 2 and data["held_back"] == "language_reference"
     members = {m["name"]: m for m in data["members"]}
     assert list(members) == [m.name for m in SUITE]
     assert [n for n, m in members.items() if m["held_back"]] == ["language_reference"]
@@ -187,16 +204,34 @@ def test_suite_longer_than_context_exits_2_before_scoring(tmp_path, monkeypatch)
 
 
 def test_suite_markdown_from_results_json(tmp_path, monkeypatch):
-    from kvpage.eval.suite_report import suite_markdown
-
-    rc, _, _ = _run(["eval", "--suite", "--suite-members", "gpl3,language_reference", "--tokens", "16",
-                     "--formats", "int8", "--out", str(tmp_path), "--threads", "1", "--no-progress"], monkeypatch)
+    """A run split at 16 positions with a 'long' member of >= 24 tokens (the tiny model's context is 512)."""
+    monkeypatch.setattr("kvpage.eval.divergence.DEPTH_SPLIT", 16)
+    monkeypatch.setattr("kvpage.eval.suite_report.LONG_CONTEXT_TOKENS", 24)
+    rc, printed, _ = _run(["eval", "--suite", "--suite-members", "gpl3,language_reference", "--tokens", "40",
+                           "--formats", "int8", "--out", str(tmp_path), "--threads", "1", "--no-progress"], monkeypatch)
     assert rc == 0
     data = json.loads((tmp_path / "results.json").read_text())
+    assert data["command"] == (f"kvpage eval --suite --suite-members gpl3,language_reference --formats int8 "
+                               f"--tokens 40 --mode decode --threads 1 --out {tmp_path} --no-progress")
+    assert len(data["load_average"]) == 3 and len(data["load_average_end"]) == 3 and data["cpu"]
+    # depth rows: both members (40 >= 24 tokens), split 16 + 23, equal to their rows' own depth parts
+    assert data["depth_split"] == 16 and [(d["member"], d["name"]) for d in data["depth"]] == [
+        ("gpl3", "auto"), ("gpl3", "int8"), ("language_reference", "auto"), ("language_reference", "int8")]
+    for d in data["depth"][1::2]:
+        member = next(m for m in data["members"] if m["name"] == d["member"])
+        dep = member["results"][1]["divergence"]["depth"]
+        assert dep["first"]["num_positions"] == 16 and dep["rest"]["num_positions"] == 23 == d["rest_positions"]
+        assert d["rest_kld_mean"] == dep["rest"]["kld_mean"] > 0
+        assert d["kld_ratio"] == pytest.approx(dep["rest"]["kld_mean"] / dep["first"]["kld_mean"], rel=1e-12)
+        assert d["flagged"] is (d["kld_ratio"] > 2)
+        # the whole text's mean is the positions-weighted mean of the parts
+        whole = member["results"][1]["divergence"]["kld_mean"]
+        assert (16 * dep["first"]["kld_mean"] + 23 * dep["rest"]["kld_mean"]) / 39 == pytest.approx(whole, rel=1e-9)
+        assert f"{d['rest_kld_mean']:.6f}" in printed.split("## KLD by depth")[1]
     md = suite_markdown(data)
     lines = md.splitlines()
     gpl = next(x for x in lines if x.startswith("| `gpl3` | legal prose"))
-    assert "| 16 |" in gpl and "`3972dc9744f6`" in gpl and gpl.endswith("| no |")
+    assert "| 40 |" in gpl and "`3972dc9744f6`" in gpl and gpl.endswith("| no |")
     assert next(x for x in lines if x.startswith("| `language_reference` |")).endswith("| **yes** |")
     int8 = data["summary"][1]
     row = next(x for x in lines if x.startswith("| `int8` | ") and "/" not in x)
@@ -204,3 +239,139 @@ def test_suite_markdown_from_results_json(tmp_path, monkeypatch):
     per = next(x for x in lines if x.startswith("| `int8` | ") and "/" in x)
     ref = data["members"][1]["results"][1]
     assert per.endswith(f"{ref['delta_ppl_percent']:+.2f}% / {ref['divergence']['kld_mean']:.5f} |")
+
+
+# --- KLD by depth and the Markdown render, on synthetic runs (per-position arrays known here) -----------------
+
+
+def _synthetic_member(name: str, tokens: int, held_back: bool = False) -> ResolvedText:
+    m = SuiteMember(name=name, kind=f"{name} kind", locator=f"file:/{name}", tokens=tokens, version_of=None,
+                    recorded_version=None, recorded_sha256="ab" * 32, held_back=held_back)
+    return ResolvedText(member=m, text=f"{name} text", origin=f"/{name}", version=None, sha256="ab" * 32)
+
+
+def _synthetic_results(tokens: int, seed: int, deep_factor: float) -> tuple[list, dict]:
+    """auto, int8 and int4 results of a ``tokens``-token text from known per-position arrays (also returned)."""
+    import numpy as np
+
+    from kvpage.eval.divergence import summarize_divergence
+    from kvpage.eval.perplexity import PerplexityResult
+
+    rng = np.random.default_rng(seed)
+    n = tokens - 1
+    nll_b = rng.normal(3.0, 1.0, n)
+    out, arrays = [], {}
+    for name, bits, scale in (("auto", 32.0, 0.0), ("int8", 8.25, 0.001), ("int4", 4.8, 0.01)):
+        depth = np.where(np.arange(n) < 1024, 1.0, deep_factor if name == "int4" else 1.0)
+        kld = rng.exponential(scale, n) * depth if scale else np.zeros(n)
+        same = rng.uniform(size=n) < (1 - 20 * scale)
+        nll_f = nll_b + (rng.normal(scale, 10 * scale, n) if scale else 0.0)
+        div = summarize_divergence(kld, same, nll_f, nll_b)
+        nll = float(nll_f.mean())
+        out.append(PerplexityResult(name=name, kv_cache_dtype=name if name != "auto" else "float32", mode="decode",
+                                    num_tokens=tokens, num_predictions=n, nll=nll, ppl=math.exp(nll),
+                                    bits_per_value=bits, kv_bytes_per_token=bits * 720, seconds=2.0, block_size=16,
+                                    divergence=div))
+        arrays[name] = (kld, same, nll_f, nll_b)
+    return out, arrays
+
+
+@pytest.fixture(scope="module")
+def synthetic_runs():
+    """Three members: a 1,024-token tuning one, a 4,200-token tuning one (int4 3x worse after 1,024), a held-back one."""
+    runs, arrays = [], {}
+    for name, tokens, held, factor in (("short", 1024, False, 1.0), ("long", 4200, False, 3.0),
+                                       ("held", 2048, True, 1.0)):
+        results, arr = _synthetic_results(tokens, len(runs) + 1, factor)
+        runs.append((_synthetic_member(name, tokens, held), results))
+        arrays[name] = arr
+    return runs, arrays
+
+
+def test_depth_rows_only_for_long_members_match_numpy(synthetic_runs):
+    import numpy as np
+
+    runs, arrays = synthetic_runs
+    assert LONG_CONTEXT_TOKENS == 4096
+    rows = depth_rows(runs)
+    assert [(r.member, r.name) for r in rows] == [("long", "auto"), ("long", "int8"), ("long", "int4")]
+    for r in rows:
+        kld, same, nll_f, nll_b = arrays["long"][r.name]
+        d = nll_f - nll_b
+        assert r.split == 1024 and r.rest_positions == 4199 - 1024 and r.num_tokens == 4200
+        assert r.first_kld_mean == pytest.approx(np.mean(kld[:1024]), rel=1e-12, abs=1e-15)
+        assert r.rest_kld_mean == pytest.approx(np.mean(kld[1024:]), rel=1e-12, abs=1e-15)
+        assert r.rest_kld_se == pytest.approx(np.std(kld[1024:], ddof=1) / math.sqrt(3175), rel=1e-9, abs=1e-15)
+        assert r.first_delta_ppl_percent == pytest.approx(100 * math.expm1(np.mean(d[:1024])), rel=1e-9, abs=1e-12)
+        assert r.rest_delta_ppl_percent == pytest.approx(100 * math.expm1(np.mean(d[1024:])), rel=1e-9, abs=1e-12)
+    auto, int8, int4 = rows
+    assert auto.kld_ratio is None and not auto.flagged
+    assert 0.85 < int8.kld_ratio < 1.15 and not int8.flagged
+    assert 2.6 < int4.kld_ratio < 3.4 and int4.flagged
+    assert [r.member for r in depth_rows(runs, min_tokens=2048)] == ["long"] * 3 + ["held"] * 3
+    table = format_depth_summary(rows)
+    assert table is not None and format_depth_summary([]) is None
+    line = next(x for x in table.splitlines() if x.startswith("long") and " int4 " in x)
+    assert line.endswith(f"{int4.kld_ratio:.2f} !") and f"{int4.rest_kld_mean:.6f}" in line
+    assert not next(x for x in table.splitlines() if " int8 " in x).endswith("!")
+
+
+def test_suite_payload_carries_depth_and_markdown_renders_it(synthetic_runs):
+    runs, _ = synthetic_runs
+    payload = json.loads(json.dumps(suite_payload(runs, model="m", command="kvpage eval --suite")))
+    assert payload["suite_schema_version"] == 2 and payload["schema_version"] == 3
+    assert payload["depth_split"] == 1024 and payload["depth_min_tokens"] == 4096
+    assert [(d["member"], d["name"], d["flagged"]) for d in payload["depth"]] == [
+        ("long", "auto", False), ("long", "int8", False), ("long", "int4", True)]
+    assert [r.to_dict() for r in payload_depth_rows(payload)] == payload["depth"]   # recomputed from the rows
+    short = payload["members"][0]["results"][2]["divergence"]["depth"]
+    assert short["rest"] is None and short["first"]["num_positions"] == 1023
+    md = suite_markdown(payload)
+    int4 = payload["depth"][2]
+    row = next(x for x in md.splitlines() if x.startswith("| `long` | `int4` |"))
+    assert f"**{int4['kld_ratio']:.2f}** ⚠" in row and f"{int4['rest_kld_mean']:.5f} ± {int4['rest_kld_se']:.5f}" in row
+    # a suite schema 1 payload (rows without depth) renders without the depth table
+    old = json.loads(json.dumps(payload))
+    for m in old["members"]:
+        for r in m["results"]:
+            r["divergence"].pop("depth")
+    for key in ("depth", "depth_split", "depth_min_tokens", "depth_kld_ratio_flag"):
+        old.pop(key)
+    assert payload_depth_rows(old) == [] and "KLD rest / first" not in suite_markdown(old)
+    assert "KLD rest / first" in md
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "--suite", "--formats", "int8,int4"],
+    ["eval", "--suite", "--suite-members", "gpl3,argparse", "--formats", "int8", "--tokens", "64", "--mode", "chunked",
+     "--chunk-size", "32", "--model", "m dir/x.gguf", "--block-size", "32", "--dtype", "bfloat16", "--threads", "1",
+     "--out", "o", "--no-kl-divergence", "--kv-cache-scales", "s.json", "--kv-quant-residual-tokens", "0",
+     "--no-progress"],
+    ["eval", "--text", "a b.txt", "--formats", "auto"],
+])
+def test_recorded_command_line_parses_back_to_the_same_flags(argv):
+    import shlex
+
+    from kvpage.cli import build_parser
+    from kvpage.eval.command import command_line
+
+    args = build_parser().parse_args(argv)
+    line = command_line(args)
+    assert line.startswith("kvpage eval ") and "--formats" in line and "--out" in line
+    assert vars(build_parser().parse_args(shlex.split(line)[1:])) == vars(args)
+
+
+def test_recorded_command_line_covers_every_eval_flag():
+    """A flag added to ``kvpage eval`` must be added to command_line (and to the full argv above)."""
+    import argparse
+    import inspect
+
+    from kvpage.cli import build_parser
+    from kvpage.eval import command
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {s for a in sub.choices["eval"]._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+    source = inspect.getsource(command.command_line)
+    written = {f for f in flags if f'"{f}"' in source or f'"--no-{f[2:]}"' in source}   # --x or its --no-x form
+    missing = sorted(f for f in flags - written if not f.startswith("--no-"))
+    assert not missing, f"command_line does not write {missing}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,50 @@ def _write_plots(out: Path, results: list[Any], title: str) -> list[Path]:
     return pngs
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The ``kvpage eval ...`` command line that parses to ``args`` (shell-quoted), for ``results.json``'s ``command``.
+
+    Only flags that differ from their defaults are written, except ``--formats``, ``--mode`` and
+    ``--out``, which always are (a reader should not need to know the defaults).
+    """
+    parts = ["kvpage", "eval", *(["--suite"] if args.suite else ["--text", str(args.text)])]
+    if args.suite_members is not None:
+        parts += ["--suite-members", args.suite_members]
+    parts += ["--formats", args.formats]
+    if args.tokens is not None:
+        parts += ["--tokens", str(args.tokens)]
+    parts += ["--mode", args.mode]
+    if args.chunk_size != 128:
+        parts += ["--chunk-size", str(args.chunk_size)]
+    for flag, value in (("--model", args.model), ("--block-size", args.block_size), ("--threads", args.threads),
+                        ("--kv-cache-scales", args.kv_cache_scales),
+                        ("--kv-quant-residual-tokens", args.kv_quant_residual_tokens)):
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.dtype != "auto":
+        parts += ["--dtype", args.dtype]
+    parts += ["--out", str(args.out)]
+    parts += [] if args.kl_divergence else ["--no-kl-divergence"]
+    parts += [] if args.progress else ["--no-progress"]
+    return shlex.join(parts)
+
+
+def _load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages (``os.getloadavg``), ``None`` where the platform has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """``kvpage eval``: perplexity and KL divergence per KV format (:mod:`kvpage.eval`); table, JSON, PNGs.
 
-    Every flag is checked before the model loads. Side effects: writes ``results.json`` and the plots
-    under ``--out``; with ``--suite`` also one folder of plots per member, and a warning on stderr for
-    each member whose text's sha256 differs from the one the suite recorded.
+    Every flag is checked before the model loads. Side effects: writes ``results.json`` (with the
+    :func:`command_line`, the CPU and the load average before and after the run) and the plots under
+    ``--out``; with ``--suite`` also one folder of plots per member, and a warning on stderr for each
+    member whose text's sha256 differs from the one the suite recorded. Texts scoring more than
+    :data:`~kvpage.eval.divergence.DEPTH_SPLIT` positions also get a KLD-by-depth table.
 
     Returns:
         0 (errors raise: ``ValueError``, ``FileNotFoundError`` and ``KVPageError`` become status 2 in
@@ -148,7 +187,8 @@ def run_eval(args: argparse.Namespace) -> int:
                block_size=args.block_size, threads=threads.num_threads)
     machine = dict(torch=torch.__version__, machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                    cpu=cpu_model_name(), cpu_count=os.cpu_count(), python=platform.python_version(),
-                   date=time.strftime("%Y-%m-%d %H:%M:%S %z"))
+                   date=time.strftime("%Y-%m-%d %H:%M:%S %z"), load_average=_load_average(),
+                   command=command_line(args))
     run = dict(formats=formats, mode=args.mode, chunk_size=args.chunk_size, block_size=args.block_size,
                num_threads=threads.num_threads, progress=args.progress, llm_kwargs=llm_kwargs,
                kl_divergence=args.kl_divergence)
@@ -156,6 +196,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.suite:
         return _run_suite(loaded, resolved, args.tokens, out, setup, {**where, **how}, machine, run)
     from kvpage.eval import evaluate_formats, format_table, text_token_ids, write_results_json
+    from kvpage.eval.report import format_depth_table
 
     ids = text_token_ids(loaded.tokenizer, text, args.tokens or DEFAULT_TEXT_TOKENS)
     print(f"[kvpage] eval: first {len(ids)} tokens of {text} (no BOS), {setup}", flush=True)
@@ -163,8 +204,11 @@ def run_eval(args: argparse.Namespace) -> int:
     results = evaluate_formats(loaded, ids, **run)
     total = time.perf_counter() - start
     print(format_table(results))
+    depth = format_depth_table(results)
+    if depth is not None:
+        print(f"\nKLD by depth:\n{depth}")
     json_path = write_results_json(out / "results.json", results, **where, text=str(text), num_tokens=len(ids),
-                                   **how, total_seconds=total, **machine)
+                                   **how, total_seconds=total, **machine, load_average_end=_load_average())
     pngs = _write_plots(out, results, f"{Path(loaded.path).name}: {text.name}, {len(ids)} tokens, {args.mode} mode")
     print(f"[kvpage] wrote {json_path} and {', '.join(map(str, pngs))} ({total:.1f} s)")
     return 0
@@ -191,8 +235,17 @@ def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, out: Path, 
     import time
 
     from kvpage.eval import evaluate_formats, format_table
+    from kvpage.eval.divergence import DEPTH_SPLIT
+    from kvpage.eval.report import format_depth_table
     from kvpage.eval.suite import member_token_ids
-    from kvpage.eval.suite_report import format_summary_table, summarize_suite, write_suite_json
+    from kvpage.eval.suite_report import (
+        LONG_CONTEXT_TOKENS,
+        depth_rows,
+        format_depth_summary,
+        format_summary_table,
+        summarize_suite,
+        write_suite_json,
+    )
 
     ids = [member_token_ids(loaded.tokenizer, r, tokens) for r in resolved]   # every count checked up front
     context = loaded.config.max_position_embeddings
@@ -211,12 +264,20 @@ def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, out: Path, 
               f"of {r.origin} (sha256 {r.sha256[:12]})", flush=True)
         results = evaluate_formats(loaded, member_ids, **run)
         print(format_table(results), flush=True)
+        depth = format_depth_table(results)
+        if depth is not None:
+            print(f"\nKLD by depth:\n{depth}", flush=True)
         runs.append((r, results))
         title = f"{Path(loaded.path).name}: {m.name} ({m.kind}), {len(member_ids)} tokens, {run['mode']} mode"
         pngs += _write_plots(out / m.name, results, title)
     total = time.perf_counter() - start
     print(f"\n## summary over the tuning members; {held or 'no held-back member'} apart")
     print(format_summary_table(summarize_suite(runs), held))
-    json_path = write_suite_json(out / "results.json", runs, **meta, total_seconds=total, **machine)
+    deep = format_depth_summary(depth_rows(runs))
+    if deep is not None:
+        print(f"\n## KLD by depth: members of >= {LONG_CONTEXT_TOKENS:,} tokens, the first {DEPTH_SPLIT:,} scored "
+              f"positions vs the rest\n{deep}")
+    json_path = write_suite_json(out / "results.json", runs, **meta, total_seconds=total, **machine,
+                                 load_average_end=_load_average())
     print(f"[kvpage] wrote {json_path} and {len(pngs)} plots under {out} ({total:.1f} s)")
     return 0
