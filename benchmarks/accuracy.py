@@ -1,16 +1,21 @@
-"""Regenerate ``benchmarks/ACCURACY.md``: ``kvpage eval`` on the first 1,024 tokens of the GPL-3 text, decode mode.
+"""Regenerate ``benchmarks/ACCURACY.md``: ``kvpage eval --suite`` (the evaluation set) or one text, decode mode.
 
 Usage (from the repository root, after ``make install`` or with kvpage on ``PYTHONPATH``)::
 
-    python benchmarks/accuracy.py                       # auto,int8,fp8,int4,int2 (those this build has)
-    python benchmarks/accuracy.py --formats auto,int8,fp8 --tokens 1024 --threads 1
+    python benchmarks/accuracy.py --suite               # kvpage eval --suite, then ACCURACY.md from its results.json
+    python benchmarks/accuracy.py --suite --suite-members gpl3 --tokens 64 --formats auto,int8
+    python benchmarks/accuracy.py --suite-dir DIR       # render from an existing `kvpage eval --suite --out DIR`
+    python benchmarks/accuracy.py                       # one text: GPL-3's first 1,024 tokens (the older note)
+    python benchmarks/accuracy.py --render-only         # that note again from benchmarks/accuracy/results.json
 
-It runs ``kvpage eval --text GPL-3 --tokens 1024 --mode decode --out benchmarks/accuracy``
-in-process (so ``benchmarks/accuracy/results.json`` and ``ppl_vs_bits.png`` are the
-CLI's own output), then writes ``benchmarks/ACCURACY.md`` from ``results.json``:
-the table, the plot, the command, the machine, and the reference numbers measured on
-the same text with other tools. Formats this build does not know (e.g. ``int4``
-before it lands) are skipped with a note, so the default command never needs editing.
+``--suite`` runs ``kvpage eval --suite --formats ... --mode decode --threads 1 --out benchmarks/accuracy/suite``
+in-process (so the suite's ``results.json`` and each member's ``<member>/ppl_vs_bits.png`` and
+``kld_vs_bits.png`` are the CLI's own output), then writes the note from that ``results.json``
+(:func:`render_suite`): each member's table, the tuning members' summary, the held-back member on its
+own, KLD by depth of the long member, the plots, the exact command, the machine, its load average and
+the members' text sha256. ``--suite-dir`` runs nothing (``--redraw-plots`` redraws the PNGs from the
+JSON). Without either, ``kvpage eval --text GPL-3 --tokens 1024`` and :func:`render` (one text).
+Formats this build does not know are skipped with a note, so the default command never needs editing.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GPL3 = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files; `dpkg -L base-files | grep GPL-3`
 GPL3_VENDORED = ROOT / "tests" / "data" / "GPL-3"  # a verbatim copy, for machines without base-files
 DEFAULT_FORMATS = "auto,int8,fp8,int4,int2,int8_rotated"
+DEFAULT_OUT = ROOT / "benchmarks" / "accuracy"            # one text: results.json and plots
+DEFAULT_SUITE_OUT = DEFAULT_OUT / "suite"                  # --suite: results.json, <member>/*.png
+DEFAULT_TEXT_TOKENS = 1024
 
 #: Reference ppl of the unquantized fp32 cache on this text (transformers DynamicCache, decode).
 REFERENCE_PPL = 19.299
@@ -182,31 +190,274 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default=DEFAULT_FORMATS, help=f"default {DEFAULT_FORMATS} (unknown ones skipped)")
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--text", default=None, help=f"default {GPL3} (or the vendored copy {GPL3_VENDORED.relative_to(ROOT)})")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "accuracy"))
-    ap.add_argument("--note", default=str(ROOT / "benchmarks" / "ACCURACY.md"))
-    ap.add_argument("--render-only", action="store_true",
-                    help="don't evaluate: rewrite the note from the existing OUT/results.json (after editing this script)")
-    args = ap.parse_args(argv)
+#: The issue's targets on the evaluation set, checked on the tuning mean and on the held-back member apart:
+#: format (name or kv_cache_dtype) -> (max Δppl %, max effective bits per value or None). The KLD targets
+#: compare with llama.cpp's caches in the same run (benchmarks/vs_llamacpp.py), so they are not checked here.
+SUITE_TARGETS: dict[str, tuple[float, float | None]] = {
+    "int8": (0.15, None),
+    "int4": (0.5, 4.75),
+    "int2": (10.0, 3.0),
+}
 
-    sys.path.insert(0, str(ROOT / "src"))
-    from kvpage.cli import main as kvpage_main
+
+def _rel(path: Path, start: Path) -> str:
+    """``path`` relative to folder ``start``, with forward slashes (a Markdown link)."""
+    return Path(os.path.relpath(path, start)).as_posix()
+
+
+def _met(delta: float | None, bits: float, target: tuple[float, float | None]) -> str:
+    """``+0.12% at 4.70 bits: met`` (or **missed**) against ``target`` = (max Δppl %, max bits); ``—`` without a Δ."""
+    if delta is None:
+        return "—"
+    max_delta, max_bits = target
+    ok = delta <= max_delta and (max_bits is None or bits <= max_bits)
+    return f"{delta:+.2f}% at {bits:.2f} bits: {'met' if ok else '**missed**'}"
+
+
+def _targets_table(payload: dict) -> list[str]:
+    """The SUITE_TARGETS rows for the formats the run has: tuning mean and held-back member, each against the target."""
+    members, summary = payload["members"], payload["summary"]
+    held = next((m for m in members if m["held_back"]), None)
+    lines = []
+    for i, s in enumerate(summary):
+        canonical = members[0]["results"][i]["kv_cache_dtype"]
+        target = SUITE_TARGETS.get(s["name"]) or SUITE_TARGETS.get(canonical)
+        if target is None:
+            continue
+        want = f"Δppl ≤ +{target[0]:g}%" + (f" at ≤ {target[1]:g} bits" if target[1] is not None else "")
+        hb = held["results"][i]["bits_per_value"] if held else s["bits_per_value"]
+        lines.append(f"| `{s['name']}` | {want} | {_met(s['tuning_delta_ppl_percent'], s['bits_per_value'], target)} | "
+                     f"{_met(s['held_back_delta_ppl_percent'], hb, target)} |")
+    if not lines:
+        return []
+    return ["| format | issue target | tuning mean | held back |", "|---|---|---|---|", *lines, ""]
+
+
+def _plot_links(name: str, suite_dir: Path, note_dir: Path) -> list[str]:
+    """Markdown images of a member's ``ppl_vs_bits.png`` / ``kld_vs_bits.png`` that exist, relative to the note."""
+    links = []
+    for png, what in (("ppl_vs_bits.png", "Δppl"), ("kld_vs_bits.png", "KLD")):
+        path = suite_dir / name / png
+        if path.is_file():
+            links.append(f"![{what} against effective bits per value, {name}]({_rel(path, note_dir)})")
+    return [" ".join(links), ""] if links else ["(no plots in the suite folder)", ""]
+
+
+def _member_section(m: dict, level: str, suite_dir: Path, note_dir: Path) -> list[str]:
+    """One member's heading, where its text came from, its table (suite_report.member_markdown) and its plots."""
+    from kvpage.eval.suite_report import member_markdown
+
+    changed = "" if m["sha256_matches"] else " **Its text differs from the recorded one** (numbers not comparable)."
+    return [f"{level} `{m['name']}`{' (held back)' if m['held_back'] else ''}: {m['kind']}, {m['num_tokens']:,} tokens",
+            "", f"`{m['origin']}`, first {m['num_tokens']:,} tokens ({m['num_tokens'] - 1:,} predictions).{changed}",
+            "", member_markdown(m), *_plot_links(m["name"], suite_dir, note_dir)]
+
+
+def _load(values: object) -> str:
+    """``[1, 5, 15]``-minute load averages as ``0.52 / 0.61 / 0.70``; ``not recorded`` without them."""
+    if not isinstance(values, list) or len(values) != 3:
+        return "not recorded"
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str, wall_s: float | None) -> str:
+    """ACCURACY.md from a suite ``results.json`` payload (``kvpage eval --suite``; suite schema 1 or 2).
+
+    Args:
+        payload: the suite's ``results.json``.
+        suite_dir: the folder it was read from (its ``<member>/*.png`` are linked when they exist).
+        note_dir: the folder the note is written to (links are relative to it).
+        command: this script's command line that produced the note.
+        wall_s: the script's wall time when it ran the evaluation (``None`` when it only rendered).
+    """
+    from kvpage.eval.suite_report import depth_markdown, grid_markdown, members_markdown, summary_markdown
+
+    members = payload["members"]
+    tuning = [m for m in members if not m["held_back"]]
+    held = next((m for m in members if m["held_back"]), None)
+    model = Path(str(payload.get("model", "model"))).name
+    formats = ", ".join(f"`{s['name']}`" for s in payload["summary"])
+    lines = [
+        "# KV formats: accuracy per bit on the evaluation set", "",
+        "<!-- Generated by benchmarks/accuracy.py from a `kvpage eval --suite` results.json; edit that script, "
+        "not this file. -->", "",
+        f"`kvpage eval --suite` on {model} ({payload.get('dtype')} compute), **{payload.get('mode')} mode**: each "
+        f"member's first tokens (no BOS) one per forward pass through the paged cache's real write and read path, "
+        f"once per format ({formats}). Δppl and KLD are against the unquantized cache (`{members[0]['baseline']}`) "
+        "on the same tokens: KLD is the mean per-position KL(P_unquantized ‖ P_format) in nats, p99 its 99th "
+        "percentile, top-1 the positions whose most likely token is the same; ± are standard errors over "
+        "positions (treated as independent, so a lower bound of the noise). Effective bits per value count "
+        "everything a format keeps for these tokens (codes, scales, zero points, full-precision tail/window, "
+        "8-bit first block).", "",
+        "## The evaluation set", "",
+        members_markdown(payload),
+        f"Formats and their defaults are chosen on the {len(tuning)} tuning members only; "
+        + (f"`{held['name']}` is held back and reported on its own." if held else "no held-back member was run."), "",
+        "## Summary", "",
+        summary_markdown(payload), *_targets_table(payload),
+        "Each format per member (Δppl / KLD):", "", grid_markdown(payload),
+    ]
+    if held is not None:
+        lines += ["## The held-back member", "",
+                  "No format or default was chosen on this text; read it as the check of the tuning members' figures.",
+                  "", *_member_section(held, "###", suite_dir, note_dir)]
+    depth = depth_markdown(payload)
+    split = int(payload.get("depth_split", 1024))
+    min_tokens = int(payload.get("depth_min_tokens", 4096))
+    lines += ["## KLD by depth", "",
+              f"Members of ≥ {min_tokens:,} tokens: KLD and Δppl of the first {split:,} scored positions against "
+              f"the positions after them; ⚠ marks a format whose KLD after position {split:,} is more than "
+              f"{payload.get('depth_kld_ratio_flag', 2):g}x its KLD before.", ""]
+    if depth is None:
+        lines += ["Not recorded: no member that long, KL divergence off, or a results.json from before the depth "
+                  "split (suite schema 1).", ""]
+    else:
+        flagged = [f"`{d['name']}` on `{d['member']}` ({d['kld_ratio']:.2f}x)" for d in payload.get("depth", [])
+                   if d.get("flagged")]
+        lines += [depth, ("Worse by more than 2x at depth: " + ", ".join(flagged) + ".") if flagged
+                  else "No format's KLD after the split exceeds twice its KLD before it.", ""]
+    lines += ["## Each tuning member", ""]
+    for m in tuning:
+        lines += _member_section(m, "###", suite_dir, note_dir)
+    gpl = next((m for m in members if m["name"] == "gpl3"), None)
+    if gpl is not None and gpl["num_tokens"] == 1024 and payload.get("mode") == "decode" \
+            and payload.get("dtype") == "float32":
+        base = gpl["results"][0]["ppl"]
+        lines += ["## Check against the reference", "",
+                  f"On `gpl3` the unquantized cache scores ppl {base:.3f}; transformers' `DynamicCache` (decode, "
+                  f"fp32, the same 1,024 tokens) scores {REFERENCE_PPL} ({base - REFERENCE_PPL:+.4f}).", ""]
+    rel_root = str(ROOT) + os.sep
+    measured = str(payload.get("command") or "not recorded (results.json from before the command was recorded)")
+    lines += [
+        "## How this was made", "",
+        "```bash", command.replace(rel_root, ""), "# which ran:", measured.replace(rel_root, ""), "```", "",
+        f"- Machine: {_cpu_name(payload)}, {payload.get('cpu_count')} CPUs, {payload.get('threads')} torch "
+        f"thread(s); torch {payload.get('torch')}, Python {payload.get('python')}; {payload.get('date')}.",
+        f"- Load average (1 / 5 / 15 min): {_load(payload.get('load_average'))} at the start, "
+        f"{_load(payload.get('load_average_end'))} at the end.",
+        f"- Total eval time {float(payload.get('total_seconds', 0)):.0f} s"
+        + (f" (script wall time {wall_s:.0f} s, model load included)" if wall_s is not None else "")
+        + "; block size " + str(payload.get("block_size") or "per format (16; 32 for int4/int2)") + ".",
+        f"- Raw numbers: [`results.json`]({_rel(suite_dir / 'results.json', note_dir)}).",
+        "- The members' texts (sha256 of the UTF-8 text as resolved on the measuring machine):", "",
+    ]
+    for m in members:
+        version = f", {m['version_of']} {m['version']}" if m.get("version_of") else ""
+        same = "the recorded text" if m["sha256_matches"] else f"**differs** from the recorded `{m['recorded_sha256']}`"
+        lines.append(f"  - `{m['name']}` (`{m['origin']}`{version}): `{m['text_sha256']}` ({same})")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _redraw_suite_plots(payload: dict, suite_dir: Path) -> None:
+    """Each member's ``ppl_vs_bits.png`` (and ``kld_vs_bits.png`` when its rows carry KL) from the payload's rows."""
+    from kvpage.eval import PerplexityResult
+    from kvpage.eval.report import plot_kld_vs_bits, plot_ppl_vs_bits
+
+    model = Path(str(payload.get("model", "model"))).name
+    for m in payload["members"]:
+        rows = [PerplexityResult.from_dict(r) for r in m["results"]]
+        title = f"{model}: {m['name']} ({m['kind']}), {m['num_tokens']} tokens, {payload.get('mode')} mode"
+        plot_ppl_vs_bits(suite_dir / m["name"] / "ppl_vs_bits.png", rows, title=title)
+        if len(rows) > 1 and all(r.divergence is not None for r in rows[1:]):
+            plot_kld_vs_bits(suite_dir / m["name"] / "kld_vs_bits.png", rows, title=f"{title}; vs {rows[0].name}")
+
+
+def _known_formats(spec: str) -> tuple[list[str], list[str]]:
+    """``--formats`` split into (the ones this build has, the ones it does not)."""
     from kvpage.formats import available_formats, format_aliases
 
     known = set(available_formats()) | set(format_aliases())
-    wanted = [f.strip() for f in args.formats.split(",") if f.strip()]
-    formats = [f for f in wanted if f.lower() in known]
-    skipped = [f for f in wanted if f.lower() not in known]
+    wanted = [f.strip() for f in spec.split(",") if f.strip()]
+    return [f for f in wanted if f.lower() in known], [f for f in wanted if f.lower() not in known]
+
+
+def _main_suite(args: argparse.Namespace) -> int:
+    """``--suite`` (run ``kvpage eval --suite`` then render) or ``--suite-dir`` (render only)."""
+    from kvpage.cli import main as kvpage_main
+
+    note = Path(args.note)
+    wall: float | None = None
+    if args.suite_dir is not None:
+        suite_dir = Path(args.suite_dir)
+        command = f"python benchmarks/accuracy.py --suite-dir {suite_dir}" + (" --redraw-plots" if args.redraw_plots else "")
+    else:
+        suite_dir = Path(args.out) if args.out else DEFAULT_SUITE_OUT
+        formats, skipped = _known_formats(args.formats)
+        if skipped:
+            print(f"[accuracy] not in this build, skipped: {', '.join(skipped)}", flush=True)
+        eval_args = ["eval", "--suite", "--formats", ",".join(formats), "--mode", "decode",
+                     "--threads", str(args.threads), "--out", str(suite_dir)]
+        eval_args += ["--suite-members", args.suite_members] if args.suite_members else []
+        eval_args += ["--tokens", str(args.tokens)] if args.tokens else []
+        command = "python benchmarks/accuracy.py --suite" \
+            + (f" --formats {args.formats}" if args.formats != DEFAULT_FORMATS else "") \
+            + (f" --suite-members {args.suite_members}" if args.suite_members else "") \
+            + (f" --tokens {args.tokens}" if args.tokens else "") \
+            + (f" --threads {args.threads}" if args.threads != 1 else "") \
+            + (f" --out {args.out}" if args.out else "")
+        start = time.perf_counter()
+        rc = kvpage_main(eval_args)
+        wall = time.perf_counter() - start
+        if rc != 0:
+            return rc
+    payload = json.loads((suite_dir / "results.json").read_text(encoding="utf-8"))
+    if "members" not in payload:
+        raise SystemExit(f"{suite_dir / 'results.json'} is not a `kvpage eval --suite` results.json (no members)")
+    if args.redraw_plots:
+        _redraw_suite_plots(payload, suite_dir)
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text(render_suite(payload, suite_dir=suite_dir.resolve(), note_dir=note.resolve().parent,
+                                 command=command, wall_s=wall), encoding="utf-8")
+    print(f"[accuracy] wrote {note}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the flags and write the note (see the module docstring); returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--suite", action="store_true",
+                      help="run `kvpage eval --suite` into --out (default benchmarks/accuracy/suite), then render")
+    what.add_argument("--suite-dir", default=None,
+                      help="render the note from an existing `kvpage eval --suite --out DIR` folder; runs nothing")
+    what.add_argument("--render-only", action="store_true",
+                      help="one text: rewrite the note from the existing OUT/results.json (after editing this script)")
+    ap.add_argument("--formats", default=DEFAULT_FORMATS, help=f"default {DEFAULT_FORMATS} (unknown ones skipped)")
+    ap.add_argument("--suite-members", default=None, help="with --suite: comma-separated members (default all)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help=f"tokens to score (one text: default {DEFAULT_TEXT_TOKENS}; --suite: each member's own)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--text", default=None, help=f"one text: default {GPL3} (or the vendored copy {GPL3_VENDORED.relative_to(ROOT)})")
+    ap.add_argument("--out", default=None,
+                    help=f"evaluation folder (default {DEFAULT_OUT.relative_to(ROOT)}; --suite: "
+                         f"{DEFAULT_SUITE_OUT.relative_to(ROOT)})")
+    ap.add_argument("--note", default=str(ROOT / "benchmarks" / "ACCURACY.md"))
+    ap.add_argument("--redraw-plots", action="store_true",
+                    help="with --suite-dir: redraw each member's plots from its results.json first")
+    args = ap.parse_args(argv)
+    if args.redraw_plots and args.suite_dir is None:
+        ap.error("--redraw-plots needs --suite-dir")
+    if args.suite_members and not args.suite:
+        ap.error("--suite-members needs --suite")
+
+    sys.path.insert(0, str(ROOT / "src"))
+    if args.suite or args.suite_dir is not None:
+        return _main_suite(args)
+    return _main_text(args)
+
+
+def _main_text(args: argparse.Namespace) -> int:
+    """One text (GPL-3 unless ``--text``): ``kvpage eval --text`` (unless ``--render-only``), then :func:`render`."""
+    from kvpage.cli import main as kvpage_main
+
+    formats, skipped = _known_formats(args.formats)
     if skipped:
         print(f"[accuracy] not in this build, skipped: {', '.join(skipped)}", flush=True)
+    tokens = args.tokens or DEFAULT_TEXT_TOKENS
     text = Path(args.text) if args.text else (GPL3 if GPL3.is_file() else GPL3_VENDORED)
-    out = Path(args.out)
-    eval_args = ["eval", "--text", str(text), "--formats", ",".join(formats), "--tokens", str(args.tokens),
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    eval_args = ["eval", "--text", str(text), "--formats", ",".join(formats), "--tokens", str(tokens),
                  "--mode", "decode", "--threads", str(args.threads), "--out", str(out)]
     wall: float | None = None
     if not args.render_only:
@@ -230,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
              "--out", str(out)]
     rel_out = os.path.relpath(out, ROOT)
     command = "python benchmarks/accuracy.py" + (f" --formats {args.formats}" if args.formats != DEFAULT_FORMATS else "") \
-        + (f" --tokens {args.tokens}" if args.tokens != 1024 else "") + (f" --threads {args.threads}" if args.threads != 1 else "")
+        + (f" --tokens {tokens}" if tokens != DEFAULT_TEXT_TOKENS else "") \
+        + (f" --threads {args.threads}" if args.threads != 1 else "")
     eval_command = "kvpage " + " ".join(shown).replace(str(out), rel_out)
     note = render(payload, command=command, eval_command=eval_command, skipped=skipped, wall_s=wall,
                   out_rel=os.path.relpath(out, Path(args.note).resolve().parent))

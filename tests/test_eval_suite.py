@@ -375,3 +375,111 @@ def test_recorded_command_line_covers_every_eval_flag():
     written = {f for f in flags if f'"{f}"' in source or f'"--no-{f[2:]}"' in source}   # --x or its --no-x form
     missing = sorted(f for f in flags - written if not f.startswith("--no-"))
     assert not missing, f"command_line does not write {missing}"
+
+
+def _accuracy_script():
+    """benchmarks/accuracy.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy.py"
+    spec = importlib.util.spec_from_file_location("kvpage_benchmark_accuracy", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accuracy_note_renders_from_a_suite_folder(synthetic_runs, tmp_path):
+    runs, _ = synthetic_runs
+    suite = tmp_path / "suite"
+    cmd = f"kvpage eval --suite --formats int8,int4 --mode decode --threads 1 --out {suite}"
+    payload = suite_payload(runs, model="/x/SmolLM2.gguf", dtype="float32", mode="decode", threads=1, block_size=None,
+                            total_seconds=3599.4, torch="2.13.0+cpu", cpu="Test CPU 9000", cpu_count=2, python="3.11.7",
+                            date="2026-12-02 10:00:00 +0000", load_average=[1.25, 1.5, 1.75], command=cmd,
+                            load_average_end=[2.0, 1.8, 1.6])
+    (suite / "long").mkdir(parents=True)
+    for png in ("ppl_vs_bits.png", "kld_vs_bits.png"):
+        (suite / "long" / png).write_bytes(b"\x89PNG")
+    (suite / "results.json").write_text(json.dumps(payload), encoding="utf-8")
+    note = tmp_path / "notes" / "ACCURACY.md"
+    assert _accuracy_script().main(["--suite-dir", str(suite), "--note", str(note)]) == 0
+    md = note.read_text(encoding="utf-8")
+    lines = md.splitlines()
+
+    def section(title: str) -> str:
+        start = md.index(title)
+        end = md.find("\n## ", start + 1)
+        return md[start:] if end < 0 else md[start:end]
+
+    # each member's table: format, bits, ppl, Δppl ± se, KLD ± se, p99, top-1 ± se from its rows
+    long_int4 = payload["members"][1]["results"][2]
+    d = long_int4["divergence"]
+    want = (f"| `int4` | 4.800 | {long_int4['ppl']:.3f} | {long_int4['delta_ppl_percent']:+.2f} ± "
+            f"{d['delta_ppl_se_percent']:.2f}% | {d['kld_mean']:.5f} ± {d['kld_se']:.5f} | {d['kld_p99']:.4f} | "
+            f"{d['top1_percent']:.2f} ± {d['top1_se_percent']:.2f} |")
+    assert want in section("## Each tuning member") and "### `long`: long kind, 4,200 tokens" in md
+    assert "| `auto` | 32.000 |" in md and "| baseline |" in md
+    # the held-back member on its own, with its own numbers
+    held = section("## The held-back member")
+    h = payload["members"][2]["results"][1]
+    assert "### `held` (held back)" in held and f"{h['divergence']['kld_mean']:.5f} ± " in held
+    assert "### `held`" not in section("## Each tuning member")
+    # the summary (tuning mean; held back apart) and the targets
+    int8 = next(s for s in payload["summary"] if s["name"] == "int8")
+    row = next(x for x in section("## Summary").splitlines() if x.startswith("| `int8` | 8.250 |"))
+    assert f"{int8['tuning_delta_ppl_percent']:+.2f}%" in row and f"{int8['held_back_kld_mean']:.5f}" in row
+    target = next(x for x in lines if x.startswith("| `int8` | Δppl ≤ +0.15% |"))
+    met = "met" if int8["tuning_delta_ppl_percent"] <= 0.15 else "**missed**"
+    assert f"{int8['tuning_delta_ppl_percent']:+.2f}% at 8.25 bits: {met}" in target
+    # KLD by depth of the long member, flagged
+    dep = section("## KLD by depth")
+    d4 = next(x for x in payload["depth"] if x["name"] == "int4")
+    assert f"**{d4['kld_ratio']:.2f}** ⚠" in dep and f"`int4` on `long` ({d4['kld_ratio']:.2f}x)" in dep
+    # plots linked relative to the note where they exist
+    assert "![Δppl against effective bits per value, long](../suite/long/ppl_vs_bits.png)" in md
+    assert "(../suite/long/kld_vs_bits.png)" in md and "(no plots in the suite folder)" in md
+    # the command, the machine, its load average and the texts' sha256
+    how = section("## How this was made")
+    assert f"python benchmarks/accuracy.py --suite-dir {suite}" in how and cmd in how
+    assert "Test CPU 9000, 2 CPUs, 1 torch thread(s)" in how and "3599 s" in how
+    assert "1.25 / 1.50 / 1.75 at the start, 2.00 / 1.80 / 1.60 at the end" in how
+    assert how.count(f"`{'ab' * 32}` (the recorded text)") == 3 and "[`results.json`](../suite/results.json)" in how
+
+
+def test_accuracy_note_reads_an_older_suite_payload_and_redraws_plots(synthetic_runs, tmp_path):
+    """Suite schema 1 (no depth, command or load average): rendered with 'not recorded'; --redraw-plots draws PNGs."""
+    runs, _ = synthetic_runs
+    payload = json.loads(json.dumps(suite_payload(runs[:1], model="m.gguf", dtype="float32", mode="decode")))
+    for key in ("depth", "depth_split", "depth_min_tokens", "depth_kld_ratio_flag"):
+        payload.pop(key)
+    for r in payload["members"][0]["results"]:
+        r["divergence"].pop("depth")
+    suite = tmp_path / "s"
+    suite.mkdir()
+    (suite / "results.json").write_text(json.dumps(payload), encoding="utf-8")
+    note = tmp_path / "A.md"
+    assert _accuracy_script().main(["--suite-dir", str(suite), "--note", str(note), "--redraw-plots"]) == 0
+    md = note.read_text(encoding="utf-8")
+    assert "Not recorded: no member that long" in md and "which ran:\nnot recorded" in md
+    assert "Load average (1 / 5 / 15 min): not recorded" in md and "no held-back member was run" in md
+    for png in ("ppl_vs_bits.png", "kld_vs_bits.png"):
+        assert (suite / "short" / png).read_bytes()[:4] == b"\x89PNG" and f"(s/short/{png})" in md
+
+
+def test_accuracy_single_text_render_only_still_works(tmp_path):
+    """The older one-text note (``--render-only``) from the committed GPL-3 results.json (schema 1, no KL)."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy" / "results.json"
+    out = tmp_path / "accuracy"
+    out.mkdir()
+    shutil.copy(src, out / "results.json")
+    note = tmp_path / "ACCURACY.md"
+    assert _accuracy_script().main(["--render-only", "--out", str(out), "--note", str(note)]) == 0
+    md = note.read_text(encoding="utf-8")
+    rows = {r["name"]: r for r in json.loads(src.read_text())["results"]}
+    assert f"| `int4` | int4 | 4.820 | 6,941 | {rows['int4']['ppl']:.3f} | +0.14% |" in md
+    assert "![Δppl against effective bits per value](accuracy/ppl_vs_bits.png)" in md
+    assert (out / "ppl_vs_bits.png").read_bytes()[:4] == b"\x89PNG" and not (out / "kld_vs_bits.png").exists()
