@@ -224,22 +224,27 @@ def test_effective_bits_hand_counted() -> None:
 # -- attention over sealed blocks + tail ----------------------------------------------------------
 
 
-def _reference_context(x: torch.Tensor, s: int, bs: int, name: str, kind: str, window_blocks: int) -> torch.Tensor:
-    """What a request of ``s`` tokens must read: first block 8-bit, window blocks fp16, older sealed, tail fp16."""
+def _reference_context(x: torch.Tensor, p: int, s: int, bs: int, name: str, kind: str, window_blocks: int
+                       ) -> torch.Tensor:
+    """What query ``p`` of a step ending at ``s`` tokens must read, ``[p + 1, kv_heads, head_dim]`` float64.
+
+    The blocks before its own: the first one 8-bit, the window (the ``window_blocks`` blocks before the
+    step's last query's own block) fp16, older ones sealed; then its own block's tokens up to ``p`` in fp16.
+    """
     fmt, int8 = get_format(name), get_format("int8")
     xh = x[:s].half().float()
-    nfull, parts = s // bs, []
-    for j in range(nfull):
+    own, last = p // bs, (s - 1) // bs
+    parts = []
+    for j in range(own):
         blk = xh[j * bs:(j + 1) * bs]
         if j == 0:
             q = int8.quantize(blk, kind=kind)
             parts.append(int8.dequantize(q.codes, q.scale, torch.float64, kind=kind))
-        elif j >= nfull - window_blocks:
+        elif j >= last - window_blocks:
             parts.append(blk.double())
         else:
             parts.append(fmt.unseal(fmt.seal(blk[None], kind), kind, torch.float64, x.shape[-1])[0])
-    if s % bs:
-        parts.append(xh[nfull * bs:s].double())
+    parts.append(xh[own * bs:p + 1].double())
     return torch.cat(parts)
 
 
@@ -278,13 +283,18 @@ def test_attention_matches_float64_reference(name: str, residual: int, bs: int, 
         out = sealed_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, pool.context(plan),
                                layer_index=0)
         table.finish()
-        kr = _reference_context(k, s, bs, name, "key", w)
-        vr = _reference_context(v, s, bs, name, "value", w)
-        ref = _ref_attention(q[pos:s], kr, vr, pos)
-        assert (out.double() - ref).abs().max() < 1e-4, (s, n)
+        # Each query reads the blocks before its own as stored and its own block in full (16-bit) precision.
+        for p in range(pos, s):
+            kp = _reference_context(k, p, s, bs, name, "key", w)
+            vp = _reference_context(v, p, s, bs, name, "value", w)
+            ref = _ref_attention(q[p:p + 1], kp, vp, p)
+            assert (out[p - pos].double() - ref[0]).abs().max() < 1e-4, (s, n, p)
         pos = s
-    # Exact slot accounting: an open tail iff the context ends mid-block, plus the window copies.
-    assert table.num_used == (1 if total % bs else 0) + min(w, total // bs)
+    # Exact slot accounting: an open tail iff the context ends mid-block, plus the window copies: the w
+    # blocks before the last query's own block, and that block too when the step sealed it (w > 0).
+    full = total // bs
+    expected = 1 + min(w, full) if total % bs else min(w + 1 if w else 0, full)
+    assert table.num_used == expected
     assert table.num_sink_used == 1
 
 
@@ -385,12 +395,17 @@ def test_window_copies_move_with_the_request_and_give_way_under_pressure() -> No
     t.plan([[0, 1, 2, 3]], [7], [7])             # blocks 0..2 sealed, 3 open; window = blocks 1, 2
     t.finish()
     assert [t.slot_of(b) is not None for b in range(4)] == [False, True, True, True]
-    t.plan([[0, 1, 2, 3]], [8], [1])             # block 3 seals: window moves to 2, 3
+    plan = t.plan([[0, 1, 2, 3]], [8], [1])      # block 3 seals: its query reads 1, 2 as copies, 3 as its own
     t.finish()
-    assert [t.slot_of(b) is not None for b in range(4)] == [False, False, True, True]
-    t.plan([[5], [6]], [1, 1], [1, 1])           # two new open blocks: the oldest window copy gives way
+    assert [j for j, _ in plan.reads[0].fp_blocks] == [1, 2] and plan.reads[0].sealed_now == ((3, 0, t.slot_of(3)),)
+    assert [t.slot_of(b) is not None for b in range(4)] == [False, True, True, True]  # 3 keeps its slot
+    plan = t.plan([[0, 1, 2, 3, 4]], [9], [1])   # the next query's window is 2, 3: block 1's copy goes
     t.finish()
-    assert t.slot_of(2) is None and t.slot_of(3) is not None and t.num_used == 3
+    assert [j for j, _ in plan.reads[0].fp_blocks] == [2, 3]
+    assert [t.slot_of(b) is not None for b in range(5)] == [False, False, True, True, True]
+    t.plan([[5], [6]], [1, 1], [1, 1])           # two new open blocks: both window copies give way, not the open 4
+    t.finish()
+    assert t.slot_of(2) is None and t.slot_of(3) is None and t.slot_of(4) is not None and t.num_used == 3
 
 
 def test_window_copies_only_for_generated_blocks_and_only_for_their_owner() -> None:
@@ -403,6 +418,10 @@ def test_window_copies_only_for_generated_blocks_and_only_for_their_owner() -> N
     assert plan.reads[0].fp_blocks == () and t.slot_of(0) is None and t.slot_of(1) is None
     plan = t.plan([[0, 1, 2]], [6], [1], owners=["a"], prompt_lens=[5])  # block 2 holds a generated token
     t.finish()
+    assert plan.reads[0].fp_blocks == () and [j for j, _, _ in plan.reads[0].sealed_now] == [2]  # its own
+    assert t.slot_of(2) is not None                                          # kept for the next query
+    plan = t.plan([[0, 1, 2, 4]], [7], [1], owners=["a"], prompt_lens=[5])
+    t.finish()
     assert [j for j, _ in plan.reads[0].fp_blocks] == [2]
     # "b" shares a's three blocks (a prefix hit) and decodes its own block 3: it never reads a's copy
     plan = t.plan([[0, 1, 2, 3]], [7], [1], owners=["b"], prompt_lens=[6])
@@ -410,7 +429,8 @@ def test_window_copies_only_for_generated_blocks_and_only_for_their_owner() -> N
     assert plan.reads[0].fp_blocks == ()
     plan = t.plan([[0, 1, 2, 3]], [8], [1], owners=["b"], prompt_lens=[6])
     t.finish()
-    assert [j for j, _ in plan.reads[0].fp_blocks] == [3]
+    assert plan.reads[0].fp_blocks == () and [j for j, _, _ in plan.reads[0].sealed_now] == [3]
+    assert t.slot_of(3) is not None
     assert t.slot_of(2) is not None  # still a's, untouched by b's window moving
 
 

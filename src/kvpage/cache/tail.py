@@ -6,9 +6,11 @@ when it is full. Until then its tokens live here, in a small pool of 16-bit
 
 * **open** slot: the request's last, partial block. Mandatory: decode writes and
   reads it; when the block fills it is sealed into the pool from this slot.
-* **window** slot: a sealed block among the request's ``ceil(residual_tokens /
-  block_size)`` most recent ones keeps its 16-bit copy, and attention reads it
-  instead of the quantized block (KIVI's full-precision residual). Optional: under
+* **window** slot: a sealed block among the ``w = ceil(residual_tokens /
+  block_size)`` blocks before a query's own block keeps its 16-bit copy, and
+  attention reads it instead of the quantized block (KIVI's full-precision
+  residual; the query's own block is read at full precision anyway, from its open
+  slot or, in the step that seals it, from the rows it is sealed from). Optional: under
   pressure the oldest window copy goes, and the block is read quantized. Only
   blocks holding generated tokens get one, and only the request that sealed it reads
   it: a prompt block may come from the prefix cache or a tier without a copy, so
@@ -157,20 +159,25 @@ class TailTable:
         if num_computed < 0 or num_new < 0:
             raise ValueError(f"num_computed and num_new must be >= 0, got {num_computed}, {num_new}")
         bs, first, s = self.block_size, num_computed, num_computed + num_new
-        keep_from = s // bs - self.window_blocks
+        w = self.window_blocks
+        window_from = (s - 1) // bs - w if s else 0
         takes = 0
         for j in range(first // bs, math.ceil(s / bs)):
             fills = min(s, (j + 1) * bs) == (j + 1) * bs
-            if fills and (j < keep_from or (j + 1) * bs <= prompt_len):
+            if fills and (not w or j < window_from or (j + 1) * bs <= prompt_len):
                 continue  # sealed outside the window: no slot kept
             if j >= len(block_ids) or int(block_ids[j]) not in self._slot:
                 takes += 1
-        return max(0, takes - len(self._pushed_out(block_ids, first, keep_from, owner)))
+        return max(0, takes - len(self._pushed_out(block_ids, first, window_from, owner)))
 
-    def _pushed_out(self, table: Sequence[int], first: int, keep_from: int, owner: Hashable) -> list[int]:
-        """The request's window copies among blocks before ``keep_from`` that this chunk does not touch."""
+    def _pushed_out(self, table: Sequence[int], first: int, read_from: int, owner: Hashable) -> list[int]:
+        """The request's window copies among blocks before ``read_from`` that this chunk does not touch.
+
+        ``read_from`` is the first block of the last new query's window: the ``window_blocks`` blocks
+        before the query's own block (which it reads at full precision anyway).
+        """
         bs, w = self.block_size, self.window_blocks
-        hi = min(max(0, keep_from), first // bs, len(table))
+        hi = min(max(0, read_from), first // bs, len(table))
         return [b for b in (int(table[j]) for j in range(max(0, first // bs - w - 1), hi))
                 if b in self._window and self._window[b] == owner]
 
@@ -309,12 +316,17 @@ class TailTable:
         row0 = 0
         owners = list(owners) if owners is not None else [None] * len(seq_lens)
         prompt_lens = list(prompt_lens) if prompt_lens is not None else [0] * len(seq_lens)
+        sealed_now: list[list[tuple[int, int, int | None]]] = []
         for table, s, n, owner, plen in zip(block_tables, seq_lens, query_lens, owners, prompt_lens):
             first = s - n
-            keep_from = s // bs - w  # sealed blocks from this index on keep a 16-bit copy
+            mine: list[tuple[int, int, int | None]] = []
+            sealed_now.append(mine)
+            # The last query's window: the w blocks before its own block; sealed blocks from this index on
+            # keep a 16-bit copy (its own block too, for the next query's window), older copies go.
+            window_from = (s - 1) // bs - w
             # Window copies this step pushes out of the request's window go first: nothing reads them this
             # step, and freeing them before the request's new blocks take slots bounds its peak by 1 + w + 1.
-            for b in self._pushed_out(table, first, keep_from, owner):
+            for b in self._pushed_out(table, first, window_from, owner):
                 self._drop_fp(b)
             for j in range(first // bs, math.ceil(s / bs)):
                 b = int(table[j])
@@ -346,24 +358,30 @@ class TailTable:
                         if sink is not None:
                             sink_pos.append(len(seal_ids) - 1)
                             sink_slots.append(sink)
-                    if j < keep_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
+                    if not w or j < window_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
                         if slot is not None:
                             self._window.pop(b, None)  # (a stale entry of a failed step's plan)
                             self._sealed_after.append(b)  # every layer's seal gather reads it first
+                            for t in range(lo, hi):  # complete its rows: this step's queries in it read them
+                                tail_dst.append(slot * bs + t - j * bs)
+                                tail_src.append(row0 + t - first)
+                        mine.append((j, len(seal_ids) - 1, slot))  # the slot (if any) lives until finish()
                         continue
                     self._window[b] = owner
                     self._window.move_to_end(b)
                 if slot is None:
                     slot = self._take_slot(b, protected)
+                if hi == (j + 1) * bs:  # a window block: its slot keeps its rows
+                    mine.append((j, len(seal_ids) - 1, slot))
                 for t in range(lo, hi):
                     tail_dst.append(slot * bs + t - j * bs)
                     tail_src.append(row0 + t - first)
             row0 += n
         reads = []
-        for table, s, owner in zip(block_tables, seq_lens, owners):
+        for table, s, owner, mine in zip(block_tables, seq_lens, owners, sealed_now):
             nfull = s // bs
             fp_blocks = tuple(
-                (j, self._slot[int(table[j])]) for j in range(max(0, nfull - w), nfull)
+                (j, self._slot[int(table[j])]) for j in range(max(0, (s - 1) // bs - w), min(nfull, (s - 1) // bs))
                 if int(table[j]) in self._window and self._window[int(table[j])] == owner
             )
             open_slot = None
@@ -381,6 +399,7 @@ class TailTable:
                     sink_slot=sink,
                     open_slot=open_slot,
                     open_len=s % bs,
+                    sealed_now=tuple(mine),
                 )
             )
         plan = SealPlan(

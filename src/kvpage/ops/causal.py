@@ -31,3 +31,25 @@ def request_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         mask = torch.arange(s, device=q.device)[None, :] <= (s - n + torch.arange(n, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)                                               # [n, H, D]
+
+
+def masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Attention of ``n`` queries over ``s`` keys under an explicit boolean mask.
+
+    Args:
+        q: ``[n, num_heads, head_dim]``.
+        keys: ``[s, kv_heads, head_dim]``.
+        values: ``[s, kv_heads, head_dim]``.
+        mask: ``[n, s]`` bool, ``True`` where query ``i`` may read key ``j``; every row needs at least one.
+        scale: softmax scale, ``None`` = ``head_dim ** -0.5``.
+
+    Returns:
+        ``[n, num_heads, head_dim]`` (GQA as in :func:`request_attention`).
+    """
+    qi = q.transpose(0, 1).unsqueeze(0)                                       # [1, H, n, D]
+    ki = keys.transpose(0, 1).unsqueeze(0)                                    # [1, Hkv, s, D]
+    vi = values.transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)                                               # [n, H, D]

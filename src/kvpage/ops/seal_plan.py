@@ -22,6 +22,13 @@ class RequestRead:
         sink_slot: sink slot of its first block, or ``None`` (read the quantized block).
         open_slot: slot of its partial last block, or ``None`` when the context fills whole blocks.
         open_len: tokens in the partial block (0 when ``open_slot`` is ``None``).
+        sealed_now: ``(block index, seal index, slot)`` of each of its blocks sealed this step:
+            the block's index in its table, its index in :attr:`SealPlan.seal_ids` (its rows in
+            the step's seal batch) and the 16-bit slot that still holds its rows during this
+            step, or ``None``. A query reads **its own block** at full precision -- from the
+            open slot while it is partial, from these rows in the step that seals it -- and
+            every earlier block as stored, so prefill in whole-block chunks, decode and a
+            prefix hit all read the same thing (see :mod:`kvpage.ops.sealed_attention`).
     """
 
     full_ids: torch.Tensor
@@ -29,6 +36,7 @@ class RequestRead:
     sink_slot: int | None
     open_slot: int | None
     open_len: int
+    sealed_now: tuple[tuple[int, int, int | None], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

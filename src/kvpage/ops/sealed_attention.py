@@ -11,7 +11,13 @@ Write (once per layer, following the step's :class:`~kvpage.ops.seal_plan.SealPl
 
 Read (per request, after the write): its full blocks dequantized from the pool,
 with window blocks replaced by their 16-bit copies and the first block by its
-8-bit copy when they exist, then the open block's tokens from its tail slot. The
+8-bit copy when they exist, then the open block's tokens from its tail slot.
+A query reads **its own block** at full precision (the block's rows as sealed,
+in the tail dtype, in the step that seals it; the open slot before): KIVI's
+group being filled stays in full precision, and it makes one rule for every
+schedule -- decode, prefill in whole-block chunks and a prefix hit (which starts
+at a block boundary) read the same keys, so chunked evaluation with
+``chunk_size == block_size`` is decode's (:func:`sealed_request_attention`). The
 attention itself is the reference path of :mod:`kvpage.ops.attention`: float32
 on the CPU, each request over exactly its own context. This is the KIVI read
 (quantized history + full-precision residual, concatenated) built first as a
@@ -32,7 +38,7 @@ import torch
 from kvpage.errors import KVCacheLayoutError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat, TokenFormat
 from kvpage.ops.attention import AttentionMetadata, check_inputs
-from kvpage.ops.causal import request_attention
+from kvpage.ops.causal import masked_attention, request_attention
 from kvpage.ops.seal_plan import RequestRead, SealPlan
 from kvpage.spec import LayerSpec
 
@@ -63,7 +69,7 @@ def _scale_name(kind: str) -> str:
 def write_sealed(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
     block_size: int, kind: str, x: torch.Tensor, plan: SealPlan,
-) -> None:
+) -> torch.Tensor | None:
     """Seal the blocks this step fills and store the other new tokens in their tail slots (in place).
 
     Args:
@@ -75,8 +81,13 @@ def write_sealed(
         kind: ``"key"`` or ``"value"``.
         x: ``[num_tokens, kv_heads, head_dim]`` this step's keys or values.
         plan: the step's plan.
+
+    Returns:
+        The seal batch, ``[m, block_size, kv_heads, head_dim]`` in the tail dtype (the rows the
+        sealed blocks were quantized from, in ``plan.seal_ids`` order), or ``None`` when nothing seals.
     """
     bs = block_size
+    blocks: torch.Tensor | None = None
     rows = tail[kind]                                                          # [S*bs, Hkv, D]
     xt = x.to(rows.dtype)
     m = plan.seal_ids.numel()
@@ -94,16 +105,63 @@ def write_sealed(
             tail["sink_" + kind].index_copy_(0, dst, q.codes)
             tail["sink_" + _scale_name(kind)].index_copy_(0, dst, q.scale)
     rows.index_copy_(0, plan.tail_dst, xt[plan.tail_src])
+    return blocks
+
+
+@dataclass(frozen=True, slots=True)
+class SealBatch:
+    """The rows this step sealed (:func:`write_sealed_kv`), for queries that read their own block.
+
+    Attributes:
+        keys: ``[m, block_size, kv_heads, head_dim]`` in the tail dtype, or ``None`` when nothing sealed.
+        values: likewise (a key-only layer's values are its keys).
+    """
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
 
 
 def write_sealed_kv(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, ctx: SealContext,
     block_size: int, k: torch.Tensor, v: torch.Tensor | None,
-) -> None:
-    """:func:`write_sealed` of this step's keys and, unless the layer is key-only (``v is None``), values."""
-    write_sealed(cache, tail, fmt, ctx.sink_format, block_size, KEY, k, ctx.plan)
-    if v is not None:
-        write_sealed(cache, tail, fmt, ctx.sink_format, block_size, VALUE, v, ctx.plan)
+) -> SealBatch:
+    """:func:`write_sealed` of this step's keys and, unless the layer is key-only (``v is None``), values.
+
+    Returns the step's seal batch of each (:class:`SealBatch`).
+    """
+    kb = write_sealed(cache, tail, fmt, ctx.sink_format, block_size, KEY, k, ctx.plan)
+    vb = kb if v is None else write_sealed(cache, tail, fmt, ctx.sink_format, block_size, VALUE, v, ctx.plan)
+    return SealBatch(kb, vb)
+
+
+def sealed_request_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: RequestRead, batch: SealBatch,
+    block_size: int, scale: float | None,
+) -> torch.Tensor:
+    """Attention of one request's new tokens, each reading its own block at full precision.
+
+    ``keys``/``values`` (``[s, kv_heads, head_dim]``, from :func:`read_sealed_context`) hold every block
+    as stored. A query whose block this step sealed (``read.sealed_now``) reads that block's rows from
+    ``batch`` instead, up to its own position; every other key as stored, causally. Without blocks sealed
+    now this is :func:`~kvpage.ops.causal.request_attention`. ``q``: ``[n, num_heads, head_dim]`` queries
+    of positions ``s - n .. s - 1``; returns ``[n, num_heads, head_dim]`` in ``keys.dtype``. No side effects.
+    """
+    if not read.sealed_now or batch.keys is None or batch.values is None:
+        return request_attention(q, keys, values, scale)
+    bs, n, s, dev = block_size, q.shape[0], keys.shape[0], q.device
+    own = torch.tensor([j for j, _, _ in read.sealed_now], dtype=torch.long, device=dev)        # [f]
+    pick = torch.tensor([m for _, m, _ in read.sealed_now], dtype=torch.long, device=dev)
+    fk = batch.keys[pick].flatten(0, 1).to(keys.dtype)                                      # [f*bs, Hkv, D]
+    fv = batch.values[pick].flatten(0, 1).to(values.dtype)
+    pos = s - n + torch.arange(n, device=dev)                                               # [n]
+    qblk = pos // bs
+    fresh_own = torch.isin(qblk, own)                                                        # [n]
+    t = torch.arange(s, device=dev)
+    stored = (t[None, :] <= pos[:, None]) & ~(fresh_own[:, None] & ((t // bs)[None, :] == qblk[:, None]))
+    fpos = (own[:, None] * bs + torch.arange(bs, device=dev)).flatten()                       # [f*bs]
+    fresh = ((fpos // bs)[None, :] == qblk[:, None]) & (fpos[None, :] <= pos[:, None])
+    mask = torch.cat([stored, fresh], dim=1)                                                # [n, s + f*bs]
+    return masked_attention(q, torch.cat([keys, fk]), torch.cat([values, fv]), mask, scale)
 
 
 def read_sealed(
@@ -208,7 +266,7 @@ def sealed_attention(
     """
     fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
     plan = ctx.plan
-    write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
+    batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
     adtype = torch.float32 if q.device.type == "cpu" else q.dtype
     qa = q.to(adtype)
     out = torch.empty_like(qa)
@@ -216,5 +274,5 @@ def sealed_attention(
     for i, read in enumerate(plan.reads):
         a, b = qsl[i], qsl[i + 1]
         keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, adtype)  # [s, Hkv, D]
-        out[a:b] = request_attention(qa[a:b], keys, vals, scale)                # [n, H, D]
+        out[a:b] = sealed_request_attention(qa[a:b], keys, vals, read, batch, spec.block_size, scale)
     return out.to(q.dtype)

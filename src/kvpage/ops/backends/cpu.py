@@ -39,7 +39,13 @@ from kvpage.ops.attention import AttentionMetadata, check_inputs, read_context, 
 from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
-from kvpage.ops.sealed_attention import SealContext, read_sealed_context, sealed_attention_checks, write_sealed_kv
+from kvpage.ops.sealed_attention import (
+    SealContext,
+    read_sealed_context,
+    sealed_attention_checks,
+    sealed_request_attention,
+    write_sealed_kv,
+)
 from kvpage.spec import LayerSpec
 
 #: Requests with at most this many new tokens attend in the fused kernel; longer runs use SDPA.
@@ -89,6 +95,7 @@ class _SealedSources:
 
     kind: torch.Tensor   # [B, W] uint8
     index: torch.Tensor  # [B, W] int64
+    sdpa_rows: frozenset[int]  # short-query requests the kernel cannot serve (own block sealed now, no slot)
 
 
 class CpuBackend(AttentionBackend):
@@ -147,7 +154,9 @@ class CpuBackend(AttentionBackend):
         width = max((-(-s // bs) for s in meta.seq_lens), default=0)
         kinds: list[list[int]] = []
         index: list[list[int]] = []
-        for read in ctx.plan.reads:
+        sdpa: set[int] = set()
+        qsl = meta.query_start_loc
+        for i, read in enumerate(ctx.plan.reads):
             # the order of read_sealed: pool blocks, then window copies, then the sink copy of block 0
             ids = read.full_ids.tolist()
             kind = [0] * len(ids)
@@ -155,6 +164,16 @@ class CpuBackend(AttentionBackend):
                 kind[j], ids[j] = 1, slot
             if read.sink_slot is not None:
                 kind[0], ids[0] = 2, read.sink_slot
+            if read.sealed_now:
+                # A query reads its own block at full precision (sealed_request_attention). The kernel reads
+                # one source per block for all of a request's queries: it serves the request only when they
+                # all lie in the one block sealed now and its slot still holds the rows (decode).
+                s, n = meta.seq_lens[i], qsl[i + 1] - qsl[i]
+                j, _, slot = read.sealed_now[0]
+                if len(read.sealed_now) > 1 or slot is None or (s - n) // bs != j or (s - 1) // bs != j:
+                    sdpa.add(i)
+                else:
+                    kind[j], ids[j] = 1, slot
             if read.open_slot is not None:
                 kind.append(1)
                 ids.append(read.open_slot)
@@ -162,7 +181,7 @@ class CpuBackend(AttentionBackend):
             kinds.append(kind + [0] * pad)
             index.append(ids + [0] * pad)
         src = _SealedSources(torch.tensor(kinds, dtype=torch.uint8).reshape(len(kinds), width),
-                             torch.tensor(index, dtype=torch.long).reshape(len(index), width))
+                             torch.tensor(index, dtype=torch.long).reshape(len(index), width), frozenset(sdpa))
         self._sources = (ctx, src)
         return src
 
@@ -247,12 +266,15 @@ class CpuBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward_sealed`."""
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
-        write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
+        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
         rows = self._step_rows(meta)
         qa = q.contiguous()
         out = torch.empty_like(qa)
-        if rows.kernel_rows.numel():
-            src = self._sealed_sources(ctx, meta)
+        src = self._sealed_sources(ctx, meta)
+        kernel_rows = rows.kernel_rows
+        if src.sdpa_rows:
+            kernel_rows = torch.tensor([i for i in kernel_rows.tolist() if i not in src.sdpa_rows], dtype=torch.long)
+        if kernel_rows.numel():
             has_value = spec.has_value
             vn = VALUE if has_value else KEY
             vs = fmt.names(vn)
@@ -262,14 +284,15 @@ class CpuBackend(AttentionBackend):
                 out, qa, cache[ks[0]], cache[ks[1]], cache[ks[2]], cache[vs[0]], cache[vs[1]], cache[vs[2]],
                 tail[KEY], tail_v, tail["sink_" + KEY], tail["sink_" + KEY_SCALE],
                 tail["sink_" + vn], tail["sink_" + (VALUE_SCALE if has_value else KEY_SCALE)],
-                src.kind, src.index, rows.seq_lens, rows.query_start_loc, rows.kernel_rows,
+                src.kind, src.index, rows.seq_lens, rows.query_start_loc, kernel_rows,
                 fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, spec.head_dim**-0.5,
             )
         dt = _sdpa_dtype(qa.dtype)
-        for i in rows.sdpa_rows:
+        for i in sorted(set(rows.sdpa_rows) | src.sdpa_rows):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, ctx.plan.reads[i], dt)
-            out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, None)
+            read = ctx.plan.reads[i]
+            keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt)
+            out[a:b] = sealed_request_attention(qa[a:b].to(dt), keys, vals, read, batch, spec.block_size, None)
         return out
 
 
