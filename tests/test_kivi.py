@@ -211,11 +211,15 @@ def test_effective_bits_hand_counted() -> None:
     got = fmt.effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64)
     assert got == pytest.approx(per_value + sink)
     assert got <= 5.0
-    # int2 with its one-block 16-bit window
+    # int2 with its one-block 16-bit window: ending on a block boundary it holds two copies (the block before
+    # the last one, which the last token read, and the last one, which the next token reads)
     int2 = get_format("int2").effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64,
                                                        residual_tokens=32)
-    assert int2 == pytest.approx(2 + (8 + 16) / 32 / 2 + (8 + 16) / 64 / 2 + sink + 16 * 32 / 1024)
-    assert int2 <= 3.5
+    assert int2 == pytest.approx(2 + (8 + 16) / 32 / 2 + (8 + 16) / 64 / 2 + sink + 2 * 16 * 32 / 1024)
+    # one token later: the open block's slot and one window copy
+    int2b = get_format("int2").effective_bits_per_value(num_tokens=1025, block_size=32, kv_heads=3, head_dim=64,
+                                                        residual_tokens=32)
+    assert int2b == pytest.approx((33 * 3936 + 2 * 2 * 32 * 3 * 64 * 2 + 2 * 32 * 3 * 66) * 8 / (2 * 1025 * 3 * 64))
     # 1,000 tokens: 31 sealed blocks + an open one (its pool block and its 16-bit tail slot both count)
     b = fmt.effective_bits_per_value(num_tokens=1000, block_size=32, kv_heads=3, head_dim=64)
     assert b == pytest.approx((32 * 7008 + 2 * 32 * 3 * 64 * 2 + 2 * 32 * 3 * 66) * 8 / (2 * 1000 * 3 * 64))

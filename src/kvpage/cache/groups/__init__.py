@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvpage.cache.groups.base import FullAttentionManager, GroupManager
 from kvpage.cache.groups.sealed import SealedGroupManager
-from kvpage.formats import BlockFormat
+from kvpage.formats import BlockFormat, SealedFormat
 from kvpage.spec import LayerGroupSpec
 
 __all__ = ["FullAttentionManager", "GroupManager", "SealedGroupManager", "manager_for"]
@@ -35,8 +35,10 @@ def manager_for(
     """
     if max_num_seqs < 1 or residual_tokens < 0:
         raise ValueError(f"need max_num_seqs >= 1 and residual_tokens >= 0, got {max_num_seqs}, {residual_tokens}")
-    if isinstance(group.layer.format, BlockFormat):
+    fmt = group.layer.format
+    if isinstance(fmt, BlockFormat):
         window = -(-residual_tokens // group.layer.block_size)
-        return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window), num_sink_slots=2 * max_num_seqs,
+        sinks = 2 * max_num_seqs if isinstance(fmt, SealedFormat) and fmt.sink_bits else 0
+        return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window), num_sink_slots=sinks,
                                   window_blocks=window)
     return FullAttentionManager(group)
