@@ -96,6 +96,7 @@ class TailTable:
         self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
         self._sealed_after: list[int] = []                   # sealed blocks whose open slot the seal gather reads
+        self._read_last: list[tuple[int, Hashable]] = []     # window copies only this step's last query reads
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -287,6 +288,7 @@ class TailTable:
             return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens)
         except BaseException:
             self._sealed_after = []  # nothing was sealed: the open slots must stay for a re-run
+            self._read_last = []
             raise
         finally:
             self._is_live = self._is_in_use = None
@@ -328,6 +330,8 @@ class TailTable:
             # step, and freeing them before the request's new blocks take slots bounds its peak by 1 + w + 1.
             for b in self._pushed_out(table, first, window_from, owner):
                 self._drop_fp(b)
+            if w and s % bs == 0 and 0 <= window_from < len(table):  # the next query's window starts one later
+                self._read_last.append((int(table[window_from]), owner))
             for j in range(first // bs, math.ceil(s / bs)):
                 b = int(table[j])
                 lo, hi = max(first, j * bs), min(s, (j + 1) * bs)
@@ -420,13 +424,19 @@ class TailTable:
         """After every layer applied the last plan: free the 16-bit slots it retired.
 
         A block sealed outside the window keeps its open slot until now, because every
-        layer's seal gather reads its earlier tokens from it. (Window copies a plan pushes
-        out are freed by the plan itself: nothing reads them in that step.)
+        layer's seal gather reads its earlier tokens from it. So does the window copy that
+        only the plan's last query read (at a block boundary, the block ``w`` before its own):
+        the next query's window starts one block later. (Window copies a plan pushes out are
+        freed by the plan itself: nothing reads them in that step.)
         """
         for b in self._sealed_after:
             if b not in self._window:
                 self._drop_fp(b)
         self._sealed_after = []
+        for b, owner in self._read_last:  # outside every later query's window
+            if b in self._window and self._window[b] == owner:
+                self._drop_fp(b)
+        self._read_last = []
 
     def abort(self) -> None:
         """After a forward pass that raised (some layers may not have run the last plan): keep what a re-run needs.
@@ -434,9 +444,11 @@ class TailTable:
         The open slots of blocks the plan sealed stay (a re-run of the same tokens seals them again from
         there; the forward writes the same K/V to the same slots, so the re-run is idempotent). A block
         that is never re-run frees its slot when its request is freed (:meth:`release`), when the pool
-        hands the block out again (:meth:`invalidate`), or earlier as a dead block's.
+        hands the block out again (:meth:`invalidate`), or earlier as a dead block's. Window copies the
+        plan's last query read stay too (the re-run reads them).
         """
         self._sealed_after = []
+        self._read_last = []
 
 
 def tail_dtype(model_dtype: torch.dtype) -> torch.dtype:

@@ -273,9 +273,8 @@ class SealedFormat(BlockFormat):
 
         Counts the pool blocks it occupies (codes, scales, zero points; the partial last
         block's pool block too), the 16-bit tail slot of its partial block, the 16-bit copies
-        of the sealed blocks in the full-precision window (``w = ceil(residual_tokens /
-        block_size)`` blocks before the next token's block: ``w`` of them, plus the last
-        block when the sequence ends on a block boundary), and, unless ``sink_bits`` is 0,
+        of the sealed blocks in the full-precision window (the ``ceil(residual_tokens /
+        block_size)`` blocks before the next token's block), and, unless ``sink_bits`` is 0,
         the 8-bit copy of its first block (int8 codes plus one float16 scale per token and head).
 
         Raises:
@@ -288,8 +287,7 @@ class SealedFormat(BlockFormat):
         block_bytes = sum(s.nbytes for s in self.tensor_specs(block_size=bs, kv_heads=kv_heads, head_dim=head_dim))
         fp_block_bytes = 2 * bs * kv_heads * head_dim * 2
         sink_bytes = 2 * bs * kv_heads * (head_dim + 2)
-        w = math.ceil(residual_tokens / bs)
-        fp_blocks = 1 + min(w, sealed) if partial else min(w + 1 if w else 0, sealed)
+        fp_blocks = (1 if partial else 0) + min(math.ceil(residual_tokens / bs), sealed)
         total = math.ceil(num_tokens / bs) * block_bytes + fp_blocks * fp_block_bytes
         total += sink_bytes if sealed and self.sink_bits else 0
         return 8 * total / (2 * num_tokens * kv_heads * head_dim)
