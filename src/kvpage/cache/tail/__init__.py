@@ -1,0 +1,44 @@
+"""The full-precision tail of quantize-on-seal formats: open blocks, the recent window, first-block copies.
+
+Quantize-on-seal formats (:mod:`kvpage.formats.kivi`) quantize a block once,
+when it is full. Until then its tokens live here, in a small pool of 16-bit
+*slots* (one block each), keyed by the block id that owns them:
+
+* **open** slot: the request's last, partial block. Mandatory: decode writes and
+  reads it; when the block fills it is sealed into the pool from this slot.
+* **window** slot: a sealed block among the ``w = ceil(residual_tokens /
+  block_size)`` blocks before a query's own block keeps its 16-bit copy, and
+  attention reads it instead of the quantized block (KIVI's full-precision
+  residual; the query's own block is read at full precision anyway, from its open
+  slot or, in the step that seals it, from the rows it is sealed from). Optional: under
+  pressure the oldest window copy goes, and the block is read quantized. Only
+  blocks holding generated tokens get one, and only the request that sealed it reads
+  it: a prompt block may come from the prefix cache or a tier without a copy, so
+  reading copies of prompt blocks (or another request's) would make the output
+  depend on whether the prefix was cached.
+* **sink** slot: an 8-bit (``int8``, per token and head) copy of a request's first
+  block, read instead of its low-bit codes (attention sinks; KVQuant keeps the
+  first token in fp16, IntactKV the pivot tokens, SKVQ 5 sink tokens). Kept while
+  the block's content lives (in use, or cached and not evicted), so a prefix hit on
+  a first block reads the same 8-bit copy the request that wrote it read.
+
+Entries belong to a block's *content*: whenever the pool hands a block out anew
+(:meth:`TailTable.invalidate`, wired to the block pool's allocation) its entries
+are dropped, so a reused block id can never show another request's tokens.
+
+In one step a request holds at most ``1 + window + 1`` slots: its open block, its
+window, and the block it seals this step (its earlier tokens are read by every
+layer's seal gather, so that slot is freed after the step). The scheduler counts
+each chunk's slots before it runs (:meth:`TailTable.slots_to_take` against
+:meth:`TailTable.num_takeable`) and defers or preempts instead of overrunning.
+
+Modules: :mod:`.entries` (which slot each block holds, taking and dropping slots),
+:mod:`.table` (:class:`TailTable`: the per-step plan over them), :mod:`.pool` (:class:`TailPool`: the
+per-layer tensors). Both are driven once per forward pass by :meth:`TailTable.plan`,
+whose :class:`~kvpage.ops.seal_plan.SealPlan` every layer then applies.
+"""
+from kvpage.cache.tail.entries import TailEntries
+from kvpage.cache.tail.pool import SINK_FORMAT, TailPool, tail_dtype
+from kvpage.cache.tail.table import TailTable
+
+__all__ = ["SINK_FORMAT", "TailEntries", "TailPool", "TailTable", "tail_dtype"]

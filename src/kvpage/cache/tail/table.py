@@ -1,0 +1,265 @@
+"""``TailTable``: the per-step seal plan over the tail entries (what a forward pass writes, seals and reads).
+
+:meth:`TailTable.plan` books one step's open slots, seals, window and first-block copies and returns the
+:class:`~kvpage.ops.seal_plan.SealPlan` every layer applies; :meth:`TailTable.slots_to_take` is its dry
+run for the scheduler. Tensor-free apart from the plan's index tensors.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from kvpage.cache.tail.entries import TailEntries
+from kvpage.errors import KVPageError
+from kvpage.ops.seal_plan import RequestRead, SealPlan
+
+
+def _long(xs: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    return torch.as_tensor(list(xs), dtype=torch.long, device=device)
+
+
+class TailTable(TailEntries):
+    """Tail and sink bookkeeping plus the per-step plan (see :mod:`kvpage.cache.tail`; arguments as :class:`TailEntries`)."""
+
+    def slots_to_take(
+        self, block_ids: Sequence[int], num_computed: int, num_new: int, prompt_len: int = 0,
+        owner: Hashable | None = None,
+    ) -> int:
+        """Net 16-bit slots a plan of this one chunk takes beyond what the request holds now (no side effects).
+
+        Mirrors :meth:`plan`: a block that ends the chunk partial, or fills inside the request's window
+        (generated tokens only), needs a slot, and takes one unless it has an entry; the window copies the
+        chunk pushes out are freed first and offset the count. The slot of a continued block sealed outside
+        the window is already held (and freed by :meth:`finish`), so it costs nothing more. Never negative:
+        slots a chunk frees are not counted for the other chunks of its step. The scheduler sums this over a
+        step's chunks and compares with :meth:`num_takeable`.
+
+        Args:
+            block_ids: the request's block ids held now (blocks after them are new: no entries).
+            num_computed: tokens already computed (the chunk's first position).
+            num_new: tokens of the chunk (>= 0).
+            prompt_len: the request's prompt length in tokens (as :meth:`plan`'s ``prompt_lens``).
+            owner: who owns the request's window copies (as :meth:`plan`'s ``owners``).
+
+        Raises:
+            ValueError: negative counts.
+        """
+        if num_computed < 0 or num_new < 0:
+            raise ValueError(f"num_computed and num_new must be >= 0, got {num_computed}, {num_new}")
+        bs, first, s = self.block_size, num_computed, num_computed + num_new
+        w = self.window_blocks
+        window_from = (s - 1) // bs - w if s else 0
+        takes = 0
+        for j in range(first // bs, math.ceil(s / bs)):
+            fills = min(s, (j + 1) * bs) == (j + 1) * bs
+            if fills and (not w or j < window_from or (j + 1) * bs <= prompt_len):
+                continue  # sealed outside the window: no slot kept
+            if j >= len(block_ids) or int(block_ids[j]) not in self._slot:
+                takes += 1
+        return max(0, takes - len(self._pushed_out(block_ids, first, window_from, owner)))
+
+    # -- one forward pass ------------------------------------------------------------------------
+
+    def plan(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        device: torch.device | str = "cpu",
+        owners: Sequence[Hashable] | None = None,
+        prompt_lens: Sequence[int] | None = None,
+        *,
+        is_live: Callable[[int], bool] | None = None,
+        is_in_use: Callable[[int], bool] | None = None,
+    ) -> SealPlan:
+        """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
+
+        Args:
+            block_tables: per request, its block ids (covering ``seq_lens[i]`` tokens).
+            seq_lens: context length of each request after this step, in tokens.
+            query_lens: new tokens of each request this step (its last ``query_lens[i]`` positions).
+            device: where the plan's index tensors go.
+            owners: per request, who owns (and alone reads) the window copies it makes
+                (its request id); default ``None`` for all.
+            prompt_lens: per request, its prompt length in tokens: blocks made of prompt
+                tokens only get no window copy; default 0 (every token counts as generated,
+                as in ``kvpage eval``'s decode mode).
+            is_live: ``block_id -> bool``, the device pool's view: whether a block's content is still
+                held (in use or cached); entries of dead blocks are reclaimed first. ``None`` treats all as live.
+            is_in_use: ``block_id -> bool``, the pool's view: whether a request references the block; a
+                first block's 8-bit copy is taken from an idle cached block before one in use.
+                ``None`` treats all as in use.
+
+        Raises:
+            KVPageError: a request continues a partial block that has no open slot (its
+                earlier tokens were never written through the tail).
+            OutOfBlocksError: no slot can be freed for an open block.
+        """
+        self._is_live, self._is_in_use = is_live, is_in_use
+        try:
+            return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens)
+        except BaseException:
+            self._sealed_after = []  # nothing was sealed: the open slots must stay for a re-run
+            self._read_last = []
+            raise
+        finally:
+            self._is_live = self._is_in_use = None
+
+    def _plan(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        device: torch.device | str,
+        owners: Sequence[Hashable] | None,
+        prompt_lens: Sequence[int] | None,
+    ) -> SealPlan:
+        bs, w = self.block_size, self.window_blocks
+        tail_dst: list[int] = []
+        tail_src: list[int] = []
+        seal_ids: list[int] = []
+        new_dst: list[int] = []
+        new_src: list[int] = []
+        old_dst: list[int] = []
+        old_src: list[int] = []
+        sink_pos: list[int] = []
+        sink_slots: list[int] = []
+        # Every block this step reads or writes keeps its entries until the plan is done: evicting a
+        # copy a request of this batch reads (a prefix hit's first block, say) would change its output.
+        protected: set[int] = {int(b) for table, s in zip(block_tables, seq_lens) for b in table[: -(-s // bs)]}
+        row0 = 0
+        owners = list(owners) if owners is not None else [None] * len(seq_lens)
+        prompt_lens = list(prompt_lens) if prompt_lens is not None else [0] * len(seq_lens)
+        sealed_now: list[list[tuple[int, int, int | None]]] = []
+        for table, s, n, owner, plen in zip(block_tables, seq_lens, query_lens, owners, prompt_lens):
+            first = s - n
+            mine: list[tuple[int, int, int | None]] = []
+            sealed_now.append(mine)
+            # The last query's window: the w blocks before its own block; sealed blocks from this index on
+            # keep a 16-bit copy (its own block too, for the next query's window), older copies go.
+            window_from = (s - 1) // bs - w
+            # Window copies this step pushes out of the request's window go first: nothing reads them this
+            # step, and freeing them before the request's new blocks take slots bounds its peak by 1 + w + 1.
+            for b in self._pushed_out(table, first, window_from, owner):
+                self._drop_fp(b)
+            if w and s % bs == 0 and 0 <= window_from < len(table):  # the next query's window starts one later
+                self._read_last.append((int(table[window_from]), owner))
+            for j in range(first // bs, math.ceil(s / bs)):
+                b = int(table[j])
+                lo, hi = max(first, j * bs), min(s, (j + 1) * bs)
+                slot = self._slot.get(b)
+                if lo == j * bs:  # the block's first token: new content
+                    self._drop_fp(b)
+                    self._drop_sink(b)
+                    slot = None
+                elif slot is None:
+                    raise KVPageError(
+                        f"block {b} (index {j}) already holds {lo - j * bs} tokens but has no full-precision tail "
+                        f"slot; quantize-on-seal blocks must be written through the tail"
+                    )
+                if hi == (j + 1) * bs:  # the block fills: seal it from its earlier (tail) and new tokens
+                    base = len(seal_ids) * bs
+                    seal_ids.append(b)
+                    for t in range(j * bs, (j + 1) * bs):
+                        if t < lo:
+                            assert slot is not None  # (tokens before lo: a continued block, which has a slot)
+                            old_dst.append(base + t - j * bs)
+                            old_src.append(slot * bs + t - j * bs)
+                        else:
+                            new_dst.append(base + t - j * bs)
+                            new_src.append(row0 + t - first)
+                    if j == 0 and self.num_sink_slots:
+                        self._drop_sink(b)  # a re-run of a failed step seals it again: one sink slot per block
+                        sink = self._take_sink(b, protected)
+                        if sink is not None:
+                            sink_pos.append(len(seal_ids) - 1)
+                            sink_slots.append(sink)
+                    if not w or j < window_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
+                        if slot is not None:
+                            self._window.pop(b, None)  # (a stale entry of a failed step's plan)
+                            self._sealed_after.append(b)  # every layer's seal gather reads it first
+                            for t in range(lo, hi):  # complete its rows: this step's queries in it read them
+                                tail_dst.append(slot * bs + t - j * bs)
+                                tail_src.append(row0 + t - first)
+                        mine.append((j, len(seal_ids) - 1, slot))  # the slot (if any) lives until finish()
+                        continue
+                    self._window[b] = owner
+                    self._window.move_to_end(b)
+                if slot is None:
+                    slot = self._take_slot(b, protected)
+                if hi == (j + 1) * bs:  # a window block: its slot keeps its rows
+                    mine.append((j, len(seal_ids) - 1, slot))
+                for t in range(lo, hi):
+                    tail_dst.append(slot * bs + t - j * bs)
+                    tail_src.append(row0 + t - first)
+            row0 += n
+        reads = []
+        for table, s, owner, mine in zip(block_tables, seq_lens, owners, sealed_now):
+            nfull = s // bs
+            fp_blocks = tuple(
+                (j, self._slot[int(table[j])]) for j in range(max(0, (s - 1) // bs - w), min(nfull, (s - 1) // bs))
+                if int(table[j]) in self._window and self._window[int(table[j])] == owner
+            )
+            open_slot = None
+            if s % bs:
+                open_slot = self._slot.get(int(table[nfull]))
+                if open_slot is None:
+                    raise KVPageError(f"block {int(table[nfull])} is partial but has no full-precision tail slot")
+            sink = self._sink.get(int(table[0])) if nfull else None
+            if sink is not None:
+                self._sink.move_to_end(int(table[0]))
+            reads.append(
+                RequestRead(
+                    full_ids=_long(table[:nfull], device),
+                    fp_blocks=fp_blocks,
+                    sink_slot=sink,
+                    open_slot=open_slot,
+                    open_len=s % bs,
+                    sealed_now=tuple(mine),
+                )
+            )
+        plan = SealPlan(
+            tail_dst=_long(tail_dst, device),
+            tail_src=_long(tail_src, device),
+            seal_ids=_long(seal_ids, device),
+            seal_from_new_dst=_long(new_dst, device),
+            seal_from_new_src=_long(new_src, device),
+            seal_from_tail_dst=_long(old_dst, device),
+            seal_from_tail_src=_long(old_src, device),
+            sink_pos=_long(sink_pos, device),
+            sink_slots=_long(sink_slots, device),
+            reads=tuple(reads),
+        )
+        return plan
+
+    def finish(self) -> None:
+        """After every layer applied the last plan: free the 16-bit slots it retired.
+
+        A block sealed outside the window keeps its open slot until now, because every
+        layer's seal gather reads its earlier tokens from it. So does the window copy that
+        only the plan's last query read (at a block boundary, the block ``w`` before its own):
+        the next query's window starts one block later. (Window copies a plan pushes out are
+        freed by the plan itself: nothing reads them in that step.)
+        """
+        for b in self._sealed_after:
+            if b not in self._window:
+                self._drop_fp(b)
+        self._sealed_after = []
+        for b, owner in self._read_last:  # outside every later query's window
+            if b in self._window and self._window[b] == owner:
+                self._drop_fp(b)
+        self._read_last = []
+
+    def abort(self) -> None:
+        """After a forward pass that raised (some layers may not have run the last plan): keep what a re-run needs.
+
+        The open slots of blocks the plan sealed stay (a re-run of the same tokens seals them again from
+        there; the forward writes the same K/V to the same slots, so the re-run is idempotent). A block
+        that is never re-run frees its slot when its request is freed (:meth:`release`), when the pool
+        hands the block out again (:meth:`invalidate`), or earlier as a dead block's. Window copies the
+        plan's last query read stay too (the re-run reads them).
+        """
+        self._sealed_after = []
+        self._read_last = []
