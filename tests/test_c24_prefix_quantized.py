@@ -26,14 +26,14 @@ enough that nothing is evicted):
   error against ``auto`` is at least 10x that tolerance, so a hit that served other content (float KV,
   another prefix) would fail.
 
-Two further checks state C24 where the quantize-on-seal formats (``int4``, ``int2``) do not meet it yet;
-they are strict ``xfail`` there (they pass for every other format and turn into failures once fixed):
+One further check states C24 where the quantize-on-seal formats (``int4``, ``int2``) do not meet it; it is
+a strict ``xfail`` there (it passes for every other format and turns into a failure once fixed): multi-turn
+chat (the next prompt is the previous prompt + its answer + a new message): only prompt blocks are indexed
+for those formats (``SealedGroupManager.max_indexable_tokens``, documented in the README), so blocks holding
+generated tokens are recomputed and the hit rate is lower.
 
-* multi-turn chat (the next prompt is the previous prompt + its answer + a new message): only prompt
-  blocks are indexed for those formats (``SealedGroupManager.max_indexable_tokens``, documented in the
-  README), so blocks holding generated tokens are recomputed and the hit rate is lower;
-* a prefix whose first block lost its 8-bit copy (the copy pool holds ``2 * max_num_seqs``, LRU) never
-  hits again while its blocks stay indexed: see :func:`test_c24_a_prefix_that_lost_its_first_block_copy_hits_again`.
+A prefix whose first block lost its 8-bit copy hits again after one recompute (the recompute's duplicate
+hands its fresh copy to the indexed block: ``SealedGroupManager.on_blocks_deduplicated``).
 """
 from __future__ import annotations
 
@@ -268,20 +268,18 @@ def test_c24_multi_turn_chat_hits_alike(tiny: LoadedModel, fmt: str) -> None:
     assert (stats.prefix_queries, stats.prefix_hits) == (210, 128)
 
 
-@pytest.mark.parametrize("fmt", _sealed_xfail(
-    FORMATS, "bug: an indexed first block whose 8-bit copy was evicted is never matched again "
-             "(SealedGroupManager.usable_prefix -> 0); the recompute's twin block gets the new copy but "
-             "PrefixIndex.insert_chain keeps the old copy-less entry, and the twin is freed with the request"))
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_c24_a_prefix_that_lost_its_first_block_copy_hits_again(tiny: LoadedModel, fmt: str) -> None:
     """Three distinct prompts with one seat (int4/int2 keep ``2 * max_num_seqs`` = 2 first-block copies), then
     the first prompt three more times: losing a copy may cost one recompute, like an eviction, but the
-    prefix must hit again afterwards (``auto`` hits all three repeats; int4/int2 hit none today).
+    prefix must hit again afterwards (``auto`` hits all three repeats).
 
-    Measured with ``int4``: cached tokens ``[0, 0, 0, 0, 0, 0]``, ``auto``: ``[0, 0, 0, 32, 32, 32]``.
+    Measured: ``auto`` cached tokens ``[0, 0, 0, 32, 32, 32]``; ``int4``/``int2`` ``[0, 0, 0, 0, 32, 32]``
+    (``[0, 0, 0, 0, 0, 0]`` before the duplicate handed its copy over).
     """
     rng = random.Random(5)
     prompts = [[rng.randrange(256) for _ in range(40)] for _ in range(3)]
     steps = [[p] for p in prompts] + [[list(prompts[0])] for _ in range(3)]
     cached, stats = _run(_llm(tiny, fmt, block_size=BLOCK, max_num_seqs=1), steps)
     assert cached[:3] == [0, 0, 0] and stats.evictions == 0
-    assert cached[-1] == 2 * BLOCK, f"{fmt}: the repeated prefix no longer hits: {cached}"
+    assert cached[-2:] == [2 * BLOCK] * 2, f"{fmt}: the repeated prefix no longer hits: {cached}"

@@ -366,6 +366,12 @@ class KVCacheManager:
         if num_full <= st.num_cached_blocks:
             return 0
         res = self.index.insert_chain(request, st.block_ids, st.num_cached_blocks, num_full, st.parent)
+        if res.twins:
+            # our blocks an equal indexed block stood in for, paired with it in order (insert_chain's twins)
+            dups = [b for b in st.block_ids[st.num_cached_blocks:res.num_done] if self.pool.block_hash(b) is None]
+            pairs = list(zip(dups, res.twins))
+            for g in self.groups:
+                g.on_blocks_deduplicated(pairs, self.pool.ref_count)
         st.anchors.extend(res.twins)
         st.parent, st.num_cached_blocks, st.stop_caching = res.parent, res.num_done, res.collided
         self._stored += res.num_stored

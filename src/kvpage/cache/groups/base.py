@@ -58,6 +58,10 @@ class GroupManager:
     def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
         """A request was freed and ``block_ids`` died with it (back on the free list): drop what was kept for them."""
 
+    def on_blocks_deduplicated(self, pairs: Sequence[tuple[int, int]], ref_count: Callable[[int], int]) -> None:
+        """Each ``(duplicate, original)`` pair: a request's block equals the indexed ``original``, which the index
+        keeps (the duplicate dies with the request); ``ref_count`` is the pool's count. Default: nothing."""
+
     def side_slots_free(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int | None:
         """Per-step side slots (tail slots) the next forward pass can take; ``None``: the group keeps none."""
         return None

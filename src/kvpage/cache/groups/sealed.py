@@ -78,6 +78,19 @@ class SealedGroupManager(GroupManager):
         """Free at once the tail slots of a freed request's dead blocks (its open block and window copies)."""
         self.table.release(block_ids)
 
+    def on_blocks_deduplicated(self, pairs: Sequence[tuple[int, int]], ref_count: Callable[[int], int]) -> None:
+        """Hand an original first block that lost its 8-bit copy the duplicate's fresh one.
+
+        Without it such a prefix never hits again while its blocks stay indexed (:meth:`usable_prefix` says 0,
+        the recompute's duplicate gets a copy and dies with its request). The copy is of equal tokens and
+        replaces block 0's codes when read, so a hit reads what the duplicate's request read. Only when
+        nobody but the duplicate's request references the original (a request reading the original now
+        keeps reading it as it began).
+        """
+        for dup, orig in pairs:
+            if ref_count(orig) <= 1:
+                self.table.move_sink(dup, orig)
+
     def side_slots_free(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int:
         """Tail slots the next plan can take whatever its batch (:meth:`TailTable.num_takeable`)."""
         return self.table.num_takeable(is_in_use, is_live)

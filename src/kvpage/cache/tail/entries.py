@@ -117,6 +117,14 @@ class TailEntries:
         """Drop every entry (the pool was re-allocated)."""
         self.invalidate(list(self._slot) + list(self._sink))
 
+    def move_sink(self, src: int, dst: int) -> bool:
+        """Give ``src``'s 8-bit first-block copy to ``dst`` when ``dst`` has none (blocks of equal content);
+        returns whether it moved. Call it between steps."""
+        if dst in self._sink or src not in self._sink:
+            return False
+        self._sink[dst] = self._sink.pop(src)
+        return True
+
     def _drop_fp(self, b: int) -> None:
         slot = self._slot.pop(b, None)
         if slot is not None:
