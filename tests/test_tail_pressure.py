@@ -61,9 +61,10 @@ def _agree_up_to_near_ties(tokens: list[int], ref_tokens: list[int], ref_rows: d
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int2"])
-@pytest.mark.parametrize(("max_num_seqs", "max_num_batched_tokens", "num_prompts"), [(4, 100, 4), (8, 512, 8)])
+@pytest.mark.parametrize(("max_num_seqs", "max_num_batched_tokens", "num_prompts", "tight_blocks"),
+                         [(4, 100, 4, 48), (8, 512, 8, 64)])
 def test_issue_repro_completes_like_a_run_with_ample_tail(fmt: str, max_num_seqs: int, max_num_batched_tokens: int,
-                                                          num_prompts: int) -> None:
+                                                          num_prompts: int, tight_blocks: int) -> None:
     """Prompts of 70 tokens with every sequence slot running: no forward pass fails, nobody ends in "error",
     and the outputs are those of an engine whose tail has 64 requests' worth of slots (same batching limits).
 
@@ -77,16 +78,17 @@ def test_issue_repro_completes_like_a_run_with_ample_tail(fmt: str, max_num_seqs
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     runs = []
     for ample in (False, True):
-        llm = LLM(tiny_loaded(0), kv_cache_dtype=fmt, max_num_seqs=64 if ample else max_num_seqs,
+        llm = LLM(tiny_loaded(0), kv_cache_dtype=fmt, max_num_seqs=max_num_seqs, num_blocks=512 if ample else tight_blocks, max_model_len=128,
                   max_num_batched_tokens=max_num_batched_tokens, progress=False)
-        llm.engine.scheduler.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
         rows, failures = _record(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         runs.append((llm, outs, rows, failures))
     (tight, outs, rows, failures), (_, ref_outs, ref_rows, ref_failures) = runs
     assert failures == [] and ref_failures == []
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * num_prompts
-    assert all(t.num_slots == max_num_seqs * (1 + t.window_blocks) for t in _tables(tight))
+    assert all(t.side is not None for t in _tables(tight))
+    m = tight.engine.kv.manager
+    assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks + m.num_side_blocks == tight_blocks
     for out, ref in zip(outs, ref_outs):
         mine, theirs = rows[out.request_id], ref_rows[ref.request_id]
         common = sorted(set(mine) & set(theirs))

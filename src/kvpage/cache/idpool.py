@@ -122,6 +122,19 @@ class IdPool:
             refs[i] = ref
         return out
 
+    def take_ids(self, ids: Sequence[int], *, ref: int = 0) -> None:
+        """Take these free ids out of the free list (O(num_free) each).
+
+        Raises:
+            ValueError: an id is out of range, not free, or given twice; nothing is taken.
+        """
+        if len(set(ids)) != len(ids) or any(not 0 <= i < self.num_ids or not self._is_free[i] for i in ids):
+            raise ValueError(f"{self.what}s {list(ids)} are not distinct free ids")
+        for i in ids:
+            self._free.remove(i)
+            self._is_free[i] = False
+            self._ref[i] = ref
+
     def put(self, ids: Iterable[int]) -> None:
         """Return taken, unreferenced ids to the free list, in the order given.
 

@@ -31,6 +31,7 @@ from kvpage.cache.groups import FullAttentionManager, GroupManager
 from kvpage.cache.hashing import BlockHashFn, hash_block_tokens
 from kvpage.cache.prefix_cache import ROOT, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
 from kvpage.cache.prefix_index import PrefixIndex
+from kvpage.cache.side_slots import SideSlots
 from kvpage.cache.requests import KVCacheBlocks, KVCacheStats, KVRequest, MatchResult, SupportsKVCache
 
 __all__ = ["BlockRemoved", "BlockStored", "KVCacheBlocks", "KVCacheEvent", "KVCacheManager", "KVCacheStats",
@@ -49,7 +50,7 @@ class _ReqState:
     stop_caching: bool = False  # a hash collision stopped this request's chain
 
 
-class KVCacheManager:
+class KVCacheManager(SideSlots):
     """Prefix-cached paged KV bookkeeping for a scheduler: match, allocate, cache, free.
 
     Args:
@@ -64,9 +65,11 @@ class KVCacheManager:
         max_buffered_events: the buffer keeps the newest this many events.
         record_block_changes: keep newly stored and evicted ``(block id, hash)`` pairs for
             :meth:`take_block_changes` (a tier connector needs them); off by default.
+        pool: the block pool, when group managers were built over it (side space carved from it,
+            :func:`~kvpage.cache.groups.manager_for`); default a new one of ``num_blocks``.
 
     Raises:
-        ValueError: ``num_blocks < 0``, ``block_size <= 0`` or no group.
+        ValueError: ``num_blocks < 0``, ``block_size <= 0``, no group, or a pool of another size.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class KVCacheManager:
         enable_events: bool = False,
         max_buffered_events: int = 1_000_000,
         record_block_changes: bool = False,
+        pool: PrefixBlockPool | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -88,11 +92,15 @@ class KVCacheManager:
         self.groups: tuple[GroupManager, ...] = tuple(groups) if groups is not None else (FullAttentionManager(),)
         if not self.groups:
             raise ValueError("a KVCacheManager needs at least one group manager")
-        self.pool = PrefixBlockPool(num_blocks)
+        if pool is not None and pool.num_blocks != num_blocks:
+            raise ValueError(f"the pool has {pool.num_blocks} blocks, not {num_blocks}")
+        self.pool = PrefixBlockPool(num_blocks) if pool is None else pool
         self.index = PrefixIndex(self.pool, block_size, hash_fn)
         self.events = KVEventBus(self.pool, buffer=enable_events, max_buffered=max_buffered_events,
                                  record_changes=record_block_changes)
         self._reqs: dict[str, _ReqState] = {}
+        if any(g.drops_on_eviction for g in self.groups):
+            self.events.subscribe(self._on_event)
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
         self._device_hit_blocks = 0
 
@@ -275,7 +283,12 @@ class KVCacheManager:
         """
         need, available = self._plan(request, num_new_tokens, match, num_external_tokens)
         if need > available:
-            return None
+            keep = match.block_ids if match is not None else ()
+            if not sum(g.side_shrink(self.is_in_use, keep) for g in self.groups):  # idle first-block copies
+                return None
+            need, available = self._plan(request, num_new_tokens, match, num_external_tokens)
+            if need > available:
+                return None
         st = self._reqs.get(request.request_id)
         if st is not None:
             new = self._take(max(need, 0))
@@ -412,33 +425,6 @@ class KVCacheManager:
         if dead:
             for g in self.groups:
                 g.on_blocks_freed(dead)
-
-    # -- side slots (the tail pool of quantize-on-seal groups) ------------------------------------
-
-    def side_slots_free(self) -> tuple[int | None, ...]:
-        """Per group, the side slots the next forward pass can take (``None``: the group keeps none); no side effects."""
-        return tuple(g.side_slots_free(self.is_in_use, self.is_live) for g in self.groups)
-
-    def side_slots_needed(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
-                          match: MatchResult | None = None) -> tuple[int, ...]:
-        """Per group, the side slots a chunk of ``num_new_tokens`` after ``num_computed`` takes in its step.
-
-        Counted before :meth:`allocate_slots` (the blocks it would add are new: nothing kept for them).
-        A step fits when, per group, the sum over its chunks is at most :meth:`side_slots_free`.
-
-        Args:
-            request: the request (held blocks, or being admitted with ``match``).
-            num_computed: tokens already in the cache before the chunk (its first position).
-            num_new_tokens: tokens of the chunk.
-            match: the admission's device match (its blocks are the request's first ones); ignored once
-                the request holds blocks.
-
-        Raises:
-            ValueError: negative counts.
-        """
-        st = self._reqs.get(request.request_id)
-        held: Sequence[int] = st.block_ids if st is not None else (match.block_ids if match is not None else ())
-        return tuple(g.side_slots_needed(request, held, num_computed, num_new_tokens) for g in self.groups)
 
     def preempt(self, request: SupportsKVCache | str, *, keep: Sequence[int] = ()) -> bool:
         """:meth:`free` a running request to recompute it later (vLLM v1), counting a preemption if it held blocks.

@@ -37,7 +37,7 @@ tokens in its radix tree — we do the latter with the former as the key).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpage.cache.idpool import IdPool
@@ -112,6 +112,7 @@ class PrefixBlockPool:
         self._children_in_use = [0] * num_blocks  # cached children with ref > 0
         self._index: dict[bytes, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, ref 0 (evictable), least recent first
+        self._side: set[int] = set()  # claimed as side space (tail slots of quantize-on-seal formats)
         self.num_evictions = 0
         #: Called with the ids :meth:`allocate` hands out (their old content is gone); the tail pool of
         #: quantize-on-seal formats drops its entries for them (:meth:`kvpage.cache.tail.TailTable.invalidate`).
@@ -132,7 +133,12 @@ class PrefixBlockPool:
     @property
     def num_in_use(self) -> int:
         """Blocks with ref count > 0."""
-        return self._ids.num_taken - len(self._idle)
+        return self._ids.num_taken - len(self._idle) - len(self._side)
+
+    @property
+    def num_side(self) -> int:
+        """Blocks claimed as side space (:meth:`claim`); ``free + evictable + in use + side == num_blocks``."""
+        return len(self._side)
 
     @property
     def num_cached(self) -> int:
@@ -141,8 +147,8 @@ class PrefixBlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1] (evictable blocks count as not in use, as in vLLM)."""
-        return self.num_in_use / self.num_blocks if self.num_blocks else 0.0
+        """Fraction of blocks in use or side space, in [0, 1] (evictable blocks count as not in use, as in vLLM)."""
+        return (self.num_in_use + len(self._side)) / self.num_blocks if self.num_blocks else 0.0
 
     def ref_count(self, block_id: int) -> int:
         """Current ref count of ``block_id``.
@@ -385,20 +391,65 @@ class PrefixBlockPool:
                 self._idle[b] = None
                 self._idle.move_to_end(b, last=False)
                 raise RuntimeError(f"leaves-first eviction broken: block {b} has {self._children[b]} cached children")
-            h = self._hash[b]
-            key = self._key[b]
-            assert h is not None and key is not None
-            del self._index[h]
-            self._hash[b] = None
-            self._key[b] = None
-            parent = key[0]
-            if parent != ROOT:
-                self._children[parent] -= 1
-            self.num_evictions += 1
-            if self.on_event is not None:
-                self.on_event(BlockRemoved(h, b))
+            self._forget(b)
             out.append(b)
         return out
+
+    def _forget(self, b: int) -> None:
+        """Take idle leaf ``b`` (already out of the idle set) out of the index, with its event."""
+        h, key = self._hash[b], self._key[b]
+        assert h is not None and key is not None
+        del self._index[h]
+        self._hash[b] = self._key[b] = None
+        if key[0] != ROOT:
+            self._children[key[0]] -= 1
+        self.num_evictions += 1
+        if self.on_event is not None:
+            self.on_event(BlockRemoved(h, b))
+
+    # -- side space ------------------------------------------------------------------------------
+
+    def claimable(self, b: int, protected: frozenset[int] | set[int] = frozenset(), *, evict: bool = True) -> bool:
+        """Whether :meth:`claim` may take ``b``: free, or (``evict``) evictable and not in ``protected``.
+
+        No side effects. Claim evictable blocks only where the tier connector hears of the evictions
+        before the next forward pass overwrites them (the scheduler's reservations), never inside one.
+        """
+        if b in self._side or self._ids.refs[b]:
+            return False
+        return self._hash[b] is None or (evict and b not in protected)
+
+    def claim(self, block_ids: Sequence[int]) -> None:
+        """Take claimable blocks (:meth:`claimable`) out of the pool as side space (ref 0, neither free nor cached).
+
+        An evictable block is evicted first, with its cached descendants (all evictable; they go to the free
+        list), so the index stays a tree. Raises ``ValueError`` (nothing changed) if a block is not claimable.
+        """
+        if any(not self.claimable(b) for b in block_ids):
+            raise ValueError(f"blocks {list(block_ids)} are not all claimable (free or evictable)")
+        for b in block_ids:
+            if self._hash[b] is not None:
+                self._evict_subtree(b)
+                self._side.add(b)  # taken with ref 0 already
+            else:
+                self._ids.take_ids([b])
+                self._side.add(b)
+
+    def _evict_subtree(self, b: int) -> None:
+        """Evict idle ``b`` and its cached descendants (descendants to the free list, ``b`` stays taken)."""
+        kids = [x for x in self._idle if self._key[x] is not None and self._parent(x) == b] if self._children[b] else []
+        for x in kids:
+            self._evict_subtree(x)
+            self._ids.put([x])
+        del self._idle[b]
+        self._forget(b)
+
+    def unclaim(self, block_ids: Sequence[int]) -> None:
+        """Give side blocks back to the free list (``ValueError``, nothing changed, if one is not side space)."""
+        if any(b not in self._side for b in block_ids):
+            raise ValueError(f"blocks {list(block_ids)} are not all side space")
+        self._side.difference_update(block_ids)
+        self._ids.put(block_ids)
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -410,14 +461,16 @@ class PrefixBlockPool:
         """
         self._ids.validate()
         free_set = set(self._ids.free_ids())
-        assert self.num_free + self.num_evictable + self.num_in_use == self.num_blocks
+        assert self.num_free + self.num_evictable + self.num_in_use + self.num_side == self.num_blocks
         children = [0] * self.num_blocks
         children_in_use = [0] * self.num_blocks
         for b in range(self.num_blocks):
             r, h, k = self._ids.ref_count(b), self._hash[b], self._key[b]
             assert r >= 0, f"block {b}: negative ref count {r}"
             assert (h is None) == (k is None), f"block {b}: hash and key disagree"
-            assert (b in free_set) == (r == 0 and h is None), f"block {b}: ref {r}, cached {h is not None}, free list"
+            side = b in self._side
+            assert not (side and (r or h is not None)), f"side block {b} is referenced or cached"
+            assert (b in free_set) == (r == 0 and h is None and not side), f"block {b}: ref {r}, free list"
             assert (b in self._idle) == (r == 0 and h is not None), f"block {b}: ref {r}, evictable set"
             if h is not None and k is not None:
                 assert self._index.get(h) == b, f"block {b} is cached but the index points elsewhere"

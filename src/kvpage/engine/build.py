@@ -20,6 +20,7 @@ import torch
 from kvpage.cache.controller import CacheController, LayerCache
 from kvpage.cache.groups import GroupManager, SealedGroupManager, manager_for
 from kvpage.cache.manager import KVCacheManager
+from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.cache.tail import TailPool
 from kvpage.engine.capacity import CapacityReport, build_spec, kv_capacity
 from kvpage.engine.memory import KVBudget, resolve_kv_budget
@@ -75,7 +76,8 @@ class BuiltEngine:
 
     @property
     def side_pool_bytes(self) -> int:
-        """Bytes of every tail pool (0 without block-wise formats)."""
+        """Bytes the tail pools allocate beside the block pool (0 without block-wise formats; over side groups
+        only the first-block copies' scales: their rows are pool blocks)."""
         return sum(t.nbytes for t in self.tails.values())
 
 
@@ -101,8 +103,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     capacity = kv_capacity(config, mc, budget.bytes, seq_len=max_model_len, spec=spec)
     num_blocks = capacity.num_blocks
     controller = CacheController(spec, device)
-    groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens)
-                   for g in spec.groups)
+    pool = PrefixBlockPool(num_blocks)  # side space of quantize-on-seal groups is carved from it on demand
+    groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
+                               pool=pool, max_model_len=max_model_len) for g in spec.groups)
     caches = dict(controller.initialize_kv_cache(num_blocks))
 
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
@@ -114,7 +117,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     connector = None if offload is None else TieredConnector(offload, spec.block_size)
     manager = KVCacheManager(num_blocks, spec.block_size, groups=groups,
                              enable_caching=config.enable_prefix_caching,
-                             record_block_changes=connector is not None)
+                             record_block_changes=connector is not None, pool=pool)
     kv = SchedulerKVCache(manager, connector)
 
     tails: dict[str, TailPool] = {}
@@ -122,7 +125,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     for g, group_spec in zip(groups, spec.groups):
         tail = None
         if isinstance(g, SealedGroupManager):
-            tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.layers)
+            tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.layers, caches=caches)
             tails[g.name] = tail
         ops = select_backend(config.attention_backend, spec.layer(group_spec.layer_indices[0]), device)
         backends.append(group_attention_for(spec, g, caches, tail=tail, is_live=manager.is_live,

@@ -7,15 +7,18 @@ and the README table comes from ``python -m kvpage.engine.capacity``. It counts
 everything the engine allocates for the KV cache:
 
 * the device blocks of every layer group (codes, scales, zero points; scale tensors included);
-* the side pools of quantize-on-seal formats (``int4``, ``int2``; see
-  :mod:`kvpage.cache.tail`): a 16-bit open-block slot per running request, the
-  16-bit window copies of ``kv_quant_residual_tokens``, and the 8-bit first-block
-  copies, all sized by ``max_num_seqs`` and paid out of the same budget.
+* the side space of quantize-on-seal formats (``int4``, ``int2``; see
+  :mod:`kvpage.cache.tail`): the 16-bit open-block slots, the 16-bit window copies of
+  ``kv_quant_residual_tokens`` and the 8-bit first-block copies. They are carved out of
+  the block pool while running requests hold them (:mod:`kvpage.cache.tail.side`:
+  ``r = 16 / bits`` pool blocks per slot), so they are no reservation: the report counts
+  the pool's blocks, and allocated beside it are only the first-block copies' scales
+  (:attr:`CapacityReport.sink_bytes`). Where the layout does not allow it (a head
+  dimension the packing does not divide, fewer than ``r`` blocks) the old fixed pools
+  sized by ``max_num_seqs`` are reserved and counted instead.
 
 "x more tokens" compares the tokens that fit with the tokens a cache in the model's
-dtype (no side pools) holds in the same bytes, so side pools lower it: at 512 MiB on
-SmolLM2-135M, ``int4`` holds 5.76x the float32 cache's tokens, not the 7.01x its bytes
-per pool token alone would suggest.
+dtype holds in the same bytes.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpage.cache.groups import SealedGroupManager, manager_for
 from kvpage.cache.tail import TailPool
+from kvpage.cache.tail.side import blocks_per_slot, carved_blocks_per_slot
+from kvpage.formats import BlockFormat, SealedFormat
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -84,14 +89,19 @@ class CapacityReport:
         num_blocks: device blocks (every layer group has this many).
         bytes_per_block: bytes of one block across all layer groups.
         group_bytes: layer group name -> bytes of its device tensors (``num_blocks x`` its bytes per block).
-        tail_open_bytes: side pool bytes of the 16-bit open-block slots (one per running request).
-        tail_window_bytes: side pool bytes of the 16-bit window copies (``kv_quant_residual_tokens``).
-        sink_bytes: side pool bytes of the 8-bit first-block copies (two per running request).
+        tail_open_bytes: fixed side pool bytes of the 16-bit open-block slots (one per running request; 0 when
+            the slots are carved from the block pool, see :attr:`side_blocks_per_slot`).
+        tail_window_bytes: fixed side pool bytes of the 16-bit window copies (``kv_quant_residual_tokens``; 0
+            when carved from the block pool).
+        sink_bytes: bytes allocated beside the pool for the 8-bit first-block copies (fixed pools: two per
+            running request; carved from the pool: their scales only).
         budget_bytes: the budget the figures are for (with ``num_blocks`` given: what is allocated).
         reference_bytes_per_block: bytes of one block of the model-dtype cache (same block size).
         reference_tokens: tokens a model-dtype cache (no side pools) holds in ``budget_bytes``.
         seq_len: tokens per request for :attr:`max_concurrency` (``max_model_len`` by default).
-        max_num_seqs: the scheduler's cap on running requests (sizes the side pools).
+        max_num_seqs: the scheduler's cap on running requests (sizes fixed side pools).
+        side_blocks_per_slot: pool blocks one 16-bit tail slot (or first-block copy) takes while a request
+            holds it, when side space is carved from the pool; 0 for fixed side pools or none.
     """
 
     kv_format: str
@@ -108,6 +118,7 @@ class CapacityReport:
     reference_tokens: int
     seq_len: int
     max_num_seqs: int
+    side_blocks_per_slot: int = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -164,14 +175,51 @@ class CapacityReport:
 
     def summary(self) -> str:
         """One line: format, blocks, tokens, bytes and side pools (the start-up line's cache part)."""
+        carved = (f", 16-bit tail slots taken from the pool on demand ({self.side_blocks_per_slot} blocks each)"
+                  if self.side_blocks_per_slot else "")
         return (f"{self.kv_format} KV cache: {self.num_blocks:,} blocks x {self.block_size} tokens = "
                 f"{self.tokens:,} tokens in {self.pool_bytes / MiB:.1f} MiB "
-                f"(+{self.side_pool_bytes / MiB:.1f} MiB side pools); max concurrency "
+                f"(+{self.side_pool_bytes / MiB:.1f} MiB side pools{carved}); max concurrency "
                 f"{self.max_concurrency:.2f}x at {self.seq_len:,} tokens per request")
 
 
+def _carved(spec: CacheSpec, num_blocks: int | None, max_model_len: int, residual_tokens: int) -> int:
+    """The largest ``r`` over the block-wise groups whose tail a pool of ``num_blocks`` (``None``: any size)
+    carves (0: no block-wise group), or -1 when one does not (then every group is counted with fixed pools;
+    the builder decides the same way, :func:`~kvpage.cache.tail.side.carved_blocks_per_slot`)."""
+    rs = []
+    for g in spec.groups:
+        if isinstance(g.layer.format, BlockFormat):
+            w = -(-residual_tokens // g.layer.block_size)
+            n = 1 << 62 if num_blocks is None else num_blocks
+            rs.append(carved_blocks_per_slot(g.layer, n, max_model_len, w))
+    if any(r is None for r in rs):
+        return -1
+    return max((r for r in rs if r is not None), default=0)
+
+
+def _scale_bytes(spec: CacheSpec, num_blocks: int) -> int:
+    """Bytes of the first-block copies' scales of every carving group over a pool of ``num_blocks`` blocks."""
+    total = 0
+    for group in spec.groups:
+        fmt, r = group.layer.format, blocks_per_slot(group.layer)
+        if r is not None and isinstance(fmt, SealedFormat) and fmt.sink_bits:
+            total += TailPool.scale_bytes_for(spec, 2 * (num_blocks // r), layers=group.layer_indices)
+    return total
+
+
+def _carved_blocks(budget: int, bpb: int, spec: CacheSpec) -> int:
+    """The most blocks whose pool plus first-block scales fit ``budget`` (scales grow with the blocks)."""
+    n = budget // bpb
+    while n > 0 and n * bpb + _scale_bytes(spec, n) > budget:
+        over = n * bpb + _scale_bytes(spec, n) - budget
+        n -= max(1, over // (2 * bpb))
+    return max(n, 0)
+
+
 def _tail_bytes(spec: CacheSpec, config: EngineConfig) -> tuple[int, int, int]:
-    """(open, window, sink) side pool bytes, from the same group managers and tail formula the builder uses."""
+    """(open, window, sink) fixed side pool bytes, from the same group managers and tail formula the builder
+    uses when it does not carve them from the pool."""
     open_b = window_b = sink_b = 0
     for group in spec.groups:
         g = manager_for(group, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens)
@@ -224,15 +272,25 @@ def kv_capacity(
             after them (the message gives the bytes needed and the bytes given).
     """
     spec = build_spec(config, model) if spec is None else spec
-    open_b, window_b, sink_b = _tail_bytes(spec, config)
-    side = open_b + window_b + sink_b
     per_block = {g.name: g.bytes_per_block for g in spec.groups}
     bpb = sum(per_block.values())
-    if config.num_blocks is not None:
-        num_blocks = config.num_blocks
-        budget = num_blocks * bpb + side
+    max_len = config.max_model_len or int(model.max_position_embeddings)  # (build_engine's max_model_len)
+    r = _carved(spec, None, max_len, config.residual_tokens)
+    budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
+    if r > 0 and config.num_blocks is None:
+        num_blocks = _carved_blocks(budget, bpb, spec)
     else:
-        budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
+        num_blocks = config.num_blocks if config.num_blocks is not None else 0
+    if r > 0 and _carved(spec, num_blocks, max_len, config.residual_tokens) > 0:  # as manager_for decides
+        open_b = window_b = 0
+        sink_b = _scale_bytes(spec, num_blocks)
+    else:
+        open_b, window_b, sink_b = _tail_bytes(spec, config)
+        r = 0
+    side = open_b + window_b + sink_b
+    if config.num_blocks is not None:
+        budget = num_blocks * bpb + side
+    elif r == 0:
         if budget < side + bpb:
             knob = ("kv_cache_memory_fraction" if config.kv_cache_memory_fraction is not None
                     else "kv_cache_memory_bytes")
@@ -257,7 +315,7 @@ def kv_capacity(
         group_bytes={n: int(num_blocks) * b for n, b in per_block.items()},
         tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
         reference_bytes_per_block=ref_bpb, reference_tokens=(int(budget) // ref_bpb) * spec.block_size,
-        seq_len=int(seq_len), max_num_seqs=config.max_num_seqs,
+        seq_len=int(seq_len), max_num_seqs=config.max_num_seqs, side_blocks_per_slot=r,
     )
 
 

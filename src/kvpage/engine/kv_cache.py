@@ -184,9 +184,22 @@ class SchedulerKVCache:
         m, ext = self._split(match)
         return self.manager.can_allocate(request, num_new_tokens, m, num_external_tokens=ext.num_tokens)
 
-    def side_slots_free(self) -> tuple[int | None, ...]:
-        """Per layer group, the tail slots the next forward pass can take (see :meth:`KVCacheManager.side_slots_free`)."""
-        return self.manager.side_slots_free()
+    def side_reserve(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
+                     match: TieredMatch | MatchResult | None = None) -> tuple[int, ...] | None:
+        """Promise a chunk's tail slots to the next forward pass (see :meth:`KVCacheManager.side_reserve`); the
+        cached blocks evicted for them go to the connector at once (the pass overwrites them)."""
+        m, _ = self._split(match)
+        need = self.manager.side_reserve(request, num_computed, num_new_tokens, m)
+        self._sync_block_changes()
+        return need
+
+    def side_unreserve(self, need: Sequence[int]) -> None:
+        """Give back a :meth:`side_reserve` promise."""
+        self.manager.side_unreserve(need)
+
+    def side_release(self) -> None:
+        """Forget every promise of tail slots (before scheduling a step)."""
+        self.manager.side_release()
 
     def side_slots_needed(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
                           match: TieredMatch | MatchResult | None = None) -> tuple[int, ...]:

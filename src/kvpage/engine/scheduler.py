@@ -19,11 +19,12 @@ scheduler, reduced to one KV-cache group):
    from then on): a failing tier never fails a request.
 
 Quantize-on-seal formats (``int4``, ``int2``) also need 16-bit tail slots in each
-step (open blocks, window copies; :mod:`kvpage.cache.tail`), counted like
-blocks: a chunk whose slots the tail cannot supply is first cut back to a block
-boundary (a block that fills is sealed and needs no new slot), and when even
-that does not fit, a running request is preempted (a waiting one waits), so the
-forward pass never runs out of tail slots.
+step (open blocks, window copies, first-block copies; :mod:`kvpage.cache.tail`),
+carved out of the block pool: each chunk's slots are promised (their blocks claimed)
+before its blocks are allocated. A chunk whose slots cannot be promised is first cut
+back to a block boundary (a block that fills is sealed and needs no new slot), and
+when even that does not fit, a running request is preempted (a waiting one waits),
+so the forward pass never runs out of tail slots.
 
 Tensor-free: the scheduler sees requests and block ids through the
 :class:`~kvpage.engine.kv_cache.SchedulerKVCache` (the device manager, and the
@@ -119,53 +120,62 @@ class SchedulerOutput:
 
 
 class _SideSlots:
-    """One step's tail-slot accounting: the slots each scheduled chunk's seal plan will take, per layer group.
+    """One step's tail slots: each scheduled chunk's are promised (over side groups: claimed out of the block
+    pool) before its blocks are allocated, so the allocation sees what is left and the plan never runs short.
 
-    Free counts are read afresh on every check (preempting a request frees its slots at once); a group
-    without side slots (``None``) never limits a chunk.
+    A chunk that leaves the step gives its promise back; promises the step's plan did not use are dropped
+    when it finishes (and before the next step is scheduled).
     """
 
     def __init__(self, kv: SchedulerKVCache) -> None:
         self.kv = kv
-        free = kv.side_slots_free()
-        self.active = any(f is not None for f in free)
-        self.used = [0] * len(free)
+        kv.side_release()
         self.booked: dict[str, tuple[int, ...]] = {}
 
-    def fits(self, req: Request, start: int, n: int, match: TieredMatch | None = None) -> bool:
-        """Whether a chunk of ``n`` tokens after ``start`` fits next to the chunks booked so far."""
-        if not self.active:
-            return True
-        need = self.kv.side_slots_needed(req, start, n, match)
-        return all(f is None or u + x <= f for f, u, x in zip(self.kv.side_slots_free(), self.used, need))
+    def _try(self, req: Request, start: int, n: int, match: TieredMatch | None) -> bool:
+        need = self.kv.side_reserve(req, start, n, match)
+        if need is None:
+            return False
+        if any(need):
+            self.booked[req.request_id] = need
+        return True
 
     def fit(self, req: Request, start: int, n: int, *, chunkable: bool, match: TieredMatch | None = None) -> int:
-        """The most of ``n`` tokens that fit: ``n``, else (``chunkable``) the longest chunk ending on a block
-        boundary that fits, else 0."""
-        if self.fits(req, start, n, match):
+        """The most of ``n`` tokens whose tail slots can be promised, promising them: ``n``, else (``chunkable``)
+        the longest chunk ending on a block boundary, else 0 (nothing promised)."""
+        self.give_back(req)
+        if self._try(req, start, n, match):
             return n
         if not chunkable:
             return 0
         bs = self.kv.block_size
         end = (start + n) // bs * bs
         while end > start:
-            if self.fits(req, start, end - start, match):
+            if self._try(req, start, end - start, match):
                 return end - start
             end -= bs
         return 0
 
-    def book(self, req: Request, start: int, n: int) -> None:
-        """Count the scheduled chunk's slots (call after its blocks are allocated)."""
-        if self.active:
-            need = self.kv.side_slots_needed(req, start, n)
-            self.used = [u + x for u, x in zip(self.used, need)]
-            self.booked[req.request_id] = need
+    def widen(self, req: Request, start: int, n: int, extra: int) -> int:
+        """Re-promise the request's chunk as ``[start, start + n + e)`` for the largest ``e <= extra`` that fits
+        (``e`` shrinks so the chunk's end keeps its offset in the block, then by blocks); returns ``e``."""
+        bs = self.kv.block_size
+        while extra > 0:
+            self.give_back(req)
+            if self._try(req, start, n + extra, None):
+                return extra
+            extra -= (extra % bs) or bs  # same end offset: same tail need
+        self.give_back(req)
+        if not self._try(req, start, n, None):  # (rare: a load fell short and the earlier start needs more slots)
+            logger.warning("tail slots of request %s could not be promised again; its plan takes free ones",
+                           req.request_id)
+        return 0
 
     def give_back(self, req: Request) -> None:
-        """Uncount a chunk taken back from the step (its request was preempted)."""
+        """Take back the promise of a chunk that leaves the step (its request was preempted or must wait)."""
         need = self.booked.pop(req.request_id, None)
         if need is not None:
-            self.used = [u - x for u, x in zip(self.used, need)]
+            self.kv.side_unreserve(need)
 
 
 class Scheduler:
@@ -237,6 +247,7 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, n) if n else None
                 if blocks is not None:
                     break
+                side.give_back(req)
                 # Preempt the most recently admitted request; if it was already scheduled
                 # this step (a decode ahead of this prefill), take its chunk back too.
                 victim = self.running[-1]
@@ -252,7 +263,6 @@ class Scheduler:
                     break
             if blocks is None:
                 continue
-            side.book(req, req.num_computed_tokens, n)
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
             budget -= n
         # 2. waiting: FCFS admission, unless this step had to preempt.
@@ -273,9 +283,11 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, n, match)
             except TierLoadError as e:  # the tier is a cache: recompute what it failed to load
                 logger.warning("%s; recomputing it", e)
+                side.give_back(req)
                 req.tier_load_failed = True
                 continue
             if blocks is None:
+                side.give_back(req)
                 break
             self.waiting.popleft()
             # what really arrived: a store record that misses at read time leaves more to compute; the
@@ -283,8 +295,8 @@ class Scheduler:
             computed = blocks.num_computed_tokens if blocks.num_computed_tokens is not None else match.num_cached_tokens
             short = match.num_computed_tokens - computed
             extra = min(short, budget - n) if self.config.enable_chunked_prefill else short
-            while extra > 0 and not side.fits(req, computed, n + extra):
-                extra -= (extra % self.kv.block_size) or self.kv.block_size  # same end offset: same tail need
+            if short:  # the chunk starts earlier than promised: promise its slots again
+                extra = side.widen(req, computed, n, extra)
             if extra > 0:
                 blocks = self.kv.allocate_slots(req, extra)
                 assert blocks is not None and not blocks.new_block_ids
@@ -294,7 +306,6 @@ class Scheduler:
                 req.num_cached_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            side.book(req, computed, n)
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
             budget -= n
         return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from kvpage.cache.groups.base import FullAttentionManager, GroupManager
 from kvpage.cache.groups.sealed import SealedGroupManager
+from kvpage.cache.prefix_cache import PrefixBlockPool
+from kvpage.cache.tail.side import SideGroups, carved_blocks_per_slot
 from kvpage.formats import BlockFormat, SealedFormat
 from kvpage.spec import LayerGroupSpec
 
@@ -21,14 +23,20 @@ def manager_for(
     *,
     max_num_seqs: int,
     residual_tokens: int,
+    pool: PrefixBlockPool | None = None,
+    max_model_len: int | None = None,
 ) -> GroupManager:
     """The group manager for ``group``, chosen by the kind of its format.
 
     Args:
         group: the layer group.
-        max_num_seqs: requests running at once (sizes a block-wise group's tail: one open slot
+        max_num_seqs: requests running at once (sizes a block-wise group's fixed tail: one open slot
             and the window's slots per request, two first-block slots per request).
         residual_tokens: full-precision window of block-wise formats, in tokens (``kv_quant_residual_tokens``).
+        pool: the device block pool; a block-wise group then takes its tail slots and first-block copies
+            out of it on demand (:class:`~kvpage.cache.tail.side.SideGroups`) when its layout allows
+            (:func:`~kvpage.cache.tail.side.carved_blocks_per_slot`), instead of fixed pools for ``max_num_seqs``.
+        max_model_len: longest request, in tokens (a carving pool must hold one beside its side space).
 
     Raises:
         ValueError: ``max_num_seqs < 1`` or ``residual_tokens < 0``.
@@ -38,7 +46,13 @@ def manager_for(
     fmt = group.layer.format
     if isinstance(fmt, BlockFormat):
         window = -(-residual_tokens // group.layer.block_size)
-        sinks = 2 * max_num_seqs if isinstance(fmt, SealedFormat) and fmt.sink_bits else 0
-        return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window), num_sink_slots=sinks,
+        sink = isinstance(fmt, SealedFormat) and bool(fmt.sink_bits)
+        r = (None if pool is None else
+             carved_blocks_per_slot(group.layer, pool.num_blocks, max_model_len, window))
+        if pool is not None and r is not None:
+            side = SideGroups(pool, r)
+            return SealedGroupManager(group, num_slots=side.num_groups, num_sink_slots=2 * side.num_groups * sink,
+                                      window_blocks=window, side=side)
+        return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window), num_sink_slots=2 * max_num_seqs * sink,
                                   window_blocks=window)
     return FullAttentionManager(group)

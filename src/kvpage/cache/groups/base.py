@@ -62,9 +62,31 @@ class GroupManager:
         """Each ``(duplicate, original)`` pair: a request's block equals the indexed ``original``, which the index
         keeps (the duplicate dies with the request); ``ref_count`` is the pool's count. Default: nothing."""
 
-    def side_slots_free(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int | None:
-        """Per-step side slots (tail slots) the next forward pass can take; ``None``: the group keeps none."""
-        return None
+    def side_reserve(self, need: int, protected: Sequence[int], is_in_use: Callable[[int], bool],
+                     is_live: Callable[[int], bool]) -> bool:
+        """Promise ``need`` side slots (:meth:`side_slots_needed`) to the next forward pass, all or none; whether
+        they were promised (``protected``: cached blocks a match is about to use). Default: nothing to promise."""
+        return True
+
+    def side_unreserve(self, need: int) -> None:
+        """Take back a promise of :meth:`side_reserve` (its chunk left the step)."""
+
+    def side_release(self) -> None:
+        """Forget every promise (before a step is scheduled)."""
+
+    def side_shrink(self, is_in_use: Callable[[int], bool], keep: Sequence[int]) -> int:
+        """Give optional side space back to the pool (the pool ran short); returns how much. Default: none."""
+        return 0
+
+    @property
+    def drops_on_eviction(self) -> bool:
+        """Whether evicted blocks must be reported (:meth:`on_blocks_freed`) at once: side space kept for them
+        is pool space. Default: no."""
+        return False
+
+    def side_blocks(self) -> int:
+        """Device blocks the group holds as side space now (tail slots carved from the pool); default 0."""
+        return 0
 
     def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
                           num_new_tokens: int) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from kvpage.cache.groups.base import GroupManager
 from kvpage.cache.requests import SupportsKVCache
 from kvpage.cache.tail import TailTable
+from kvpage.cache.tail.side import SideGroups
 from kvpage.spec import LayerGroupSpec
 
 
@@ -24,6 +25,7 @@ class SealedGroupManager(GroupManager):
         num_slots: 16-bit tail slots (open blocks + window copies), >= 1.
         num_sink_slots: 8-bit first-block slots (0 disables first-block copies).
         window_blocks: sealed blocks per request that keep a 16-bit copy (``ceil(residual_tokens / block_size)``).
+        side: take slots out of the device block pool on demand (:class:`~kvpage.cache.tail.side.SideGroups`).
 
     Raises:
         ValueError: bad tail sizes (see :class:`~kvpage.cache.tail.TailTable`).
@@ -36,11 +38,13 @@ class SealedGroupManager(GroupManager):
         num_slots: int,
         num_sink_slots: int,
         window_blocks: int,
+        side: SideGroups | None = None,
     ) -> None:
         super().__init__(group)
         #: Global indices of the group's layers (whose tail tensors it books).
         self.layers: range = group.layer_indices
-        self.table = TailTable(group.layer.block_size, num_slots, num_sink_slots, window_blocks)
+        self.table = TailTable(group.layer.block_size, num_slots, num_sink_slots, window_blocks, side)
+        self._reserved = 0  # fixed pools: slots promised to the next plan
 
     @property
     def supports_swap(self) -> bool:
@@ -91,16 +95,63 @@ class SealedGroupManager(GroupManager):
             if ref_count(orig) <= 1:
                 self.table.move_sink(dup, orig)
 
-    def side_slots_free(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int:
-        """Tail slots the next plan can take whatever its batch (:meth:`TailTable.num_takeable`)."""
-        return self.table.num_takeable(is_in_use, is_live)
+    def side_reserve(self, need: int, protected: Sequence[int], is_in_use: Callable[[int], bool],
+                     is_live: Callable[[int], bool]) -> bool:
+        """Promise ``need`` tail slots to the next plan, all or none; whether they were promised.
+
+        Over side groups the groups are claimed out of the block pool now (evicting cached blocks no request
+        uses, never ``protected`` ones), so the step's block allocations cannot take them; over fixed pools
+        the promise is counted against :meth:`TailTable.num_takeable`.
+        """
+        side = self.table.side
+        if side is not None:
+            if side.reserve(need, protected):
+                return True
+            # first-block copies of idle cached prefixes hold groups too: give them up before the step waits
+            return bool(self.table.drop_idle_sinks(is_in_use, protected)) and side.reserve(need, protected)
+        if self._reserved + need > self.table.num_takeable(is_in_use, is_live):
+            return False
+        self._reserved += need
+        return True
+
+    def side_unreserve(self, need: int) -> None:
+        """Take back a promise of ``need`` slots (its chunk left the step)."""
+        if self.table.side is not None:
+            self.table.side.unreserve(need)
+        else:
+            self._reserved = max(0, self._reserved - need)
+
+    def side_release(self) -> None:
+        """Forget every promise (before a step is scheduled; the plan's :meth:`TailTable.finish` does it too)."""
+        self._reserved = 0
+        if self.table.side is not None:
+            self.table.side.release_spare()
+
+    @property
+    def drops_on_eviction(self) -> bool:
+        """Over side groups: an evicted first block's 8-bit copy gives its blocks back at once."""
+        return self.table.side is not None
+
+    def side_shrink(self, is_in_use: Callable[[int], bool], keep: Sequence[int]) -> int:
+        """Give the pool back the groups of idle first-block copies (not ``keep``'s); returns how many copies."""
+        return self.table.drop_idle_sinks(is_in_use, keep) if self.table.side is not None else 0
+
+    def side_blocks(self) -> int:
+        """Pool blocks the group's tail and first-block copies hold now (0 over fixed pools)."""
+        side = self.table.side
+        return 0 if side is None else side.num_held * side.r
 
     def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
                           num_new_tokens: int) -> int:
-        """Tail slots the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the engine's plans)."""
+        """Tail slots the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the engine's
+        plans); over side groups also the group of the first block's 8-bit copy when the chunk seals that block."""
         prompt = getattr(request, "num_prompt_tokens", None)
-        return self.table.slots_to_take(block_ids, num_computed, num_new_tokens,
+        need = self.table.slots_to_take(block_ids, num_computed, num_new_tokens,
                                         0 if prompt is None else int(prompt), request.request_id)
+        bs = self.table.block_size
+        if self.table.side is not None and self.table.num_sink_slots and num_computed < bs <= num_computed + num_new_tokens:
+            need += 1
+        return need
 
     def reset(self) -> None:
         """Drop every tail entry."""

@@ -32,7 +32,11 @@ layer's seal gather, so that slot is freed after the step). The scheduler counts
 each chunk's slots before it runs (:meth:`TailTable.slots_to_take` against
 :meth:`TailTable.num_takeable`) and defers or preempts instead of overrunning.
 
-Modules: :mod:`.entries` (which slot each block holds, taking and dropping slots),
+In the engine the slots are carved out of the device block pool on demand (:mod:`.side`: ``16 / bits``
+blocks' codes hold one 16-bit slot, the tail tensors are views of the pool), so they cost blocks only
+while requests hold them; a standalone :class:`TailTable` keeps fixed pools of the sizes it is given.
+
+Modules: :mod:`.side` (groups of pool blocks), :mod:`.entries` (which slot each block holds, taking and dropping slots),
 :mod:`.table` (:class:`TailTable`: the per-step plan over them), :mod:`.pool` (:class:`TailPool`: the
 per-layer tensors). Both are driven once per forward pass by :meth:`TailTable.plan`,
 whose :class:`~kvpage.ops.seal_plan.SealPlan` every layer then applies.

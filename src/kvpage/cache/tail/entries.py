@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 from kvpage.cache.idpool import IdPool
+from kvpage.cache.tail.side import SideGroups
 from kvpage.errors import OutOfBlocksError
 
 class TailEntries:
@@ -20,9 +21,12 @@ class TailEntries:
         num_slots: 16-bit slots (open blocks + window copies).
         num_sink_slots: 8-bit first-block slots (0 disables sink copies).
         window_blocks: sealed blocks per request that keep their 16-bit copy.
+        side: carve slots out of the device block pool on demand (:class:`~kvpage.cache.tail.side.SideGroups`:
+            slot ``g`` is group ``g``, sink slot ``2g``); ``num_slots`` must then be its ``num_groups`` and
+            ``num_sink_slots`` 0 or ``2 * num_groups``. Default: fixed pools of these sizes.
 
     Raises:
-        ValueError: negative sizes, or ``num_slots < 1``.
+        ValueError: negative sizes, or ``num_slots < 1``; sizes that disagree with ``side``.
     """
 
     def __init__(
@@ -31,7 +35,11 @@ class TailEntries:
         num_slots: int,
         num_sink_slots: int,
         window_blocks: int,
+        side: SideGroups | None = None,
     ) -> None:
+        if side is not None and (num_slots != side.num_groups or num_sink_slots not in (0, 2 * side.num_groups)):
+            raise ValueError(f"a tail over {side.num_groups} side groups has that many slots and 0 or twice as "
+                             f"many sink slots, got {num_slots}, {num_sink_slots}")
         if block_size <= 0 or num_slots < 1 or num_sink_slots < 0 or window_blocks < 0:
             raise ValueError(
                 f"bad tail sizes: block_size={block_size}, num_slots={num_slots}, "
@@ -48,6 +56,8 @@ class TailEntries:
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
         self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
+        self.side = side
+        self._planning = False                                # a plan is being made: freed groups stay reserved
         self._sealed_after: list[int] = []                   # sealed blocks whose open slot the seal gather reads
         self._read_last: list[tuple[int, Hashable]] = []     # window copies only this step's last query reads
 
@@ -73,7 +83,9 @@ class TailEntries:
 
     @property
     def num_free(self) -> int:
-        """16-bit slots no entry holds."""
+        """16-bit slots no entry holds (over side groups: not holding a tail entry nor reserved for one)."""
+        if self.side is not None:
+            return self.num_slots - len(self._slot) - self.side.num_spare
         return self._slots.num_free
 
     def num_takeable(self, is_in_use: Callable[[int], bool], is_live: Callable[[int], bool]) -> int:
@@ -117,6 +129,17 @@ class TailEntries:
         """Drop every entry (the pool was re-allocated)."""
         self.invalidate(list(self._slot) + list(self._sink))
 
+    def drop_idle_sinks(self, is_in_use: Callable[[int], bool], keep: Sequence[int] = ()) -> int:
+        """Drop the 8-bit copies of first blocks no request uses (but those in ``keep``); returns how many.
+
+        Over side groups their blocks go back to the pool (the pool ran short). Call it between steps.
+        """
+        kept = set(keep)
+        idle = [b for b in self._sink if b not in kept and not is_in_use(b)]
+        for b in idle:
+            self._drop_sink(b)
+        return len(idle)
+
     def move_sink(self, src: int, dst: int) -> bool:
         """Give ``src``'s 8-bit first-block copy to ``dst`` when ``dst`` has none (blocks of equal content);
         returns whether it moved. Call it between steps."""
@@ -129,17 +152,33 @@ class TailEntries:
         slot = self._slot.pop(b, None)
         if slot is not None:
             self._window.pop(b, None)
-            self._slots.put([slot])
+            if self.side is None:
+                self._slots.put([slot])
+            else:
+                self._free_group(slot)
 
     def _drop_sink(self, b: int) -> None:
         slot = self._sink.pop(b, None)
         if slot is not None:
-            self._sink_slots.put([slot])
+            if self.side is None:
+                self._sink_slots.put([slot])
+            else:
+                self._free_group(slot // 2)
+
+    def _free_group(self, g: int) -> None:
+        """A side group no entry holds any more: reserved for the plan being made, else back to the pool."""
+        assert self.side is not None
+        if self._planning:
+            self.side.keep(g)
+        else:
+            self.side.put(g)
 
     def _live(self, b: int) -> bool:
         return True if self._is_live is None else bool(self._is_live(b))
 
     def _take_slot(self, b: int, protected: set[int]) -> int:
+        if self.side is not None:
+            return self._take_side_slot(b, protected)
         if not self._slots.num_free:
             victim = next((x for x in self._slot if x not in protected and not self._live(x)), None)
             if victim is None:
@@ -154,7 +193,43 @@ class TailEntries:
         self._slot[b] = slot
         return slot
 
+    def _take_side_slot(self, b: int, protected: set[int]) -> int:
+        """:meth:`_take_slot` over side groups: a reserved or fresh group, else a reclaimed entry's."""
+        assert self.side is not None
+        g = self.side.take()
+        if g is None:
+            victim = next((x for x in self._slot if x not in protected and not self._live(x)), None)
+            if victim is None:
+                victim = next((x for x in self._window if x not in protected), None)
+            if victim is None:
+                raise OutOfBlocksError(
+                    "no block group is free for a full-precision tail slot: open blocks of running requests "
+                    "hold the pool; the scheduler reserves them before a step (SideGroups.reserve)")
+            self._window.pop(victim, None)
+            g = self._slot.pop(victim)
+        self._slot[b] = g
+        return g
+
+    def _take_side_sink(self, b: int, protected: set[int]) -> int | None:
+        """:meth:`_take_sink` over side groups: a reserved group (the scheduler counts a chunk that seals a first
+        block), else a free one, else an idle copy's."""
+        assert self.side is not None
+        g = self.side.take()
+        if g is not None:
+            self._sink[b] = 2 * g
+            return 2 * g
+        victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
+        if victim is None and self._is_in_use is not None:
+            in_use = self._is_in_use
+            victim = next((x for x in self._sink if x not in protected and not in_use(x)), None)
+        if victim is None:
+            return None
+        self._sink[b] = slot = self._sink.pop(victim)
+        return slot
+
     def _take_sink(self, b: int, protected: set[int]) -> int | None:
+        if self.side is not None:
+            return self._take_side_sink(b, protected)
         if not self._sink_slots.num_free:
             victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
             if victim is None and self._is_in_use is not None:

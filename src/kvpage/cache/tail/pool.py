@@ -4,7 +4,7 @@ Imports :mod:`kvpage.spec`, :mod:`kvpage.formats` and the seal context of :mod:`
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -33,21 +33,33 @@ class TailPool:
     ``sink_key_scale``/``sink_value_scale`` ``[K * block_size, kv_heads]`` float16 (the
     ``int8`` format's per-token codes).
 
+    Over side groups (``table.side`` set, :mod:`kvpage.cache.tail.side`) the 16-bit rows and the sink codes
+    are zero-copy views of the layer's pool codes (``key``/``value``, its first ``S * r`` blocks): slot ``g``
+    is blocks ``[r*g, r*g + r)``, sink slot ``2g`` the first half of their code bytes; only the sink scales
+    (``K = 2S``) are tensors of their own, the bytes :meth:`bytes_for` counts. The views follow a
+    re-allocated pool (``caches`` is read again at each :meth:`context`).
+
     Args:
         spec: the cache layout; only layers whose format seals get tensors.
         table: the bookkeeping (its block size must be the spec's).
         model_dtype: the model's compute dtype (decides :func:`tail_dtype`).
         device: where the tensors live.
         layers: global indices of the layers to serve (one layer group's); default every block-wise layer.
+        caches: global layer index -> the layer's pool tensors; required over side groups, else unused.
 
     Raises:
-        ValueError: the layers include none in a block-wise format, or block sizes differ.
+        ValueError: the layers include none in a block-wise format, or block sizes differ; side groups
+            without ``caches``.
     """
 
     def __init__(
         self, spec: CacheSpec, table: TailTable, model_dtype: torch.dtype, device: torch.device | str = "cpu",
-        layers: Sequence[int] | None = None,
+        layers: Sequence[int] | None = None, caches: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
+        if table.side is not None and caches is None:
+            raise ValueError("a tail over side groups views the pool: pass the layers' caches")
+        self._caches = caches
+        self._viewed: dict[int, torch.Tensor] = {}  # layer -> the pool tensor its views were made of
         self.spec = spec
         self.table = table
         self.dtype = tail_dtype(model_dtype)
@@ -62,25 +74,47 @@ class TailPool:
                 continue
             t: dict[str, torch.Tensor] = {}
             for kind in (KEY, VALUE) if ls.has_value else (KEY,):
-                t[kind] = torch.zeros((rows, ls.kv_heads, ls.head_dim), dtype=self.dtype, device=device)
-                t["sink_" + kind] = torch.zeros((sink_rows, ls.kv_heads, ls.head_dim), dtype=torch.uint8, device=device)
+                if table.side is None:
+                    t[kind] = torch.zeros((rows, ls.kv_heads, ls.head_dim), dtype=self.dtype, device=device)
+                    t["sink_" + kind] = torch.zeros((sink_rows, ls.kv_heads, ls.head_dim), dtype=torch.uint8,
+                                                    device=device)
                 scale_name = KEY_SCALE if kind == KEY else VALUE_SCALE
                 t["sink_" + scale_name] = torch.zeros((sink_rows, ls.kv_heads), dtype=torch.float16, device=device)
             self.layers[i] = t
         if not self.layers:
             raise ValueError("the cache spec has no quantize-on-seal layer; it needs no tail pool")
+        self._own = {i: dict(t) for i, t in self.layers.items()}  # the tensors this pool allocated
+        if table.side is not None:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """(Re)make the views of the pool tensors over side groups (when the pool was re-allocated)."""
+        assert self._caches is not None
+        for i, t in self.layers.items():
+            cache = self._caches[i]
+            if self._viewed.get(i) is cache[KEY]:
+                continue
+            ls, rows = self.spec.layer(i), self.table.num_slots * self.table.block_size
+            for kind in (KEY, VALUE) if ls.has_value else (KEY,):
+                flat = cache[kind].view(-1)[: rows * ls.kv_heads * ls.head_dim * 2]           # uint8, contiguous
+                t[kind] = flat.view(self.dtype).view(rows, ls.kv_heads, ls.head_dim)         # [S*bs, Hkv, D]
+                t["sink_" + kind] = flat.view(2 * rows, ls.kv_heads, ls.head_dim)             # [2S*bs, Hkv, D]
+            self._viewed[i] = cache[KEY]
 
     def context(self, plan: SealPlan) -> SealContext:
         """What :func:`~kvpage.ops.sealed_attention.sealed_attention` needs for one step: ``plan``, the tensors, the sink format.
 
-        No side effects; the context refers to (does not copy) this pool's tensors.
+        No side effects beyond re-making views of a re-allocated pool; the context refers to (does not
+        copy) the tensors.
         """
+        if self.table.side is not None:
+            self._refresh()
         return SealContext(plan=plan, tails=self.layers, sink_format=self.sink_format)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all tail and sink tensors."""
-        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.values())
+        """Bytes of the tensors this pool allocated (views of the block pool are the pool's bytes)."""
+        return sum(t.numel() * t.element_size() for layer in self._own.values() for t in layer.values())
 
     @staticmethod
     def bytes_for(spec: CacheSpec, model_dtype: torch.dtype, num_slots: int, num_sink_slots: int,
@@ -92,4 +126,14 @@ class TailPool:
             if isinstance(ls.format, BlockFormat):
                 per_row = ls.kv_heads * (num_slots * ls.head_dim * item + num_sink_slots * (ls.head_dim + 2))
                 total += (2 if ls.has_value else 1) * spec.block_size * per_row
+        return total
+
+    @staticmethod
+    def scale_bytes_for(spec: CacheSpec, num_sink_slots: int, layers: Sequence[int] | None = None) -> int:
+        """Bytes of the sink scale tensors alone (all a :class:`TailPool` over side groups allocates)."""
+        total = 0
+        for i in range(spec.num_layers) if layers is None else layers:
+            ls = spec.layer(i)
+            if isinstance(ls.format, BlockFormat):
+                total += (2 if ls.has_value else 1) * num_sink_slots * spec.block_size * ls.kv_heads * 2
         return total

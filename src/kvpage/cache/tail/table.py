@@ -98,6 +98,7 @@ class TailTable(TailEntries):
             OutOfBlocksError: no slot can be freed for an open block.
         """
         self._is_live, self._is_in_use = is_live, is_in_use
+        self._planning = True
         try:
             return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens)
         except BaseException:
@@ -106,6 +107,7 @@ class TailTable(TailEntries):
             raise
         finally:
             self._is_live = self._is_in_use = None
+            self._planning = False
 
     def _plan(
         self,
@@ -251,6 +253,8 @@ class TailTable(TailEntries):
             if b in self._window and self._window[b] == owner:
                 self._drop_fp(b)
         self._read_last = []
+        if self.side is not None:
+            self.side.release_spare()  # groups reserved for the step that no slot took
 
     def abort(self) -> None:
         """After a forward pass that raised (some layers may not have run the last plan): keep what a re-run needs.
@@ -263,3 +267,5 @@ class TailTable(TailEntries):
         """
         self._sealed_after = []
         self._read_last = []
+        if self.side is not None:
+            self.side.release_spare()

@@ -1,0 +1,99 @@
+"""``SideSlots``: the side-slot verbs of :class:`~kvpage.cache.manager.KVCacheManager` (tail slots of quantize-on-seal groups).
+
+A mixin over the manager's ``groups``, ``pool``, ``_reqs``, ``is_in_use`` and ``is_live``: what a chunk's
+16-bit tail slots need, promising them to the next forward pass before its blocks are allocated, and
+giving back side space when a block is evicted. Tensor-free.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvpage.cache.groups import GroupManager
+from kvpage.cache.prefix_cache import BlockRemoved, KVCacheEvent, PrefixBlockPool
+from kvpage.cache.requests import MatchResult, SupportsKVCache
+
+if TYPE_CHECKING:
+    from kvpage.cache.manager import _ReqState
+
+
+class SideSlots:
+    """The side-slot verbs (mixed into :class:`~kvpage.cache.manager.KVCacheManager`)."""
+
+    groups: tuple[GroupManager, ...]
+    pool: PrefixBlockPool
+    _reqs: dict[str, _ReqState]
+
+    def is_in_use(self, block_id: int) -> bool:  # (the manager's)
+        """Whether some request references the block."""
+        raise NotImplementedError
+
+    def is_live(self, block_id: int) -> bool:  # (the manager's)
+        """Whether the block's content is still held."""
+        raise NotImplementedError
+
+    # -- side slots (the tail of quantize-on-seal groups) -----------------------------------------
+
+    def _on_event(self, event: KVCacheEvent) -> None:
+        """An evicted block's content died: groups that keep side space for it give it back now."""
+        if isinstance(event, BlockRemoved):
+            for g in self.groups:
+                if g.drops_on_eviction:
+                    g.on_blocks_freed([event.block_id])
+
+    @property
+    def num_side_blocks(self) -> int:
+        """Device blocks held as side space now (tail slots and first-block copies carved from the pool)."""
+        return self.pool.num_side
+
+    def side_reserve(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
+                     match: MatchResult | None = None) -> tuple[int, ...] | None:
+        """Promise the side slots a chunk takes (:meth:`side_slots_needed`) to the next forward pass, per group.
+
+        Over side groups this claims their blocks now, so call it before :meth:`allocate_slots` of the chunk:
+        the allocation then sees the blocks that are really left. The blocks of ``match`` are never evicted
+        for them. Returns the promised counts (give them back with :meth:`side_unreserve` if the chunk leaves
+        the step), or ``None`` when some group cannot promise them (nothing is promised then).
+        """
+        need = self.side_slots_needed(request, num_computed, num_new_tokens, match)
+        protected = match.block_ids if match is not None else ()
+        done: list[tuple[GroupManager, int]] = []
+        for g, k in zip(self.groups, need):
+            if k and not g.side_reserve(k, protected, self.is_in_use, self.is_live):
+                for h, j in done:
+                    h.side_unreserve(j)
+                return None
+            done.append((g, k))
+        return need
+
+    def side_unreserve(self, need: Sequence[int]) -> None:
+        """Give back what :meth:`side_reserve` promised."""
+        for g, k in zip(self.groups, need):
+            if k:
+                g.side_unreserve(k)
+
+    def side_release(self) -> None:
+        """Forget every promise of side slots (before scheduling a step)."""
+        for g in self.groups:
+            g.side_release()
+
+    def side_slots_needed(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
+                          match: MatchResult | None = None) -> tuple[int, ...]:
+        """Per group, the side slots a chunk of ``num_new_tokens`` after ``num_computed`` takes in its step.
+
+        Counted before :meth:`allocate_slots` (the blocks it would add are new: nothing kept for them).
+        A step fits when, per group, the sum over its chunks is at most :meth:`side_slots_free`.
+
+        Args:
+            request: the request (held blocks, or being admitted with ``match``).
+            num_computed: tokens already in the cache before the chunk (its first position).
+            num_new_tokens: tokens of the chunk.
+            match: the admission's device match (its blocks are the request's first ones); ignored once
+                the request holds blocks.
+
+        Raises:
+            ValueError: negative counts.
+        """
+        st = self._reqs.get(request.request_id)
+        held: Sequence[int] = st.block_ids if st is not None else (match.block_ids if match is not None else ())
+        return tuple(g.side_slots_needed(request, held, num_computed, num_new_tokens) for g in self.groups)

@@ -1,0 +1,148 @@
+"""``SideGroups``: 16-bit tail slots and 8-bit first-block slots carved out of the device block pool on demand.
+
+A quantize-on-seal block's packed codes take ``bits / 16`` of a 16-bit row's bytes, so ``r = 16 / bits``
+consecutive pool blocks (an aligned *group*, ``[r*g, r*g + r)``) hold one 16-bit tail slot exactly in
+their key codes (and its values in their value codes): the tail tensors are zero-copy views of the pool
+(:class:`~kvpage.cache.tail.pool.TailPool`), slot ``g`` = group ``g``. A first block's 8-bit copy takes
+the first half of a group's code bytes (sink slot ``2g``). A slot is taken by claiming its group's blocks
+out of the pool (:meth:`~kvpage.cache.prefix_cache.PrefixBlockPool.claim`, evicting cached, unused ones)
+and freed by giving them back, so side space is paid for only while requests hold it. Tensor-free.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from kvpage.cache.prefix_cache import PrefixBlockPool
+from kvpage.formats import KEY, VALUE, BlockFormat
+from kvpage.spec import LayerSpec
+
+
+def blocks_per_slot(layer: LayerSpec) -> int | None:
+    """Pool blocks whose key codes hold one 16-bit tail slot of ``layer`` exactly, or ``None`` when none do.
+
+    ``r = 2 * head_dim / P`` for a block-wise format whose key (and value) codes are ``uint8 [block_size,
+    kv_heads, P]`` (int4: 4, int2: 8); ``None`` when ``P`` does not divide ``2 * head_dim`` or the layout differs
+    (the tail then keeps its own tensors). No side effects.
+    """
+    if not isinstance(layer.format, BlockFormat):
+        return None
+    specs = {t.name: t for t in layer.tensors}
+    bs, kv, d = layer.block_size, layer.kv_heads, layer.head_dim
+    for name in (KEY, VALUE) if layer.has_value else (KEY,):
+        t = specs.get(name)
+        if t is None or t.dtype.itemsize != 1 or len(t.shape) != 3 or tuple(t.shape[:2]) != (bs, kv):
+            return None
+    p = int(specs[KEY].shape[2])
+    if (VALUE in specs and layer.has_value and int(specs[VALUE].shape[2]) != p) or (2 * d) % p:
+        return None
+    return 2 * d // p
+
+
+def carved_blocks_per_slot(layer: LayerSpec, num_blocks: int, max_model_len: int | None,
+                           window_blocks: int) -> int | None:
+    """``r`` when a pool of ``num_blocks`` carves ``layer``'s tail (:func:`blocks_per_slot`), else ``None``.
+
+    Carving needs room for one request of ``max_model_len`` tokens (default: none) beside its peak side
+    space (open slot, window, the block it seals, its first-block copy: ``window_blocks + 3`` slots) and one
+    group of slack for alignment, so a lone request always fits; smaller pools keep fixed side pools.
+    """
+    r = blocks_per_slot(layer)
+    if r is None:
+        return None
+    request = -(-(max_model_len or 0) // layer.block_size)
+    return r if num_blocks >= request + (window_blocks + 4) * r else None
+
+
+class SideGroups:
+    """Aligned groups of ``r`` pool blocks, claimed one per 16-bit tail slot or 8-bit first-block copy.
+
+    Args:
+        pool: the device block pool the groups come out of.
+        blocks_per_group: ``r`` (:func:`blocks_per_slot`).
+
+    Attributes:
+        num_groups: groups the pool holds (``num_blocks // r``): the most slots there can be.
+
+    Raises:
+        ValueError: ``blocks_per_group < 1``.
+    """
+
+    def __init__(self, pool: PrefixBlockPool, blocks_per_group: int) -> None:
+        if blocks_per_group < 1:
+            raise ValueError(f"blocks_per_group must be >= 1, got {blocks_per_group}")
+        self.pool = pool
+        self.r = blocks_per_group
+        self.num_groups = pool.num_blocks // blocks_per_group
+        self._spare: list[int] = []   # claimed for this step's tail slots, not yet holding one
+        self.num_held = 0             # groups claimed and not given back (slots, sinks, spare)
+
+    @property
+    def num_spare(self) -> int:
+        """Groups reserved for the next plan's tail slots (:meth:`reserve`)."""
+        return len(self._spare)
+
+    def blocks(self, g: int) -> range:
+        """The block ids of group ``g``."""
+        return range(g * self.r, g * self.r + self.r)
+
+    def _find(self, k: int, protected: Collection[int], evict: bool) -> list[int]:
+        """Up to ``k`` claimable groups, highest first (normal blocks come from the low end of the free list)."""
+        out: list[int] = []
+        claimable, prot = self.pool.claimable, frozenset(protected)
+        for g in range(self.num_groups - 1, -1, -1):
+            if all(claimable(b, prot, evict=evict) for b in self.blocks(g)):
+                out.append(g)
+                if len(out) == k:
+                    break
+        return out
+
+    def claim(self) -> int | None:
+        """Claim one group of free blocks out of the pool (evicting nothing: safe inside a forward pass);
+        ``None`` when none is free."""
+        found = self._find(1, (), False)
+        if not found:
+            return None
+        self.pool.claim(self.blocks(found[0]))
+        self.num_held += 1
+        return found[0]
+
+    def reserve(self, k: int, protected: Collection[int] = ()) -> bool:
+        """Claim ``k`` groups for the next plan's tail slots, all or none; whether they were claimed.
+
+        Cached blocks no request uses are evicted for them (never those in ``protected``: a match about to be
+        admitted); the caller hands the evictions to the tiers before the forward pass.
+        """
+        if k <= 0:
+            return True
+        found = self._find(k, protected, True)
+        if len(found) < k:
+            return False
+        for g in found:
+            self.pool.claim(self.blocks(g))
+        self.num_held += k
+        self._spare.extend(found)
+        return True
+
+    def unreserve(self, k: int) -> None:
+        """Give back ``k`` (at most all) reserved groups."""
+        for _ in range(min(k, len(self._spare))):
+            self.put(self._spare.pop())
+
+    def take(self) -> int | None:
+        """A group for a tail slot: a reserved one, else a fresh claim of free blocks; ``None`` when neither exists."""
+        if self._spare:
+            return self._spare.pop()
+        return self.claim()
+
+    def keep(self, g: int) -> None:
+        """Hold the freed group ``g`` as reserved (a plan freed it; a later slot of the same plan takes it)."""
+        self._spare.append(g)
+
+    def put(self, g: int) -> None:
+        """Give group ``g`` back to the pool's free list."""
+        self.pool.unclaim(self.blocks(g))
+        self.num_held -= 1
+
+    def release_spare(self) -> None:
+        """Give every reserved group back (after a step, or before scheduling the next)."""
+        self.unreserve(len(self._spare))
