@@ -13,8 +13,8 @@ name                  aliases                                     bits/value (he
 ``fp8_per_token_head`` ``block_wise_fp8`` (FastDeploy): plain e4m3 8.25
 ``int8_static``       ``cache_int8`` (static per-channel scales)  8
 ``fp8_static``        ``fp8_per_tensor`` (static per-tensor)      8
-``int4``              ``int4_zp``, ``int4_kivi``, ``kivi4``       4.56 (+ tail, sink)
-``int2``              ``int2_zp``, ``int2_kivi``, ``kivi2``       2.56 (+ tail, window, sink)
+``int4``              ``int4_zp``, ``int4_kivi``, ``kivi4``       4.38 (+ tail, sink)
+``int2``              ``int2_zp``, ``int2_kivi``, ``kivi2``       2.38 (+ tail, window, sink)
 ====================  ==========================================  ============================
 
 :func:`get_format` resolves any accepted spelling (case-insensitive) to a

@@ -104,10 +104,10 @@ template <int BITS, int TAIL>
 struct SealedSource {
   const uint8_t* key;          // [NB, bs, Hkv, P]
   const uint8_t* key_scale;    // [NB, Hkv, D] UE5M3
-  const c10::Half* key_zero;   // [NB, Hkv, D]
+  const int8_t* key_zero;      // [NB, Hkv, D] offset in steps: x = (code + zero) * scale
   const uint8_t* value;        // [NB, bs, Hkv, P]
   const uint8_t* value_scale;  // [NB, bs, Hkv, Gv]
-  const c10::Half* value_zero; // [NB, bs, Hkv, Gv]
+  const int8_t* value_zero;    // [NB, bs, Hkv, Gv] offset in steps
   const uint8_t* tail_key;     // [S*bs, Hkv, D] TAIL encoding
   const uint8_t* tail_value;
   const uint8_t* sink_key;     // [K*bs, Hkv, D] int8
@@ -171,7 +171,7 @@ struct SealedSource {
     if (fits) {
       for (int64_t c = 0; c < Hkv * D; ++c) {
         ks[c] = lut[key_scale[idx * Hkv * D + c]];
-        kz[c] = static_cast<float>(key_zero[idx * Hkv * D + c]);
+        kz[c] = ks[c] * static_cast<float>(key_zero[idx * Hkv * D + c]);
       }
     }
     const int64_t gs = D / Gv;
@@ -186,7 +186,10 @@ struct SealedSource {
         for (int64_t c = 0; c < D; ++c) kr[c] = kr[c] * s[c] + z[c];
       } else {
         const int64_t kh = (idx * Hkv + h) * D;
-        for (int64_t c = 0; c < D; ++c) kr[c] = kr[c] * lut[key_scale[kh + c]] + static_cast<float>(key_zero[kh + c]);
+        for (int64_t c = 0; c < D; ++c) {
+          const float st = lut[key_scale[kh + c]];
+          kr[c] = kr[c] * st + st * static_cast<float>(key_zero[kh + c]);
+        }
       }
       if (!has_value) continue;
       // values: one step and zero point per (token, kv head, group of gs channels)
@@ -194,7 +197,7 @@ struct SealedSource {
       unpack_row<DC>(value + row * P, D, vr);
       for (int64_t g = 0; g < Gv; ++g) {
         const float s = lut[value_scale[row * Gv + g]];
-        const float z = static_cast<float>(value_zero[row * Gv + g]);
+        const float z = s * static_cast<float>(value_zero[row * Gv + g]);
         float* x = vr + g * gs;
 #pragma omp simd
         for (int64_t c = 0; c < gs; ++c) x[c] = x[c] * s + z;
@@ -508,6 +511,8 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
   TORCH_CHECK(D <= 512, "head_dim above 512");
   TORCH_CHECK(src_kind.scalar_type() == at::kByte && src_idx.scalar_type() == at::kLong, "src_kind uint8, src_idx int64");
   TORCH_CHECK(tail_key.element_size() == 2, "tail rows must be 16-bit");
+  TORCH_CHECK(key_zero.scalar_type() == at::kChar && value_zero.scalar_type() == at::kChar,
+              "zero points must be int8 offsets (format version 2)");
   Batch b = make_batch(out, q, seq_lens, query_start_loc, Hkv, bs, sm_scale);
   TORCH_CHECK(b.D == D, "head_dim of q and the cache differ");
   const int64_t Gv = has_value ? value_scale.size(3) : 1;
@@ -515,8 +520,8 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
     constexpr int BITS = decltype(bt)::value;
     constexpr int TAIL = decltype(tt)::value;
     SealedSource<BITS, TAIL> src{
-        key.data_ptr<uint8_t>(), key_scale.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(key_zero.data_ptr()),
-        value.data_ptr<uint8_t>(), value_scale.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(value_zero.data_ptr()),
+        key.data_ptr<uint8_t>(), key_scale.data_ptr<uint8_t>(), key_zero.data_ptr<int8_t>(),
+        value.data_ptr<uint8_t>(), value_scale.data_ptr<uint8_t>(), value_zero.data_ptr<int8_t>(),
         static_cast<const uint8_t*>(tail_key.data_ptr()), static_cast<const uint8_t*>(tail_value.data_ptr()),
         sink_key.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_key_scale.data_ptr()),
         sink_value.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_value_scale.data_ptr()),
