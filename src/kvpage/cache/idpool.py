@@ -50,22 +50,24 @@ class IdPool:
         self.lifo = lifo
         self._free: deque[int] = deque(range(num_ids - 1, -1, -1) if lifo else range(num_ids))
         self._is_free = [True] * num_ids
+        self._stale: set[int] = set()  # taken by take_ids but still in the free list (skipped by take)
         self._ref = [0] * num_ids
 
     # -- queries ---------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Ids in the free list."""
-        return len(self._free)
+        return len(self._free) - len(self._stale)
 
     @property
     def num_taken(self) -> int:
         """Ids not in the free list (``num_ids - num_free``)."""
-        return self.num_ids - len(self._free)
+        return self.num_ids - self.num_free
 
     def free_ids(self) -> list[int]:
         """The free ids in the order :meth:`take` would hand them out (a copy; O(num_free))."""
-        return list(reversed(self._free)) if self.lifo else list(self._free)
+        ids = list(reversed(self._free)) if self.lifo else list(self._free)
+        return [i for i in ids if i not in self._stale] if self._stale else ids
 
     @property
     def refs(self) -> Sequence[int]:
@@ -110,12 +112,21 @@ class IdPool:
         """
         if n < 0:
             raise ValueError(f"cannot take a negative number of {self.what}s ({n})")
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} {self.what}s, only {len(self._free)} of {self.num_ids} are free")
+        if n > self.num_free:
+            raise OutOfBlocksError(f"need {n} {self.what}s, only {self.num_free} of {self.num_ids} are free")
         if ref < 0:
             raise ValueError(f"a reference count cannot be negative ({ref})")
         pop = self._free.pop if self.lifo else self._free.popleft
-        out = [pop() for _ in range(n)]
+        if self._stale:
+            out = []
+            while len(out) < n:
+                i = pop()
+                if i in self._stale:
+                    self._stale.discard(i)
+                else:
+                    out.append(i)
+        else:
+            out = [pop() for _ in range(n)]
         is_free, refs = self._is_free, self._ref
         for i in out:
             is_free[i] = False
@@ -123,7 +134,7 @@ class IdPool:
         return out
 
     def take_ids(self, ids: Sequence[int], *, ref: int = 0) -> None:
-        """Take these free ids out of the free list (O(num_free) each).
+        """Take these free ids out of the free list (O(1) each: their entries are skipped by :meth:`take` later).
 
         Raises:
             ValueError: an id is out of range, not free, or given twice; nothing is taken.
@@ -131,7 +142,7 @@ class IdPool:
         if len(set(ids)) != len(ids) or any(not 0 <= i < self.num_ids or not self._is_free[i] for i in ids):
             raise ValueError(f"{self.what}s {list(ids)} are not distinct free ids")
         for i in ids:
-            self._free.remove(i)
+            self._stale.add(i)
             self._is_free[i] = False
             self._ref[i] = ref
 
@@ -156,7 +167,12 @@ class IdPool:
             raise ValueError(f"{self.what} {twice} is given twice (double free)")
         for i in ids:
             is_free[i] = True
-        self._free.extend(ids)
+        if self._stale:  # an id whose old entry is still in the free list takes it back
+            back = [i for i in ids if i not in self._stale]
+            self._stale.difference_update(ids)
+            self._free.extend(back)
+        else:
+            self._free.extend(ids)
 
     # -- references ------------------------------------------------------------------------------
     def incref(self, ids: Iterable[int]) -> None:
@@ -234,7 +250,7 @@ class IdPool:
             AssertionError: an id is in the free list twice, a free id is
                 referenced, or a count is negative.
         """
-        free = list(self._free)
+        free = self.free_ids()
         assert len(free) == len(set(free)), f"a {self.what} is in the free list twice"
         free_set = set(free)
         for i in range(self.num_ids):
