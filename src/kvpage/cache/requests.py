@@ -96,7 +96,7 @@ class KVCacheStats:
 
     Attributes:
         num_blocks, num_free, num_evictable, num_in_use: device block counts now.
-        usage: ``num_in_use / num_blocks``.
+        usage: ``(num_in_use + num_side) / num_blocks``.
         requests: requests admitted (a preempted request counts again when readmitted).
         prefix_queries: tokens of admitted requests, in tokens (vLLM's ``queries``).
         prefix_hits: of those, tokens served from the cache: device hits and tier loads.
@@ -108,6 +108,9 @@ class KVCacheStats:
             tiers also ``host`` and each store (``disk``, ``redis``).
         tiers: the tier connector's counters (host blocks, bytes moved, swaps, held blocks,
             store errors), or ``None`` without tiers.
+        num_side: device blocks lent as side space (the 16-bit tail slots and first-block copies of
+            quantize-on-seal formats, :mod:`kvpage.cache.tail.side`);
+            ``num_free + num_evictable + num_in_use + num_side == num_blocks``.
     """
 
     num_blocks: int
@@ -124,3 +127,4 @@ class KVCacheStats:
     preemptions: int
     tier_hits: dict[str, int] = field(default_factory=dict)
     tiers: OffloadStats | None = None
+    num_side: int = 0
