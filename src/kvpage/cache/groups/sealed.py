@@ -45,6 +45,7 @@ class SealedGroupManager(GroupManager):
         self.layers: range = group.layer_indices
         self.table = TailTable(group.layer.block_size, num_slots, num_sink_slots, window_blocks, side)
         self._reserved = 0  # fixed pools: slots promised to the next plan
+        self._heirs: dict[int, int] = {}  # a duplicate first block -> its indexed twin, heir of its 8-bit copy
 
     @property
     def supports_swap(self) -> bool:
@@ -76,24 +77,43 @@ class SealedGroupManager(GroupManager):
 
     def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
         """Drop the tail entries of blocks handed out anew (they may never show another request's tokens)."""
+        self._forget_heirs(block_ids)
         self.table.invalidate(block_ids)
 
     def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
-        """Free at once the tail slots of a freed request's dead blocks (its open block and window copies)."""
+        """Free at once the tail slots of a freed request's dead blocks (its open block and window copies).
+
+        A dead duplicate first block whose indexed twin is the heir of its 8-bit copy
+        (:meth:`on_blocks_deduplicated`) hands the copy over instead of dropping it; an heir that died itself
+        inherits nothing.
+        """
+        for b in block_ids:
+            heir = self._heirs.pop(b, None)
+            if heir is not None:
+                self.table.move_sink(b, heir)
+        self._forget_heirs(block_ids)
         self.table.release(block_ids)
 
+    def _forget_heirs(self, block_ids: Sequence[int]) -> None:
+        """Drop the pairs of :meth:`on_blocks_deduplicated` that name one of ``block_ids`` (its content died)."""
+        if self._heirs:
+            gone = set(block_ids)
+            self._heirs = {d: h for d, h in self._heirs.items() if d not in gone and h not in gone}
+
     def on_blocks_deduplicated(self, pairs: Sequence[tuple[int, int]], ref_count: Callable[[int], int]) -> None:
-        """Hand an original first block that lost its 8-bit copy the duplicate's fresh one.
+        """Make an original first block that lost its 8-bit copy the heir of the duplicate's fresh one.
 
         Without it such a prefix never hits again while its blocks stay indexed (:meth:`usable_prefix` says 0,
         the recompute's duplicate gets a copy and dies with its request). The copy is of equal tokens and
-        replaces block 0's codes when read, so a hit reads what the duplicate's request read. Only when
-        nobody but the duplicate's request references the original (a request reading the original now
-        keeps reading it as it began).
+        replaces block 0's codes when read, so a hit reads what the duplicate's request read. It moves when
+        the duplicate dies (:meth:`on_blocks_freed`: its request finished or was preempted), not now: the
+        duplicate's request reads its first block through that copy until then (moving it at once made the
+        request's later steps read its first block at 4 or 2 bits). Only when nobody but the duplicate's
+        request references the original (a request reading the original keeps reading it as it began).
         """
         for dup, orig in pairs:
-            if ref_count(orig) <= 1:
-                self.table.move_sink(dup, orig)
+            if ref_count(orig) <= 1 and self.table.sink_of(dup) is not None and self.table.sink_of(orig) is None:
+                self._heirs[dup] = orig
 
     def side_reserve(self, need: int, protected: Sequence[int], is_in_use: Callable[[int], bool],
                      is_live: Callable[[int], bool]) -> bool:
@@ -155,4 +175,5 @@ class SealedGroupManager(GroupManager):
 
     def reset(self) -> None:
         """Drop every tail entry."""
+        self._heirs.clear()
         self.table.reset()
