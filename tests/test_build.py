@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpage.cache.groups import FullAttentionManager, SealedGroupManager
+from kvpage.cache.tail import TailPool
 from kvpage.engine.group_attention import GroupAttention, SealedGroupAttention
 from kvpage.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvpage.engine.model_runner import ModelRunner
@@ -76,7 +77,16 @@ def test_build_picks_group_managers_and_backends_from_the_spec(smollm2, fmt, man
     assert type(backend) is backend_cls and backend.caches is built.caches
     if fmt == "int4":
         assert backend.table is group.table  # the backend plans over the group manager's own table
-        assert llm.side_pool_bytes == built.tails["main"].nbytes > 0
+        # carved side space: the 16-bit rows and first-block codes are views of the pool's code tensors; what
+        # the tail allocates beside the pool (the first-block copies' scales) is what the engine and report count
+        tail = built.tails["main"]
+        assert group.table.side is not None and tail.layers[0]["key"].untyped_storage().data_ptr() == (
+            built.caches[0]["key"].untyped_storage().data_ptr())
+        pool_storages = {t.untyped_storage().data_ptr() for c in built.caches.values() for t in c.values()}
+        beside = sum(t.numel() * t.element_size() for layer in tail.layers.values() for t in layer.values()
+                     if t.untyped_storage().data_ptr() not in pool_storages)
+        assert llm.side_pool_bytes == beside == llm.capacity.side_pool_bytes > 0
+        assert beside == TailPool.scale_bytes_for(llm.spec, group.table.num_sink_slots, group.layers)
         # the budget pays for the tail pool: blocks + tail fit in it
         assert llm.num_blocks * llm.spec.bytes_per_block + llm.side_pool_bytes <= 256 * 2**20
     else:

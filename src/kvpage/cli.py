@@ -137,8 +137,15 @@ def _capacity_lines(llm: LLM) -> list[str]:
     """The KV cache's size and its saving against a model-dtype cache, from the engine's :class:`CapacityReport`."""
     cap, spec = llm.capacity, llm.spec
     layer = spec.main.layer
-    side = (f" + {cap.side_pool_bytes / 2**20:.1f} MiB side pools (16-bit tail slots, window and first-block copies "
-            f"for {cap.max_num_seqs} requests)" if cap.side_pool_bytes else "")
+    if cap.side_blocks_per_slot:  # quantize-on-seal side space carved from the pool: only the copies' scales beside it
+        scales = f" + {cap.side_pool_bytes / 2**20:.1f} MiB of first-block copy scales" if cap.side_pool_bytes else ""
+        side = (f"{scales} (16-bit tail slots, window and first-block copies are taken from these blocks while "
+                f"requests hold them, {cap.side_blocks_per_slot} blocks each)")
+    elif cap.side_pool_bytes:
+        side = (f" + {cap.side_pool_bytes / 2**20:.1f} MiB side pools (16-bit tail slots, window and first-block "
+                f"copies for {cap.max_num_seqs} requests)")
+    else:
+        side = ""
     return [
         f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
         f"{cap.bytes_per_token:,.0f} bytes/token = {spec.main.num_layers} layers x 2 x {layer.kv_heads} kv heads "
@@ -147,7 +154,7 @@ def _capacity_lines(llm: LLM) -> list[str]:
         f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token): "
         f"{1 - cap.bytes_per_token / cap.reference_bytes_per_token:.1%} less KV memory per cached token; "
         f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "
-        f"({cap.ratio:.2f}x more tokens per byte, side pools included)",
+        f"({cap.ratio:.2f}x more tokens per byte, side space included)",
     ]
 
 
