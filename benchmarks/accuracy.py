@@ -8,7 +8,7 @@ Usage (from the repository root, after ``make install`` or with kvpage on ``PYTH
     python benchmarks/accuracy.py                       # one text: GPL-3's first 1,024 tokens (the older note)
     python benchmarks/accuracy.py --render-only         # that note again from benchmarks/accuracy/results.json
 
-``--suite`` runs ``kvpage eval --suite --formats ... --mode decode --threads 1 --out benchmarks/accuracy/suite``
+``--suite`` runs ``kvpage eval --suite --formats ... --mode decode (or --mode chunked --chunk-size 32) --threads 1 --out benchmarks/accuracy/suite``
 in-process (so the suite's ``results.json`` and each member's ``<member>/ppl_vs_bits.png`` and
 ``kld_vs_bits.png`` are the CLI's own output), then writes the note from that ``results.json``
 (:func:`render_suite`): each member's table, the tuning members' summary, the held-back member on its
@@ -396,8 +396,10 @@ def _main_suite(args: argparse.Namespace) -> int:
         formats, skipped = _known_formats(args.formats)
         if skipped:
             print(f"[accuracy] not in this build, skipped: {', '.join(skipped)}", flush=True)
-        eval_args = ["eval", "--suite", "--formats", ",".join(formats), "--mode", "decode",
+        eval_args = ["eval", "--suite", "--formats", ",".join(formats), "--mode", args.mode,
                      "--threads", str(args.threads), "--out", str(suite_dir)]
+        if args.mode == "chunked":
+            eval_args += ["--chunk-size", str(args.chunk_size)]
         eval_args += ["--suite-members", args.suite_members] if args.suite_members else []
         eval_args += ["--tokens", str(args.tokens)] if args.tokens else []
         command = "python benchmarks/accuracy.py --suite" \
@@ -438,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=None,
                     help=f"tokens to score (one text: default {DEFAULT_TEXT_TOKENS}; --suite: each member's own)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mode", choices=("decode", "chunked"), default="decode",
+                    help="with --suite: kvpage eval's feeding mode (default decode; chunked with --chunk-size 32 is "
+                         "decode's arithmetic for int4/int2 and about 7x faster; benchmarks/ACCURACY.md used it)")
+    ap.add_argument("--chunk-size", type=int, default=32, help="with --suite --mode chunked: tokens per step (default 32)")
     ap.add_argument("--text", default=None, help=f"one text: default {GPL3} (or the vendored copy {GPL3_VENDORED.relative_to(ROOT)})")
     ap.add_argument("--out", default=None,
                     help=f"evaluation folder (default {DEFAULT_OUT.relative_to(ROOT)}; --suite: "
