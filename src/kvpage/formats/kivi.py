@@ -109,8 +109,9 @@ def decode_scale(codes: torch.Tensor) -> torch.Tensor:
 OFFSET_MIN, OFFSET_MAX = -128, 127
 #: Rank of a candidate over :func:`quantize_searched`'s ``max_error`` (above any squared error of float32 data).
 _INFEASIBLE = 1e30
-#: Candidate steps of :func:`quantize_searched`, as UE5M3 codes relative to the min/max step's: each code
-#: is 1/8 apart, so -3..8 spans about 0.7x (clipping the group's extremes) to 2x (covering them with slack).
+#: Default candidate steps of :func:`quantize_searched`, as UE5M3 codes relative to the min/max step's:
+#: each code is 1/8 apart, so -3..8 spans about 0.7x (clipping the group's extremes) to 2x (covering them
+#: with slack). The formats narrow it to where their groups' best steps fall (``SealedFormat.step_search``).
 STEP_SEARCH = range(-3, 9)
 
 
@@ -121,7 +122,7 @@ def _encode(x: torch.Tensor, s: torch.Tensor, m: torch.Tensor, qmax: int) -> tup
 
 
 def quantize_searched(
-    x: torch.Tensor, dim: int, bits: int, max_error: float | None = None
+    x: torch.Tensor, dim: int, bits: int, max_error: float | None = None, steps: range = STEP_SEARCH
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantization of float32 ``x`` over ``dim``, the step chosen for the least squared error.
 
@@ -129,7 +130,8 @@ def quantize_searched(
     offset ``m``, in steps. Min/max quantization (KIVI's) spends the whole code range on the group's two
     extremes; at 2 and 4 bits a smaller step that clips them codes the rest better (the clipping search
     of AWQ and OmniQuant, here per group at seal time). The candidates are the steps :data:`STEP_SEARCH`
-    around the min/max step, each with the offset centring the codes on the group's midpoint and with the
+    (``steps``, UE5M3 codes relative to the min/max step's) around the min/max step, each with the offset
+    centring the codes on the group's midpoint and with the
     one starting them at its minimum, plus one *covering* candidate: a step at least twice the min/max
     step and large enough for the offset to fit int8, with the floor offset, which holds every value of
     the group within half its step. The least summed squared error wins (ties: the earlier candidate).
@@ -144,32 +146,33 @@ def quantize_searched(
         scale bytes (uint8) and int8 offsets with ``dim`` reduced to size 1.
     """
     qmax = 2**bits - 1
-    mn, mx = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    d = dim % x.dim()
+    mn, mx = x.amin(d, keepdim=True), x.amax(d, keepdim=True)
     span = (mx - mn) / qmax
     e0 = encode_scale(span).to(torch.int32)
     big = torch.maximum(mn.abs(), mx.abs())
     cover = encode_scale(torch.maximum(2 * span, big / (OFFSET_MAX - qmax))).to(torch.int32)
-    cands = [(e0 + k, centred) for k in STEP_SEARCH for centred in (True, False)] + [(cover, False)]
-    limit = None if max_error is None else max_error * span
-    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    for e, centred in cands:
-        code = e.clamp(0, 255).to(torch.uint8)
-        st = decode_scale(code)
-        m = torch.round((mn + mx) / (2 * st) - qmax / 2) if centred else torch.floor(mn / st)
-        m = m.clamp_(OFFSET_MIN, OFFSET_MAX)
-        u, xh = _encode(x, st, m, qmax)
-        err = (xh - x).square().sum(dim, keepdim=True)
-        if limit is not None:  # infeasible candidates rank after every feasible one, by their largest error
-            worst = (xh - x).abs().amax(dim, keepdim=True)
-            err = torch.where(worst <= limit, err, _INFEASIBLE * (1 + worst / limit.clamp(min=SCALE_MIN)))
-        if best is None:
-            best = (u, code, m, err)
-            continue
-        w = err < best[3]
-        best = (torch.where(w, u, best[0]), torch.where(w, code, best[1]), torch.where(w, m, best[2]),
-                torch.where(w, err, best[3]))
-    assert best is not None
-    return best[0].to(torch.uint8), best[1], best[2].to(torch.int8)
+    # Every candidate at once along a trailing axis C, in the order (k, centred), (k, floor) ..., cover.
+    ks = torch.tensor(list(steps), dtype=torch.int32, device=x.device).repeat_interleave(2)
+    centred = torch.tensor([True, False] * len(steps) + [False], device=x.device)
+    e = torch.cat([e0.unsqueeze(-1) + ks, cover.unsqueeze(-1)], -1)           # [..., 1, ..., C]
+    code = e.clamp(0, 255).to(torch.uint8)
+    st = decode_scale(code)
+    lo, hi = mn.unsqueeze(-1), mx.unsqueeze(-1)
+    m = torch.where(centred, torch.round((lo + hi) / (2 * st) - qmax / 2), torch.floor(lo / st))
+    m = m.clamp_(OFFSET_MIN, OFFSET_MAX)
+    xc = x.unsqueeze(-1)                                                      # [..., 1]
+    u, xh = _encode(xc, st, m, qmax)                                           # [..., C]
+    diff = xh - xc
+    err = diff.square().sum(d, keepdim=True)                                  # [..., 1, ..., C]
+    if max_error is not None:  # infeasible candidates rank after every feasible one, by their largest error
+        limit = (max_error * span).unsqueeze(-1)
+        worst = diff.abs().amax(d, keepdim=True)
+        err = torch.where(worst <= limit, err, _INFEASIBLE * (1 + worst / limit.clamp(min=SCALE_MIN)))
+    pick = err.argmin(-1, keepdim=True)                                       # the first least error
+    codes = u.gather(-1, pick.expand(*u.shape[:-1], 1)).squeeze(-1)
+    return (codes.to(torch.uint8), code.gather(-1, pick).squeeze(-1),
+            m.gather(-1, pick).squeeze(-1).to(torch.int8))
 
 
 def covering_step(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
@@ -225,6 +228,7 @@ class SealedFormat(BlockFormat):
             more tokens in full precision).
         max_error: the largest error a step search may leave in a value, in min/max steps (``None``:
             unlimited; see :func:`quantize_searched`).
+        step_search: the candidate steps of that search (UE5M3 codes relative to the min/max step's).
         sink_bits: precision of the extra copy of a request's first block (attention sinks,
             kept as in KVQuant, IntactKV and SKVQ).
     """
@@ -235,6 +239,7 @@ class SealedFormat(BlockFormat):
     preferred_block_size: ClassVar[int] = 32
     sink_bits: ClassVar[int] = 8
     max_error: ClassVar[float | None] = None
+    step_search: ClassVar[range] = STEP_SEARCH
 
     # -- layout ----------------------------------------------------------------------------------
 
@@ -291,11 +296,11 @@ class SealedFormat(BlockFormat):
         x = blocks.float()
         d = x.shape[-1]
         if kind == KEY:
-            codes, scale, zero = quantize_searched(x, 1, self.bits, self.max_error)  # scale/zero [m, 1, kv, D]
+            codes, scale, zero = quantize_searched(x, 1, self.bits, self.max_error, self.step_search)  # [m, 1, kv, D]
             return {codes_name: pack(codes, self.bits), scale_name: scale.squeeze(1), zero_name: zero.squeeze(1)}
         g = value_group_size(d)
         grouped = x.reshape(*x.shape[:-1], d // g, g)                         # [m, bs, kv, G, g]
-        codes, scale, zero = quantize_searched(grouped, -1, self.bits, self.max_error)
+        codes, scale, zero = quantize_searched(grouped, -1, self.bits, self.max_error, self.step_search)
         return {
             codes_name: pack(codes.flatten(-2), self.bits),
             scale_name: scale.squeeze(-1),
@@ -365,8 +370,11 @@ class Int4Format(SealedFormat):
     bits = 4
     default_residual_tokens = 0
     #: At 4 bits the clipping gain is small and case C21 wants every value of [5, 6] within 0.04 (0.6 of
-    #: its min/max step): the search keeps every value within 0.6 steps.
+    #: its min/max step): the search keeps every value within 0.6 steps, which steps much below the
+    #: min/max one (they clip) or above 1.2 times it (half a step is 0.6) cannot; on bell-shaped groups
+    #: 99.8% choose codes -1..2 around it, so only those are searched (sealing is on the decode path).
     max_error = 0.6
+    step_search = range(-1, 3)
 
 
 class Int2Format(SealedFormat):
@@ -376,3 +384,6 @@ class Int2Format(SealedFormat):
     aliases = ("kivi2", "int2_kivi", "int2_zp")
     bits = 2
     default_residual_tokens = 32
+    #: At 2 bits the least-squares step of a bell-shaped group is 0.55-0.75 of the min/max step (UE5M3
+    #: codes -7..-3 around it), so the search spans codes -8..0.
+    step_search = range(-8, 1)
