@@ -169,11 +169,11 @@ class CpuBackend(AttentionBackend):
                 # one source per block for all of a request's queries: it serves the request only when they
                 # all lie in the one block sealed now and its slot still holds the rows (decode).
                 s, n = meta.seq_lens[i], qsl[i + 1] - qsl[i]
-                j, _, slot = read.sealed_now[0]
-                if len(read.sealed_now) > 1 or slot is None or (s - n) // bs != j or (s - 1) // bs != j:
+                j, _, own_slot = read.sealed_now[0]
+                if len(read.sealed_now) > 1 or own_slot is None or (s - n) // bs != j or (s - 1) // bs != j:
                     sdpa.add(i)
                 else:
-                    kind[j], ids[j] = 1, slot
+                    kind[j], ids[j] = 1, own_slot
             if read.open_slot is not None:
                 kind.append(1)
                 ids.append(read.open_slot)
@@ -275,6 +275,7 @@ class CpuBackend(AttentionBackend):
         if src.sdpa_rows:
             kernel_rows = torch.tensor([i for i in kernel_rows.tolist() if i not in src.sdpa_rows], dtype=torch.long)
         if kernel_rows.numel():
+            assert isinstance(fmt, SealedFormat)  # unsupported() admits no other block-wise format
             has_value = spec.has_value
             vn = VALUE if has_value else KEY
             vs = fmt.names(vn)
