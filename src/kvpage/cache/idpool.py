@@ -117,6 +117,7 @@ class IdPool:
         if ref < 0:
             raise ValueError(f"a reference count cannot be negative ({ref})")
         pop = self._free.pop if self.lifo else self._free.popleft
+        out: list[int]
         if self._stale:
             out = []
             while len(out) < n:
