@@ -150,8 +150,7 @@ def quantize_searched(
     mn, mx = x.amin(d, keepdim=True), x.amax(d, keepdim=True)
     span = (mx - mn) / qmax
     e0 = encode_scale(span).to(torch.int32)
-    big = torch.maximum(mn.abs(), mx.abs())
-    cover = encode_scale(torch.maximum(2 * span, big / (OFFSET_MAX - qmax))).to(torch.int32)
+    cover = _covering_code(mn, mx, qmax).to(torch.int32)
     # Every candidate at once along a trailing axis C, in the order (k, centred), (k, floor) ..., cover.
     ks = torch.tensor(list(steps), dtype=torch.int32, device=x.device).repeat_interleave(2)
     centred = torch.tensor([True, False] * len(steps) + [False], device=x.device)
@@ -175,16 +174,20 @@ def quantize_searched(
             m.gather(-1, pick).squeeze(-1).to(torch.int8))
 
 
+def _covering_code(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> torch.Tensor:
+    """UE5M3 byte of the covering step of groups with minima ``mn`` and maxima ``mx``: at least twice the
+    min/max step, and large enough for a floor offset to fit int8 with ``qmax`` codes above it."""
+    big = torch.maximum(mn.abs(), mx.abs())
+    return encode_scale(torch.maximum(2 * (mx - mn) / qmax, big / (OFFSET_MAX - qmax)))
+
+
 def covering_step(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     """The covering candidate's step of :func:`quantize_searched` for each group (float32, ``dim`` reduced).
 
     Every group's squared error is at most that of this candidate, whose values all lie within half
     of it: so a group's RMS error is at most half this step (the documented, tested bound).
     """
-    qmax = 2**bits - 1
-    mn, mx = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    big = torch.maximum(mn.abs(), mx.abs())
-    return decode_scale(encode_scale(torch.maximum(2 * (mx - mn) / qmax, big / (OFFSET_MAX - qmax))))
+    return decode_scale(_covering_code(x.amin(dim, keepdim=True), x.amax(dim, keepdim=True), 2**bits - 1))
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

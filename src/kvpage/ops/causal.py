@@ -20,16 +20,16 @@ def request_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         context means stale or NaN data in unwritten slots never reaches the output (case C19).
     """
     n, s = q.shape[0], keys.shape[0]
+    if n != 1 and n != s:
+        # Query j (position s - n + j) sees keys 0 .. s - n + j.
+        mask = torch.arange(s, device=q.device)[None, :] <= (s - n + torch.arange(n, device=q.device))[:, None]
+        return masked_attention(q, keys, values, mask, scale)
     # 4-D tensors (batch of one): SDPA's CPU kernels; a 3-D call falls back to a path 4x slower.
     qi = q.transpose(0, 1).unsqueeze(0)                                       # [1, H, n, D]
     ki = keys.transpose(0, 1).unsqueeze(0)                                    # [1, Hkv, s, D]
     vi = values.transpose(0, 1).unsqueeze(0)                                  # [1, Hkv, s, D]
-    if n == 1 or n == s:  # a decode token sees its whole context; a whole prefill is plain causal
-        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
-    else:
-        # Query j (position s - n + j) sees keys 0 .. s - n + j.
-        mask = torch.arange(s, device=q.device)[None, :] <= (s - n + torch.arange(n, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+    # a decode token sees its whole context; a whole prefill is plain causal
+    o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)                                               # [n, H, D]
 
 

@@ -95,7 +95,8 @@ class _SealedSources:
 
     kind: torch.Tensor   # [B, W] uint8
     index: torch.Tensor  # [B, W] int64
-    sdpa_rows: frozenset[int]  # short-query requests the kernel cannot serve (own block sealed now, no slot)
+    kernel_rows: torch.Tensor   # [b] int64 requests the kernel serves
+    sdpa_rows: tuple[int, ...]  # the others: long query runs, and short ones whose own block sealed without a slot
 
 
 class CpuBackend(AttentionBackend):
@@ -180,8 +181,13 @@ class CpuBackend(AttentionBackend):
             pad = width - len(ids)
             kinds.append(kind + [0] * pad)
             index.append(ids + [0] * pad)
+        rows = self._step_rows(meta)
+        kernel_rows = rows.kernel_rows
+        if sdpa:
+            kernel_rows = torch.tensor([i for i in kernel_rows.tolist() if i not in sdpa], dtype=torch.long)
         src = _SealedSources(torch.tensor(kinds, dtype=torch.uint8).reshape(len(kinds), width),
-                             torch.tensor(index, dtype=torch.long).reshape(len(index), width), frozenset(sdpa))
+                             torch.tensor(index, dtype=torch.long).reshape(len(index), width),
+                             kernel_rows, tuple(sorted(sdpa.union(rows.sdpa_rows))))
         self._sources = (ctx, src)
         return src
 
@@ -270,11 +276,8 @@ class CpuBackend(AttentionBackend):
         rows = self._step_rows(meta)
         qa = q.contiguous()
         out = torch.empty_like(qa)
-        src = self._sealed_sources(ctx, meta)
-        kernel_rows = rows.kernel_rows
-        if src.sdpa_rows:
-            kernel_rows = torch.tensor([i for i in kernel_rows.tolist() if i not in src.sdpa_rows], dtype=torch.long)
-        if kernel_rows.numel():
+        src = self._sealed_sources(ctx, meta)  # once per step, shared by the group's layers
+        if src.kernel_rows.numel():
             assert isinstance(fmt, SealedFormat)  # unsupported() admits no other block-wise format
             has_value = spec.has_value
             vn = VALUE if has_value else KEY
@@ -285,11 +288,11 @@ class CpuBackend(AttentionBackend):
                 out, qa, cache[ks[0]], cache[ks[1]], cache[ks[2]], cache[vs[0]], cache[vs[1]], cache[vs[2]],
                 tail[KEY], tail_v, tail["sink_" + KEY], tail["sink_" + KEY_SCALE],
                 tail["sink_" + vn], tail["sink_" + (VALUE_SCALE if has_value else KEY_SCALE)],
-                src.kind, src.index, rows.seq_lens, rows.query_start_loc, kernel_rows,
+                src.kind, src.index, rows.seq_lens, rows.query_start_loc, src.kernel_rows,
                 fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, spec.head_dim**-0.5,
             )
         dt = _sdpa_dtype(qa.dtype)
-        for i in sorted(set(rows.sdpa_rows) | src.sdpa_rows):
+        for i in src.sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             read = ctx.plan.reads[i]
             keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt)
