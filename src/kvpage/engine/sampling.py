@@ -167,24 +167,52 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token id from ``logits`` ``[vocab]`` (float32) per ``params``.
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits`` after temperature, top-k and top-p, as float32 with filtered tokens at ``-inf``.
 
-    Top-k is applied before top-p, as in vLLM and transformers. Ties under
-    greedy go to the lowest id (``argmax``).
+    Works on one row ``[V]`` or row-wise on ``[N, V]`` (same shape out, a new tensor; ``logits`` is not
+    modified). The logits are divided by ``params.temperature``; top-k (when ``0 < top_k < V``) keeps the
+    tokens at least as large as the k-th largest (ties at the k-th value all stay); top-p then drops a
+    token when the probability mass of the tokens sorted before it already reaches ``top_p`` (the most
+    likely token always stays). Top-k before top-p, as in vLLM and transformers. Meant for sampled
+    params: under greedy params (``temperature`` near 0) the division may overflow; use
+    :func:`sampling_probs`, which handles greedy.
     """
-    if params.greedy:
-        return int(torch.argmax(logits))
     x = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        drop[0] = False  # also when top_p is below float32's range (1e-300 rounds to 0 in the comparison)
-        x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(x, dim=-1)
+        drop[..., 0] = False  # also when top_p is below float32's range (1e-300 rounds to 0 in the comparison)
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return x
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution :func:`sample` draws from: float32 probabilities shaped as ``logits`` (``[V]`` or ``[N, V]``).
+
+    Sampled params: ``softmax`` of :func:`processed_logits` over the last dimension. Greedy params
+    (``params.greedy``): the one-hot of the first maximum of each row (``max(-1).indices``, what
+    :func:`sample` returns). Each row sums to 1 (up to rounding); ``logits`` is not modified.
+    """
+    if params.greedy:
+        top = logits.max(-1, keepdim=True).indices
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
+    return torch.softmax(processed_logits(logits, params), dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token id from ``logits`` ``[vocab]`` (float32) per ``params``.
+
+    Top-k is applied before top-p, as in vLLM and transformers (:func:`processed_logits`). Ties under
+    greedy go to the lowest id (``argmax``). A sampled pick is one ``torch.multinomial`` draw from
+    ``generator`` (the global generator when ``None``) over :func:`sampling_probs`.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(processed_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, verification and acceptance."""
