@@ -6,33 +6,42 @@ servers (tests) in one process never share counters.
 Engine state is mirrored, not re-counted: a collector reads the
 :class:`~kvpage.engine.engine.EngineStats` snapshot that the engine thread
 publishes after each iteration, so ``/metrics`` equals ``engine.stats()``
-whenever the engine is idle. Per-request latencies and finish reasons are
+whenever the engine is idle. The ``spec_decode_*`` metrics exist only when the engine
+speculates (``EngineStats.spec_decoding`` is set). Per-request latencies and finish reasons are
 observed from outputs on the engine thread (:meth:`ServerMetrics.on_outputs`).
 
-=============================================  ========  ====================================================
-name                                           type      meaning
-=============================================  ========  ====================================================
-``kvpage:num_requests_running``                gauge     requests in the running batch
-``kvpage:num_requests_waiting``                gauge     requests queued (new or preempted)
-``kvpage:kv_cache_usage_perc``                 gauge     fraction of KV blocks in use, 0..1 (vLLM's name)
-``kvpage:prefix_cache_hit_rate``               gauge     prefix hits / queries since start, 0..1
-``kvpage:prefix_cache_queries_total``          counter   prompt tokens looked up in the prefix cache
-``kvpage:prefix_cache_hits_total``             counter   of those, tokens served from it
-``kvpage:num_preemptions_total``               counter   requests preempted (recompute)
-``kvpage:prompt_tokens_total``                 counter   prompt tokens computed (cache hits excluded)
-``kvpage:generation_tokens_total``             counter   tokens sampled
-``kvpage:tier_hits_total``                     counter   KV blocks served to requests, label ``tier``: ``device``,
-                                                         and with tiers ``host``, ``disk``, ``redis``
-``kvpage:tier_bytes_total``                    counter   KV bytes moved between tiers, label ``direction``:
-                                                         ``device_to_host``, ``host_to_device``, ``store_read``,
-                                                         ``store_write``
-``kvpage:store_rejected_records_total``        counter   stored records refused (checksum, layout or key mismatch)
-``kvpage:request_success_total``               counter   finished requests, label ``finished_reason``:
-                                                         ``stop``, ``length``, ``abort`` (client gone), ``error``
-``kvpage:time_to_first_token_seconds``         hist.     submission to first output token
-``kvpage:time_per_output_token_seconds``       hist.     gap between consecutive output tokens of a request
-``kvpage:e2e_request_latency_seconds``         hist.     submission to finish (finished requests)
-=============================================  ========  ====================================================
+========================================================  ========  ====================================================
+name                                                      type      meaning
+========================================================  ========  ====================================================
+``kvpage:num_requests_running``                           gauge     requests in the running batch
+``kvpage:num_requests_waiting``                           gauge     requests queued (new or preempted)
+``kvpage:kv_cache_usage_perc``                            gauge     fraction of KV blocks in use, 0..1 (vLLM's name)
+``kvpage:prefix_cache_hit_rate``                          gauge     prefix hits / queries since start, 0..1
+``kvpage:prefix_cache_queries_total``                     counter   prompt tokens looked up in the prefix cache
+``kvpage:prefix_cache_hits_total``                        counter   of those, tokens served from it
+``kvpage:num_preemptions_total``                          counter   requests preempted (recompute)
+``kvpage:prompt_tokens_total``                            counter   prompt tokens computed (cache hits excluded)
+``kvpage:generation_tokens_total``                        counter   tokens sampled
+``kvpage:tier_hits_total``                                counter   KV blocks served to requests, label ``tier``: ``device``,
+                                                                    and with tiers ``host``, ``disk``, ``redis``
+``kvpage:tier_bytes_total``                               counter   KV bytes moved between tiers, label ``direction``:
+                                                                    ``device_to_host``, ``host_to_device``, ``store_read``,
+                                                                    ``store_write``
+``kvpage:store_rejected_records_total``                   counter   stored records refused (checksum, layout or key mismatch)
+``kvpage:spec_decode_num_drafts_total``                   counter   speculative rounds (request x step) with >= 1 draft token
+``kvpage:spec_decode_num_draft_tokens_total``             counter   draft tokens proposed
+``kvpage:spec_decode_num_accepted_tokens_total``          counter   draft tokens accepted by the target
+``kvpage:spec_decode_num_emitted_tokens_total``           counter   tokens output by speculative rounds (accepted + bonus)
+``kvpage:spec_decode_num_accepted_tokens_per_pos_total``  counter   rounds whose draft at label ``position``
+                                                                    (``0`` .. ``k-1``) was accepted
+``kvpage:spec_decode_acceptance_rate``                    gauge     accepted / draft tokens since start, 0..1
+``kvpage:spec_decode_mean_accepted_length``               gauge     1 + accepted / drafts: tokens per speculative round
+``kvpage:request_success_total``                          counter   finished requests, label ``finished_reason``:
+                                                                    ``stop``, ``length``, ``abort`` (client gone), ``error``
+``kvpage:time_to_first_token_seconds``                    hist.     submission to first output token
+``kvpage:time_per_output_token_seconds``                  hist.     gap between consecutive output tokens of a request
+``kvpage:e2e_request_latency_seconds``                    hist.     submission to finish (finished requests)
+========================================================  ========  ====================================================
 """
 from __future__ import annotations
 
@@ -47,6 +56,7 @@ from kvpage.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from kvpage.engine.engine import EngineStats
+    from kvpage.engine.speculative.metrics import SpecDecodingStats
 
 PREFIX = "kvpage:"
 
@@ -96,6 +106,34 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily(PREFIX + "store_rejected_records",
                                   "Stored KV records refused (checksum, layout or key mismatch); recomputed.",
                                   value=float(s.kv.tiers.store_rejected if s.kv.tiers is not None else 0))
+        spec = getattr(s, "spec_decoding", None)  # absent on an EngineStats from before speculation
+        if spec is not None:
+            yield from _spec_decode_metrics(spec)
+
+
+def _spec_decode_metrics(spec: SpecDecodingStats) -> Iterator[Metric]:
+    """The ``kvpage:spec_decode_*`` counters and gauges of one :class:`SpecDecodingStats` snapshot."""
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Speculative rounds (request x step) with at least one draft token.",
+         spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", spec.num_accepted_tokens),
+        ("spec_decode_num_emitted_tokens", "Tokens output by speculative rounds (accepted + bonus/corrected).",
+         spec.num_emitted_tokens),
+    ):
+        yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Speculative rounds whose draft at this position (0-based) was accepted.",
+                                  labels=["position"])
+    for position, n in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(position)], float(n))
+    yield per_pos
+    yield GaugeMetricFamily(PREFIX + "spec_decode_acceptance_rate",
+                            "Accepted / draft tokens since start, 0..1 (0 before any draft).",
+                            value=spec.acceptance_rate)
+    yield GaugeMetricFamily(PREFIX + "spec_decode_mean_accepted_length",
+                            "Tokens per speculative round, 1 + accepted / drafts (0 before any draft).",
+                            value=spec.mean_accepted_length)
 
 
 class ServerMetrics:
