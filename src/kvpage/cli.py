@@ -16,11 +16,12 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvpage.cli_args import DTYPE_HELP, nonnegative_int, port, positive_int, threads_help
+from kvpage.cli_args import DTYPE_HELP, json_object, nonnegative_int, port, positive_int, threads_help
 from kvpage.errors import KVPageError
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
+    from kvpage.engine.speculative.metrics import SpecDecodingStats
 
 
 def _format_help() -> str:
@@ -57,6 +58,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="requests running at once (default 64; sizes the side pools of int4/int2)")
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s flag: a JSON object such as \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'; methods ngram, draft_model '
+                        '(with "model": PATH), layer_skip (with "num_layers": N) (default: none)')
     _add_tier_args(p)
 
 
@@ -78,6 +83,9 @@ def _build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
     """An :class:`~kvpage.engine.llm.LLM` from the shared engine flags (see :func:`_add_engine_args`) plus ``extra``."""
     from kvpage.engine.llm import LLM
 
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:  # passed only when given, like vLLM's flag (default: no speculation)
+        extra = {"speculative_config": speculative, **extra}
     return LLM(
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -130,7 +138,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tiers = tier_line(llm)
     if tiers is not None:
         print(tiers)
+    spec = spec_decode_line(getattr(llm.engine.stats(), "spec_decoding", None))
+    if spec is not None:
+        print(spec)
     return 0
+
+
+def spec_decode_line(stats: SpecDecodingStats | None) -> str | None:
+    """One line of speculative-decoding counters (``None`` when the engine does not speculate).
+
+    Drafted and accepted tokens over the rounds that had drafts, the acceptance rate (accepted /
+    drafted), the mean accepted length (1 + accepted / rounds: tokens each round emitted) and the
+    acceptance rate of each draft position (among rounds that drafted it), from ``EngineStats.spec_decoding``.
+    """
+    if stats is None:
+        return None
+    per_pos = " ".join(f"{r:.2f}" for r in stats.per_position_acceptance_rate)
+    return (f"[kvpage] speculative: {stats.num_draft_tokens} drafted, {stats.num_accepted_tokens} accepted "
+            f"in {stats.num_drafts} rounds; acceptance rate {stats.acceptance_rate:.1%}, mean accepted length "
+            f"{stats.mean_accepted_length:.2f}; per position {per_pos}")
 
 
 def _capacity_lines(llm: LLM) -> list[str]:

@@ -6,6 +6,8 @@ without importing :mod:`kvpage.cli` (which imports them).
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 
 def _int(text: str, what: str) -> int:
@@ -37,6 +39,24 @@ def port(text: str) -> int:
     value = _int(text, "a TCP port (0-65535)")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {value}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object (``--speculative-config '{"method": "ngram", ...}'``) as a dict.
+
+    Only the syntax is checked here; the keys are checked by the engine setting the dict goes to.
+    argparse prefixes the error with the flag (``argument --speculative-config: ...``).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. "
+                                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'; "
+                                         f"{text!r} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got a JSON {type(value).__name__}: "
+                                         f"{text!r}")
     return value
 
 
