@@ -12,6 +12,7 @@ A request's token regions and life::
     [num_cached, +external)  allocate_slots(req, n, m, num_external_tokens=e): blocks a tier loads
     [.., num_tokens)         slots for tokens the model computes (None: no room; preempt and retry)
     cache_blocks(req, n)     after a forward pass: full blocks inside [0, n) enter the prefix index
+    rollback(req, n)         after a verification pass: keep n slots, blocks holding only rejected drafts go back
     free(req) / preempt(req) finished or aborted / recompute later (full blocks stay cached)
 
 Invariants (checked after every operation by the state-machine test): free +
@@ -327,6 +328,50 @@ class KVCacheManager(SideSlots):
         if not 0 <= num_tokens <= st.num_tokens - st.num_cached_blocks * self.block_size:
             raise ValueError(f"cannot give back {num_tokens} of {st.num_tokens} slots")
         st.num_tokens -= num_tokens
+
+    def rollback(self, request: SupportsKVCache | str, num_tokens: int) -> tuple[int, ...]:
+        """Keep the request's first ``num_tokens`` reserved slots, discarding the KV of the rest (rejected drafts).
+
+        Speculative verification (issue 14) writes draft tokens' KV; after acceptance the request keeps only its
+        verified tokens. The request's regions before and after (``bs`` = block size)::
+
+            [0, num_cached_blocks * bs)   indexed blocks: never rolled back into (ValueError)
+            [.., num_tokens)              kept: verified tokens (and slots reserved for them)
+            [num_tokens, reserved)        dropped; blocks past blocks_for(num_tokens) go back to the pool
+
+        The dropped blocks were never indexed, so they return to the free list; every group manager is told
+        which blocks died (:meth:`~kvpage.cache.groups.GroupManager.on_blocks_freed`) and then which table the
+        request keeps (:meth:`~kvpage.cache.groups.GroupManager.on_rollback`), also when nothing is dropped:
+        ``num_tokens == reserved`` is the *commit* after a verification step (a quantize-on-seal group learns
+        which of its provisional seals are verified now).
+
+        Args:
+            request: the request (or its id).
+            num_tokens: slots it keeps, in ``[num_cached_blocks * block_size, reserved slots]``.
+
+        Returns:
+            The freed block ids (the table's tail, in table order; empty when nothing was dropped).
+
+        Raises:
+            KeyError: the request holds no blocks.
+            ValueError: ``num_tokens`` outside that range (below its indexed blocks, or above its slots).
+        """
+        rid = request if isinstance(request, str) else request.request_id
+        st = self._reqs[rid]
+        indexed = st.num_cached_blocks * self.block_size
+        if not indexed <= num_tokens <= st.num_tokens:
+            raise ValueError(f"request {rid!r} cannot roll back to {num_tokens} tokens: it must keep its indexed "
+                             f"{indexed} and holds {st.num_tokens} slots")
+        keep = self.blocks_for(num_tokens)
+        freed = st.block_ids[keep:]
+        del st.block_ids[keep:]
+        st.num_tokens = num_tokens
+        if freed:
+            self.pool.release(list(reversed(freed)))
+            self._freed(freed)
+        for g in self.groups:
+            g.on_rollback(st.block_ids, num_tokens)
+        return tuple(freed)
 
     def num_tokens(self, request_id: str) -> int:
         """Slots the request holds, in tokens (``KeyError`` if it holds none)."""

@@ -47,15 +47,15 @@ class SideSlots:
         return self.pool.num_side
 
     def side_reserve(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
-                     match: MatchResult | None = None) -> tuple[int, ...] | None:
+                     match: MatchResult | None = None, *, num_draft: int = 0) -> tuple[int, ...] | None:
         """Promise the side slots a chunk takes (:meth:`side_slots_needed`) to the next forward pass, per group.
 
         Over side groups this claims their blocks now, so call it before :meth:`allocate_slots` of the chunk:
         the allocation then sees the blocks that are really left. The blocks of ``match`` are never evicted
-        for them. Returns the promised counts (give them back with :meth:`side_unreserve` if the chunk leaves
+        for them; ``num_draft``: the chunk's last tokens that are unverified drafts (as :meth:`side_slots_needed`). Returns the promised counts (give them back with :meth:`side_unreserve` if the chunk leaves
         the step), or ``None`` when some group cannot promise them (nothing is promised then).
         """
-        need = self.side_slots_needed(request, num_computed, num_new_tokens, match)
+        need = self.side_slots_needed(request, num_computed, num_new_tokens, match, num_draft=num_draft)
         protected = match.block_ids if match is not None else ()
         done: list[tuple[GroupManager, int]] = []
         for g, k in zip(self.groups, need):
@@ -78,7 +78,7 @@ class SideSlots:
             g.side_release()
 
     def side_slots_needed(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
-                          match: MatchResult | None = None) -> tuple[int, ...]:
+                          match: MatchResult | None = None, *, num_draft: int = 0) -> tuple[int, ...]:
         """Per group, the side slots a chunk of ``num_new_tokens`` after ``num_computed`` takes in its step.
 
         Counted before :meth:`allocate_slots` (the blocks it would add are new: nothing kept for them).
@@ -90,10 +90,15 @@ class SideSlots:
             num_new_tokens: tokens of the chunk.
             match: the admission's device match (its blocks are the request's first ones); ignored once
                 the request holds blocks.
+            num_draft: the chunk's last this many tokens are unverified drafts of a verification step (a
+                quantize-on-seal block they fill keeps its 16-bit slot until :meth:`rollback` verifies it).
 
         Raises:
-            ValueError: negative counts.
+            ValueError: negative counts, or ``num_draft > num_new_tokens``.
         """
+        if not 0 <= num_draft <= num_new_tokens:
+            raise ValueError(f"num_draft must be in [0, num_new_tokens={num_new_tokens}], got {num_draft}")
         st = self._reqs.get(request.request_id)
         held: Sequence[int] = st.block_ids if st is not None else (match.block_ids if match is not None else ())
-        return tuple(g.side_slots_needed(request, held, num_computed, num_new_tokens) for g in self.groups)
+        return tuple(g.side_slots_needed(request, held, num_computed, num_new_tokens, num_draft=num_draft)
+                     for g in self.groups)

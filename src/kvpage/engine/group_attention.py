@@ -35,12 +35,20 @@ class StepLayout:
         block_tables: per request, its block ids.
         owners: per request, its id (who owns the window copies it makes; ``None`` = anonymous).
         prompt_lens: per request, its prompt length in tokens.
+        draft_lens: per request, how many of the last positions of its context (``seq_lens[i]``) are unverified
+            drafts, ``seq_lens[i] - verified length``; it may exceed the pass's query length in a drafter's later
+            passes (positions earlier passes of the step wrote). ``()``: none (see :meth:`TailTable.plan`).
+        final: whether this is the step's last forward pass over the group (the verification pass); a drafter's
+            earlier passes over it (layer-skip: the main group's first layers) are not, and keep the step's
+            promised tail slots and everything a sealed block's later re-plan reads (:meth:`TailTable.finish`).
     """
 
     meta: AttentionMetadata
     block_tables: tuple[Sequence[int], ...]
     owners: tuple[str | None, ...]
     prompt_lens: tuple[int, ...]
+    draft_lens: tuple[int, ...] = ()
+    final: bool = True
 
 
 class GroupAttention:
@@ -116,6 +124,7 @@ class SealedGroupAttention(GroupAttention):
         self._is_live = is_live
         self._is_in_use = is_in_use
         self._ctx: SealContext | None = None
+        self._final = True
 
     def begin_step(self, step: StepLayout, device: torch.device) -> None:
         """Book the step's seals, tail writes, window and first-block copies once for all the group's layers."""
@@ -123,7 +132,9 @@ class SealedGroupAttention(GroupAttention):
         plan = self.table.plan(
             step.block_tables, step.meta.seq_lens, step.meta.query_lens, device=device,
             owners=step.owners, prompt_lens=step.prompt_lens, is_live=self._is_live, is_in_use=self._is_in_use,
+            draft_lens=step.draft_lens or None,
         )
+        self._final = step.final
         self._ctx = self.tail.context(plan)
 
     def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
@@ -134,11 +145,12 @@ class SealedGroupAttention(GroupAttention):
                                        self._ctx, layer_index=layer_index)
 
     def end_step(self) -> None:
-        """Free the tail slots the step retired (every layer has read them)."""
+        """Free the tail slots the step retired (every layer has read them); after a pass that is not the step's
+        final one over the group, retire nothing and keep the promised slots (``finish(release_spare=False)``)."""
         super().end_step()
         if self._ctx is not None:
             self._ctx = None
-            self.table.finish()
+            self.table.finish(release_spare=self._final)
 
     def abort_step(self) -> None:
         """The forward pass raised: keep the open slots of the blocks the plan sealed (:meth:`TailTable.abort`)."""

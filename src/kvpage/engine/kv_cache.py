@@ -185,11 +185,12 @@ class SchedulerKVCache:
         return self.manager.can_allocate(request, num_new_tokens, m, num_external_tokens=ext.num_tokens)
 
     def side_reserve(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
-                     match: TieredMatch | MatchResult | None = None) -> tuple[int, ...] | None:
-        """Promise a chunk's tail slots to the next forward pass (see :meth:`KVCacheManager.side_reserve`); the
-        cached blocks evicted for them go to the connector at once (the pass overwrites them)."""
+                     match: TieredMatch | MatchResult | None = None, *, num_draft: int = 0) -> tuple[int, ...] | None:
+        """Promise a chunk's tail slots to the next forward pass (see :meth:`KVCacheManager.side_reserve`; the chunk's
+        last ``num_draft`` tokens are unverified drafts); the cached blocks evicted for them go to the connector at
+        once (the pass overwrites them)."""
         m, _ = self._split(match)
-        need = self.manager.side_reserve(request, num_computed, num_new_tokens, m)
+        need = self.manager.side_reserve(request, num_computed, num_new_tokens, m, num_draft=num_draft)
         self._sync_block_changes()
         return need
 
@@ -202,10 +203,11 @@ class SchedulerKVCache:
         self.manager.side_release()
 
     def side_slots_needed(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
-                          match: TieredMatch | MatchResult | None = None) -> tuple[int, ...]:
-        """Per layer group, the tail slots a chunk takes in its step (see :meth:`KVCacheManager.side_slots_needed`)."""
+                          match: TieredMatch | MatchResult | None = None, *, num_draft: int = 0) -> tuple[int, ...]:
+        """Per layer group, the tail slots a chunk takes in its step, its last ``num_draft`` tokens unverified (see
+        :meth:`KVCacheManager.side_slots_needed`)."""
         m, _ = self._split(match)
-        return self.manager.side_slots_needed(request, num_computed, num_new_tokens, m)
+        return self.manager.side_slots_needed(request, num_computed, num_new_tokens, m, num_draft=num_draft)
 
     def allocate_slots(
         self, request: SupportsKVCache, num_new_tokens: int, match: TieredMatch | MatchResult | None = None
@@ -260,6 +262,14 @@ class SchedulerKVCache:
                 else:
                     self._loaded[request.request_id] = (request, computed)
         return replace(blocks, num_computed_tokens=computed)
+
+    def rollback(self, request: SupportsKVCache | str, num_tokens: int) -> tuple[int, ...]:
+        """Keep the request's first ``num_tokens`` slots after a verification step, the rejected drafts' blocks back
+        to the pool (see :meth:`KVCacheManager.rollback`: the commit too, when nothing is dropped); returns the
+        freed block ids. Raises as it does."""
+        freed = self.manager.rollback(request, num_tokens)
+        self._sync_block_changes()
+        return freed
 
     def is_loading(self, request: SupportsKVCache | str) -> bool:
         """Whether blocks are still being loaded for the request (its forward pass must wait)."""

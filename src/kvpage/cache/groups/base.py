@@ -58,6 +58,11 @@ class GroupManager:
     def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
         """A request was freed and ``block_ids`` died with it (back on the free list): drop what was kept for them."""
 
+    def on_rollback(self, block_ids: Sequence[int], num_tokens: int) -> None:
+        """A request rolled back to ``num_tokens`` tokens and keeps the table ``block_ids`` (blocks dropped past it
+        were reported by :meth:`on_blocks_freed` first); also called with nothing dropped, as the commit after a
+        verification step (:meth:`~kvpage.cache.manager.KVCacheManager.rollback`). Default: nothing."""
+
     def on_blocks_deduplicated(self, pairs: Sequence[tuple[int, int]], ref_count: Callable[[int], int]) -> None:
         """Each ``(duplicate, original)`` pair: a request's block equals the indexed ``original``, which the index
         keeps (the duplicate dies with the request); ``ref_count`` is the pool's count. Default: nothing."""
@@ -89,8 +94,9 @@ class GroupManager:
         return 0
 
     def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
-                          num_new_tokens: int) -> int:
-        """Side slots a chunk of ``num_new_tokens`` after ``num_computed`` takes in its step (0 without side slots)."""
+                          num_new_tokens: int, *, num_draft: int = 0) -> int:
+        """Side slots a chunk of ``num_new_tokens`` after ``num_computed`` takes in its step, its last ``num_draft``
+        tokens unverified drafts (0 without side slots)."""
         return 0
 
     def reset(self) -> None:

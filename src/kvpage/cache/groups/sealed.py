@@ -162,16 +162,22 @@ class SealedGroupManager(GroupManager):
         return 0 if side is None else side.num_held * side.r
 
     def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
-                          num_new_tokens: int) -> int:
+                          num_new_tokens: int, *, num_draft: int = 0) -> int:
         """Tail slots the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the engine's
-        plans); over side groups also the group of the first block's 8-bit copy when the chunk seals that block."""
+        plans; its last ``num_draft`` tokens unverified, as the plan's ``draft_lens``); over side groups also the
+        group of the first block's 8-bit copy when the chunk seals that block (provisionally or not)."""
         prompt = getattr(request, "num_prompt_tokens", None)
         need = self.table.slots_to_take(block_ids, num_computed, num_new_tokens,
-                                        0 if prompt is None else int(prompt), request.request_id)
+                                        0 if prompt is None else int(prompt), request.request_id, num_draft=num_draft)
         bs = self.table.block_size
         if self.table.side is not None and self.table.num_sink_slots and num_computed < bs <= num_computed + num_new_tokens:
             need += 1
         return need
+
+    def on_rollback(self, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Resolve the request's provisional seals (:meth:`TailTable.rollback`): verified ones give their 16-bit slot
+        back (or keep it as a window copy), a block the rollback reopened keeps it as its open slot."""
+        self.table.rollback(block_ids, num_tokens)
 
     def reset(self) -> None:
         """Drop every tail entry."""

@@ -60,6 +60,7 @@ class TailEntries:
         self._planning = False                                # a plan is being made: freed groups stay reserved
         self._sealed_after: list[int] = []                   # sealed blocks whose open slot the seal gather reads
         self._read_last: list[tuple[int, Hashable]] = []     # window copies only this step's last query reads
+        self._provisional: dict[int, Hashable] = {}          # sealed with unverified drafts -> owner (rollback)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -148,7 +149,13 @@ class TailEntries:
         self._sink[dst] = self._sink.pop(src)
         return True
 
+    def is_provisional(self, block_id: int) -> bool:
+        """Whether ``block_id`` was sealed holding unverified drafts and keeps its 16-bit slot until
+        :meth:`~kvpage.cache.tail.TailTable.rollback` verifies or reopens it."""
+        return block_id in self._provisional
+
     def _drop_fp(self, b: int) -> None:
+        self._provisional.pop(b, None)
         slot = self._slot.pop(b, None)
         if slot is not None:
             self._window.pop(b, None)
@@ -182,7 +189,7 @@ class TailEntries:
         if not self._slots.num_free:
             victim = next((x for x in self._slot if x not in protected and not self._live(x)), None)
             if victim is None:
-                victim = next((x for x in self._window if x not in protected), None)
+                victim = next((x for x in self._window if x not in protected and x not in self._provisional), None)
             if victim is None:
                 raise OutOfBlocksError(
                     f"the full-precision tail pool is full: {self.num_slots} slots hold open blocks of running "
@@ -200,7 +207,7 @@ class TailEntries:
         if g is None:
             victim = next((x for x in self._slot if x not in protected and not self._live(x)), None)
             if victim is None:
-                victim = next((x for x in self._window if x not in protected), None)
+                victim = next((x for x in self._window if x not in protected and x not in self._provisional), None)
             if victim is None:
                 raise OutOfBlocksError(
                     "no block group is free for a full-precision tail slot: open blocks of running requests "

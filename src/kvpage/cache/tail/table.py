@@ -25,7 +25,7 @@ class TailTable(TailEntries):
 
     def slots_to_take(
         self, block_ids: Sequence[int], num_computed: int, num_new: int, prompt_len: int = 0,
-        owner: Hashable | None = None,
+        owner: Hashable | None = None, *, num_draft: int = 0,
     ) -> int:
         """Net 16-bit slots a plan of this one chunk takes beyond what the request holds now (no side effects).
 
@@ -34,7 +34,9 @@ class TailTable(TailEntries):
         chunk pushes out are freed first and offset the count. The slot of a continued block sealed outside
         the window is already held (and freed by :meth:`finish`), so it costs nothing more. Never negative:
         slots a chunk frees are not counted for the other chunks of its step. The scheduler sums this over a
-        step's chunks and compares with :meth:`num_takeable`.
+        step's chunks and compares with :meth:`num_takeable`. With ``num_draft`` unverified tokens a block the
+        chunk fills that holds one is provisional and needs its slot too, and the window is the verified length's
+        (as :meth:`plan`'s ``draft_lens``).
 
         Args:
             block_ids: the request's block ids held now (blocks after them are new: no entries).
@@ -42,19 +44,23 @@ class TailTable(TailEntries):
             num_new: tokens of the chunk (>= 0).
             prompt_len: the request's prompt length in tokens (as :meth:`plan`'s ``prompt_lens``).
             owner: who owns the request's window copies (as :meth:`plan`'s ``owners``).
+            num_draft: the last this many tokens of the context are unverified (as :meth:`plan`'s ``draft_lens``).
 
         Raises:
-            ValueError: negative counts.
+            ValueError: negative counts, or ``num_draft`` above the context's ``num_computed + num_new`` tokens.
         """
         if num_computed < 0 or num_new < 0:
             raise ValueError(f"num_computed and num_new must be >= 0, got {num_computed}, {num_new}")
         bs, first, s = self.block_size, num_computed, num_computed + num_new
-        w = self.window_blocks
-        window_from = (s - 1) // bs - w if s else 0
+        if not 0 <= num_draft <= s:
+            raise ValueError(f"num_draft must be in [0, {s}], got {num_draft}")
+        w, verified = self.window_blocks, s - num_draft
+        window_from = (verified - 1) // bs - w
         takes = 0
         for j in range(first // bs, math.ceil(s / bs)):
             fills = min(s, (j + 1) * bs) == (j + 1) * bs
-            if fills and (not w or j < window_from or (j + 1) * bs <= prompt_len):
+            provisional = fills and (j + 1) * bs > verified
+            if fills and not provisional and (not w or j < window_from or (j + 1) * bs <= prompt_len):
                 continue  # sealed outside the window: no slot kept
             if j >= len(block_ids) or int(block_ids[j]) not in self._slot:
                 takes += 1
@@ -73,8 +79,19 @@ class TailTable(TailEntries):
         *,
         is_live: Callable[[int], bool] | None = None,
         is_in_use: Callable[[int], bool] | None = None,
+        draft_lens: Sequence[int] | None = None,
     ) -> SealPlan:
         """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
+
+        **Drafts** (speculative verification, issue 14): the last ``draft_lens[i]`` positions of request ``i``'s
+        context are unverified. A block that fills and holds one is sealed as usual -- this step's queries read
+        what a non-speculative chunk of the same tokens reads: blocks before a query's own as stored, its own
+        at full precision -- but is *provisional*: its 16-bit slot keeps all its rows (taken if it had none)
+        and is not freed by :meth:`finish`, until :meth:`rollback` verifies it (the slot goes, or stays as a
+        window copy) or reopens it (the slot is its open slot again; the next plan seals it anew). The window
+        (which sealed blocks keep a copy, which copies are pushed out) follows the verified length
+        ``seq_lens[i] - draft_lens[i]`` instead of ``seq_lens[i]``, so a rollback to any length in between
+        finds every copy its next query reads. No unverified token thus ends up only in low-bit codes.
 
         Args:
             block_tables: per request, its block ids (covering ``seq_lens[i]`` tokens).
@@ -91,16 +108,24 @@ class TailTable(TailEntries):
             is_in_use: ``block_id -> bool``, the pool's view: whether a request references the block; a
                 first block's 8-bit copy is taken from an idle cached block before one in use.
                 ``None`` treats all as in use.
+            draft_lens: per request, unverified positions at the end of its context (``seq_lens[i]`` minus its
+                verified length; may exceed ``query_lens[i]`` in a drafter's later passes, whose earlier
+                positions its earlier passes of the step wrote); default none.
 
         Raises:
+            ValueError: a draft length outside ``[0, seq_lens[i]]`` (nothing booked).
             KVPageError: a request continues a partial block that has no open slot (its
                 earlier tokens were never written through the tail).
             OutOfBlocksError: no slot can be freed for an open block.
         """
+        drafts = [0] * len(seq_lens) if draft_lens is None else [int(d) for d in draft_lens]
+        if len(drafts) != len(seq_lens) or any(not 0 <= d <= s for d, s in zip(drafts, seq_lens)):
+            raise ValueError(f"draft_lens {drafts} must give each request a length in [0, seq_lens[i]] "
+                             f"(seq_lens {list(seq_lens)})")
         self._is_live, self._is_in_use = is_live, is_in_use
         self._planning = True
         try:
-            return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens)
+            return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens, drafts)
         except BaseException:
             self._sealed_after = []  # nothing was sealed: the open slots must stay for a re-run
             self._read_last = []
@@ -117,6 +142,7 @@ class TailTable(TailEntries):
         device: torch.device | str,
         owners: Sequence[Hashable] | None,
         prompt_lens: Sequence[int] | None,
+        drafts: Sequence[int],
     ) -> SealPlan:
         bs, w = self.block_size, self.window_blocks
         tail_dst: list[int] = []
@@ -135,18 +161,19 @@ class TailTable(TailEntries):
         owners = list(owners) if owners is not None else [None] * len(seq_lens)
         prompt_lens = list(prompt_lens) if prompt_lens is not None else [0] * len(seq_lens)
         sealed_now: list[list[tuple[int, int, int | None]]] = []
-        for table, s, n, owner, plen in zip(block_tables, seq_lens, query_lens, owners, prompt_lens):
-            first = s - n
+        for table, s, n, owner, plen, d in zip(block_tables, seq_lens, query_lens, owners, prompt_lens, drafts):
+            first, verified = s - n, s - d
             mine: list[tuple[int, int, int | None]] = []
             sealed_now.append(mine)
-            # The last query's window: the w blocks before its own block; sealed blocks from this index on
-            # keep a 16-bit copy (its own block too, for the next query's window), older copies go.
-            window_from = (s - 1) // bs - w
+            # The last verified query's window: the w blocks before its own block; sealed blocks from this index
+            # on keep a 16-bit copy (its own block too, for the next query's window), older copies go. (Without
+            # drafts the step's last query; with them, a rollback may keep only the verified tokens.)
+            window_from = (verified - 1) // bs - w
             # Window copies this step pushes out of the request's window go first: nothing reads them this
             # step, and freeing them before the request's new blocks take slots bounds its peak by 1 + w + 1.
             for b in self._pushed_out(table, first, window_from, owner):
                 self._drop_fp(b)
-            if w and s % bs == 0 and 0 <= window_from < len(table):  # the next query's window starts one later
+            if w and verified % bs == 0 and 0 <= window_from < len(table):  # the next window starts one later
                 self._read_last.append((int(table[window_from]), owner))
             for j in range(first // bs, math.ceil(s / bs)):
                 b = int(table[j])
@@ -178,7 +205,15 @@ class TailTable(TailEntries):
                         if sink is not None:
                             sink_pos.append(len(seal_ids) - 1)
                             sink_slots.append(sink)
-                    if not w or j < window_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
+                    if (j + 1) * bs > verified:  # provisional: the slot keeps its rows until rollback()
+                        self._provisional[b] = owner
+                        if w and j >= window_from and (j + 1) * bs > plen:
+                            self._window[b] = owner
+                            self._window.move_to_end(b)
+                        else:
+                            self._window.pop(b, None)
+                    elif not w or j < window_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
+                        self._provisional.pop(b, None)  # (a drafter's earlier pass of this step sealed it)
                         if slot is not None:
                             self._window.pop(b, None)  # (a stale entry of a failed step's plan)
                             self._sealed_after.append(b)  # every layer's seal gather reads it first
@@ -187,11 +222,13 @@ class TailTable(TailEntries):
                                 tail_src.append(row0 + t - first)
                         mine.append((j, len(seal_ids) - 1, slot))  # the slot (if any) lives until finish()
                         continue
-                    self._window[b] = owner
-                    self._window.move_to_end(b)
+                    else:
+                        self._provisional.pop(b, None)
+                        self._window[b] = owner
+                        self._window.move_to_end(b)
                 if slot is None:
                     slot = self._take_slot(b, protected)
-                if hi == (j + 1) * bs:  # a window block: its slot keeps its rows
+                if hi == (j + 1) * bs:  # a window or provisional block: its slot keeps its rows
                     mine.append((j, len(seal_ids) - 1, slot))
                 for t in range(lo, hi):
                     tail_dst.append(slot * bs + t - j * bs)
@@ -236,25 +273,76 @@ class TailTable(TailEntries):
         )
         return plan
 
-    def finish(self) -> None:
+    def finish(self, *, release_spare: bool = True) -> None:
         """After every layer applied the last plan: free the 16-bit slots it retired.
 
         A block sealed outside the window keeps its open slot until now, because every
         layer's seal gather reads its earlier tokens from it. So does the window copy that
         only the plan's last query read (at a block boundary, the block ``w`` before its own):
         the next query's window starts one block later. (Window copies a plan pushes out are
-        freed by the plan itself: nothing reads them in that step.)
+        freed by the plan itself: nothing reads them in that step.) Provisional blocks keep
+        their slot (:meth:`rollback` decides).
+
+        ``release_spare=False``: the plan was not the step's last over this table (a drafter's pass before the
+        verification pass): retire nothing -- the final plan covers the same positions again, continuing
+        their blocks from these slots, and retires them -- and keep the side groups promised to the step.
         """
-        for b in self._sealed_after:
-            if b not in self._window:
-                self._drop_fp(b)
+        if release_spare:
+            for b in self._sealed_after:
+                if b not in self._window and b not in self._provisional:
+                    self._drop_fp(b)
+            for b, owner in self._read_last:  # outside every later query's window
+                if b in self._window and self._window[b] == owner:
+                    self._drop_fp(b)
         self._sealed_after = []
-        for b, owner in self._read_last:  # outside every later query's window
+        self._read_last = []
+        if release_spare and self.side is not None:
+            self.side.release_spare()  # groups reserved for the step that no slot took
+
+    def rollback(self, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Resolve a request's provisional blocks (:meth:`plan`'s drafts) once it keeps ``num_tokens`` tokens.
+
+        ``block_ids`` is the table it keeps (``ceil(num_tokens / block_size)`` blocks; the entries of blocks
+        dropped past it go by :meth:`release`). A provisional block wholly within ``num_tokens`` is verified:
+        its slot goes, unless it is a window copy the next query reads. One the rollback reopened (the
+        request's partial block, index ``num_tokens // block_size``) is an open block again: its slot stays
+        as its open slot (the rows of its kept tokens are this step's, so the next plan continues it and
+        seals it anew when it fills), it is no window copy, and a first block loses its 8-bit copy (made
+        from a seal that held drafts; the new seal makes another). The request's window copies before the
+        next query's window go too, so what it holds is what a run that never saw the drafts would hold.
+        Call it between steps, after the verification pass, for every request of the step (nothing
+        provisional: no-op). Without side groups no pool state changes; over side groups freed slots give
+        their blocks back at once.
+        """
+        prov = self._provisional
+        if not prov:
+            return
+        bs, w = self.block_size, self.window_blocks
+        top = len(block_ids) - 1
+        if top >= 0 and int(block_ids[top]) not in prov:
+            top -= 1  # the step's open block
+        low = top
+        while low >= 0 and int(block_ids[low]) in prov:
+            low -= 1
+        low += 1  # provisional blocks are block_ids[low : top + 1] (those of one plan are contiguous)
+        if low > top:
+            return
+        owner = prov[int(block_ids[top])]
+        window_from = num_tokens // bs - w  # the next query's window: blocks [window_from, num_tokens // bs)
+        for j in range(low, top + 1):
+            b = int(block_ids[j])
+            del prov[b]
+            if (j + 1) * bs <= num_tokens:  # verified
+                if b not in self._window or j < window_from:
+                    self._drop_fp(b)
+            else:  # reopened: the partial block (the table ends at num_tokens)
+                self._window.pop(b, None)
+                if j == 0:
+                    self._drop_sink(b)
+        for j in range(max(0, low - 1 - w), min(low, window_from)):  # copies the verified-length window kept
+            b = int(block_ids[j])
             if b in self._window and self._window[b] == owner:
                 self._drop_fp(b)
-        self._read_last = []
-        if self.side is not None:
-            self.side.release_spare()  # groups reserved for the step that no slot took
 
     def abort(self) -> None:
         """After a forward pass that raised (some layers may not have run the last plan): keep what a re-run needs.
