@@ -294,7 +294,9 @@ class CacheSpec:
         block_size: int = 16,
         kv_cache_dtype: str | KVFormat = "auto",
         num_draft_layers: int = 0,
-        draft_kv_cache_dtype: str | None = None,
+        draft_kv_cache_dtype: str | KVFormat | None = None,
+        draft_num_kv_heads: int | None = None,
+        draft_head_dim: int | None = None,
         has_value: bool = True,
         model_name: str = "",
         static_scales: StaticScales | str | Path | None = None,
@@ -304,6 +306,9 @@ class CacheSpec:
         Args:
             kv_cache_dtype: the main layers' format: a name or alias, or the format object itself
                 (the engine resolves it once, in :class:`~kvpage.engine.config.EngineConfig`).
+            draft_kv_cache_dtype: the draft layers' format (name or object); default the main one.
+            draft_num_kv_heads, draft_head_dim: the draft layers' KV shape when the draft model's differs
+                (a separate draft checkpoint); default the main layers'.
             static_scales: calibrated K/V scales (or a scales file path) for
                 ``int8_static`` / ``fp8_static`` groups, keyed by global layer
                 index (draft layers follow the main ones); ignored by other formats.
@@ -320,8 +325,12 @@ class CacheSpec:
         main = LayerSpec(num_kv_heads, head_dim, block_size, main_fmt, has_value)
         groups = [LayerGroupSpec("main", 0, num_layers, main)]
         if num_draft_layers:
-            draft_fmt = get_format(draft_kv_cache_dtype, model_dtype) if draft_kv_cache_dtype else main_fmt
-            draft = LayerSpec(num_kv_heads, head_dim, block_size, draft_fmt, has_value)
+            if isinstance(draft_kv_cache_dtype, KVFormat):
+                draft_fmt = draft_kv_cache_dtype
+            else:
+                draft_fmt = get_format(draft_kv_cache_dtype, model_dtype) if draft_kv_cache_dtype else main_fmt
+            draft = LayerSpec(num_kv_heads if draft_num_kv_heads is None else draft_num_kv_heads,
+                              head_dim if draft_head_dim is None else draft_head_dim, block_size, draft_fmt, has_value)
             groups.append(LayerGroupSpec("draft", num_layers, num_draft_layers, draft))
         scales = None if static_scales is None else StaticScales.coerce(static_scales)
         return cls(tuple(groups), block_size, model_name, scales)

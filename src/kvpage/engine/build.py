@@ -26,7 +26,11 @@ from kvpage.engine.capacity import CapacityReport, build_spec, kv_capacity
 from kvpage.engine.memory import KVBudget, resolve_kv_budget
 from kvpage.cache.tiers.connector import TieredConnector
 from kvpage.cache.tiers.host import build_offload
-from kvpage.engine.group_attention import group_attention_for
+from kvpage.engine.group_attention import GroupAttention, group_attention_for
+from kvpage.engine.speculative.model_drafter import DraftModelDrafter, LayerSkipDrafter
+from kvpage.engine.speculative.ngram import NgramProposer
+from kvpage.engine.speculative.proposer import Drafter, NgramDrafter
+from kvpage.model.attention_fn import early_exit
 from kvpage.ops.backends import select_backend
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
@@ -37,6 +41,7 @@ from kvpage.model.attention_fn import CausalLM
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
+    from kvpage.model.config import ModelConfig
     from kvpage.model.loader import LoadedModel
 
 
@@ -58,6 +63,7 @@ class BuiltEngine:
         max_model_len: longest sequence, in tokens.
         capacity: what the KV cache allocates and holds (:func:`~kvpage.engine.capacity.kv_capacity`).
         budget: the KV budget and where it came from (``kv_cache_memory_fraction`` resolved).
+        drafter: the speculation method (``speculative_config``), or ``None``.
     """
 
     spec: CacheSpec
@@ -73,6 +79,7 @@ class BuiltEngine:
     max_model_len: int
     capacity: CapacityReport
     budget: KVBudget
+    drafter: Drafter | None = None
 
     @property
     def side_pool_bytes(self) -> int:
@@ -90,6 +97,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
             (the message gives the bytes the side pools need and the bytes given).
         StaticScalesError: scales missing or invalid for a layer of a static-scale format.
         CacheAllocationError: a device or host cache could not be allocated (names the group).
+        ModelNotFoundError / ValueError / TypeError: a speculative draft that cannot serve (see :func:`_load_draft`,
+            :func:`_drafter`).
     """
     mc = loaded.config
     device = torch.device(config.device)
@@ -98,7 +107,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens")
     max_model_len = context if config.max_model_len is None else config.max_model_len
 
-    spec = build_spec(config, mc, model_name=Path(loaded.path).name)
+    sc = config.speculative
+    draft = _load_draft(config, loaded, device) if sc is not None and sc.method == "draft_model" else None
+    spec = build_spec(config, mc, model_name=Path(loaded.path).name, draft=None if draft is None else draft.config)
     budget = resolve_kv_budget(config, model, device, context)
     capacity = kv_capacity(config, mc, budget.bytes, seq_len=max_model_len, spec=spec)
     num_blocks = capacity.num_blocks
@@ -106,7 +117,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     pool = PrefixBlockPool(num_blocks)  # side space of quantize-on-seal groups is carved from it on demand
     groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
                                pool=pool, max_model_len=max_model_len) for g in spec.groups)
-    caches = dict(controller.initialize_kv_cache(num_blocks))
+    caches = allocate_device_caches(controller, num_blocks)
 
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
         controller, swap_space=config.swap_space, config=config.offload,
@@ -121,21 +132,91 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     kv = SchedulerKVCache(manager, connector)
 
     tails: dict[str, TailPool] = {}
-    backends = []
+    backends: dict[str, GroupAttention] = {}
     for g, group_spec in zip(groups, spec.groups):
         tail = None
         if isinstance(g, SealedGroupManager):
             tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.layers, caches=caches)
             tails[g.name] = tail
         ops = select_backend(config.attention_backend, spec.layer(group_spec.layer_indices[0]), device)
-        backends.append(group_attention_for(spec, g, caches, tail=tail, is_live=manager.is_live,
-                                            is_in_use=manager.is_in_use, ops=ops))
-    runner = ModelRunner(model, spec, backends, device)
+        backends[group_spec.name] = group_attention_for(spec, g, caches, tail=tail, is_live=manager.is_live,
+                                                        is_in_use=manager.is_in_use, ops=ops)
+    runner = ModelRunner(model, spec, [backends["main"]], device, groups=("main",))
+    drafter = _drafter(config, mc, runner, spec, backends, draft, device)
     engine = LLMEngine(
         runner, loaded.tokenizer, kv,
         eos_token_ids=set(mc.eos_token_ids), max_model_len=max_model_len, vocab_size=mc.vocab_size,
         scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                         config.enable_chunked_prefill),
+                                         config.enable_chunked_prefill,
+                                         0 if sc is None else sc.num_speculative_tokens),
+        drafter=drafter,
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, kv, runner, engine, int(num_blocks),
-                       max_model_len, capacity, budget)
+                       max_model_len, capacity, budget, drafter)
+
+
+def allocate_device_caches(controller: CacheController, num_blocks: int) -> dict[int, LayerCache]:
+    """Allocate every layer group's device tensors (main, then draft layers when the spec has them).
+
+    Returns:
+        global layer index -> that layer's tensors.
+
+    Raises:
+        CacheAllocationError: a tensor could not be allocated (names the layer and group).
+    """
+    caches = dict(controller.initialize_kv_cache(num_blocks))
+    if controller.spec.draft is not None:
+        caches.update(controller.initialize_draft_kv_cache(num_blocks))
+    return caches
+
+
+def _load_draft(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> LoadedModel:
+    """The draft model of ``speculative_config`` (method ``draft_model``), on ``device``, checked against the target.
+
+    Raises:
+        ModelNotFoundError: no model at the path.
+        ValueError: its vocabulary differs from the target's (speculation needs the same tokenizer).
+    """
+    from kvpage.model.loader import LoadedModel, load_model
+
+    sc = config.speculative
+    assert sc is not None and sc.model is not None
+    draft = sc.model if isinstance(sc.model, LoadedModel) else load_model(sc.model, dtype=config.torch_dtype,
+                                                                           progress=False)
+    weight_dtype = next(draft.model.parameters()).dtype
+    if weight_dtype != config.torch_dtype:
+        raise ValueError(f"speculative_config.model is loaded in {weight_dtype}, but the engine runs {config.torch_dtype}")
+    target_vocab = getattr(loaded.tokenizer, "get_vocab", None)
+    draft_vocab = getattr(draft.tokenizer, "get_vocab", None)
+    same = draft.config.vocab_size == loaded.config.vocab_size
+    if same and callable(target_vocab) and callable(draft_vocab):
+        same = target_vocab() == draft_vocab()
+    if not same:
+        raise ValueError(f"speculative_config.model={sc.model!r} has another vocabulary than the target "
+                         f"({draft.config.vocab_size} vs {loaded.config.vocab_size} tokens, or different "
+                         f"token strings); a draft model must share the target's tokenizer")
+    draft.model = draft.model.to(device).eval()
+    return draft
+
+
+def _drafter(config: EngineConfig, mc: ModelConfig, runner: ModelRunner, spec: CacheSpec,
+             backends: dict[str, GroupAttention], draft: LoadedModel | None, device: torch.device) -> Drafter | None:
+    """The speculation method of ``config`` over the built runner and backends, or ``None``.
+
+    Raises:
+        ValueError: ``layer_skip``'s ``num_layers`` not below the target's layer count.
+        TypeError: ``layer_skip`` on a model family without an early exit.
+    """
+    sc = config.speculative
+    if sc is None:
+        return None
+    if sc.method == "ngram":
+        assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
+        return NgramDrafter(NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max))
+    if sc.method == "layer_skip":
+        early_exit(runner.model)  # a clear error now, not at the first step
+        return LayerSkipDrafter(runner, sc.draft_layers(mc.num_layers))
+    assert draft is not None and spec.draft is not None
+    draft_runner = ModelRunner(draft.model, spec, [backends["draft"]], device, groups=("draft",),
+                               layer_offset=spec.draft.first_layer)
+    return DraftModelDrafter(draft_runner)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpage.cache.groups import SealedGroupManager, manager_for
 from kvpage.cache.tail import TailPool
 from kvpage.cache.tail.side import blocks_per_slot, carved_blocks_per_slot
-from kvpage.formats import BlockFormat, SealedFormat
+from kvpage.formats import BlockFormat, SealedFormat, canonical_format_name, get_format
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -235,12 +235,36 @@ def _tail_bytes(spec: CacheSpec, config: EngineConfig) -> tuple[int, int, int]:
     return open_b, window_b, sink_b
 
 
-def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "") -> CacheSpec:
-    """The cache layout ``config`` gives ``model`` (what :func:`~kvpage.engine.build.build_engine` builds)."""
+def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "",
+               draft: ModelShape | None = None) -> CacheSpec:
+    """The cache layout ``config`` gives ``model`` (what :func:`~kvpage.engine.build.build_engine` builds).
+
+    With ``speculative_config`` method ``draft_model``, ``draft`` is the draft model's KV shape: its layers
+    become the spec's ``draft`` group, in ``draft_kv_cache_dtype`` (default the main format when it is
+    token-wise, else ``int8``: draft layers are token-wise, see :class:`~kvpage.engine.config.EngineConfig`).
+
+    Raises:
+        ValueError: a ``draft_model`` config without ``draft``.
+    """
+    sc = config.speculative
+    num_draft, draft_fmt = 0, None
+    if sc is not None and sc.method == "draft_model":
+        if draft is None:
+            raise ValueError("speculative_config method 'draft_model' needs the draft model's shape (draft=)")
+        num_draft = draft.num_layers
+        name = sc.draft_kv_cache_dtype
+        if name is None:
+            draft_fmt = config.kv_format if not isinstance(config.kv_format, BlockFormat) else \
+                get_format("int8", config.torch_dtype)
+        else:
+            draft_fmt = get_format(canonical_format_name(name, config.torch_dtype), config.torch_dtype)
     return CacheSpec.build(
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         model_dtype=config.torch_dtype, block_size=config.block_size_resolved,
         kv_cache_dtype=config.kv_format, model_name=model_name, static_scales=config.static_scales,
+        num_draft_layers=num_draft, draft_kv_cache_dtype=draft_fmt,
+        draft_num_kv_heads=None if draft is None else draft.num_kv_heads,
+        draft_head_dim=None if draft is None else draft.head_dim,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvpage.cache.tiers.policy import OffloadConfig
+from kvpage.engine.speculative.config import SpeculativeConfig
 from kvpage.formats import BlockFormat, KVFormat, StaticScaleFormat, canonical_format_name, get_format
 from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
@@ -115,6 +116,9 @@ class EngineConfig:
         kv_disk_dir: directory of a persistent, checksummed disk store of blocks (survives restarts).
         kv_disk_max_bytes: size cap of the disk store in bytes (LRU); ``None`` = unbounded.
         kv_store: ``redis://host:port/db`` of a Redis store shared between instances (LMCache's remote backend).
+        speculative_config: speculative decoding (vLLM's ``speculative_config``): a
+            :class:`~kvpage.engine.speculative.config.SpeculativeConfig`, a dict of its fields
+            (``{"method": "ngram", "num_speculative_tokens": 4}``) or that dict as JSON; ``None`` = off.
 
     Raises:
         ValueError: a bad field (the message names it).
@@ -144,6 +148,7 @@ class EngineConfig:
     kv_disk_dir: str | Path | None = None
     kv_disk_max_bytes: int | None = None
     kv_store: str | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     #: Derived: the compute dtype.
     torch_dtype: torch.dtype = field(init=False)
     #: Derived: the main layers' KV format object.
@@ -156,6 +161,8 @@ class EngineConfig:
     static_scales: StaticScales | None = field(init=False, repr=False)
     #: Derived: the tier policy.
     offload: OffloadConfig = field(init=False, repr=False)
+    #: Derived: the speculative decoding settings (``None`` = off).
+    speculative: SpeculativeConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -199,6 +206,20 @@ class EngineConfig:
         put("static_scales", scales)
         if scales is None and isinstance(fmt, StaticScaleFormat):  # fails here, before any model loads
             raise missing_scales_error(fmt.name)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        sc = None if self.speculative_config is None else SpeculativeConfig.coerce(self.speculative_config)
+        object.__setattr__(self, "speculative", sc)
+        if sc is None or sc.draft_kv_cache_dtype is None:
+            return
+        draft = get_format(canonical_format_name(sc.draft_kv_cache_dtype, self.torch_dtype), self.torch_dtype)
+        if isinstance(draft, BlockFormat):
+            raise ValueError(f"speculative_config.draft_kv_cache_dtype={sc.draft_kv_cache_dtype!r} quantizes on seal; "
+                             f"draft layers take a token-wise format (auto, bfloat16, fp8, int8, ...)")
+        if isinstance(draft, StaticScaleFormat):
+            raise ValueError(f"speculative_config.draft_kv_cache_dtype={sc.draft_kv_cache_dtype!r} needs calibrated "
+                             f"scales of the draft layers; give the draft a dynamic format (fp8, int8, ...)")
 
     def _check_positive_int(self, name: str, value: Any, *, allow_none: bool = False) -> None:
         if value is None and allow_none:

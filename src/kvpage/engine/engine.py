@@ -24,8 +24,11 @@ from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, sample
-from kvpage.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpage.engine.scheduler import ScheduledRequestChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.engine.sequence import Request
+from kvpage.engine.speculative.acceptance import verify
+from kvpage.engine.speculative.metrics import SpecDecodingCounters, SpecDecodingStats
+from kvpage.engine.speculative.proposer import Drafter, Proposal
 from kvpage.engine.validate import check_text, check_token_ids
 from kvpage.errors import PromptTooLongError
 
@@ -62,7 +65,9 @@ class EngineStats:
         kv: the KV cache's counters (prefix queries/hits, evictions, ...; tier counters in ``kv.tiers``).
         num_preemptions: requests preempted since start.
         prompt_tokens: prompt tokens computed since start (cache hits excluded).
-        generation_tokens: tokens sampled since start.
+        generation_tokens: tokens output since start (accepted drafts included).
+        spec_decoding: speculative decoding's counters (drafted, accepted, emitted tokens, per
+            position), or ``None`` when the engine does not speculate.
     """
 
     num_running: int
@@ -72,6 +77,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class LLMEngine:
@@ -84,7 +90,8 @@ class LLMEngine:
         eos_token_ids: tokens that end a sequence (unless ``ignore_eos``).
         max_model_len: longest prompt + output, in tokens.
         vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips the check.
-        scheduler_config: batching limits.
+        scheduler_config: batching limits (its ``num_lookahead_tokens`` is the drafter's ``k``).
+        drafter: the speculation method (:mod:`kvpage.engine.speculative`), or ``None``: no speculation.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class LLMEngine:
         max_model_len: int,
         vocab_size: int | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -107,6 +115,12 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.scheduler = Scheduler(kv, scheduler_config)
+        k = self.scheduler.config.num_lookahead_tokens
+        if (drafter is None) != (k == 0):
+            raise ValueError(f"a drafter needs num_lookahead_tokens > 0 and the reverse; got drafter={drafter!r}, "
+                             f"num_lookahead_tokens={k}")
+        self.drafter = drafter
+        self.spec_counters = SpecDecodingCounters(k) if drafter is not None else None
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
@@ -221,64 +235,133 @@ class LLMEngine:
                     f"{self.kv.num_free_blocks} free blocks"
                 )
             return []
-        batch = [
-            ScheduledRequest(c.token_ids, c.num_computed, c.block_ids, c.request.request_id, c.request.num_prompt_tokens)
-            for c in sched.scheduled
-        ]
         self.kv.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
+        if self.drafter is not None:
+            for victim in sched.preempted:
+                self.drafter.forget(victim.request_id)
+        proposals = self._propose(sched.scheduled)
+        batch = [
+            ScheduledRequest(c.token_ids + list(p.tokens), c.num_computed, c.block_ids, c.request.request_id,
+                             c.request.num_prompt_tokens, num_draft=len(p.tokens), num_logits=1 + len(p.tokens))
+            for c, p in zip(sched.scheduled, proposals)
+        ]
         outputs: list[RequestOutput] = []
         try:
-            logits = self.runner.execute(batch)                                # [B, vocab] float32
+            logits = self.runner.execute(batch)                       # [sum(num_logits), vocab] float32
         except Exception as exc:
-            sched, logits, outputs = self._isolate_forward(sched, batch, exc)
+            kept, logits, outputs = self._isolate_forward(sched, batch, exc)
+            sched = SchedulerOutput([sched.scheduled[i] for i in kept], sched.preempted)
+            proposals = [proposals[i] for i in kept]
             if not sched.scheduled:
                 return outputs
-        self.scheduler.update_after_step(sched)
         now = time.perf_counter()
         # greedy rows: one argmax over the batch (per-row calls cost ~0.1 ms each at a 49k vocabulary; max().indices
         # is the same first-maximum index, 2.7x faster than argmax here)
         greedy = logits.max(-1).indices.tolist() if any(c.request.params.greedy for c in sched.scheduled) else None
-        for i, (chunk, row) in enumerate(zip(sched.scheduled, logits)):
+        accepted: dict[str, int] = {}
+        stopped: list[tuple[Request, str]] = []
+        row = 0
+        for chunk, prop in zip(sched.scheduled, proposals):
             req = chunk.request
+            rows = 1 + len(prop.tokens)
+            first, row = row, row + rows
             self.prompt_tokens_computed += max(
                 0, min(chunk.num_computed + chunk.num_new_tokens, req.num_prompt_tokens) - chunk.num_computed
             )
             if not chunk.completes_sequence:
                 continue  # a prefill chunk: its logits are not needed
             try:
-                token = greedy[i] if greedy is not None and req.params.greedy else sample(row, req.params, req.generator)
-                self.generation_tokens += 1
-                self._append_token(req, token, now)
-                out = self._output(req)
-            except Exception as exc:  # this request's sampling, detokenization or stop check
+                if chunk.num_lookahead:
+                    tokens = self._verify(req, logits[first:row], prop)
+                else:
+                    tokens = [greedy[first] if greedy is not None and req.params.greedy
+                              else sample(logits[first], req.params, req.generator)]
+                reason = None
+                n = 0
+                for token in tokens:
+                    n += 1
+                    reason = self._append_token(req, token, now)
+                    if reason is not None:
+                        break
+                self.generation_tokens += n
+                if chunk.num_lookahead:
+                    accepted[req.request_id] = n - 1  # appended drafts: their KV is kept
+                    self._observe(chunk, prop, n)
+                if reason is not None:
+                    stopped.append((req, reason))
+            except Exception as exc:  # this request's sampling, verification, detokenization or stop check
                 self._fail(req, exc, now)
-                out = self._output(req)
-            outputs.append(out)
+        limit = {}
+        if self.drafter is not None:
+            for chunk in sched.scheduled:
+                lim = self.drafter.index_limit(chunk.request.request_id)
+                if lim is not None:
+                    limit[chunk.request.request_id] = lim
+        self.scheduler.update_after_step(sched, accepted, limit)
+        for req, reason in stopped:
+            if not req.is_finished:
+                self.scheduler.finish(req, reason)
+                req.finish_time = now
+        for chunk in sched.scheduled:
+            req = chunk.request
+            if not chunk.completes_sequence and not req.is_finished:
+                continue
+            outputs.append(self._output(req))
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
+                if self.drafter is not None:
+                    self.drafter.forget(req.request_id)
         return outputs
+
+    # -- speculative decoding ------------------------------------------------------------------
+    def _propose(self, chunks: list[ScheduledRequestChunk]) -> list[Proposal]:
+        """Each chunk's drafts (none without a drafter or lookahead); a drafter that raises drafts nothing
+        this step (the step still runs, without speculation)."""
+        if self.drafter is None:
+            return [Proposal() for _ in chunks]
+        try:
+            props = self.drafter.propose(chunks)
+        except Exception as exc:
+            logger.warning("the drafter failed; this step runs without drafts: %s", _describe(exc))
+            return [Proposal() for _ in chunks]
+        return [p if len(p.tokens) <= c.num_lookahead else Proposal(p.tokens[:c.num_lookahead],
+                None if p.probs is None else p.probs[:c.num_lookahead]) for c, p in zip(chunks, props)]
+
+    def _verify(self, req: Request, logits: torch.Tensor, prop: Proposal) -> list[int]:
+        """The emitted tokens of a speculating request: accepted drafts, then one more (``logits``: ``[1+d, vocab]``)."""
+        verdict = verify(logits, list(prop.tokens), prop.probs, req.params, req.generator)
+        return list(verdict.tokens)
+
+    def _observe(self, chunk: ScheduledRequestChunk, prop: Proposal, num_emitted: int) -> None:
+        """Count one verification round (``num_emitted`` tokens appended, the last one not a kept draft)."""
+        drafted = len(prop.tokens)
+        if self.spec_counters is not None and drafted:
+            self.spec_counters.observe(drafted, num_emitted - 1, num_emitted)
+        if self.drafter is not None:
+            self.drafter.on_verified(chunk.request.request_id, chunk.num_computed, drafted, num_emitted - 1)
 
     def _isolate_forward(
         self, sched: SchedulerOutput, batch: list[ScheduledRequest], exc: Exception
-    ) -> tuple[SchedulerOutput, torch.Tensor, list[RequestOutput]]:
+    ) -> tuple[list[int], torch.Tensor, list[RequestOutput]]:
         """The batch's forward raised: re-run each request alone, finish those that fail with ``"error"``.
 
         Returns:
-            The step without the failed requests, the survivors' logits ``[B', vocab]`` float32, and the
-            failed requests' final outputs.
+            The indices of the chunks that ran alone, their logits (``sum(num_logits)`` rows, in order)
+            and the failed requests' final outputs.
 
         Raises:
             EngineStepError: every request failed alone too (after finishing them all).
         """
         now = time.perf_counter()
-        kept, rows, failed = [], [], []
-        for chunk, one in zip(sched.scheduled, batch):
+        kept: list[int] = []
+        rows, failed = [], []
+        for i, (chunk, one) in enumerate(zip(sched.scheduled, batch)):
             if len(batch) == 1:
                 error: Exception = exc
             else:
                 try:
                     rows.append(self.runner.execute([one]))
-                    kept.append(chunk)
+                    kept.append(i)
                     continue
                 except Exception as e:
                     error = e
@@ -291,7 +374,7 @@ class LLMEngine:
                 f"the forward pass failed for every request of the step ({len(failed)}), each alone too: "
                 f"{_describe(exc)}", failed
             ) from exc
-        return SchedulerOutput(kept, sched.preempted), torch.cat(rows), failed
+        return kept, torch.cat(rows), failed
 
     def _fail(self, req: Request, exc: BaseException, now: float) -> None:
         """Finish ``req`` with ``"error"`` (blocks freed), keeping what went wrong in ``req.error``."""
@@ -300,7 +383,10 @@ class LLMEngine:
         req.error = _describe(exc)
         req.finish_time = now
 
-    def _append_token(self, req: Request, token: int, now: float) -> None:
+    def _append_token(self, req: Request, token: int, now: float) -> str | None:
+        """Append one output token, update the text and check every stop; returns the finish reason, or ``None``.
+
+        The caller finishes the request (after the step's blocks are indexed)."""
         if req.first_token_time is None:
             req.first_token_time = now
         req.all_token_ids.append(token)
@@ -317,11 +403,9 @@ class LLMEngine:
         req.text = text
         if reason is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason is not None:
-            if not cut_by_string:
-                self._trim_split_character(req)
-            self.scheduler.finish(req, reason)
-            req.finish_time = now
+        if reason is not None and not cut_by_string:
+            self._trim_split_character(req)
+        return reason
 
     def _trim_split_character(self, req: Request) -> None:
         """Drop a final U+FFFD that stands for a character cut by the end of the output (see :mod:`~kvpage.engine.detokenize`)."""
@@ -376,4 +460,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
+            spec_decoding=None if self.spec_counters is None else self.spec_counters.snapshot(),
         )

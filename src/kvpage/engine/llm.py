@@ -20,7 +20,7 @@ import torch
 from kvpage.cache.controller import LayerCache
 from kvpage.cache.requests import KVCacheStats
 from kvpage.cache.tiers.connector import TieredConnector
-from kvpage.engine.build import BuiltEngine, build_engine
+from kvpage.engine.build import BuiltEngine, allocate_device_caches, build_engine
 from kvpage.engine.capacity import CapacityReport, startup_line
 from kvpage.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, resolve_dtype
 from kvpage.engine.forced import ForcedSequence
@@ -193,7 +193,7 @@ class LLM:
             raise RuntimeError("reset_kv_cache() needs an idle engine; finish or abort the running requests first")
         self.engine.kv.reset_prefix_cache()
         self.engine.kv.manager.reset()
-        self._built.caches.update(self.controller.initialize_kv_cache(self.num_blocks))
+        self._built.caches.update(allocate_device_caches(self.controller, self.num_blocks))
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:

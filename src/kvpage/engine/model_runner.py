@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.engine.group_attention import GroupAttention, StepLayout
-from kvpage.model.attention_fn import CausalLM
+from kvpage.model.attention_fn import CausalLM, early_exit
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.spec import CacheSpec
 
@@ -33,6 +33,10 @@ class ScheduledRequest:
         num_prompt_tokens: the request's prompt length: its prompt-only blocks get no window
             copy, so a cached prefix reads the same as a computed one. 0 treats every token
             as generated (``kvpage eval``'s decode mode).
+        num_draft: the last this many of ``token_ids`` are unverified draft tokens (speculative
+            decoding): a quantize-on-seal block they fill keeps its 16-bit rows until verified.
+        num_logits: logits rows returned for this request: those of its last ``num_logits`` tokens
+            (1: the next token; ``1 + num_draft`` to verify drafts).
     """
 
     token_ids: Sequence[int]
@@ -40,6 +44,8 @@ class ScheduledRequest:
     block_ids: Sequence[int]
     request_id: str | None = None
     num_prompt_tokens: int = 0
+    num_draft: int = 0
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -52,9 +58,13 @@ class ModelRunner:
         backends: one per layer group of ``spec`` (:func:`~kvpage.engine.group_attention.group_attention_for`); each
             :meth:`execute` begins and ends a step on every backend and routes each layer to its group's.
         device: where inputs are built.
+        groups: names of the layer groups ``model`` runs (default every group of ``spec``): the target
+            runs ``("main",)`` beside a draft model, whose own runner runs ``("draft",)``.
+        layer_offset: added to the model's layer index to get the global one (a draft model counts
+            its layers from 0; its group starts after the main layers).
 
     Raises:
-        ValueError: the backends do not cover every layer of ``spec`` exactly once.
+        ValueError: the backends do not cover every layer of those groups exactly once.
     """
 
     def __init__(
@@ -63,18 +73,24 @@ class ModelRunner:
         spec: CacheSpec,
         backends: Sequence[GroupAttention],
         device: torch.device,
+        *,
+        groups: Sequence[str] | None = None,
+        layer_offset: int = 0,
     ) -> None:
         self.model = model
         self.spec = spec
         self.backends = tuple(backends)
         self.device = device
+        self.layer_offset = layer_offset
         self._by_layer: dict[int, GroupAttention] = {}
         for b in self.backends:
             for i in b.group.layer_indices:
                 if i in self._by_layer:
                     raise ValueError(f"layer {i} has two attention backends")
                 self._by_layer[i] = b
-        missing = [i for i in range(spec.num_layers) if i not in self._by_layer]
+        names = [g.name for g in spec.groups] if groups is None else list(groups)
+        wanted = [i for g in spec.groups if g.name in names for i in g.layer_indices]
+        missing = [i for i in wanted if i not in self._by_layer]
         if missing:
             raise ValueError(f"layers {missing} have no attention backend")
 
@@ -102,7 +118,8 @@ class ModelRunner:
         return as_long(ids), as_long(pos), meta
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledRequest], *, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, batch: Sequence[ScheduledRequest], *, all_logits: bool = False,
+                num_layers: int | None = None, final: bool = True) -> torch.Tensor:
         """Run ``batch``, writing every new token's K/V to the cache.
 
         Args:
@@ -110,14 +127,22 @@ class ModelRunner:
             all_logits: return the logits of every new token, not only each request's
                 last one (for perplexity over a prompt chunk, :mod:`kvpage.eval`; the
                 lm_head then runs on all ``T`` tokens, so leave it off for generation).
+            num_layers: run only the model's first this many layers, then its final norm and LM head
+                (the ``layer_skip`` self-draft; the model needs ``forward_layers``). Default all.
+            final: ``False`` for a draft pass before the step's verification pass over the same
+                layers: the step's promised tail slots stay for that pass.
 
         A forward pass that raises leaves the cache fit for running the same requests' tokens again
         (each backend's ``abort_step``): the engine re-runs them to find which request failed.
 
         Returns:
-            ``[len(batch), vocab]`` float32 logits of each request's last new token, or with
+            ``[sum(num_logits), vocab]`` float32 logits: each request's last ``num_logits`` new tokens
+            (one row each by default: ``[len(batch), vocab]``), in batch order; or with
             ``all_logits`` ``[T, vocab]`` for all ``T`` new tokens in batch order (request
             ``i``'s rows are ``query_start_loc[i]:query_start_loc[i+1]``).
+
+        Raises:
+            ValueError: a request's ``num_logits`` outside ``[1, len(token_ids)]``.
         """
         input_ids, positions, meta = self.build_metadata(batch)
         step = StepLayout(
@@ -125,11 +150,23 @@ class ModelRunner:
             block_tables=tuple(r.block_ids for r in batch),
             owners=tuple(r.request_id for r in batch),
             prompt_lens=tuple(r.num_prompt_tokens for r in batch),
+            draft_lens=tuple(r.num_draft for r in batch),
+            final=final,
         )
-        by_layer = self._by_layer
+        by_layer, offset = self._by_layer, self.layer_offset
 
         def attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return by_layer[layer_index].attend(layer_index, q, k, v)
+            i = layer_index + offset
+            return by_layer[i].attend(i, q, k, v)
+
+        rows: list[int] | None = None
+        if not all_logits and any(r.num_logits != 1 for r in batch):
+            rows = []
+            for r, end in zip(batch, meta.query_start_loc[1:]):
+                if not 1 <= r.num_logits <= len(r.token_ids):
+                    raise ValueError(f"num_logits={r.num_logits} must be in [1, {len(r.token_ids)}] "
+                                     f"(request {r.request_id!r})")
+                rows.extend(range(int(end) - r.num_logits, int(end)))
 
         started: list[GroupAttention] = []
         ran = False
@@ -137,12 +174,16 @@ class ModelRunner:
             for b in self.backends:
                 b.begin_step(step, self.device)
                 started.append(b)
-            hidden = self.model(input_ids, positions, attn)                  # [T, hidden]
+            if num_layers is None:
+                hidden = self.model(input_ids, positions, attn)              # [T, hidden]
+            else:
+                hidden = early_exit(self.model)(input_ids, positions, attn, num_layers)
             if all_logits:
                 logits = self.model.compute_logits(hidden)                    # [T, vocab]
             else:
-                last = torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1
-                logits = self.model.compute_logits(hidden[last])             # [B, vocab]
+                pick = (torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1 if rows is None
+                        else torch.as_tensor(rows, dtype=torch.long, device=self.device))
+                logits = self.model.compute_logits(hidden[pick])             # [B or sum(num_logits), vocab]
             ran = True
         finally:
             for b in started:

@@ -18,6 +18,12 @@ scheduler, reduced to one KV-cache group):
    recomputing that request's prefix (it is matched against the device only
    from then on): a failing tier never fails a request.
 
+Speculative decoding (``num_lookahead_tokens = k``): a decoding request's chunk is its last sampled
+token plus ``k`` **lookahead slots** for draft tokens (capped by the budget and by the tokens it may still
+emit), allocated with it and counted like any slot; when they do not fit the request decodes without
+drafts this step before anyone is preempted. After verification :meth:`Scheduler.update_after_step`
+gives back the rejected drafts' slots (:meth:`~kvpage.engine.kv_cache.SchedulerKVCache.rollback`).
+
 Quantize-on-seal formats (``int4``, ``int2``) also need 16-bit tail slots in each
 step (open blocks, window copies, first-block copies; :mod:`kvpage.cache.tail`),
 carved out of the block pool: each chunk's slots are promised (their blocks claimed)
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvpage.cache.manager import KVCacheManager
@@ -52,14 +59,17 @@ class SchedulerConfig:
         max_num_batched_tokens: tokens per forward pass (the per-step budget).
         enable_chunked_prefill: split long prefills across steps; when off, a
             prefill runs whole (alone if it exceeds the budget).
+        num_lookahead_tokens: speculative decoding's ``k``: each decoding request is given up to
+            this many extra slots (and budget tokens) per step for draft tokens; 0 = no speculation.
 
     Raises:
-        ValueError: non-positive limits.
+        ValueError: non-positive limits, negative lookahead.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -67,6 +77,8 @@ class SchedulerConfig:
                 f"max_num_seqs and max_num_batched_tokens must be positive, got {self.max_num_seqs}, "
                 f"{self.max_num_batched_tokens}"
             )
+        if self.num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +89,17 @@ class ScheduledRequestChunk:
         request: the request.
         num_new_tokens: tokens to compute this step, starting at ``num_computed``.
         num_computed: tokens already in the cache before this step.
-        block_ids: the request's block table, covering ``num_computed + num_new_tokens`` tokens.
+        block_ids: the request's block table, covering ``num_computed + num_new_tokens + num_lookahead``
+            tokens.
+        num_lookahead: slots reserved after the chunk for draft tokens (speculative decoding; only for
+            a decode chunk, whose one new token is the last sampled one); each is a budget token too.
     """
 
     request: Request
     num_new_tokens: int
     num_computed: int
     block_ids: tuple[int, ...]
+    num_lookahead: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -110,8 +126,8 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the forward pass."""
-        return sum(c.num_new_tokens for c in self.scheduled)
+        """Tokens the step may run: new tokens plus the draft tokens its lookahead slots allow."""
+        return sum(c.num_new_tokens + c.num_lookahead for c in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -132,20 +148,24 @@ class _SideSlots:
         kv.side_release()
         self.booked: dict[str, tuple[int, ...]] = {}
 
-    def _try(self, req: Request, start: int, n: int, match: TieredMatch | None) -> bool:
-        need = self.kv.side_reserve(req, start, n, match)
+    def _try(self, req: Request, start: int, n: int, match: TieredMatch | None, num_draft: int = 0) -> bool:
+        need = self.kv.side_reserve(req, start, n, match, num_draft=num_draft)
         if need is None:
             return False
         if any(need):
             self.booked[req.request_id] = need
         return True
 
-    def fit(self, req: Request, start: int, n: int, *, chunkable: bool, match: TieredMatch | None = None) -> int:
+    def fit(self, req: Request, start: int, n: int, *, chunkable: bool, match: TieredMatch | None = None,
+            num_draft: int = 0) -> int:
         """The most of ``n`` tokens whose tail slots can be promised, promising them: ``n``, else (``chunkable``)
-        the longest chunk ending on a block boundary, else 0 (nothing promised)."""
+        the longest chunk ending on a block boundary, else 0 (nothing promised). With ``num_draft`` (the last
+        of the ``n`` tokens are drafts) it is all ``n`` or nothing."""
         self.give_back(req)
-        if self._try(req, start, n, match):
+        if self._try(req, start, n, match, num_draft):
             return n
+        if num_draft:
+            return 0
         if not chunkable:
             return 0
         bs = self.kv.block_size
@@ -242,7 +262,17 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             want = min(req.num_tokens - req.num_computed_tokens, budget)
+            look = self._lookahead(req, budget) if want == 1 else 0
             while True:
+                n = 0
+                if look:  # a speculating decode: its token and the drafts' slots, or no drafts this step
+                    if side.fit(req, req.num_computed_tokens, 1 + look, chunkable=False, num_draft=look):
+                        blocks = self.kv.allocate_slots(req, 1 + look)
+                        if blocks is not None:
+                            n = 1
+                            break
+                        side.give_back(req)
+                    look = 0
                 n = side.fit(req, req.num_computed_tokens, want, chunkable=True)  # tail slots first, then blocks
                 blocks = self.kv.allocate_slots(req, n) if n else None
                 if blocks is not None:
@@ -253,7 +283,7 @@ class Scheduler:
                 victim = self.running[-1]
                 for i, chunk in enumerate(out.scheduled):
                     if chunk.request is victim:
-                        budget += chunk.num_new_tokens
+                        budget += chunk.num_new_tokens + chunk.num_lookahead
                         side.give_back(victim)
                         del out.scheduled[i]
                         break
@@ -263,8 +293,8 @@ class Scheduler:
                     break
             if blocks is None:
                 continue
-            out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
-            budget -= n
+            out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids, look))
+            budget -= n + look
         # 2. waiting: FCFS admission, unless this step had to preempt.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -310,12 +340,34 @@ class Scheduler:
             budget -= n
         return out
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """Record that the step's KV was written: advance progress and index newly full blocks.
+    def _lookahead(self, req: Request, budget: int) -> int:
+        """Draft slots for a decoding request this step: ``k``, capped by the step's budget and by the tokens
+        the request may still emit (accepted drafts plus one more must fit in ``max_tokens``)."""
+        k = self.config.num_lookahead_tokens
+        if not k:
+            return 0
+        return max(0, min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1))
 
-        Call after the forward pass and before appending sampled tokens.
+    def update_after_step(self, output: SchedulerOutput, num_accepted: Mapping[str, int] | None = None,
+                          index_limit: Mapping[str, int] | None = None) -> None:
+        """Record that the step's KV was written: advance progress, drop rejected drafts' slots, index full blocks.
+
+        Call after the forward pass and after appending the step's tokens (a verified draft is one of the
+        request's tokens before its block is indexed), before finishing the requests that stopped.
+
+        Args:
+            output: the step.
+            num_accepted: request id -> draft tokens accepted this step (their KV is kept); default none.
+            index_limit: request id -> index no block past this many tokens (a draft model's KV of them is
+                not written yet); default no limit.
         """
+        accepted = num_accepted or {}
+        limit = index_limit or {}
         for chunk in output.scheduled:
             req = chunk.request
-            req.num_computed_tokens = chunk.num_computed + chunk.num_new_tokens
-            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if req.is_finished:
+                continue
+            req.num_computed_tokens = chunk.num_computed + chunk.num_new_tokens + accepted.get(req.request_id, 0)
+            if chunk.num_lookahead:
+                self.kv.rollback(req, req.num_computed_tokens)  # rejected drafts' slots (and blocks) go back
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, limit.get(req.request_id, req.num_computed_tokens)))

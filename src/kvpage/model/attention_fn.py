@@ -7,6 +7,7 @@ paged cache (:mod:`kvpage.ops.attention`) for one forward pass.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -43,3 +44,28 @@ class CausalLM(Protocol):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class EarlyExitLM(CausalLM, Protocol):
+    """A :class:`CausalLM` that can stop after its first layers (the ``layer_skip`` self-draft).
+
+    ``forward_layers(input_ids, positions, attn, num_layers)`` runs the first ``num_layers`` decoder
+    layers then the final norm, returning ``[num_tokens, hidden]`` as the full forward does.
+    """
+
+    def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                       num_layers: int) -> torch.Tensor: ...
+
+
+def early_exit(model: CausalLM) -> Callable[[torch.Tensor, torch.Tensor, AttentionFn, int], torch.Tensor]:
+    """``model.forward_layers``, checked to exist.
+
+    Raises:
+        TypeError: the model family has no early exit (``forward_layers``), so it cannot self-draft.
+    """
+    fn = getattr(model, "forward_layers", None)
+    if not callable(fn):
+        raise TypeError(f"{type(model).__name__} has no forward_layers(): this model family cannot run the "
+                        f"layer_skip self-draft")
+    out: Callable[[torch.Tensor, torch.Tensor, AttentionFn, int], torch.Tensor] = fn
+    return out

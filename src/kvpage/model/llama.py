@@ -204,11 +204,28 @@ class LlamaForCausalLM(nn.Module):
             ``[T, E]`` final-normed hidden states in the model dtype; feed the rows
             you need (e.g. each sequence's last token) to :meth:`compute_logits`.
         """
+        return self.forward_layers(input_ids, positions, attn, len(self.layers))
+
+    def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                       num_layers: int) -> torch.Tensor:
+        """Run only the first ``num_layers`` decoder layers, then the final norm: an early exit.
+
+        The self-draft of ``layer_skip`` speculation (LayerSkip, Elhoushi et al. 2024; Draft & Verify,
+        Zhang et al. 2023): with :meth:`compute_logits` it is a smaller model sharing every weight, and
+        its layers' K/V are the full model's own for the same tokens. Arguments and result as
+        :meth:`forward`.
+
+        Raises:
+            ValueError: ``num_layers`` outside ``[1, num_layers of the model]``.
+            IndexError: a position out of range (as :meth:`forward`).
+        """
+        if not 1 <= num_layers <= len(self.layers):
+            raise ValueError(f"num_layers must be in [1, {len(self.layers)}], got {num_layers}")
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.rope_cos.shape[0]):
             raise IndexError(f"positions must be in [0, {self.rope_cos.shape[0]}), got "
                              f"[{int(positions.min())}, {int(positions.max())}]")
         x = self.embed_tokens(input_ids)  # [T, E]
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, positions, self.rope_cos, self.rope_sin, attn)  # [T, E]
         return self.norm(x)  # [T, E]
 
