@@ -14,8 +14,9 @@ leaves-first order, ...); each block's ref count equals the references the
 requests hold; every running request's computed slots still hold its own KV
 (nobody overwrote a block it uses); every cached block holds the KV its index
 key claims. Every match is checked slot by slot against the request's tokens,
-and every write goes to a block that is neither cached nor shared. After all
-requests finish or abort, no block is in use. At least 10,000 steps run with
+and every write goes to a block that is neither cached nor shared. Speculative steps write draft KV, keep
+an accepted prefix and roll the rest back (issue 14): the blocks freed are exactly those holding only
+rejected drafts. After all requests finish or abort, no block is in use. At least 10,000 steps run with
 SHA-256, and 5,000 more with a hash that collides all the time.
 """
 from __future__ import annotations
@@ -189,6 +190,55 @@ class ManagerMachine(RuleBasedStateMachine):
         if run.computed == len(run.req.all_token_ids) and data.draw(st.booleans(), label="sample"):
             run.req.all_token_ids.append(data.draw(st.integers(0, 2), label="token"))
 
+    def _speculating(self) -> list[str]:
+        return sorted(k for k, r in self.running.items()
+                      if r.computed == r.reserved and len(r.req.all_token_ids) - r.computed in (0, 1))
+
+    def speculate(self, data: st.DataObject) -> None:
+        """A verification step (issue 14): reserve slots for the last sampled token (if any) plus ``k`` drafts, write
+        their KV, accept a prefix of the drafts, roll back to the verified tokens, index. The blocks freed are
+        exactly those past the verified tokens (they held only rejected drafts) and go straight to the free list
+        (never indexed); rolling back into an indexed block is refused and changes nothing."""
+        self._step()
+        rid = data.draw(st.sampled_from(self._speculating()), label="speculating")
+        run = self.running[rid]
+        req, m = run.req, self.m
+        known = req.all_token_ids[run.computed:]
+        k = data.draw(st.integers(1, 4), label="drafts")
+        if not m.can_allocate(req, len(known) + k):
+            OPS["speculate refused"] += 1
+            return
+        blocks = m.allocate_slots(req, len(known) + k)
+        assert blocks is not None
+        drafts = data.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k), label="draft tokens")
+        tokens = [*req.all_token_ids, *drafts]
+        for pos in range(run.computed, run.computed + len(known) + k):
+            b = blocks.block_ids[pos // BS]
+            assert self.m.pool.block_hash(b) is None and self.m.pool.ref_count(b) == 1
+            self.kv[b * BS + pos % BS] = (req.cache_salt, req.extra_keys, tuple(tokens[: pos + 1]))
+        indexed = m._reqs[rid].num_cached_blocks * BS
+        if indexed and data.draw(st.booleans(), label="into an indexed block"):
+            before = (m.block_ids(rid), m.num_tokens(rid), m.num_free_blocks, m.num_evictable_blocks)
+            try:
+                m.rollback(req, indexed - 1)
+                raise AssertionError("rolled back into an indexed block")
+            except ValueError:
+                OPS["rollback into an indexed block refused"] += 1
+            assert (m.block_ids(rid), m.num_tokens(rid), m.num_free_blocks, m.num_evictable_blocks) == before
+        accepted = data.draw(st.integers(0, k), label="accepted")
+        keep = run.computed + len(known) + accepted
+        free_before = m.num_free_blocks
+        freed = m.rollback(req, keep)
+        assert freed == blocks.block_ids[m.blocks_for(keep):] and m.block_ids(rid) == blocks.block_ids[: len(
+            blocks.block_ids) - len(freed)]
+        assert m.num_free_blocks == free_before + len(freed) and m.num_tokens(rid) == keep
+        OPS["blocks freed by rollback"] += len(freed)
+        req.all_token_ids.extend(drafts[:accepted])
+        run.reserved = run.computed = keep
+        m.cache_blocks(req, keep)
+        if data.draw(st.booleans(), label="bonus token"):
+            req.all_token_ids.append(data.draw(st.integers(0, 2), label="bonus"))
+
     def finish(self, data: st.DataObject) -> None:
         """Finish or abort a running request (mid-prefill included)."""
         self._step()
@@ -241,6 +291,7 @@ class ManagerMachine(RuleBasedStateMachine):
             ("admit", 3 if self.waiting else 0),
             ("schedule", 3 if any(r.reserved < len(r.req.all_token_ids) for r in runs) else 0),
             ("forward", 6 if any(r.computed < r.reserved for r in runs) else 0),
+            ("speculate", 3 if self._speculating() else 0),
             ("finish", 2 if self.running else 0),
             ("abort_waiting", 1 if self.waiting else 0),
             ("preempt", 1 if self.running and len(self.waiting) < 6 else 0),
@@ -322,7 +373,8 @@ def _run(machine: type[ManagerMachine], examples: int) -> int:
     )
     print(f"{machine.__name__}: {STEPS['count']} operations; {dict(sorted(OPS.items()))}")
     # the interesting paths really ran
-    for what in ("admit ok", "admit refused", "forward", "preempt", "evicted blocks", "prefix-hit tokens"):
+    for what in ("admit ok", "admit refused", "forward", "preempt", "evicted blocks", "prefix-hit tokens", "speculate",
+                 "blocks freed by rollback", "rollback into an indexed block refused"):
         assert OPS[what] > 0, what
     return STEPS["count"]
 
