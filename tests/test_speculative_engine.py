@@ -364,3 +364,21 @@ def test_c25_speculation_keeps_the_prefix_hit_rate(target: LoadedModel, draft: L
     cached, stored, seqs = run(_methods(draft)[method])
     assert cached == base and sum(base) >= 4 * 48
     _only_verified(stored, seqs)
+
+
+def test_stream_deltas_carry_every_emitted_token(target: LoadedModel) -> None:
+    """Regression: a step emits a delta for every request that got tokens (several at once when drafts are
+    accepted), and the deltas add up to the final output."""
+    llm = _llm(target, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                        "prompt_lookup_max": 3}, kv_cache_dtype="float32")
+    tokens: dict[str, list[int]] = {}
+    finals = {}
+    sizes = []
+    for out in llm.generate_stream(_prompts(3), GREEDY):
+        delta = out.outputs[0].delta_token_ids
+        sizes.append(len(delta))
+        tokens.setdefault(out.request_id, []).extend(delta)
+        if out.finished:
+            finals[out.request_id] = out.outputs[0].token_ids
+    assert len(finals) == 3 and all(tokens[r] == t and len(t) == 40 for r, t in finals.items())
+    assert max(sizes) > 1 and len(sizes) > 3 * 5  # several tokens in some steps, many steps in all

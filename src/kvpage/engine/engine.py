@@ -5,7 +5,9 @@ The loop of vLLM's engine core, on one process: the
 :class:`~kvpage.engine.model_runner.ModelRunner` runs them over the paged cache,
 the sampler picks each finished sequence's next token, and the detokenizer and
 stop checks turn tokens into text. ``LLM.generate`` and the HTTP server both
-drive this class.
+drive this class. With a drafter (``speculative_config``) a decoding request's step
+also proposes draft tokens before the forward pass, which verifies them
+(:mod:`kvpage.engine.speculative`); a step may then emit several tokens per request.
 """
 from __future__ import annotations
 
@@ -199,6 +201,8 @@ class LLMEngine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, "abort")
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
         req.finish_time = time.perf_counter()
         self._trim_split_character(req)
         out = self._output(req)
@@ -217,8 +221,12 @@ class LLMEngine:
         ``finish_reason="error"`` and the message in ``CompletionOutput.error``; its blocks are freed and the
         others go on. When the batch's forward pass raises, each request is re-run alone (the forward writes
         the same K/V into the same slots, so a re-run is idempotent); those that fail alone are finished with
-        ``"error"``, the others keep the results of their re-run. Sampling, detokenization and stop checks
-        are isolated per request the same way.
+        ``"error"``, the others keep the results of their re-run. Sampling, verification, detokenization and
+        stop checks are isolated per request the same way; a drafter that raises only costs the step its drafts.
+
+        Speculating requests: the drafter proposes first, the forward pass verifies, the accepted drafts and one
+        more token are appended (up to the first stop), then the step's progress is recorded (rejected drafts'
+        slots given back, verified full blocks indexed) and only then are stopped requests finished.
 
         Raises:
             EngineStepError: every request of the step failed alone too (a broken model, say); each was
@@ -260,6 +268,7 @@ class LLMEngine:
         greedy = logits.max(-1).indices.tolist() if any(c.request.params.greedy for c in sched.scheduled) else None
         accepted: dict[str, int] = {}
         stopped: list[tuple[Request, str]] = []
+        sampled: list[Request] = []  # requests that got tokens (chunk.completes_sequence is read before appending)
         row = 0
         for chunk, prop in zip(sched.scheduled, proposals):
             req = chunk.request
@@ -270,6 +279,7 @@ class LLMEngine:
             )
             if not chunk.completes_sequence:
                 continue  # a prefill chunk: its logits are not needed
+            sampled.append(req)
             try:
                 if chunk.num_lookahead:
                     tokens = self._verify(req, logits[first:row], prop)
@@ -302,9 +312,10 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(req, reason)
                 req.finish_time = now
+        got = {id(r) for r in sampled}
         for chunk in sched.scheduled:
             req = chunk.request
-            if not chunk.completes_sequence and not req.is_finished:
+            if id(req) not in got and not req.is_finished:
                 continue
             outputs.append(self._output(req))
             if req.is_finished:
