@@ -333,3 +333,17 @@ def test_after_rolling_back_into_a_sealed_block_attention_equals_a_run_without_d
     for name in spec_sealed:
         assert torch.equal(spec_sealed[name].view(torch.uint8), ref_sealed[name].view(torch.uint8)), name
     assert spec_held == ref_held
+
+
+def test_fixed_tails_get_room_for_the_provisional_blocks_of_the_lookahead() -> None:
+    """``ceil(k / block_size)`` more 16-bit slots per request for ``k`` lookahead tokens (the blocks drafts fill keep
+    theirs until verified); without speculation the sizes are unchanged."""
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=2, head_dim=16, block_size=4, kv_cache_dtype="int4")
+    sizes = []
+    for k in (0, 3, 4, 5):
+        g = manager_for(spec.main, max_num_seqs=3, residual_tokens=4, num_lookahead_tokens=k)
+        assert isinstance(g, SealedGroupManager)
+        sizes.append((g.table.num_slots, g.table.window_blocks))
+    assert sizes == [(6, 1), (9, 1), (9, 1), (12, 1)]
+    with pytest.raises(ValueError, match="num_lookahead_tokens"):
+        manager_for(spec.main, max_num_seqs=3, residual_tokens=4, num_lookahead_tokens=-1)

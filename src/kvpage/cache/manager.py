@@ -330,31 +330,21 @@ class KVCacheManager(SideSlots):
         st.num_tokens -= num_tokens
 
     def rollback(self, request: SupportsKVCache | str, num_tokens: int) -> tuple[int, ...]:
-        """Keep the request's first ``num_tokens`` reserved slots, discarding the KV of the rest (rejected drafts).
-
-        Speculative verification (issue 14) writes draft tokens' KV; after acceptance the request keeps only its
-        verified tokens. The request's regions before and after (``bs`` = block size)::
+        """Keep the request's first ``num_tokens`` reserved slots, dropping the rest (rejected drafts, issue 14)::
 
             [0, num_cached_blocks * bs)   indexed blocks: never rolled back into (ValueError)
-            [.., num_tokens)              kept: verified tokens (and slots reserved for them)
+            [.., num_tokens)              kept: verified tokens
             [num_tokens, reserved)        dropped; blocks past blocks_for(num_tokens) go back to the pool
 
-        The dropped blocks were never indexed, so they return to the free list; every group manager is told
-        which blocks died (:meth:`~kvpage.cache.groups.GroupManager.on_blocks_freed`) and then which table the
-        request keeps (:meth:`~kvpage.cache.groups.GroupManager.on_rollback`), also when nothing is dropped:
-        ``num_tokens == reserved`` is the *commit* after a verification step (a quantize-on-seal group learns
-        which of its provisional seals are verified now).
-
-        Args:
-            request: the request (or its id).
-            num_tokens: slots it keeps, in ``[num_cached_blocks * block_size, reserved slots]``.
-
-        Returns:
-            The freed block ids (the table's tail, in table order; empty when nothing was dropped).
+        The dropped blocks were never indexed: they return to the free list, and every group manager hears of
+        them (:meth:`~kvpage.cache.groups.GroupManager.on_blocks_freed`), then of the kept table
+        (:meth:`~kvpage.cache.groups.GroupManager.on_rollback`) -- also when nothing is dropped
+        (``num_tokens == reserved``: the *commit* after a verification step, when a quantize-on-seal group learns
+        which provisional seals are verified). Returns the freed block ids in table order (maybe empty).
 
         Raises:
             KeyError: the request holds no blocks.
-            ValueError: ``num_tokens`` outside that range (below its indexed blocks, or above its slots).
+            ValueError: ``num_tokens`` below its indexed blocks' tokens or above its reserved slots.
         """
         rid = request if isinstance(request, str) else request.request_id
         st = self._reqs[rid]

@@ -25,6 +25,7 @@ def manager_for(
     residual_tokens: int,
     pool: PrefixBlockPool | None = None,
     max_model_len: int | None = None,
+    num_lookahead_tokens: int = 0,
 ) -> GroupManager:
     """The group manager for ``group``, chosen by the kind of its format.
 
@@ -37,22 +38,27 @@ def manager_for(
             out of it on demand (:class:`~kvpage.cache.tail.side.SideGroups`) when its layout allows
             (:func:`~kvpage.cache.tail.side.carved_blocks_per_slot`), instead of fixed pools for ``max_num_seqs``.
         max_model_len: longest request, in tokens (a carving pool must hold one beside its side space).
+        num_lookahead_tokens: draft tokens a speculating request verifies per step (``num_speculative_tokens``):
+            a block-wise group's blocks they fill keep a 16-bit slot until verified, ``ceil(k / block_size)``
+            more slots per request at most (fixed tails get them; a carving pool must hold them too).
 
     Raises:
-        ValueError: ``max_num_seqs < 1`` or ``residual_tokens < 0``.
+        ValueError: ``max_num_seqs < 1``, ``residual_tokens < 0`` or ``num_lookahead_tokens < 0``.
     """
-    if max_num_seqs < 1 or residual_tokens < 0:
-        raise ValueError(f"need max_num_seqs >= 1 and residual_tokens >= 0, got {max_num_seqs}, {residual_tokens}")
+    if max_num_seqs < 1 or residual_tokens < 0 or num_lookahead_tokens < 0:
+        raise ValueError(f"need max_num_seqs >= 1, residual_tokens >= 0 and num_lookahead_tokens >= 0, got "
+                         f"{max_num_seqs}, {residual_tokens}, {num_lookahead_tokens}")
     fmt = group.layer.format
     if isinstance(fmt, BlockFormat):
         window = -(-residual_tokens // group.layer.block_size)
+        provisional = -(-num_lookahead_tokens // group.layer.block_size)
         sink = isinstance(fmt, SealedFormat) and bool(fmt.sink_bits)
         r = (None if pool is None else
-             carved_blocks_per_slot(group.layer, pool.num_blocks, max_model_len, window))
+             carved_blocks_per_slot(group.layer, pool.num_blocks, max_model_len, window + provisional))
         if pool is not None and r is not None:
             side = SideGroups(pool, r)
             return SealedGroupManager(group, num_slots=side.num_groups, num_sink_slots=2 * side.num_groups * sink,
                                       window_blocks=window, side=side)
-        return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window), num_sink_slots=2 * max_num_seqs * sink,
-                                  window_blocks=window)
+        return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window + provisional),
+                                  num_sink_slots=2 * max_num_seqs * sink, window_blocks=window)
     return FullAttentionManager(group)

@@ -28,7 +28,9 @@ are dropped, so a reused block id can never show another request's tokens.
 
 In one step a request holds at most ``1 + window + 1`` slots: its open block, its
 window, and the block it seals this step (its earlier tokens are read by every
-layer's seal gather, so that slot is freed after the step). The scheduler counts
+layer's seal gather, so that slot is freed after the step); a verification step of
+speculative decoding adds the blocks its drafts fill (*provisional*: sealed, but their
+slot stays until :meth:`TailTable.rollback` verifies or reopens them). The scheduler counts
 each chunk's slots before it runs (:meth:`TailTable.slots_to_take` against
 :meth:`TailTable.num_takeable`) and defers or preempts instead of overrunning.
 

@@ -68,6 +68,11 @@ class TailEntries:
         """16-bit slot of ``block_id`` (open or window), or ``None``."""
         return self._slot.get(block_id)
 
+    def is_provisional(self, block_id: int) -> bool:
+        """Whether ``block_id`` was sealed holding unverified drafts and keeps its 16-bit slot until
+        :meth:`~kvpage.cache.tail.TailTable.rollback` verifies or reopens it."""
+        return block_id in self._provisional
+
     def sink_of(self, block_id: int) -> int | None:
         """Sink slot of ``block_id``, or ``None``."""
         return self._sink.get(block_id)
@@ -148,11 +153,6 @@ class TailEntries:
             return False
         self._sink[dst] = self._sink.pop(src)
         return True
-
-    def is_provisional(self, block_id: int) -> bool:
-        """Whether ``block_id`` was sealed holding unverified drafts and keeps its 16-bit slot until
-        :meth:`~kvpage.cache.tail.TailTable.rollback` verifies or reopens it."""
-        return block_id in self._provisional
 
     def _drop_fp(self, b: int) -> None:
         self._provisional.pop(b, None)

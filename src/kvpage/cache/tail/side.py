@@ -43,7 +43,8 @@ def carved_blocks_per_slot(layer: LayerSpec, num_blocks: int, max_model_len: int
     """``r`` when a pool of ``num_blocks`` carves ``layer``'s tail (:func:`blocks_per_slot`), else ``None``.
 
     Carving needs room for one request of ``max_model_len`` tokens (default: none) beside its peak side
-    space (open slot, window, the block it seals, its first-block copy: ``window_blocks + 3`` slots) and one
+    space (open slot, window -- plus the provisional blocks of speculation when the caller counts them in
+    ``window_blocks`` --, the block it seals, its first-block copy: ``window_blocks + 3`` slots) and one
     group of slack for alignment, so a lone request always fits; smaller pools keep fixed side pools.
     """
     r = blocks_per_slot(layer)
