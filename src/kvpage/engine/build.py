@@ -116,6 +116,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     controller = CacheController(spec, device)
     pool = PrefixBlockPool(num_blocks)  # side space of quantize-on-seal groups is carved from it on demand
     groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
+                               num_lookahead_tokens=config.num_lookahead_tokens,
                                pool=pool, max_model_len=max_model_len) for g in spec.groups)
     caches = allocate_device_caches(controller, num_blocks)
 
@@ -148,7 +149,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
         eos_token_ids=set(mc.eos_token_ids), max_model_len=max_model_len, vocab_size=mc.vocab_size,
         scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                          config.enable_chunked_prefill,
-                                         0 if sc is None else sc.num_speculative_tokens),
+                                         config.num_lookahead_tokens),
         drafter=drafter,
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, kv, runner, engine, int(num_blocks),

@@ -183,14 +183,17 @@ class CapacityReport:
                 f"{self.max_concurrency:.2f}x at {self.seq_len:,} tokens per request")
 
 
-def _carved(spec: CacheSpec, num_blocks: int | None, max_model_len: int, residual_tokens: int) -> int:
+def _carved(spec: CacheSpec, num_blocks: int | None, max_model_len: int, residual_tokens: int,
+            num_lookahead_tokens: int = 0) -> int:
     """The largest ``r`` over the block-wise groups whose tail a pool of ``num_blocks`` (``None``: any size)
     carves (0: no block-wise group), or -1 when one does not (then every group is counted with fixed pools;
-    the builder decides the same way, :func:`~kvpage.cache.tail.side.carved_blocks_per_slot`)."""
+    the builder decides the same way, :func:`~kvpage.cache.groups.manager_for` with
+    :func:`~kvpage.cache.tail.side.carved_blocks_per_slot`: the window's blocks and those the lookahead may
+    keep provisionally)."""
     rs = []
     for g in spec.groups:
         if isinstance(g.layer.format, BlockFormat):
-            w = -(-residual_tokens // g.layer.block_size)
+            w = -(-residual_tokens // g.layer.block_size) + -(-num_lookahead_tokens // g.layer.block_size)
             n = 1 << 62 if num_blocks is None else num_blocks
             rs.append(carved_blocks_per_slot(g.layer, n, max_model_len, w))
     if any(r is None for r in rs):
@@ -222,7 +225,8 @@ def _tail_bytes(spec: CacheSpec, config: EngineConfig) -> tuple[int, int, int]:
     uses when it does not carve them from the pool."""
     open_b = window_b = sink_b = 0
     for group in spec.groups:
-        g = manager_for(group, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens)
+        g = manager_for(group, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
+                        num_lookahead_tokens=config.num_lookahead_tokens)
         if not isinstance(g, SealedGroupManager):
             continue
         t, dt, layers = g.table, config.torch_dtype, g.layers
@@ -299,13 +303,13 @@ def kv_capacity(
     per_block = {g.name: g.bytes_per_block for g in spec.groups}
     bpb = sum(per_block.values())
     max_len = config.max_model_len or int(model.max_position_embeddings)  # (build_engine's max_model_len)
-    r = _carved(spec, None, max_len, config.residual_tokens)
+    r = _carved(spec, None, max_len, config.residual_tokens, config.num_lookahead_tokens)
     budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
     if r > 0 and config.num_blocks is None:
         num_blocks = _carved_blocks(budget, bpb, spec)
     else:
         num_blocks = config.num_blocks if config.num_blocks is not None else 0
-    if r > 0 and _carved(spec, num_blocks, max_len, config.residual_tokens) > 0:  # as manager_for decides
+    if r > 0 and _carved(spec, num_blocks, max_len, config.residual_tokens, config.num_lookahead_tokens) > 0:  # as manager_for decides
         open_b = window_b = 0
         sink_b = _scale_bytes(spec, num_blocks)
     else:

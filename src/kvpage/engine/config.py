@@ -221,6 +221,11 @@ class EngineConfig:
             raise ValueError(f"speculative_config.draft_kv_cache_dtype={sc.draft_kv_cache_dtype!r} needs calibrated "
                              f"scales of the draft layers; give the draft a dynamic format (fp8, int8, ...)")
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Draft slots a speculating request reserves per step (``num_speculative_tokens``; 0 without speculation)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
     def _check_positive_int(self, name: str, value: Any, *, allow_none: bool = False) -> None:
         if value is None and allow_none:
             return

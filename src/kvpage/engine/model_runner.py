@@ -33,8 +33,9 @@ class ScheduledRequest:
         num_prompt_tokens: the request's prompt length: its prompt-only blocks get no window
             copy, so a cached prefix reads the same as a computed one. 0 treats every token
             as generated (``kvpage eval``'s decode mode).
-        num_draft: the last this many of ``token_ids`` are unverified draft tokens (speculative
-            decoding): a quantize-on-seal block they fill keeps its 16-bit rows until verified.
+        num_draft: the request's last this many positions after this step are unverified draft tokens
+            (speculative decoding): a quantize-on-seal block they fill keeps its 16-bit rows until
+            verified. Usually the tail of ``token_ids``; a drafter's later passes reach before them.
         num_logits: logits rows returned for this request: those of its last ``num_logits`` tokens
             (1: the next token; ``1 + num_draft`` to verify drafts).
     """

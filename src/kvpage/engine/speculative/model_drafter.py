@@ -58,7 +58,7 @@ class ModelDrafter(Drafter):
                 break
             rows = [ScheduledRequest([tokens[i][-1]], chunks[i].num_computed + step, chunks[i].block_ids,
                                      chunks[i].request.request_id, chunks[i].request.num_prompt_tokens,
-                                     num_draft=1) for i in live]
+                                     num_draft=step) for i in live]  # positions past num_computed are drafts
             logits = self._run(rows)
             for row, i in enumerate(live):
                 c = chunks[i]
@@ -136,7 +136,8 @@ class LayerSkipDrafter(ModelDrafter):
         super().__init__(runner, num_layers)
 
     def first_pass(self, chunks: Sequence[ScheduledRequestChunk]) -> tuple[list[ScheduledRequest], list[int]]:
-        """The speculating chunks' last sampled tokens (unverified for the cache: verification rewrites them)."""
+        """The speculating chunks' last sampled tokens (verified tokens; the verification pass rewrites their
+        K/V in every layer, from the same slots)."""
         batch: list[ScheduledRequest] = []
         where: list[int] = []
         for c in chunks:
@@ -146,5 +147,5 @@ class LayerSkipDrafter(ModelDrafter):
             req = c.request
             where.append(len(batch))
             batch.append(ScheduledRequest(req.all_token_ids[c.num_computed:c.num_computed + 1], c.num_computed,
-                                          c.block_ids, req.request_id, req.num_prompt_tokens, num_draft=1))
+                                          c.block_ids, req.request_id, req.num_prompt_tokens))
         return batch, where
