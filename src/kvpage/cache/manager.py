@@ -23,11 +23,11 @@ request is freed and every held block released, no block is in use.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpage.cache.block_table import BlockTable
-from kvpage.cache.events import KVEventBus
+from kvpage.cache.events import EventSource, KVEventBus
 from kvpage.cache.groups import FullAttentionManager, GroupManager
 from kvpage.cache.hashing import BlockHashFn, hash_block_tokens
 from kvpage.cache.prefix_cache import ROOT, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
@@ -51,7 +51,7 @@ class _ReqState:
     stop_caching: bool = False  # a hash collision stopped this request's chain
 
 
-class KVCacheManager(SideSlots):
+class KVCacheManager(SideSlots, EventSource):
     """Prefix-cached paged KV bookkeeping for a scheduler: match, allocate, cache, free.
 
     Args:
@@ -492,18 +492,3 @@ class KVCacheManager(SideSlots):
         self.reset_prefix_cache()
         for g in self.groups:
             g.reset()
-
-    # -- events ----------------------------------------------------------------------------------
-
-    def take_block_changes(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
-        """``(stored, evicted)`` ``(block id, hash)`` pairs since the last call (needs ``record_block_changes``); an
-        evicted block's KV is intact until the next forward pass, so a tier may still copy it."""
-        return self.events.take_changes()
-
-    def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` with every future :class:`BlockStored` / :class:`BlockRemoved`; returns an unsubscriber."""
-        return self.events.subscribe(callback)
-
-    def drain_events(self) -> Iterator[KVCacheEvent]:
-        """Buffered events since the last drain, oldest first (empty unless ``enable_events=True``)."""
-        return self.events.drain()
