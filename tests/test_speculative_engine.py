@@ -382,3 +382,32 @@ def test_stream_deltas_carry_every_emitted_token(target: LoadedModel) -> None:
             finals[out.request_id] = out.outputs[0].token_ids
     assert len(finals) == 3 and all(tokens[r] == t and len(t) == 40 for r, t in finals.items())
     assert max(sizes) > 1 and len(sizes) > 3 * 5  # several tokens in some steps, many steps in all
+
+
+def test_server_streams_and_exports_speculation(target: LoadedModel) -> None:
+    """``kvpage serve --speculative-config``'s path: a streamed completion equals the non-streamed one, and
+    ``/metrics`` mirrors the engine's speculative counters."""
+    import httpx
+    from openai import OpenAI
+
+    from kvpage.server.app import ServerThread, build_app
+    from test_server import metric, wait_idle
+
+    llm = _llm(target, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                        "prompt_lookup_max": 3}, kv_cache_dtype="float32")
+    app = build_app(llm, "tiny")
+    prompt = "abcabcabcabcabcabc"
+    with ServerThread(app) as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        full = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        parts = [c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=30, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+        assert "".join(parts) == full.choices[0].text and full.usage.completion_tokens == 30
+        samples = wait_idle(srv.url)
+        st = llm.engine.stats().spec_decoding
+        assert st is not None and st.num_draft_tokens > 0
+        assert metric(samples, "kvpage:spec_decode_num_draft_tokens_total") == st.num_draft_tokens
+        assert metric(samples, "kvpage:spec_decode_num_accepted_tokens_total") == st.num_accepted_tokens
+        assert metric(samples, "kvpage:generation_tokens_total") == 60
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
