@@ -244,9 +244,6 @@ class LLMEngine:
                 )
             return []
         self.kv.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
-        if self.drafter is not None:
-            for victim in sched.preempted:
-                self.drafter.forget(victim.request_id)
         proposals = self._propose(sched.scheduled)
         batch = [
             ScheduledRequest(c.token_ids + list(p.tokens), c.num_computed, c.block_ids, c.request.request_id,

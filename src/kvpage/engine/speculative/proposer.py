@@ -56,7 +56,8 @@ class Drafter(ABC):
         tokens computed before it (called for speculating chunks only)."""
 
     def forget(self, request_id: str) -> None:
-        """The request finished or was preempted: drop its state."""
+        """The request finished: drop its state. (A preempted request keeps it: swapped back in, its draft KV
+        is where it was; recomputed, it resumes from a prefix whose draft KV was written.)"""
 
 
 class NgramDrafter(Drafter):
