@@ -421,3 +421,31 @@ def test_server_streams_and_exports_speculation(target: LoadedModel) -> None:
         assert metric(samples, "kvpage:spec_decode_num_accepted_tokens_total") == st.num_accepted_tokens
         assert metric(samples, "kvpage:generation_tokens_total") == 60
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+
+
+def test_c19_draft_layers_of_prefixes_loaded_from_the_host_tier(target: LoadedModel, draft: LoadedModel) -> None:
+    """C19 through a tier: the 64 cached tokens come back from the host tier (device copies evicted) with their
+    draft layers; on a NaN-filled pool no NaN reaches the draft's logits."""
+    llm = _llm(target, {"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
+               kv_cache_dtype="float32", swap_space=0.01)
+    _nan_pool(llm)
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    inner = drafter.runner.execute
+    finite: list[bool] = []
+
+    def run(batch: Any, **kw: Any) -> torch.Tensor:
+        out = inner(batch, **kw)
+        finite.append(bool(torch.isfinite(out).all()))
+        return out
+
+    setattr(drafter.runner, "execute", run)
+    shared = [(13 * j) % 250 + 1 for j in range(64)]
+    llm.generate([{"prompt_token_ids": shared + [3, 4, 5]}], GREEDY)
+    assert llm.reset_prefix_cache() > 0
+    out = llm.generate([{"prompt_token_ids": shared + [9, 8]}], GREEDY)[0]
+    assert out.metrics.cached_tokens == 64
+    tiers = llm.kv_cache_stats().tier_hits
+    assert tiers.get("host", 0) >= 4, tiers
+    assert finite and all(finite)
+    _pool_idle(llm)
