@@ -33,6 +33,12 @@ from kvpage.cache.tiers.types import BlockLoad
 from kvpage.errors import KVPageError
 
 
+def _lookahead(n: int) -> int:
+    if n < 0:
+        raise ValueError(f"num_lookahead_tokens must be >= 0, got {n}")
+    return n
+
+
 class TierLoadError(KVPageError):
     """Starting the loads of a request's prefix from a tier raised; the request holds no blocks any more.
 
@@ -179,10 +185,11 @@ class SchedulerKVCache:
         return match, ExternalMatch()
 
     def can_allocate(self, request: SupportsKVCache, num_new_tokens: int,
-                     match: TieredMatch | MatchResult | None = None) -> bool:
-        """Whether :meth:`allocate_slots` would succeed now (no side effects)."""
+                     match: TieredMatch | MatchResult | None = None, *, num_lookahead_tokens: int = 0) -> bool:
+        """Whether :meth:`allocate_slots` would succeed now (no side effects; the lookahead slots count)."""
         m, ext = self._split(match)
-        return self.manager.can_allocate(request, num_new_tokens, m, num_external_tokens=ext.num_tokens)
+        return self.manager.can_allocate(request, num_new_tokens + _lookahead(num_lookahead_tokens), m,
+                                         num_external_tokens=ext.num_tokens)
 
     def side_reserve(self, request: SupportsKVCache, num_computed: int, num_new_tokens: int,
                      match: TieredMatch | MatchResult | None = None, *, num_draft: int = 0) -> tuple[int, ...] | None:
@@ -210,9 +217,13 @@ class SchedulerKVCache:
         return self.manager.side_slots_needed(request, num_computed, num_new_tokens, m, num_draft=num_draft)
 
     def allocate_slots(
-        self, request: SupportsKVCache, num_new_tokens: int, match: TieredMatch | MatchResult | None = None
+        self, request: SupportsKVCache, num_new_tokens: int, match: TieredMatch | MatchResult | None = None,
+        *, num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Reserve slots (see :meth:`KVCacheManager.allocate_slots`); on admission also start the match's loads.
+
+        ``num_lookahead_tokens`` (vLLM's name): slots for draft tokens after the new ones (speculative
+        decoding), reserved with them, all or nothing; :meth:`rollback` gives back those of rejected drafts.
 
         Returns:
             The blocks, or ``None`` when they don't fit. On the admitting call
@@ -232,7 +243,8 @@ class SchedulerKVCache:
         m, ext = self._split(match)
         if c is not None and ext.loads:
             c.check(ext)
-        blocks = self.manager.allocate_slots(request, num_new_tokens, m, num_external_tokens=ext.num_tokens)
+        blocks = self.manager.allocate_slots(request, num_new_tokens + _lookahead(num_lookahead_tokens), m,
+                                             num_external_tokens=ext.num_tokens)
         if blocks is None or not admitting:
             if blocks is not None:
                 self._sync_block_changes()

@@ -267,7 +267,7 @@ class Scheduler:
                 n = 0
                 if look:  # a speculating decode: its token and the drafts' slots, or no drafts this step
                     if side.fit(req, req.num_computed_tokens, 1 + look, chunkable=False, num_draft=look):
-                        blocks = self.kv.allocate_slots(req, 1 + look)
+                        blocks = self.kv.allocate_slots(req, 1, num_lookahead_tokens=look)
                         if blocks is not None:
                             n = 1
                             break
