@@ -449,3 +449,32 @@ def test_c19_draft_layers_of_prefixes_loaded_from_the_host_tier(target: LoadedMo
     assert tiers.get("host", 0) >= 4, tiers
     assert finite and all(finite)
     _pool_idle(llm)
+
+
+def test_a_stop_inside_accepted_drafts_ends_the_output_and_counts_them_accepted(target: LoadedModel) -> None:
+    """An oracle drafter proposes the plain greedy continuation; a stop token among the drafts ends the output
+    there (nothing after it is appended or indexed) while the metrics count the drafts verification accepted."""
+    prompt = _prompts(1)[0]
+    plain = _llm(target, kv_cache_dtype="float32").generate([prompt], GREEDY)[0].outputs[0].token_ids
+    stop = next(i for i in range(3, len(plain)) if plain[i] not in plain[:i])
+    llm = _llm(target, {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
+                        "prompt_lookup_max": 1}, kv_cache_dtype="float32")
+    n_prompt = len(prompt["prompt_token_ids"])
+
+    class Oracle(Drafter):
+        def propose(self, chunks: Sequence[ScheduledRequestChunk]) -> list[Proposal]:
+            out = []
+            for c in chunks:
+                j = c.request.num_tokens - n_prompt
+                out.append(Proposal(tuple(plain[j:j + c.num_lookahead])) if c.num_lookahead else Proposal())
+            return out
+
+    llm.engine.drafter = Oracle()
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[plain[stop]])
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.token_ids == plain[: stop + 1] and out.finish_reason == "stop"
+    st = llm.engine.stats().spec_decoding
+    assert st is not None and st.num_drafts >= 1
+    assert st.num_accepted_tokens == st.num_draft_tokens  # the oracle is always right
+    assert st.num_emitted_tokens == len(out.token_ids) - 1 < st.num_accepted_tokens + st.num_drafts
+    _pool_idle(llm)

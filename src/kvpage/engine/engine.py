@@ -278,8 +278,10 @@ class LLMEngine:
                 continue  # a prefill chunk: its logits are not needed
             sampled.append(req)
             try:
+                verdict = None
                 if chunk.num_lookahead:
-                    tokens = self._verify(req, logits[first:row], prop)
+                    verdict = verify(logits[first:row], list(prop.tokens), prop.probs, req.params, req.generator)
+                    tokens = list(verdict.tokens)
                 else:
                     tokens = [greedy[first] if greedy is not None and req.params.greedy
                               else sample(logits[first], req.params, req.generator)]
@@ -291,9 +293,9 @@ class LLMEngine:
                     if reason is not None:
                         break
                 self.generation_tokens += n
-                if chunk.num_lookahead:
+                if verdict is not None:
                     accepted[req.request_id] = n - 1  # appended drafts: their KV is kept
-                    self._observe(chunk, prop, n)
+                    self._observe(chunk, prop, verdict.num_accepted, n)
                 if reason is not None:
                     stopped.append((req, reason))
             except Exception as exc:  # this request's sampling, verification, detokenization or stop check
@@ -335,16 +337,12 @@ class LLMEngine:
         return [p if len(p.tokens) <= c.num_lookahead else Proposal(p.tokens[:c.num_lookahead],
                 None if p.probs is None else p.probs[:c.num_lookahead]) for c, p in zip(chunks, props)]
 
-    def _verify(self, req: Request, logits: torch.Tensor, prop: Proposal) -> list[int]:
-        """The emitted tokens of a speculating request: accepted drafts, then one more (``logits``: ``[1+d, vocab]``)."""
-        verdict = verify(logits, list(prop.tokens), prop.probs, req.params, req.generator)
-        return list(verdict.tokens)
-
-    def _observe(self, chunk: ScheduledRequestChunk, prop: Proposal, num_emitted: int) -> None:
-        """Count one verification round (``num_emitted`` tokens appended, the last one not a kept draft)."""
+    def _observe(self, chunk: ScheduledRequestChunk, prop: Proposal, num_accepted: int, num_emitted: int) -> None:
+        """Count one verification round: ``num_accepted`` drafts verification accepted (vLLM counts the same,
+        before stop checks), ``num_emitted`` tokens appended (fewer when a stop cut the round short)."""
         drafted = len(prop.tokens)
         if self.spec_counters is not None and drafted:
-            self.spec_counters.observe(drafted, num_emitted - 1, num_emitted)
+            self.spec_counters.observe(drafted, num_accepted, num_emitted)
         if self.drafter is not None:
             self.drafter.on_verified(chunk.request.request_id, chunk.num_computed, drafted, num_emitted - 1)
 
