@@ -82,3 +82,24 @@ def test_lookahead_is_dropped_before_preempting() -> None:
     assert not out.preempted and [(x.num_new_tokens, x.num_lookahead) for x in out.scheduled] == [(1, 0), (1, 0)]
     assert mgr.num_free_blocks == 0
     _accounting(mgr)
+
+
+def test_no_lookahead_at_or_above_the_batch_limit() -> None:
+    """``disable_by_batch_size``: with 2 requests running and a limit of 2, nobody drafts; alone, one does."""
+    mgr = KVCacheManager(64, 4)
+    s = Scheduler(mgr, SchedulerConfig(num_lookahead_tokens=3, speculation_max_batch=2))
+    a, b = _request("a", 5, base=10), _request("b", 5, base=500)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    for r in (a, b):
+        r.all_token_ids.append(7)
+    s.update_after_step(out)
+    assert [c.num_lookahead for c in s.schedule().scheduled] == [0, 0]
+    s.finish(b, "abort")
+    mgr2 = KVCacheManager(64, 4)
+    s2 = Scheduler(mgr2, SchedulerConfig(num_lookahead_tokens=3, speculation_max_batch=2))
+    c = _request("c", 5)
+    s2.add_request(c)
+    _prefill_and_sample(s2, c)
+    assert [x.num_lookahead for x in s2.schedule().scheduled] == [3]

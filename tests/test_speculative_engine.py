@@ -133,6 +133,7 @@ def test_config_is_checked_and_names_the_field() -> None:
         ({"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 0}, "num_layers"),
         ({"method": "ngram", "num_speculative_tokens": 2, "colour": 1}, "colour"),
         ({"num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.coerce(bad)

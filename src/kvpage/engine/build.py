@@ -149,7 +149,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
         eos_token_ids=set(mc.eos_token_ids), max_model_len=max_model_len, vocab_size=mc.vocab_size,
         scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                          config.enable_chunked_prefill,
-                                         config.num_lookahead_tokens),
+                                         config.num_lookahead_tokens,
+                                         None if sc is None else sc.disable_by_batch_size),
         drafter=drafter,
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, kv, runner, engine, int(num_blocks),

@@ -61,6 +61,8 @@ class SchedulerConfig:
             prefill runs whole (alone if it exceeds the budget).
         num_lookahead_tokens: speculative decoding's ``k``: each decoding request is given up to
             this many extra slots (and budget tokens) per step for draft tokens; 0 = no speculation.
+        speculation_max_batch: no lookahead in a step where at least this many requests run
+            (``speculative_config.disable_by_batch_size``); ``None`` = no limit.
 
     Raises:
         ValueError: non-positive limits, negative lookahead.
@@ -70,6 +72,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     num_lookahead_tokens: int = 0
+    speculation_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -344,7 +347,8 @@ class Scheduler:
         """Draft slots for a decoding request this step: ``k``, capped by the step's budget and by the tokens
         the request may still emit (accepted drafts plus one more must fit in ``max_tokens``)."""
         k = self.config.num_lookahead_tokens
-        if not k:
+        limit = self.config.speculation_max_batch
+        if not k or (limit is not None and len(self.running) >= limit):
             return 0
         return max(0, min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1))
 

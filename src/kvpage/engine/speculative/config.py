@@ -49,6 +49,9 @@ class SpeculativeConfig:
             a token-wise format (quantize-on-seal formats such as ``int4`` are refused for draft layers).
         num_layers: ``layer_skip``: decoder layers of the self-draft (>= 1, fewer than the target's);
             default a quarter of the target's layers, at least 1.
+        disable_by_batch_size: no drafts in a step where at least this many requests run (vLLM's
+            name): a large batch already amortizes the weight reads that speculation saves, and its
+            verification rows make the pass compute-bound. ``None`` = always speculate.
 
     Raises:
         ValueError: an unknown method or key, a field of the wrong type or range, or a field that the
@@ -62,11 +65,14 @@ class SpeculativeConfig:
     model: str | LoadedModel | None = None
     draft_kv_cache_dtype: str | None = None
     num_layers: int | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         _int_field("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if self.disable_by_batch_size is not None:
+            _int_field("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
         own = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"},
                "draft_model": {"model", "draft_kv_cache_dtype"},
                "layer_skip": {"num_layers"}}[self.method]
