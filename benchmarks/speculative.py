@@ -188,8 +188,11 @@ def main() -> int:
     ap.add_argument("--ngram", default=None, help="skip the ngram sweep: MIN,MAX lookup range")
     ap.add_argument("--ngram-k", type=int, default=2, help="with --ngram: num_speculative_tokens")
     ap.add_argument("--layer-skip", type=int, default=None, help="skip the layer_skip sweep: its num_layers")
+    ap.add_argument("--methods", default="none,ngram,draft_model,layer_skip",
+                    help="methods to run (comma-separated; none is always run: the ratios need it)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 16 tokens, 1 repetition, no sweeps")
     args = ap.parse_args()
+    wanted = set(args.methods.split(",")) | {"none"}
     if args.quick:
         args.reps, args.max_tokens = 1, 16
         args.ngram, args.layer_skip = args.ngram or "1,3", args.layer_skip or 24
@@ -208,7 +211,9 @@ def main() -> int:
     print(f"SmolLM2-135M-Instruct ({n_layers} layers), {args.dtype} weights and KV, {args.threads} thread(s), "
           f"torch {torch.__version__}, load {_load()}", flush=True)
 
-    if args.ngram:
+    if "ngram" not in wanted:
+        ngram = {}
+    elif args.ngram:
         lo, hi = (int(x) for x in args.ngram.split(","))
         ngram = {"method": "ngram", "num_speculative_tokens": args.ngram_k, "prompt_lookup_min": lo,
                  "prompt_lookup_max": hi}
@@ -216,19 +221,23 @@ def main() -> int:
         ngram = sweep(loaded, "ngram", [
             {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
             for k in (2, 3, 4) for lo, hi in [(1, 3), (2, 5)]], workloads["(a) copy"][:3], sweep_params, args)
-    if args.layer_skip:
+    if "layer_skip" not in wanted:
+        skip = {}
+    elif args.layer_skip:
         skip = {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": args.layer_skip}
     else:
         skip = sweep(loaded, "layer_skip (k=3)", [
             {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": n}
             for n in (4, 12, 20, 27) if n < n_layers],
             [workloads["(a) copy"][0], workloads["(b) chat"][0]], sweep_params, args)
-    methods: dict[str, dict[str, Any] | None] = {
-        "none": None,
-        f"ngram k={ngram['num_speculative_tokens']} [{ngram['prompt_lookup_min']},{ngram['prompt_lookup_max']}]": ngram,
-        "draft_model (itself) k=4": {"method": "draft_model", "num_speculative_tokens": 4, "model": loaded},
-        f"layer_skip {skip['num_layers']}/{n_layers} k=3": skip,
-    }
+    methods: dict[str, dict[str, Any] | None] = {"none": None}
+    if ngram:
+        methods[f"ngram k={ngram['num_speculative_tokens']} [{ngram['prompt_lookup_min']},"
+                f"{ngram['prompt_lookup_max']}]"] = ngram
+    if "draft_model" in wanted:
+        methods["draft_model (itself) k=4"] = {"method": "draft_model", "num_speculative_tokens": 4, "model": loaded}
+    if skip:
+        methods[f"layer_skip {skip['num_layers']}/{n_layers} k=3"] = skip
     engines = {"none": plain} | {name: _engine(loaded, spec, args) for name, spec in methods.items() if spec}
 
     results: dict[tuple[str, int, str], list[Block]] = {}
