@@ -142,6 +142,12 @@ def test_config_is_checked_and_names_the_field() -> None:
     with pytest.raises(ValueError, match="draft_kv_cache_dtype"):
         EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x",
                                          "draft_kv_cache_dtype": "int4"})
+    with pytest.raises(ValueError, match=r"speculative_config\.draft_kv_cache_dtype.*bogus"):
+        EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x",
+                                         "draft_kv_cache_dtype": "bogus"})
+    with pytest.raises(ValueError, match=r"speculative_config\.model='/nonexistent/x\.gguf': no such file"):
+        EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                         "model": "/nonexistent/x.gguf"})
 
 
 def test_layer_skip_needs_fewer_layers_than_the_target(target: LoadedModel) -> None:
@@ -175,6 +181,13 @@ def test_draft_group_has_its_own_layout_c04(target: LoadedModel, draft: LoadedMo
     assert llm.kv_caches[0]["key"].dtype == torch.uint8
     # C06: the budget pays both groups by their bytes per block
     assert llm.capacity.pool_bytes == llm.num_blocks * (main.bytes_per_block + dg.bytes_per_block)
+    # the model-dtype reference holds the draft layers too (float32 here), and the CLI's formula names both groups
+    assert llm.capacity.reference_bytes_per_block == BS * (4 * 2 * 2 * 16 * 4 + 2 * 2 * 1 * 32 * 4)
+    from kvpage.cli import _capacity_lines
+    line = _capacity_lines(llm)[0]
+    assert line.split(" = ", 1)[1].startswith("4 layers x 2 x 2 kv heads x 16 x 1.125 bytes + 2 draft layers x 2 x 1 kv "
+                                             "heads x 32 x 4 bytes;")  # 288 + 512 = 800 bytes/token
+    assert "800 bytes/token" in line
 
 
 # -- greedy equals non-speculative greedy (up to near-ties) ------------------------------------

@@ -148,7 +148,8 @@ def spec_decode_line(stats: SpecDecodingStats | None) -> str | None:
     """One line of speculative-decoding counters (``None`` when the engine does not speculate).
 
     Drafted and accepted tokens over the rounds that had drafts, the acceptance rate (accepted /
-    drafted), the mean accepted length (1 + accepted / rounds: tokens each round emitted) and the
+    drafted), the mean accepted length (1 + accepted / rounds: tokens per target pass when verification accepts them; a
+    stop may end a round's output earlier) and the
     acceptance rate of each draft position (among rounds that drafted it), from ``EngineStats.spec_decoding``.
     """
     if stats is None:
@@ -174,8 +175,10 @@ def _capacity_lines(llm: LLM) -> list[str]:
         side = ""
     return [
         f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
-        f"{cap.bytes_per_token:,.0f} bytes/token = {spec.main.num_layers} layers x 2 x {layer.kv_heads} kv heads "
-        f"x {layer.head_dim} x {layer.bits_per_value / 8:g} bytes; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
+        f"{cap.bytes_per_token:,.0f} bytes/token = "
+        + " + ".join(f"{g.num_layers} {'' if g.name == 'main' else g.name + ' '}layers x 2 x {g.layer.kv_heads} kv "
+                     f"heads x {g.layer.head_dim} x {g.layer.bits_per_value / 8:g} bytes" for g in spec.groups)
+        + f"; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
         f"= {cap.pool_bytes / 2**20:.1f} MiB{side}",
         f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token): "
         f"{1 - cap.bytes_per_token / cap.reference_bytes_per_token:.1%} less KV memory per cached token; "

@@ -332,8 +332,12 @@ def kv_capacity(
             raise BudgetTooSmallError(f"KV budget too small: one block of {config.kv_format.name} needs {bpb:,} "
                                       f"bytes; {given}; raise it")
         num_blocks = (budget - side) // bpb
+    dg = spec.draft  # the reference holds the same layers (draft ones too) in the model dtype
     ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                          model_dtype=config.torch_dtype, block_size=spec.block_size)
+                          model_dtype=config.torch_dtype, block_size=spec.block_size,
+                          num_draft_layers=0 if dg is None else dg.num_layers,
+                          draft_num_kv_heads=None if dg is None else dg.layer.kv_heads,
+                          draft_head_dim=None if dg is None else dg.layer.head_dim)
     ref_bpb = ref.bytes_per_block
     if seq_len is None:
         seq_len = config.max_model_len or int(model.max_position_embeddings)

@@ -17,6 +17,7 @@ import torch
 
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.engine.speculative.config import SpeculativeConfig
+from kvpage.errors import UnknownKVFormatError
 from kvpage.formats import BlockFormat, KVFormat, StaticScaleFormat, canonical_format_name, get_format
 from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
@@ -211,14 +212,24 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         sc = None if self.speculative_config is None else SpeculativeConfig.coerce(self.speculative_config)
         object.__setattr__(self, "speculative", sc)
-        if sc is None or sc.draft_kv_cache_dtype is None:
+        if sc is None:
             return
-        draft = get_format(canonical_format_name(sc.draft_kv_cache_dtype, self.torch_dtype), self.torch_dtype)
+        if sc.draft_kv_cache_dtype is not None:
+            self._check_draft_format(sc.draft_kv_cache_dtype)
+        if isinstance(sc.model, str) and not Path(sc.model).expanduser().exists():
+            raise ValueError(f"speculative_config.model={sc.model!r}: no such file or folder (give the draft model's "
+                             f".gguf file or Hugging Face folder)")
+
+    def _check_draft_format(self, name: str) -> None:
+        try:
+            draft = get_format(canonical_format_name(name, self.torch_dtype), self.torch_dtype)
+        except UnknownKVFormatError as e:
+            raise UnknownKVFormatError(f"speculative_config.draft_kv_cache_dtype: {e}") from None
         if isinstance(draft, BlockFormat):
-            raise ValueError(f"speculative_config.draft_kv_cache_dtype={sc.draft_kv_cache_dtype!r} quantizes on seal; "
+            raise ValueError(f"speculative_config.draft_kv_cache_dtype={name!r} quantizes on seal; "
                              f"draft layers take a token-wise format (auto, bfloat16, fp8, int8, ...)")
         if isinstance(draft, StaticScaleFormat):
-            raise ValueError(f"speculative_config.draft_kv_cache_dtype={sc.draft_kv_cache_dtype!r} needs calibrated "
+            raise ValueError(f"speculative_config.draft_kv_cache_dtype={name!r} needs calibrated "
                              f"scales of the draft layers; give the draft a dynamic format (fp8, int8, ...)")
 
     @property
