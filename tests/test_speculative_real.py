@@ -82,7 +82,12 @@ def test_greedy_equals_plain_greedy_on_the_bundled_model(
         _agree_up_to_ties(want, o.outputs[0].token_ids, p["prompt_token_ids"], ref)
     st = llm.engine.stats().spec_decoding
     assert st is not None and st.num_drafts > 0 and st.num_draft_tokens > 0
-    assert st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
+    # each round emits its accepted drafts and one more token, except a round an EOS ends early (at most one per
+    # request): the counters keep what verification accepted
+    cut = st.num_accepted_tokens + st.num_drafts - st.num_emitted_tokens
+    assert 0 <= cut <= len(prompts) * _methods(smollm2)[method]["num_speculative_tokens"], st
+    emitted = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert st.num_drafts <= st.num_emitted_tokens <= emitted
     if method == "draft_model":  # the target drafting for itself: nearly every draft is accepted
         assert st.acceptance_rate > 0.8, st
     # the pool is idle and exact
