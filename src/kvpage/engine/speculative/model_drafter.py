@@ -51,7 +51,8 @@ class ModelDrafter(Drafter):
                 if c.num_lookahead and where[i] >= 0:
                     t, p = draw(logits[where[i]], c.request.params, c.request.generator)
                     tokens[i].append(t)
-                    probs[i].append(p)
+                    if p is not None:
+                        probs[i].append(p)
         for step in range(1, max((c.num_lookahead for c in chunks), default=0)):
             live = [i for i, c in enumerate(chunks) if c.num_lookahead > step and len(tokens[i]) == step]
             if not live:
@@ -64,7 +65,8 @@ class ModelDrafter(Drafter):
                 c = chunks[i]
                 t, p = draw(logits[row], c.request.params, c.request.generator)
                 tokens[i].append(t)
-                probs[i].append(p)
+                if p is not None:
+                    probs[i].append(p)
         return [Proposal(tuple(t), torch.stack(p) if p else None) if t else Proposal() for t, p in zip(tokens, probs)]
 
 

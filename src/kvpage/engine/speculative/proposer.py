@@ -81,14 +81,15 @@ class NgramDrafter(Drafter):
         return out
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+def draw(logits: torch.Tensor, params: SamplingParams,
+         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """A draft token from draft ``logits`` ``[vocab]`` and the distribution it was drawn from ``[vocab]`` float32.
 
-    Greedy requests take the first argmax (its distribution is that one-hot); others sample the processed
-    distribution (:func:`~kvpage.engine.sampling.sampling_probs`) with the request's generator, so a seeded
-    request drafts the same tokens on every run.
+    Greedy requests take the first argmax and return no distribution (greedy verification compares tokens
+    only); others sample the processed distribution (:func:`~kvpage.engine.sampling.sampling_probs`) with the
+    request's generator, so a seeded request drafts the same tokens on every run.
     """
-    probs = sampling_probs(logits, params)
     if params.greedy:
-        return int(logits.max(-1).indices), probs
+        return int(logits.max(-1).indices), None
+    probs = sampling_probs(logits, params)
     return int(torch.multinomial(probs, 1, generator=generator)), probs
