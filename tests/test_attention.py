@@ -22,6 +22,7 @@ from kvpage.cache.controller import CacheController
 from kvpage.errors import KVCacheLayoutError
 from kvpage.formats import get_format
 from kvpage.ops.attention import AttentionMetadata, paged_attention, read_kv, write_kv
+from kvpage.ops.layer_attention import LayerAttention
 from kvpage.spec import CacheSpec, LayerSpec
 
 
@@ -107,7 +108,7 @@ class Harness:
                                        slot_mapping=slots, block_size=self.bs)
         v = torch.cat(vs) if self.layer.has_value else None
         out = paged_attention(torch.cat(qs), torch.cat(ks), v, self.cache, self.layer, meta, layer_index=0,
-                              scale=scale)
+                              params=LayerAttention(scale=scale))
         assert out.shape == (len(slots), Q_HEADS, self.layer.head_dim) and out.dtype == torch.float32
         res, start = {}, 0
         for name, n in plan:

@@ -33,6 +33,7 @@ from kvpage.ops.attention import AttentionMetadata
 from kvpage.ops.backends import BACKEND_NAMES, CpuBackend, ReferenceBackend, select_backend
 from kvpage.ops.backends import cpu as cpu_module
 from kvpage.ops.cpu import build as cpu_build
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.scales import StaticScales
 from kvpage.spec import CacheSpec
 
@@ -60,13 +61,20 @@ def _static_scales(fmt: str, kv_heads: int, head_dim: int) -> StaticScales | Non
     return StaticScales({0: absmax}, {0: absmax}, kind="absmax")
 
 
-def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
-    """Dense causal attention in float64: query ``j`` (position ``first + j``) sees keys ``0 .. first + j``."""
+def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
+                      params: LayerAttention = PLAIN) -> torch.Tensor:
+    """Dense causal attention in float64: query ``j`` (position ``first + j``) sees keys ``0 .. first + j``
+    (those after ``first + j - sliding_window`` only), scores scaled then soft-capped as ``params`` say."""
     n, h, d = q.shape
     rep = h // k.shape[1]
     kx, vx = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    sc = torch.einsum("nhd,shd->hns", q.double(), kx) / math.sqrt(d)
-    mask = torch.arange(k.shape[0])[None, :] <= (first + torch.arange(n))[:, None]
+    sc = torch.einsum("nhd,shd->hns", q.double(), kx) * (d**-0.5 if params.scale is None else params.scale)
+    if params.logit_softcap is not None:
+        sc = params.logit_softcap * torch.tanh(sc / params.logit_softcap)
+    pos = first + torch.arange(n)
+    mask = torch.arange(k.shape[0])[None, :] <= pos[:, None]
+    if params.sliding_window is not None:
+        mask &= torch.arange(k.shape[0])[None, :] > (pos - params.sliding_window)[:, None]
     return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
 
 
@@ -87,7 +95,7 @@ class Pair:
             self.pools = [TailPool(self.spec, t, torch.float32) for t in self.tables]
 
     def step(self, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
-             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: LayerAttention = PLAIN) -> list[torch.Tensor]:
         bs = self.spec.block_size
         slots = [tables[i][p // bs] * bs + p % bs for i in range(len(tables))
                  for p in range(seq_lens[i] - query_lens[i], seq_lens[i])]
@@ -97,10 +105,12 @@ class Pair:
         for i, backend in enumerate(self.backends):
             if self.sealed:
                 ctx = self.pools[i].context(self.tables[i].plan(tables, seq_lens, query_lens))
-                outs.append(backend.forward_sealed(q, k, v, self.caches[i], self.layer, meta, ctx, layer_index=0))
+                outs.append(backend.forward_sealed(q, k, v, self.caches[i], self.layer, meta, ctx, layer_index=0,
+                                                   params=params))
                 self.tables[i].finish()
             else:
-                outs.append(backend.forward(q, k, v, self.caches[i], self.layer, meta, layer_index=0))
+                outs.append(backend.forward(q, k, v, self.caches[i], self.layer, meta, layer_index=0,
+                                            params=params))
         return outs
 
     def assert_same_bytes(self) -> None:
@@ -114,7 +124,8 @@ class Pair:
 
 
 def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-              block_size: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+              block_size: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+              params: LayerAttention = PLAIN) -> None:
     """Prefill each request's cached part, then one step of ``query_lens`` new tokens; check both backends."""
     gen = torch.Generator().manual_seed(seed)
     bs = block_size
@@ -132,9 +143,10 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
     pre = [i for i, c in enumerate(cached) if c > 0]
     if pre:  # the prefix-cached part, written by each backend's own path
         cat = lambda j: torch.cat([full[i][j][: cached[i]] for i in pre])  # noqa: E731
-        pair.step([tables[i] for i in pre], [cached[i] for i in pre], [cached[i] for i in pre], cat(0), cat(1), cat(2))
+        pair.step([tables[i] for i in pre], [cached[i] for i in pre], [cached[i] for i in pre], cat(0), cat(1), cat(2),
+                  params)
     cat = lambda j: torch.cat([full[i][j][cached[i]:] for i in range(len(lens))])  # noqa: E731
-    ref, got = pair.step(tables, lens, query_lens, cat(0), cat(1), cat(2))
+    ref, got = pair.step(tables, lens, query_lens, cat(0), cat(1), cat(2), params)
     pair.assert_same_bytes()
     scale = ref.abs().max().item()
     assert torch.isfinite(got).all() and got.dtype == ref.dtype == dtype
@@ -150,7 +162,7 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
     a = 0
     for i, s in enumerate(lens):
         n = query_lens[i]
-        want = float64_attention(full[i][0][s - n:], full[i][1], full[i][2], s - n)
+        want = float64_attention(full[i][0][s - n:], full[i][1], full[i][2], s - n, params)
         for out in (ref, got):
             assert (out[a:a + n].double() - want).abs().max().item() < LOOSE[fmt], (fmt, s, n)
         a += n
@@ -173,6 +185,29 @@ def test_c27_mixed_batch_of_decode_chunks_and_prefill(fmt: str) -> None:
     lens = [40, 23, 90, 45, 17]
     query_lens = [1, 3, 40, 45, 8]
     run_batch(fmt, lens=lens, query_lens=query_lens, heads=9, kv_heads=3, head_dim=64, block_size=bs, seed=3)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "fp8", "int8_rotated", "int4", "int2"])
+@pytest.mark.parametrize("params", [LayerAttention(scale=0.06), LayerAttention(sliding_window=11),
+                                    LayerAttention(scale=0.25, sliding_window=16, logit_softcap=2.0),
+                                    LayerAttention(logit_softcap=1.5)], ids=["scale", "window", "all", "softcap"])
+def test_layer_attention_scale_window_and_softcap(fmt: str, params: LayerAttention) -> None:
+    """Per-layer knobs of the model families (Gemma's scale and soft-cap, sliding windows): both backends equal
+    float64 attention with the same knobs over decode rows, short runs and a long chunk; the window is shorter and
+    longer than a block and cuts through sealed blocks."""
+    bs = 8 if fmt in SEALED_FORMATS else 16
+    run_batch(fmt, lens=[1, 12, 40, 23, 90], query_lens=[1, 1, 1, 3, 40], heads=6, kv_heads=2, head_dim=64,
+              block_size=bs, seed=11, params=params)
+
+
+def test_window_and_softcap_change_the_output() -> None:
+    """The knobs reach the ops: each one moves the result (a test whose knobs were dropped would pass above only
+    if float64 attention also ignored them; this pins that they act)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 32, generator=gen), torch.randn(30, 2, 32, generator=gen), torch.randn(30, 2, 32, generator=gen)
+    base = float64_attention(q, k, v, 29)
+    for p in (LayerAttention(scale=0.05), LayerAttention(sliding_window=4), LayerAttention(logit_softcap=0.5)):
+        assert (float64_attention(q, k, v, 29, p) - base).abs().max() > 1e-3, p
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "fp8_static", "int4"])

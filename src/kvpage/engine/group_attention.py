@@ -22,6 +22,7 @@ from kvpage.cache.groups import GroupManager, SealedGroupManager
 from kvpage.cache.tail import TailPool
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.ops.backends import AttentionBackend, ReferenceBackend
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.sealed_attention import SealContext
 from kvpage.spec import CacheSpec, LayerGroupSpec
 
@@ -74,8 +75,10 @@ class GroupAttention:
         """Prepare the step (no writes to the cache yet)."""
         self._meta = step.meta
 
-    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
-        """Write the layer's new K/V and attend; ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               params: LayerAttention = PLAIN) -> torch.Tensor:
+        """Write the layer's new K/V and attend with the layer's ``params`` (scale, window, soft-cap);
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
 
         Raises:
             RuntimeError: called outside a step.
@@ -83,7 +86,7 @@ class GroupAttention:
         if self._meta is None:
             raise RuntimeError("attend() outside begin_step()/end_step()")
         return self.ops.forward(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
-                                layer_index=layer_index)
+                                layer_index=layer_index, params=params)
 
     def end_step(self) -> None:
         """The step's layers all ran: drop the step's state."""
@@ -137,12 +140,13 @@ class SealedGroupAttention(GroupAttention):
         self._final = step.final
         self._ctx = self.tail.context(plan)
 
-    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               params: LayerAttention = PLAIN) -> torch.Tensor:
         """Seal, write the tail and attend over sealed blocks plus the tail (see :mod:`kvpage.ops.sealed_attention`)."""
         if self._meta is None or self._ctx is None:
             raise RuntimeError("attend() outside begin_step()/end_step()")
         return self.ops.forward_sealed(q, k, v, self.caches[layer_index], self.spec.layer(layer_index), self._meta,
-                                       self._ctx, layer_index=layer_index)
+                                       self._ctx, layer_index=layer_index, params=params)
 
     def end_step(self) -> None:
         """Free the tail slots the step retired (every layer has read them); after a pass that is not the step's

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.engine.group_attention import GroupAttention, StepLayout
-from kvpage.model.attention_fn import CausalLM, early_exit
+from kvpage.model.attention_fn import CausalLM, early_exit, layer_attention
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.spec import CacheSpec
 
@@ -94,6 +94,8 @@ class ModelRunner:
         missing = [i for i in wanted if i not in self._by_layer]
         if missing:
             raise ValueError(f"layers {missing} have no attention backend")
+        # each layer's scale, sliding window and soft-cap, as the model family states them (global index)
+        self._params = {i: layer_attention(model, i - layer_offset) for i in wanted}
 
     def build_metadata(self, batch: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``input_ids`` ``[T]`` int64, ``positions`` ``[T]`` int64 and the attention metadata for ``batch``."""
@@ -154,11 +156,11 @@ class ModelRunner:
             draft_lens=tuple(r.num_draft for r in batch),
             final=final,
         )
-        by_layer, offset = self._by_layer, self.layer_offset
+        by_layer, offset, params = self._by_layer, self.layer_offset, self._params
 
-        def attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
             i = layer_index + offset
-            return by_layer[i].attend(i, q, k, v)
+            return by_layer[i].attend(i, q, k, v, params[i])
 
         rows: list[int] | None = None
         if not all_logits and any(r.num_logits != 1 for r in batch):

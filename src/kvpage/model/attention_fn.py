@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
+
 
 class AttentionFn(Protocol):
     """Attention over the paged KV cache for one layer of one forward pass.
@@ -20,16 +22,19 @@ class AttentionFn(Protocol):
         layer_index: global layer index (0-based; draft/MTP layers follow main layers).
         q: ``[num_tokens, num_heads, head_dim]`` queries of this step's tokens, RoPE applied.
         k: ``[num_tokens, num_kv_heads, head_dim]`` keys of this step's tokens, RoPE applied.
-        v: ``[num_tokens, num_kv_heads, head_dim]`` values of this step's tokens.
+        v: ``[num_tokens, num_kv_heads, head_dim]`` values of this step's tokens; ``None`` for a key-only
+            (MLA latent) cache, whose keys serve as values.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` attention output, dtype of ``q``.
 
     The tokens of all requests in the batch are concatenated along dim 0
-    (varlen layout); the callable knows which request each token belongs to.
+    (varlen layout); the callable knows which request each token belongs to. It applies the layer's
+    :class:`~kvpage.ops.layer_attention.LayerAttention` (scale, sliding window, soft-cap), which the model
+    states through ``attention_params`` (:func:`layer_attention`).
     """
 
-    def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class CausalLM(Protocol):
@@ -44,6 +49,22 @@ class CausalLM(Protocol):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def layer_attention(model: object, layer_index: int) -> LayerAttention:
+    """The scale, sliding window and soft-cap of the model's layer ``layer_index`` (its own 0-based index).
+
+    A family states them with ``attention_params(layer_index) -> LayerAttention``; a model without that
+    method has plain causal attention with scale ``head_dim ** -0.5`` in every layer (:data:`PLAIN`).
+    """
+    fn = getattr(model, "attention_params", None)
+    if fn is None:
+        return PLAIN
+    params = fn(layer_index)
+    if not isinstance(params, LayerAttention):
+        raise TypeError(f"{type(model).__name__}.attention_params({layer_index}) returned "
+                        f"{type(params).__name__}, not LayerAttention")
+    return params
 
 
 class EarlyExitLM(CausalLM, Protocol):

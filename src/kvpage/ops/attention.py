@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from kvpage.errors import KVCacheLayoutError, StaticScalesError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, StaticScaleFormat, TokenFormat
 from kvpage.ops.causal import request_attention
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.spec import LayerSpec
 
 
@@ -245,7 +246,7 @@ def paged_attention(
     meta: AttentionMetadata,
     *,
     layer_index: int,
-    scale: float | None = None,
+    params: LayerAttention = PLAIN,
 ) -> torch.Tensor:
     """Causal attention of this step's tokens over the paged cache, after writing their K/V (token-wise formats).
 
@@ -258,12 +259,13 @@ def paged_attention(
         spec: the layer's layout.
         meta: batch layout (see :class:`AttentionMetadata`).
         layer_index: global layer index, for error messages.
-        scale: softmax scale; default ``head_dim ** -0.5``.
+        params: the layer's softmax scale (default ``head_dim ** -0.5``), sliding window and soft-cap.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Query ``j`` of a
         request whose context is ``s`` tokens with ``n`` new ones attends to
-        keys ``0 .. s - n + j`` (GQA: each kv head serves ``num_heads / kv_heads`` query heads).
+        keys ``0 .. s - n + j`` (only those ``> s - n + j - sliding_window`` in a windowed layer;
+        GQA: each kv head serves ``num_heads / kv_heads`` query heads).
 
     Raises:
         KVCacheLayoutError: the cache tensors or q/k/v disagree with ``spec``, or the layer's
@@ -285,7 +287,7 @@ def paged_attention(
     if rot is not None:
         qa = qa @ rot                                                          # [T, H, D]
     bs = spec.block_size
-    if meta.is_decode_only and min(meta.seq_lens) == max(meta.seq_lens):
+    if params.is_plain and meta.is_decode_only and min(meta.seq_lens) == max(meta.seq_lens):
         # Decode batch of equal context lengths: one gather and one SDPA for all, no padding, no mask.
         longest = meta.seq_lens[0]
         tables = meta.block_tables[:, : math.ceil(longest / bs)]                           # [B, nb]
@@ -294,7 +296,7 @@ def paged_attention(
         o = F.scaled_dot_product_attention(
             qa.unsqueeze(2),                                                   # [B, H, 1, D]
             keys.transpose(1, 2), vals.transpose(1, 2),                        # [B, Hkv, L, D]
-            scale=scale, enable_gqa=True,
+            scale=params.scale, enable_gqa=True,
         ).squeeze(2)                                                           # [B, H, D]
         return (o if rot is None else o @ rot.T).to(q.dtype)
     # Otherwise one request at a time, each over exactly its own context: no padding is ever read, so
@@ -303,5 +305,5 @@ def paged_attention(
     for i in range(meta.num_requests):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         keys, vals = read_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], adtype)  # [s, Hkv, D]
-        out[a:b] = request_attention(qa[a:b], keys, vals, scale)                # [n, H, D]
+        out[a:b] = request_attention(qa[a:b], keys, vals, params)               # [n, H, D]
     return (out if rot is None else out @ rot.T).to(q.dtype)

@@ -39,6 +39,7 @@ from kvpage.errors import KVCacheLayoutError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat, TokenFormat
 from kvpage.ops.attention import AttentionMetadata, check_inputs
 from kvpage.ops.causal import masked_attention, request_attention
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.seal_plan import RequestRead, SealPlan
 from kvpage.spec import LayerSpec
 
@@ -136,7 +137,7 @@ def write_sealed_kv(
 
 def sealed_request_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: RequestRead, batch: SealBatch,
-    block_size: int, scale: float | None,
+    block_size: int, params: LayerAttention = PLAIN,
 ) -> torch.Tensor:
     """Attention of one request's new tokens, each reading its own block at full precision.
 
@@ -144,10 +145,11 @@ def sealed_request_attention(
     as stored. A query whose block this step sealed (``read.sealed_now``) reads that block's rows from
     ``batch`` instead, up to its own position; every other key as stored, causally. Without blocks sealed
     now this is :func:`~kvpage.ops.causal.request_attention`. ``q``: ``[n, num_heads, head_dim]`` queries
-    of positions ``s - n .. s - 1``; returns ``[n, num_heads, head_dim]`` in ``keys.dtype``. No side effects.
+    of positions ``s - n .. s - 1``; returns ``[n, num_heads, head_dim]`` in ``keys.dtype``. ``params``: the
+    layer's scale, window (keys at positions ``> pos - sliding_window`` only) and soft-cap. No side effects.
     """
     if not read.sealed_now or batch.keys is None or batch.values is None:
-        return request_attention(q, keys, values, scale)
+        return request_attention(q, keys, values, params)
     bs, n, s, dev = block_size, q.shape[0], keys.shape[0], q.device
     own = torch.tensor([j for j, _, _ in read.sealed_now], dtype=torch.long, device=dev)        # [f]
     pick = torch.tensor([m for _, m, _ in read.sealed_now], dtype=torch.long, device=dev)
@@ -160,8 +162,11 @@ def sealed_request_attention(
     stored = (t[None, :] <= pos[:, None]) & ~(fresh_own[:, None] & ((t // bs)[None, :] == qblk[:, None]))
     fpos = (own[:, None] * bs + torch.arange(bs, device=dev)).flatten()                       # [f*bs]
     fresh = ((fpos // bs)[None, :] == qblk[:, None]) & (fpos[None, :] <= pos[:, None])
+    if params.sliding_window is not None:
+        stored &= t[None, :] > (pos - params.sliding_window)[:, None]
+        fresh &= fpos[None, :] > (pos - params.sliding_window)[:, None]
     mask = torch.cat([stored, fresh], dim=1)                                                # [n, s + f*bs]
-    return masked_attention(q, torch.cat([keys, fk]), torch.cat([values, fv]), mask, scale)
+    return masked_attention(q, torch.cat([keys, fk]), torch.cat([values, fv]), mask, params)
 
 
 def read_sealed(
@@ -248,13 +253,14 @@ def sealed_attention(
     ctx: SealContext,
     *,
     layer_index: int,
-    scale: float | None = None,
+    params: LayerAttention = PLAIN,
 ) -> torch.Tensor:
     """Write this step's K/V through the seal plan, then attend (block-wise formats).
 
     Args and result as :func:`~kvpage.ops.attention.paged_attention` (``q`` ``[T, H, D]``,
     ``k``/``v`` ``[T, Hkv, D]``, result ``[T, H, D]`` in ``q.dtype``), plus ``ctx``: the
-    step's plan, tail tensors and sink format. ``meta.slot_mapping`` is not read: the
+    step's plan, tail tensors and sink format; ``params`` the layer's scale, window and soft-cap.
+    ``meta.slot_mapping`` is not read: the
     plan says where every token goes. Writes the pool tensors in ``cache`` and the
     layer's tail tensors in ``ctx`` in place.
 
@@ -274,5 +280,5 @@ def sealed_attention(
     for i, read in enumerate(plan.reads):
         a, b = qsl[i], qsl[i + 1]
         keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, adtype)  # [s, Hkv, D]
-        out[a:b] = sealed_request_attention(qa[a:b], keys, vals, read, batch, spec.block_size, scale)
+        out[a:b] = sealed_request_attention(qa[a:b], keys, vals, read, batch, spec.block_size, params)
     return out.to(q.dtype)

@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from kvpage.ops.attention import AttentionMetadata
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.sealed_attention import SealContext
 from kvpage.spec import LayerSpec
 
@@ -53,6 +54,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         *,
         layer_index: int,
+        params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         """Token-wise layers: as :func:`kvpage.ops.attention.paged_attention` (same arguments, result and errors)."""
 
@@ -68,6 +70,7 @@ class AttentionBackend(ABC):
         ctx: SealContext,
         *,
         layer_index: int,
+        params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         """Block-wise layers: as :func:`kvpage.ops.sealed_attention.sealed_attention` (same arguments, result, errors)."""
 

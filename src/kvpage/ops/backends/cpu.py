@@ -26,7 +26,7 @@ by every layer of the group.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -39,6 +39,7 @@ from kvpage.ops.attention import AttentionMetadata, check_inputs, read_context, 
 from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.sealed_attention import (
     SealContext,
     read_sealed_context,
@@ -97,6 +98,20 @@ class _SealedSources:
     index: torch.Tensor  # [B, W] int64
     kernel_rows: torch.Tensor   # [b] int64 requests the kernel serves
     sdpa_rows: tuple[int, ...]  # the others: long query runs, and short ones whose own block sealed without a slot
+
+
+def _scale(spec: LayerSpec, params: LayerAttention) -> float:
+    """The layer's softmax scale as the kernels take it."""
+    return spec.head_dim**-0.5 if params.scale is None else params.scale
+
+
+def _split_rows(kernel_rows: torch.Tensor, sdpa_rows: tuple[int, ...], meta: AttentionMetadata,
+                params: LayerAttention) -> tuple[torch.Tensor, Sequence[int]]:
+    """``(kernel rows, SDPA rows)`` of a layer: as planned for plain layers; every request through SDPA for a
+    windowed or soft-capped one (the kernels read the whole context, uncapped)."""
+    if params.is_plain:
+        return kernel_rows, sdpa_rows
+    return kernel_rows[:0], range(meta.num_requests)
 
 
 class CpuBackend(AttentionBackend):
@@ -232,19 +247,24 @@ class CpuBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
         spec: LayerSpec, meta: AttentionMetadata, *, layer_index: int,
+        params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`; the cache tensors are checked against ``spec`` before writing."""
+        """See :meth:`AttentionBackend.forward`; the cache tensors are checked against ``spec`` before writing.
+
+        The kernels serve plain layers at any scale; a windowed or soft-capped layer attends through SDPA.
+        """
         fmt = token_format(spec, layer_index)
         self._validate(cache, spec, layer_index)
         check_inputs(spec, layer_index, q, k, v)
         self._write(cache, spec, fmt, k, v, meta.slot_mapping)
         rows = self._step_rows(meta)
+        kernel_rows, sdpa_rows = _split_rows(rows.kernel_rows, rows.sdpa_rows, meta, params)
         rot = fmt.rotation(spec.head_dim, torch.float32, q.device)
         # the kernel reads q and writes the output in the model dtype; rotated formats attend in float32
         qa = q.contiguous() if rot is None else (q.float() @ rot).contiguous()
         out = torch.empty_like(qa)
         value_name = VALUE if spec.has_value else KEY
-        if rows.kernel_rows.numel():
+        if kernel_rows.numel():
             enc = token_encoding(fmt)
             kchan = vchan = None
             if isinstance(fmt, StaticScaleFormat):
@@ -253,13 +273,13 @@ class CpuBackend(AttentionBackend):
             self.kernels.paged_attention(
                 out, qa, cache[KEY], cache[value_name], cache.get(KEY_SCALE),
                 cache.get(VALUE_SCALE if spec.has_value else KEY_SCALE), kchan, vchan,
-                meta.block_tables, rows.seq_lens, rows.query_start_loc, rows.kernel_rows, enc, spec.head_dim**-0.5,
+                meta.block_tables, rows.seq_lens, rows.query_start_loc, kernel_rows, enc, _scale(spec, params),
             )
         dt = _sdpa_dtype(qa.dtype)
-        for i in rows.sdpa_rows:
+        for i in sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             keys, vals = read_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], dt)
-            out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, None)
+            out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, params)
         if rot is not None:
             out = out @ rot.T
         return out.to(q.dtype)
@@ -269,6 +289,7 @@ class CpuBackend(AttentionBackend):
     def forward_sealed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
         spec: LayerSpec, meta: AttentionMetadata, ctx: SealContext, *, layer_index: int,
+        params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward_sealed`."""
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
@@ -277,7 +298,8 @@ class CpuBackend(AttentionBackend):
         qa = q.contiguous()
         out = torch.empty_like(qa)
         src = self._sealed_sources(ctx, meta)  # once per step, shared by the group's layers
-        if src.kernel_rows.numel():
+        kernel_rows, sdpa_rows = _split_rows(src.kernel_rows, src.sdpa_rows, meta, params)
+        if kernel_rows.numel():
             assert isinstance(fmt, SealedFormat)  # unsupported() admits no other block-wise format
             has_value = spec.has_value
             vn = VALUE if has_value else KEY
@@ -288,15 +310,15 @@ class CpuBackend(AttentionBackend):
                 out, qa, cache[ks[0]], cache[ks[1]], cache[ks[2]], cache[vs[0]], cache[vs[1]], cache[vs[2]],
                 tail[KEY], tail_v, tail["sink_" + KEY], tail["sink_" + KEY_SCALE],
                 tail["sink_" + vn], tail["sink_" + (VALUE_SCALE if has_value else KEY_SCALE)],
-                src.kind, src.index, rows.seq_lens, rows.query_start_loc, src.kernel_rows,
-                fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, spec.head_dim**-0.5,
+                src.kind, src.index, rows.seq_lens, rows.query_start_loc, kernel_rows,
+                fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, _scale(spec, params),
             )
         dt = _sdpa_dtype(qa.dtype)
-        for i in src.sdpa_rows:
+        for i in sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             read = ctx.plan.reads[i]
             keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt)
-            out[a:b] = sealed_request_attention(qa[a:b].to(dt), keys, vals, read, batch, spec.block_size, None)
+            out[a:b] = sealed_request_attention(qa[a:b].to(dt), keys, vals, read, batch, spec.block_size, params)
         return out
 
 

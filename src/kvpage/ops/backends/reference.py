@@ -12,6 +12,7 @@ import torch
 
 from kvpage.ops.attention import AttentionMetadata, paged_attention
 from kvpage.ops.backends.base import AttentionBackend
+from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.sealed_attention import SealContext, sealed_attention
 from kvpage.spec import LayerSpec
 
@@ -29,13 +30,15 @@ class ReferenceBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
         spec: LayerSpec, meta: AttentionMetadata, *, layer_index: int,
+        params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`."""
-        return paged_attention(q, k, v, cache, spec, meta, layer_index=layer_index)
+        return paged_attention(q, k, v, cache, spec, meta, layer_index=layer_index, params=params)
 
     def forward_sealed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
         spec: LayerSpec, meta: AttentionMetadata, ctx: SealContext, *, layer_index: int,
+        params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward_sealed`."""
-        return sealed_attention(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
+        return sealed_attention(q, k, v, cache, spec, meta, ctx, layer_index=layer_index, params=params)
