@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvpage.model.attention_fn import layer_attention
+from kvpage.ops.layer_attention import LayerAttention
 from kvpage.scales import StaticScales
 
 if TYPE_CHECKING:
@@ -42,11 +44,17 @@ class _Recorder(torch.nn.Module):
         self.k_max = k_max
         self.v_max = v_max
 
+    def attention_params(self, layer_index: int) -> LayerAttention:
+        """The wrapped model's attention knobs for the layer (scale, window, soft-cap)."""
+        return layer_attention(self.model, layer_index)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Callable[..., torch.Tensor]) -> torch.Tensor:
-        def recording_attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def recording_attn(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
             i = layer_index
             self.k_max[i] = torch.maximum(self.k_max[i], k.detach().abs().amax(dim=0).float())  # [Hkv, D]
-            self.v_max[i] = torch.maximum(self.v_max[i], v.detach().abs().amax(dim=0).float())  # [Hkv, D]
+            # a key-only (latent) layer's keys serve as its values
+            values = k if v is None else v
+            self.v_max[i] = torch.maximum(self.v_max[i], values.detach().abs().amax(dim=0).float())  # [Hkv, D]
             return attn(layer_index, q, k, v)
 
         return self.model(input_ids, positions, recording_attn)
@@ -104,7 +112,8 @@ def collect_kv_absmax(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     dtype = next(loaded.model.parameters()).dtype
     spec = CacheSpec.build(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           model_dtype=dtype, block_size=block_size, kv_cache_dtype="auto")
+                           has_value=cfg.kv_has_value, model_dtype=dtype, block_size=block_size,
+                           kv_cache_dtype="auto")
     num_blocks = spec.blocks_for_tokens(len(ids))
     caches = CacheController(spec, device).initialize_kv_cache(num_blocks)
     shape = (cfg.num_kv_heads, cfg.head_dim)

@@ -59,6 +59,10 @@ class ModelShape(Protocol):
     def max_position_embeddings(self) -> int:
         """The model's context, in tokens."""
 
+    @property
+    def kv_has_value(self) -> bool:
+        """``False`` for a key-only (MLA latent) cache."""
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -68,6 +72,7 @@ class Shape:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int = 8192
+    kv_has_value: bool = True
 
 
 #: The bundled SmolLM2-135M-Instruct (tests check it against the loaded config).
@@ -264,6 +269,7 @@ def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "",
             draft_fmt = get_format(canonical_format_name(name, config.torch_dtype), config.torch_dtype)
     return CacheSpec.build(
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        has_value=model.kv_has_value,
         model_dtype=config.torch_dtype, block_size=config.block_size_resolved,
         kv_cache_dtype=config.kv_format, model_name=model_name, static_scales=config.static_scales,
         num_draft_layers=num_draft, draft_kv_cache_dtype=draft_fmt,
@@ -334,7 +340,7 @@ def kv_capacity(
         num_blocks = (budget - side) // bpb
     dg = spec.draft  # the reference holds the same layers (draft ones too) in the model dtype
     ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                          model_dtype=config.torch_dtype, block_size=spec.block_size,
+                          has_value=model.kv_has_value, model_dtype=config.torch_dtype, block_size=spec.block_size,
                           num_draft_layers=0 if dg is None else dg.num_layers,
                           draft_num_kv_heads=None if dg is None else dg.layer.kv_heads,
                           draft_head_dim=None if dg is None else dg.layer.head_dim)

@@ -123,6 +123,7 @@ class LLM:
             num_layers=self.config.num_layers,
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
+            has_value=self.config.kv_has_value,
             model_dtype=self.dtype,
             block_size=self.spec.block_size,
         )

@@ -3,9 +3,10 @@
 :class:`ModelConfig` is the single place the engine, the cache spec and the
 model read shapes from (layers, heads, head_dim, vocab). It is built from a
 transformers ``PretrainedConfig`` (from a GGUF file or a ``config.json``) and
-keeps that config for the one thing it does not flatten: RoPE initialisation,
-which is delegated to transformers' ``ROPE_INIT_FUNCTIONS`` so every scaling
-variant matches the library exactly.
+keeps that config for what it does not flatten: RoPE initialisation, which is
+delegated to transformers' ``ROPE_INIT_FUNCTIONS`` so every scaling variant
+matches the library exactly, and the family-specific extras (sliding windows,
+soft-caps, biases...) that :mod:`kvpage.model.families` reads from it.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from typing import Any
 
 import torch
 
-#: ``model_type`` values whose checkpoints this Llama forward computes exactly.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama",)
+from kvpage.model import families
+
+#: ``model_type`` values whose checkpoints kvpage's model computes exactly (:data:`kvpage.model.families.FAMILIES`).
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(families.FAMILIES)
 
 #: RoPE types whose frequencies do not depend on the sequence length, so a
 #: per-position table is exact. ("dynamic" and "longrope" rescale with the
@@ -25,7 +28,7 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, as the runtime needs it.
+    """Architecture of a decoder-only LM (any family of :mod:`kvpage.model.families`), as the runtime needs it.
 
     Invariants (checked in :meth:`__post_init__`): ``num_heads`` is a multiple of
     ``num_kv_heads`` (GQA group size ``num_heads // num_kv_heads``); all sizes
@@ -40,9 +43,9 @@ class ModelConfig:
         num_kv_heads: key/value heads per layer (GQA when < ``num_heads``).
         head_dim: width of one head; may differ from ``hidden_size // num_heads``.
         rms_norm_eps: epsilon inside RMSNorm's ``rsqrt``.
-        rope_theta: RoPE base wavelength.
+        rope_theta: RoPE base wavelength (Gemma 3: of the global, ``full_attention`` layers).
         rope_scaling: transformers' ``rope_parameters`` dict (with ``rope_type``)
-            when the type is not ``"default"``, else ``None``.
+            when the type is not ``"default"``, else ``None`` (Gemma 3: the global layers' entry).
         max_position_embeddings: context length the checkpoint was trained for;
             the model's RoPE table covers positions ``[0, max_position_embeddings)``.
         tie_word_embeddings: the LM head reuses the token-embedding matrix.
@@ -52,6 +55,12 @@ class ModelConfig:
             (``float32`` for dequantized GGUF tensors).
         hf_config: the transformers config this was built from (not compared,
             not hashed); used for RoPE initialisation.
+        kv_has_value: ``False`` for a key-only cache (MLA's latent: ``num_kv_heads`` 1 and ``head_dim`` the
+            latent plus decoupled-RoPE width; its keys serve as values).
+
+    The family is :attr:`model_type` (``hf_config.model_type``, ``"llama"`` without one); its
+    extras (sliding windows, soft-caps, biases...) are read from ``hf_config`` by
+    :func:`kvpage.model.families.resolve`.
     """
 
     vocab_size: int
@@ -70,6 +79,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype = torch.float32
     hf_config: Any = field(default=None, compare=False, hash=False, repr=False)
+    kv_has_value: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -80,6 +90,11 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def model_type(self) -> str:
+        """The family: transformers' ``model_type`` of :attr:`hf_config`, ``"llama"`` for a hand-built config."""
+        return "llama" if self.hf_config is None else str(getattr(self.hf_config, "model_type", None) or "llama")
 
     @property
     def rope_type(self) -> str:
@@ -93,40 +108,44 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, torch_dtype: torch.dtype | None = None) -> ModelConfig:
-        """Build from a transformers ``PretrainedConfig`` of a Llama-family model.
+        """Build from a transformers ``PretrainedConfig`` of a supported family (:data:`SUPPORTED_MODEL_TYPES`).
 
         Reads both the transformers-5 layout (``rope_parameters`` holding
-        ``rope_theta``/``rope_type``) and the older one (``rope_theta`` +
-        ``rope_scaling`` attributes).
+        ``rope_theta``/``rope_type``, possibly nested by layer type as Gemma 3's)
+        and the older one (``rope_theta`` + ``rope_scaling`` attributes).
 
         Args:
-            hf_config: e.g. ``LlamaConfig`` from ``AutoConfig.from_pretrained``.
+            hf_config: e.g. ``LlamaConfig`` or ``Qwen2Config`` from ``AutoConfig.from_pretrained``.
             torch_dtype: overrides the config's ``dtype``/``torch_dtype`` (the
                 GGUF loader passes ``float32``: it dequantizes to float32).
 
         Returns:
-            The flattened config; ``hf_config`` is kept on it.
+            The flattened config; ``hf_config`` is kept on it. A family with its own
+            ``config_builder`` (:class:`kvpage.model.families.Family`) builds it instead.
 
         Raises:
-            ValueError: unsupported ``model_type`` (named), activation other than
-                SiLU, attention/MLP biases, partial rotary embeddings, or a RoPE
-                type whose frequencies depend on sequence length.
+            ValueError: unsupported ``model_type`` (named), an activation the family
+                does not implement (Llama-likes: SiLU; Gemma: ``gelu_pytorch_tanh``),
+                attention biases where the family has none, MLP biases, bidirectional
+                attention, partial rotary embeddings, or a RoPE type whose frequencies
+                depend on sequence length (every ``rope_parameters`` entry is checked).
         """
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in families.FAMILIES:
             raise ValueError(
                 f"unsupported architecture {model_type!r} "
                 f"(architectures={getattr(hf_config, 'architectures', None)}); "
-                f"kvpage's model supports model_type in {SUPPORTED_MODEL_TYPES}"
+                f"kvpage's model supports model_type in {tuple(families.FAMILIES)}"
             )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported activation {act!r} for {model_type}; only 'silu' (SwiGLU) is implemented")
-        for flag in ("attention_bias", "mlp_bias"):
-            if getattr(hf_config, flag, False):
-                raise ValueError(f"unsupported {flag}=True: kvpage's Llama forward has no bias terms")
+        family = families.FAMILIES[model_type]
+        if family.config_builder is not None:
+            built: ModelConfig = families.load_attr(family.config_builder)(hf_config, torch_dtype)
+            return built
+        families.resolve(model_type, hf_config, int(hf_config.num_hidden_layers))  # raises on what is unsupported
 
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        nested = families.nested_rope_parameters(hf_config)
+        rope = dict((nested or {}).get(families.FULL_ATTENTION) or {}) if nested is not None else dict(
+            getattr(hf_config, "rope_parameters", None) or {})
         legacy_scaling = getattr(hf_config, "rope_scaling", None)
         if not rope and legacy_scaling:
             rope = dict(legacy_scaling)
@@ -134,13 +153,16 @@ class ModelConfig:
         if theta is None:
             raise ValueError("config has no rope_theta (neither in rope_parameters nor as an attribute)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES} "
-                "(length-dependent variants cannot use one table for a varlen batch)"
-            )
-        if float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-            raise ValueError("unsupported partial_rotary_factor != 1.0")
+        for params in [rope, *(nested or {}).values()]:
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported RoPE type {kind!r}; supported: {SUPPORTED_ROPE_TYPES} "
+                    "(length-dependent variants cannot use one table for a varlen batch)"
+                )
+            if float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+                     or 1.0) != 1.0:
+                raise ValueError("unsupported partial_rotary_factor != 1.0")
 
         num_heads = int(hf_config.num_attention_heads)
         num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)

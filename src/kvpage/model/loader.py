@@ -1,4 +1,4 @@
-"""Load a Llama-family checkpoint (GGUF file or Hugging Face folder) into kvpage's model.
+"""Load a checkpoint (GGUF file or Hugging Face folder) into kvpage's model.
 
 Two sources, both read with library code only (no hand-written GGUF parser):
 
@@ -16,7 +16,9 @@ Two sources, both read with library code only (no hand-written GGUF parser):
   its tensor-name map once per submodule. Where transformers lacks the fast
   reader, ``gguf.GGUFReader`` is used instead (same tensors, ≈4 s slower).
 * **Hugging Face folder** with ``config.json``, ``*.safetensors`` and tokenizer
-  files: ``AutoConfig``, ``AutoTokenizer`` and ``safetensors``.
+  files: ``AutoConfig``, ``AutoTokenizer`` and ``safetensors``; any family of
+  :data:`kvpage.model.families.FAMILIES` (the family's ``model_class`` is built).
+  GGUF files are Llama only.
 
 Nothing here touches the network: every transformers call passes
 ``local_files_only=True`` with an absolute path.
@@ -35,7 +37,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from kvpage.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from torch import nn
+
+from kvpage.model import families
+from kvpage.model.config import ModelConfig
 from kvpage.model.llama import LlamaForCausalLM
 
 #: Package that ships the default model, and the file inside it.
@@ -60,13 +65,15 @@ class LoadedModel:
 
     Attributes:
         config: architecture facts (layers, heads, head_dim, vocab, eos ids...).
-        model: the kvpage forward, weights loaded, in the requested dtype.
+        model: the kvpage forward (a :class:`~kvpage.model.attention_fn.CausalLM`; for the shared
+            decoder's families a :class:`~kvpage.model.decoder.DecoderForCausalLM`), weights loaded,
+            in the requested dtype.
         tokenizer: a transformers tokenizer (``chat_template`` set when the checkpoint has one).
         path: absolute path of the GGUF file or HF folder it was loaded from.
     """
 
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: nn.Module
     tokenizer: Any
     path: Path
 
@@ -100,7 +107,7 @@ def default_model_path() -> Path:
 def load_model(
     path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> LoadedModel:
-    """Load config, tokenizer and weights of a Llama-family checkpoint.
+    """Load config, tokenizer and weights of a checkpoint of a supported family (GGUF: Llama only).
 
     Args:
         path: a ``.gguf`` file, or a folder with ``config.json`` + ``*.safetensors``
@@ -318,7 +325,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
 
     config_dict, tensors = read_gguf(path)
     model_type = config_dict.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in _GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {model_type!r} in {path.name}")
     hf_config = AutoConfig.for_model(**config_dict)
     hf_config._name_or_path = str(path)
@@ -372,7 +379,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, progress: bool) -> LoadedM
         ) from err
     from safetensors import safe_open
 
-    model = LlamaForCausalLM(config, dtype=dtype)
+    model = families.load_attr(families.family_for(config.model_type).model_class)(config, dtype=dtype)
     count = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
