@@ -14,7 +14,7 @@ from kvpage.cache.controller import CacheController
 from kvpage.errors import KVCacheLayoutError, UnknownKVFormatError
 from kvpage.formats import get_format
 from kvpage.ops.attention import AttentionMetadata, paged_attention
-from kvpage.spec import CacheSpec, LayerSpec
+from kvpage.spec import CacheSpec, LayerGroupSpec, LayerSpec
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -416,3 +416,58 @@ def test_layer_and_group_lookup() -> None:
     assert [spec.blocks_for_tokens(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
     with pytest.raises(ValueError):
         spec.blocks_for_tokens(-1)
+
+
+# -- sliding-window groups (issue 15) ---------------------------------------------------------------------------
+
+def test_layer_windows_split_full_and_sliding_layers_into_two_groups() -> None:
+    """Gemma 3's pattern: windowed layers form ``sliding`` beside full-attention ``main``; layers not consecutive."""
+    windows = [24, 24, None, 24, 24, None]
+    spec = CacheSpec.build(num_layers=6, num_kv_heads=2, head_dim=16, layer_windows=windows, kv_cache_dtype="int8")
+    assert [g.name for g in spec.groups] == ["main", "sliding"]
+    assert list(spec.main.layer_indices) == [2, 5] and spec.main.sliding_window is None
+    assert spec.sliding is not None and list(spec.sliding.layer_indices) == [0, 1, 3, 4]
+    assert spec.sliding.sliding_window == 24
+    assert spec.model_groups == spec.groups
+    for i in range(6):
+        assert spec.layer(i) == spec.main.layer
+    # the same layers and bytes as one full-attention group, but another layout: another fingerprint
+    plain = CacheSpec.build(num_layers=6, num_kv_heads=2, head_dim=16, kv_cache_dtype="int8")
+    assert spec.bytes_per_block == plain.bytes_per_block
+    assert spec.fingerprint != plain.fingerprint
+    assert spec.describe()["groups"][1]["layers"] == [0, 1, 3, 4]
+
+
+def test_all_windowed_layers_make_one_windowed_main_group_and_none_make_the_old_spec() -> None:
+    mistral = CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=16, layer_windows=[8, 8, 8])
+    assert [(g.name, g.sliding_window) for g in mistral.groups] == [("main", 8)]
+    llama = CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=16, layer_windows=[None] * 3)
+    assert llama == CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=16)
+    assert llama.fingerprint == CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=16).fingerprint
+
+
+def test_draft_layers_follow_windowed_model_layers() -> None:
+    spec = CacheSpec.build(num_layers=4, num_kv_heads=2, head_dim=16, layer_windows=[None, 8, None, 8],
+                           num_draft_layers=2)
+    assert [(g.name, list(g.layer_indices)) for g in spec.groups] == [
+        ("main", [0, 2]), ("sliding", [1, 3]), ("draft", [4, 5])]
+    assert [g.name for g in spec.model_groups] == ["main", "sliding"]
+
+
+@pytest.mark.parametrize("windows, match", [([8, None], "2 entries for 3 layers"),
+                                            ([8, 16, None], "different sliding windows")])
+def test_bad_layer_windows_are_refused(windows: list[int | None], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=16, layer_windows=windows)
+
+
+def test_groups_must_cover_every_layer_once() -> None:
+    layer = LayerSpec(2, 16, 16, "float32")
+    with pytest.raises(ValueError, match="in groups"):
+        CacheSpec((LayerGroupSpec("main", 0, 2, layer), LayerGroupSpec("sliding", 1, 1, layer, 8)), 16)
+    with pytest.raises(ValueError, match=r"must be 0 \.\. 1, each once"):
+        CacheSpec((LayerGroupSpec("main", 0, 1, layer), LayerGroupSpec("sliding", 2, 1, layer, 8)), 16)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        LayerGroupSpec("main", 0, 2, layer, layers=(1, 0))
+    with pytest.raises(ValueError, match="sliding_window must be positive"):
+        LayerGroupSpec("main", 0, 2, layer, sliding_window=0)

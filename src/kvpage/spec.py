@@ -7,12 +7,12 @@ what makes FastDeploy's bug (PR 7757: an int8/fp8 cache allocated in the
 model's bfloat16 and the attention op crashing on a dtype mismatch)
 impossible here: there is no second place that picks a dtype.
 
-A spec is a list of *layer groups* (``main``, then optionally ``draft``); all
-layers in a group share one :class:`LayerSpec`. Groups may differ: draft
-layers in bfloat16 beside fp8 main layers (vLLM ``speculative_config.
-kv_cache_dtype``), or a key-only layer (MLA-style latent cache) with no value
-tensor. All groups share one block table, so they have the same number of
-blocks and ``block_size``.
+A spec is a list of *layer groups* (``main``, then optionally ``sliding`` and
+``draft``); all layers in a group share one :class:`LayerSpec` and one kind of
+attention (full, or a sliding window: vLLM's ``SlidingWindowSpec``). Groups may
+differ: draft layers in bfloat16 beside fp8 main layers (vLLM
+``speculative_config.kv_cache_dtype``), or a key-only layer (MLA latent cache)
+with no value tensor. All groups share one block table and ``block_size``.
 
 Static-scale formats (``int8_static``, ``fp8_static``) quantize with per-layer
 calibrated scales (:mod:`kvpage.scales`). Those are part of the layout: a
@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -189,23 +189,48 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class LayerGroupSpec:
-    """Consecutive layers that share one :class:`LayerSpec`.
+    """Layers that share one :class:`LayerSpec` and one kind of attention.
 
     Attributes:
-        name: ``"main"`` or ``"draft"`` (draft/MTP layers).
+        name: ``"main"`` (the model's full-attention layers, or all of them), ``"sliding"`` (its
+            sliding-window layers beside full-attention ones: Gemma 2/3's local layers) or ``"draft"``
+            (draft/MTP layers).
         first_layer: global index of the group's first layer.
         num_layers: layers in the group.
         layer: their common layout.
+        sliding_window: each query reads only the last ``sliding_window`` positions (itself included);
+            ``None`` = full attention. A windowed group's manager may drop blocks that slid out.
+        layers: the group's global layer indices when they are not consecutive (Gemma 3 interleaves
+            five local layers with each global one); ``None`` = ``first_layer .. first_layer + num_layers - 1``.
+
+    Raises:
+        ValueError: ``layers`` not strictly increasing, or disagreeing with ``first_layer``/``num_layers``;
+            a non-positive ``sliding_window``.
     """
 
     name: str
     first_layer: int
     num_layers: int
     layer: LayerSpec
+    sliding_window: int | None = None
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"group {self.name!r}: sliding_window must be positive, got {self.sliding_window}")
+        if self.layers is not None:
+            ls = tuple(int(i) for i in self.layers)
+            if (not ls or list(ls) != sorted(set(ls)) or ls[0] != self.first_layer
+                    or len(ls) != self.num_layers):
+                raise ValueError(f"group {self.name!r}: layers {list(ls)} must be strictly increasing, start at "
+                                 f"first_layer {self.first_layer} and number num_layers {self.num_layers}")
+            object.__setattr__(self, "layers", None if ls == tuple(range(ls[0], ls[0] + len(ls))) else ls)
 
     @property
-    def layer_indices(self) -> range:
-        """Global indices of the group's layers."""
+    def layer_indices(self) -> Sequence[int]:
+        """Global indices of the group's layers, increasing."""
+        if self.layers is not None:
+            return self.layers
         return range(self.first_layer, self.first_layer + self.num_layers)
 
     @property
@@ -225,6 +250,28 @@ def missing_scales_error(format_name: str, layer_index: int = 0, group: str = "m
     )
 
 
+def _model_groups(layer: LayerSpec, num_layers: int,
+                  layer_windows: Sequence[int | None] | None) -> list[LayerGroupSpec]:
+    """The model's layer groups: ``main`` (full attention) and ``sliding`` (windowed), as :meth:`CacheSpec.build`
+    documents."""
+    if layer_windows is None:
+        return [LayerGroupSpec("main", 0, num_layers, layer)]
+    windows = list(layer_windows)
+    if len(windows) != num_layers:
+        raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
+    sizes = sorted({w for w in windows if w is not None})
+    if len(sizes) > 1:
+        raise ValueError(f"layers with different sliding windows {sizes} are not supported (one window per model)")
+    full = [i for i, w in enumerate(windows) if w is None]
+    slid = [i for i, w in enumerate(windows) if w is not None]
+    if not slid:
+        return [LayerGroupSpec("main", 0, num_layers, layer)]
+    if not full:
+        return [LayerGroupSpec("main", 0, num_layers, layer, sliding_window=sizes[0])]
+    return [LayerGroupSpec("main", full[0], len(full), layer, layers=tuple(full)),
+            LayerGroupSpec("sliding", slid[0], len(slid), layer, sliding_window=sizes[0], layers=tuple(slid))]
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """Layout of a whole KV cache: layer groups sharing one block table.
@@ -232,7 +279,8 @@ class CacheSpec:
     Build it with :meth:`build`; everything else is derived.
 
     Attributes:
-        groups: ``main`` first, then ``draft`` if any; contiguous global layer indices.
+        groups: ``main`` first, then ``sliding`` and ``draft`` if any; together they hold global layers
+            ``0 .. num_layers - 1``, each once (draft layers after the model's).
         block_size: tokens per block (same for every group).
         model_name: identifies the model in the fingerprint (e.g. file name).
         static_scales: per-layer calibrated scales for groups in a static-scale
@@ -255,15 +303,15 @@ class CacheSpec:
         if not self.groups:
             raise ValueError("a CacheSpec needs at least one layer group")
         by_layer: dict[int, LayerGroupSpec] = {}
-        expected_first = 0
         for g in self.groups:
             if g.layer.block_size != self.block_size:
                 raise ValueError(f"group {g.name!r} has block_size {g.layer.block_size}, spec has {self.block_size}")
-            if g.first_layer != expected_first:
-                raise ValueError(f"group {g.name!r} starts at layer {g.first_layer}, expected {expected_first}")
-            expected_first += g.num_layers
             for i in g.layer_indices:
+                if i in by_layer:
+                    raise ValueError(f"layer {i} is in groups {by_layer[i].name!r} and {g.name!r}")
                 by_layer[i] = g
+        if sorted(by_layer) != list(range(len(by_layer))):
+            raise ValueError(f"the groups' layers {sorted(by_layer)} must be 0 .. {len(by_layer) - 1}, each once")
         object.__setattr__(self, "_by_layer", by_layer)
         # Static-scale groups: one LayerSpec per layer, with that layer's checked scales bound.
         layer_specs: dict[int, LayerSpec] = {}
@@ -300,8 +348,9 @@ class CacheSpec:
         has_value: bool = True,
         model_name: str = "",
         static_scales: StaticScales | str | Path | None = None,
+        layer_windows: Sequence[int | None] | None = None,
     ) -> CacheSpec:
-        """Spec for ``num_layers`` main layers and ``num_draft_layers`` draft/MTP layers.
+        """Spec for ``num_layers`` model layers and ``num_draft_layers`` draft/MTP layers.
 
         Args:
             kv_cache_dtype: the main layers' format: a name or alias, or the format object itself
@@ -312,10 +361,14 @@ class CacheSpec:
             static_scales: calibrated K/V scales (or a scales file path) for
                 ``int8_static`` / ``fp8_static`` groups, keyed by global layer
                 index (draft layers follow the main ones); ignored by other formats.
+            layer_windows: per model layer, its sliding window in tokens or ``None`` for full attention
+                (the model family's ``attention_params``). Full-attention layers form ``main`` and windowed
+                ones ``sliding`` (same format; an all-windowed model has one windowed ``main`` group).
 
         Raises:
             UnknownKVFormatError: unknown ``kv_cache_dtype`` / ``draft_kv_cache_dtype``.
-            ValueError: non-positive sizes, negative draft layer count.
+            ValueError: non-positive sizes, negative draft layer count, ``layer_windows`` of another length
+                than ``num_layers`` or with more than one window size.
             StaticScalesError: a static-scale format without a valid scale for one of its layers.
             FileNotFoundError: ``static_scales`` names no file.
         """
@@ -323,7 +376,7 @@ class CacheSpec:
             raise ValueError(f"need num_layers > 0 and num_draft_layers >= 0, got {num_layers}, {num_draft_layers}")
         main_fmt = kv_cache_dtype if isinstance(kv_cache_dtype, KVFormat) else get_format(kv_cache_dtype, model_dtype)
         main = LayerSpec(num_kv_heads, head_dim, block_size, main_fmt, has_value)
-        groups = [LayerGroupSpec("main", 0, num_layers, main)]
+        groups = _model_groups(main, num_layers, layer_windows)
         if num_draft_layers:
             if isinstance(draft_kv_cache_dtype, KVFormat):
                 draft_fmt = draft_kv_cache_dtype
@@ -336,6 +389,16 @@ class CacheSpec:
         return cls(tuple(groups), block_size, model_name, scales)
 
     # -- derived layout ------------------------------------------------------------------
+    @property
+    def sliding(self) -> LayerGroupSpec | None:
+        """The sliding-window layers beside full-attention ones (group ``sliding``), or ``None``."""
+        return next((g for g in self.groups if g.name == "sliding"), None)
+
+    @property
+    def model_groups(self) -> tuple[LayerGroupSpec, ...]:
+        """The groups of the model's own layers (``main`` and ``sliding``), without draft layers."""
+        return tuple(g for g in self.groups if g.name != "draft")
+
     @property
     def main(self) -> LayerGroupSpec:
         """The main model's layer group."""
@@ -397,7 +460,9 @@ class CacheSpec:
             "block_size": self.block_size,
             "groups": [
                 {"name": g.name, "first_layer": g.first_layer, "num_layers": g.num_layers, **g.layer.describe(),
-                 **self._static_scales_digest(g)}
+                 **self._static_scales_digest(g),
+                 **({"layers": list(g.layers)} if g.layers is not None else {}),
+                 **({"sliding_window": g.sliding_window} if g.sliding_window is not None else {})}
                 for g in self.groups
             ],
         }

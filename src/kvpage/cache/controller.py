@@ -144,13 +144,13 @@ class CacheController:
         return out
 
     def initialize_kv_cache(self, num_blocks: int) -> dict[int, LayerCache]:
-        """Allocate the main layers' device cache.
+        """Allocate the model layers' device cache (groups ``main`` and ``sliding``).
 
         Args:
             num_blocks: blocks per layer (``num_gpu_blocks``).
 
         Returns:
-            global layer index -> tensors, for the main group.
+            global layer index -> tensors, for the model's groups.
 
         Raises:
             ValueError: ``num_blocks <= 0``.
@@ -158,7 +158,9 @@ class CacheController:
         """
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        caches = self._allocate_group(self.spec.main, num_blocks, self.device, False, "device")
+        caches: dict[int, LayerCache] = {}
+        for group in self.spec.model_groups:
+            caches.update(self._allocate_group(group, num_blocks, self.device, False, "device"))
         self.device_caches.update(caches)
         self.num_device_blocks = num_blocks
         return caches

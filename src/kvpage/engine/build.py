@@ -30,7 +30,7 @@ from kvpage.engine.group_attention import GroupAttention, group_attention_for
 from kvpage.engine.speculative.model_drafter import DraftModelDrafter, LayerSkipDrafter
 from kvpage.engine.speculative.ngram import NgramProposer
 from kvpage.engine.speculative.proposer import Drafter, NgramDrafter
-from kvpage.model.attention_fn import early_exit
+from kvpage.model.attention_fn import early_exit, layer_attention
 from kvpage.ops.backends import select_backend
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
@@ -109,7 +109,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
 
     sc = config.speculative
     draft = _load_draft(config, loaded, device) if sc is not None and sc.method == "draft_model" else None
-    spec = build_spec(config, mc, model_name=Path(loaded.path).name, draft=None if draft is None else draft.config)
+    windows = [layer_attention(model, i).sliding_window for i in range(mc.num_layers)]
+    spec = build_spec(config, mc, model_name=Path(loaded.path).name, draft=None if draft is None else draft.config,
+                      layer_windows=windows)
     budget = resolve_kv_budget(config, model, device, context)
     capacity = kv_capacity(config, mc, budget.bytes, seq_len=max_model_len, spec=spec)
     num_blocks = capacity.num_blocks
@@ -142,7 +144,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
         ops = select_backend(config.attention_backend, spec.layer(group_spec.layer_indices[0]), device)
         backends[group_spec.name] = group_attention_for(spec, g, caches, tail=tail, is_live=manager.is_live,
                                                         is_in_use=manager.is_in_use, ops=ops)
-    runner = ModelRunner(model, spec, [backends["main"]], device, groups=("main",))
+    model_groups = tuple(g.name for g in spec.model_groups)
+    runner = ModelRunner(model, spec, [backends[n] for n in model_groups], device, groups=model_groups)
     drafter = _drafter(config, mc, runner, spec, backends, draft, device)
     engine = LLMEngine(
         runner, loaded.tokenizer, kv,
@@ -158,7 +161,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
 
 
 def allocate_device_caches(controller: CacheController, num_blocks: int) -> dict[int, LayerCache]:
-    """Allocate every layer group's device tensors (main, then draft layers when the spec has them).
+    """Allocate every layer group's device tensors (the model's groups, then draft layers when the spec has them).
 
     Returns:
         global layer index -> that layer's tensors.

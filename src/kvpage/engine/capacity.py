@@ -23,6 +23,7 @@ dtype holds in the same bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -245,8 +246,11 @@ def _tail_bytes(spec: CacheSpec, config: EngineConfig) -> tuple[int, int, int]:
 
 
 def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "",
-               draft: ModelShape | None = None) -> CacheSpec:
+               draft: ModelShape | None = None, layer_windows: Sequence[int | None] | None = None) -> CacheSpec:
     """The cache layout ``config`` gives ``model`` (what :func:`~kvpage.engine.build.build_engine` builds).
+
+    ``layer_windows``: per model layer, its sliding window or ``None`` (the family's ``attention_params``);
+    windowed layers beside full-attention ones form the ``sliding`` group (:meth:`CacheSpec.build`).
 
     With ``speculative_config`` method ``draft_model``, ``draft`` is the draft model's KV shape: its layers
     become the spec's ``draft`` group, in ``draft_kv_cache_dtype`` (default the main format when it is
@@ -269,7 +273,7 @@ def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "",
             draft_fmt = get_format(canonical_format_name(name, config.torch_dtype), config.torch_dtype)
     return CacheSpec.build(
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        has_value=model.kv_has_value,
+        has_value=model.kv_has_value, layer_windows=layer_windows,
         model_dtype=config.torch_dtype, block_size=config.block_size_resolved,
         kv_cache_dtype=config.kv_format, model_name=model_name, static_scales=config.static_scales,
         num_draft_layers=num_draft, draft_kv_cache_dtype=draft_fmt,
