@@ -13,7 +13,7 @@ tensor (see :mod:`kvpage.formats.base` for the per-block layout).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -143,11 +143,13 @@ class CacheController:
             out[i] = layer
         return out
 
-    def initialize_kv_cache(self, num_blocks: int) -> dict[int, LayerCache]:
+    def initialize_kv_cache(self, num_blocks: int, group_blocks: Mapping[str, int] | None = None) -> dict[int, LayerCache]:
         """Allocate the model layers' device cache (groups ``main`` and ``sliding``).
 
         Args:
             num_blocks: blocks per layer (``num_gpu_blocks``).
+            group_blocks: group name -> rows of its layers' tensors when not ``num_blocks`` (the window slots of
+                a bounded sliding-window group, :func:`~kvpage.cache.groups.window_slots_for`).
 
         Returns:
             global layer index -> tensors, for the model's groups.
@@ -159,8 +161,12 @@ class CacheController:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         caches: dict[int, LayerCache] = {}
+        rows = dict(group_blocks or {})
         for group in self.spec.model_groups:
-            caches.update(self._allocate_group(group, num_blocks, self.device, False, "device"))
+            n = rows.get(group.name, num_blocks)
+            if n <= 0:
+                raise ValueError(f"group {group.name!r} needs a positive block count, got {n}")
+            caches.update(self._allocate_group(group, n, self.device, False, "device"))
         self.device_caches.update(caches)
         self.num_device_blocks = num_blocks
         return caches

@@ -296,6 +296,8 @@ class KVCacheManager(SideSlots, EventSource):
             new = self._take(max(need, 0))
             st.block_ids.extend(new)
             st.num_tokens += num_new_tokens
+            for g in self.groups:
+                g.on_request_blocks(request.request_id, st.block_ids, None)
             return KVCacheBlocks(tuple(st.block_ids), tuple(new), st.num_tokens)
         m = match or MatchResult()
         self.pool.touch(m.block_ids)
@@ -307,6 +309,8 @@ class KVCacheManager(SideSlots, EventSource):
             parent=m.block_ids[-1] if m.block_ids else ROOT,
         )
         self._reqs[request.request_id] = st
+        for g in self.groups:
+            g.on_request_blocks(request.request_id, st.block_ids, m.num_cached_tokens)
         self._device_hit_blocks += len(m.block_ids)
         self._requests += 1
         self._queries += len(request.all_token_ids)
@@ -443,6 +447,8 @@ class KVCacheManager(SideSlots, EventSource):
         if not held <= set(st.block_ids):
             raise ValueError(f"blocks {sorted(held - set(st.block_ids))} to keep are not request {rid!r}'s")
         del self._reqs[rid]
+        for g in self.groups:
+            g.on_request_freed(rid)
         ids = [b for b in st.block_ids if b not in held]
         # one call: an indexed twin can be a parent of our blocks or a child of them
         self.pool.release([*reversed(ids), *reversed(st.anchors)])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.cache.controller import CacheController, LayerCache
-from kvpage.cache.groups import GroupManager, SealedGroupManager, manager_for
+from kvpage.cache.groups import GroupManager, SealedGroupManager, is_bounded_window, manager_for
 from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.cache.tail import TailPool
@@ -117,10 +117,14 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     num_blocks = capacity.num_blocks
     controller = CacheController(spec, device)
     pool = PrefixBlockPool(num_blocks)  # side space of quantize-on-seal groups is carved from it on demand
+    window_slots = {g.name: capacity.window_slots for g in spec.groups if is_bounded_window(g)}
+    if window_slots:
+        _check_no_tiers(config)
     groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
                                num_lookahead_tokens=config.num_lookahead_tokens,
-                               pool=pool, max_model_len=max_model_len) for g in spec.groups)
-    caches = allocate_device_caches(controller, num_blocks)
+                               pool=pool, max_model_len=max_model_len,
+                               num_window_slots=window_slots.get(g.name)) for g in spec.groups)
+    caches = allocate_device_caches(controller, num_blocks, window_slots)
 
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
         controller, swap_space=config.swap_space, config=config.offload,
@@ -160,8 +164,23 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                        max_model_len, capacity, budget, drafter)
 
 
-def allocate_device_caches(controller: CacheController, num_blocks: int) -> dict[int, LayerCache]:
-    """Allocate every layer group's device tensors (the model's groups, then draft layers when the spec has them).
+def _check_no_tiers(config: EngineConfig) -> None:
+    """Tiers copy blocks by id; a bounded sliding-window group keeps its KV in window slots instead.
+
+    Raises:
+        ValueError: a host tier (``swap_space``), disk or remote store is configured (names the setting).
+    """
+    for name, on in (("swap_space", bool(config.swap_space)), ("kv_disk_dir", config.kv_disk_dir is not None),
+                     ("kv_store", config.kv_store is not None)):
+        if on:
+            raise ValueError(f"{name}: KV tiers are not supported yet for models with sliding-window layers beside "
+                             f"full-attention ones (their window slots are not keyed by block id); leave {name} unset")
+
+
+def allocate_device_caches(controller: CacheController, num_blocks: int,
+                           group_blocks: dict[str, int] | None = None) -> dict[int, LayerCache]:
+    """Allocate every layer group's device tensors (the model's groups, then draft layers when the spec has them);
+    ``group_blocks``: rows of a group's tensors when not ``num_blocks`` (window slots).
 
     Returns:
         global layer index -> that layer's tensors.
@@ -169,7 +188,7 @@ def allocate_device_caches(controller: CacheController, num_blocks: int) -> dict
     Raises:
         CacheAllocationError: a tensor could not be allocated (names the layer and group).
     """
-    caches = dict(controller.initialize_kv_cache(num_blocks))
+    caches = dict(controller.initialize_kv_cache(num_blocks, group_blocks))
     if controller.spec.draft is not None:
         caches.update(controller.initialize_draft_kv_cache(num_blocks))
     return caches

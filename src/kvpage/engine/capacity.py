@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpage.cache.groups import SealedGroupManager, manager_for
+from kvpage.cache.groups import SealedGroupManager, is_bounded_window, manager_for, window_slots_for
 from kvpage.cache.tail import TailPool
 from kvpage.cache.tail.side import blocks_per_slot, carved_blocks_per_slot
 from kvpage.formats import BlockFormat, SealedFormat, canonical_format_name, get_format
-from kvpage.spec import CacheSpec
+from kvpage.spec import CacheSpec, LayerGroupSpec
 
 if TYPE_CHECKING:
     from kvpage.engine.config import EngineConfig
@@ -108,6 +108,10 @@ class CapacityReport:
         max_num_seqs: the scheduler's cap on running requests (sizes fixed side pools).
         side_blocks_per_slot: pool blocks one 16-bit tail slot (or first-block copy) takes while a request
             holds it, when side space is carved from the pool; 0 for fixed side pools or none.
+        window_slots: window slots of a bounded sliding-window group (its layers' tensors have this many rows
+            instead of ``num_blocks``; :func:`~kvpage.cache.groups.window_slots_for`); 0 without one.
+        window_bytes: bytes of those slots (``window_slots x`` the group's bytes per block).
+        sliding_window: that group's window in tokens (0 without one).
     """
 
     kv_format: str
@@ -125,10 +129,13 @@ class CapacityReport:
     seq_len: int
     max_num_seqs: int
     side_blocks_per_slot: int = 0
+    window_slots: int = 0
+    window_bytes: int = 0
+    sliding_window: int = 0
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the device blocks (all groups)."""
+        """Bytes of the device blocks (every group but a bounded sliding-window one, see :attr:`window_bytes`)."""
         return self.num_blocks * self.bytes_per_block
 
     @property
@@ -138,8 +145,8 @@ class CapacityReport:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes allocated for the KV cache: blocks + side pools (never more than :attr:`budget_bytes`)."""
-        return self.pool_bytes + self.side_pool_bytes
+        """Bytes allocated for the KV cache: blocks + side pools + window slots (never more than :attr:`budget_bytes`)."""
+        return self.pool_bytes + self.side_pool_bytes + self.window_bytes
 
     @property
     def tokens(self) -> int:
@@ -148,7 +155,8 @@ class CapacityReport:
 
     @property
     def bytes_per_token(self) -> float:
-        """Pool bytes per cached token (all layers, scales included; side pools excluded)."""
+        """Pool bytes per cached token (all layers but bounded sliding-window ones, scales included; side pools
+        and window slots excluded)."""
         return self.bytes_per_block / self.block_size
 
     @property
@@ -183,8 +191,10 @@ class CapacityReport:
         """One line: format, blocks, tokens, bytes and side pools (the start-up line's cache part)."""
         carved = (f", 16-bit tail slots taken from the pool on demand ({self.side_blocks_per_slot} blocks each)"
                   if self.side_blocks_per_slot else "")
+        window = (f" (+{self.window_bytes / MiB:.1f} MiB: {self.window_slots:,} window slots of the "
+                  f"{self.sliding_window}-token sliding-window layers)" if self.window_slots else "")
         return (f"{self.kv_format} KV cache: {self.num_blocks:,} blocks x {self.block_size} tokens = "
-                f"{self.tokens:,} tokens in {self.pool_bytes / MiB:.1f} MiB "
+                f"{self.tokens:,} tokens in {self.pool_bytes / MiB:.1f} MiB{window} "
                 f"(+{self.side_pool_bytes / MiB:.1f} MiB side pools{carved}); max concurrency "
                 f"{self.max_concurrency:.2f}x at {self.seq_len:,} tokens per request")
 
@@ -310,9 +320,15 @@ def kv_capacity(
             after them (the message gives the bytes needed and the bytes given).
     """
     spec = build_spec(config, model) if spec is None else spec
-    per_block = {g.name: g.bytes_per_block for g in spec.groups}
+    bounded = next((g for g in spec.groups if is_bounded_window(g)), None)
+    per_block = {g.name: g.bytes_per_block for g in spec.groups if g is not bounded}
     bpb = sum(per_block.values())
     max_len = config.max_model_len or int(model.max_position_embeddings)  # (build_engine's max_model_len)
+
+    def window(n: int) -> int:
+        """Bytes of the window slots over a pool of ``n`` blocks (0 without a bounded group)."""
+        return 0 if bounded is None or n <= 0 else window_slots(config, bounded, n, max_len) * bounded.bytes_per_block
+
     r = _carved(spec, None, max_len, config.residual_tokens, config.num_lookahead_tokens)
     budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
     if r > 0 and config.num_blocks is None:
@@ -327,9 +343,9 @@ def kv_capacity(
         r = 0
     side = open_b + window_b + sink_b
     if config.num_blocks is not None:
-        budget = num_blocks * bpb + side
+        budget = num_blocks * bpb + side + window(num_blocks)
     elif r == 0:
-        if budget < side + bpb:
+        if budget < side + bpb + window(1):
             knob = ("kv_cache_memory_fraction" if config.kv_cache_memory_fraction is not None
                     else "kv_cache_memory_bytes")
             given = f"{budget:,} byte{'' if budget == 1 else 's'} given ({knob})"
@@ -339,9 +355,15 @@ def kv_capacity(
                     f"(open-block tail slots {open_b:,}, window copies {window_b:,}, first-block copies {sink_b:,}, "
                     f"for max_num_seqs={config.max_num_seqs}) plus {bpb:,} bytes for one block, "
                     f"{side + bpb:,} bytes in all; {given}; raise it or lower max_num_seqs")
-            raise BudgetTooSmallError(f"KV budget too small: one block of {config.kv_format.name} needs {bpb:,} "
-                                      f"bytes; {given}; raise it")
+            raise BudgetTooSmallError(f"KV budget too small: one block of {config.kv_format.name} needs "
+                                      f"{bpb + window(1):,} bytes; {given}; raise it")
         num_blocks = (budget - side) // bpb
+        if bounded is not None:  # the most blocks whose pool and window slots fit together (window() grows with n)
+            lo, hi = 1, num_blocks
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if mid * bpb + window(mid) <= budget - side else (lo, mid - 1)
+            num_blocks = lo
     dg = spec.draft  # the reference holds the same layers (draft ones too) in the model dtype
     ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                           has_value=model.kv_has_value, model_dtype=config.torch_dtype, block_size=spec.block_size,
@@ -354,11 +376,22 @@ def kv_capacity(
     return CapacityReport(
         kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
         block_size=spec.block_size, num_blocks=int(num_blocks), bytes_per_block=bpb,
-        group_bytes={n: int(num_blocks) * b for n, b in per_block.items()},
+        group_bytes={**{n: int(num_blocks) * b for n, b in per_block.items()},
+                     **({} if bounded is None else {bounded.name: window(int(num_blocks))})},
         tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
         reference_bytes_per_block=ref_bpb, reference_tokens=(int(budget) // ref_bpb) * spec.block_size,
         seq_len=int(seq_len), max_num_seqs=config.max_num_seqs, side_blocks_per_slot=r,
+        window_slots=0 if bounded is None else window_slots(config, bounded, int(num_blocks), max_len),
+        window_bytes=window(int(num_blocks)),
+        sliding_window=0 if bounded is None or bounded.sliding_window is None else bounded.sliding_window,
     )
+
+
+def window_slots(config: EngineConfig, group: LayerGroupSpec, num_blocks: int, max_model_len: int) -> int:
+    """Window slots the builder allocates for the bounded sliding-window ``group`` over ``num_blocks`` blocks."""
+    return window_slots_for(group, num_blocks=num_blocks, max_model_len=max_model_len,
+                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            num_lookahead_tokens=config.num_lookahead_tokens)
 
 
 def startup_line(threads: ThreadChoice, capacity: CapacityReport, budget: KVBudget) -> str:

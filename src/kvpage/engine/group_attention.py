@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.cache.controller import LayerCache
-from kvpage.cache.groups import GroupManager, SealedGroupManager
+from kvpage.cache.groups import GroupManager, SealedGroupManager, SlidingWindowManager
 from kvpage.cache.tail import TailPool
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.ops.backends import AttentionBackend, ReferenceBackend
@@ -164,6 +164,57 @@ class SealedGroupAttention(GroupAttention):
             self.table.abort()
 
 
+class WindowGroupAttention(GroupAttention):
+    """A bounded sliding-window group: its layers' tensors are indexed by window slot, not by block id.
+
+    Each step the block tables and slot mapping are translated through the manager's slots
+    (:meth:`~kvpage.cache.groups.SlidingWindowManager.slot_of`); blocks before a request's window have no slot and
+    are never read (the ops read only the window, :func:`~kvpage.ops.attention.window_context`). A step's final
+    pass first tells the manager where each request's queries start, so the blocks that slid out of every
+    window give their slots back (a drafter's earlier passes start later and must not).
+
+    Args:
+        spec, group, caches, ops: as :class:`GroupAttention`.
+        manager: the group's :class:`~kvpage.cache.groups.SlidingWindowManager`.
+    """
+
+    def __init__(self, spec: CacheSpec, group: LayerGroupSpec, caches: Mapping[int, LayerCache],
+                 manager: SlidingWindowManager, ops: AttentionBackend | None = None) -> None:
+        super().__init__(spec, group, caches, ops)
+        self.manager = manager
+
+    def begin_step(self, step: StepLayout, device: torch.device) -> None:
+        """Release slots that slid out (final pass), then build the step's metadata in window-slot ids.
+
+        Raises:
+            RuntimeError: a block the step writes has no window slot (it was allocated without one).
+        """
+        m, meta, bs = self.manager, step.meta, step.meta.block_size
+        qsl = meta.query_start_loc
+        starts = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(meta.seq_lens)]
+        if step.final:
+            for owner, table, start in zip(step.owners, step.block_tables, starts):
+                if owner is not None:
+                    m.advance(owner, table, start)
+        tables, slots = [], []
+        for table, start, s in zip(step.block_tables, starts, meta.seq_lens):
+            first = m.first_block(start)
+            row = [0] * len(table)
+            for j in range(first, len(table)):
+                slot = m.slot_of(table[j])
+                if slot is None:
+                    if j * bs < s:
+                        raise RuntimeError(f"group {self.group.name!r}: block {table[j]} (index {j}) inside the "
+                                           f"window has no window slot")
+                    continue
+                row[j] = slot
+            tables.append(row)
+            slots.extend(row[p // bs] * bs + p % bs for p in range(start, s))
+        self._meta = AttentionMetadata.build(block_tables=tables, seq_lens=meta.seq_lens,
+                                             query_lens=[qsl[i + 1] - qsl[i] for i in range(meta.num_requests)],
+                                             slot_mapping=slots, block_size=bs, device=device)
+
+
 def group_attention_for(
     spec: CacheSpec,
     manager: GroupManager,
@@ -186,4 +237,6 @@ def group_attention_for(
         if tail is None or is_live is None or is_in_use is None:
             raise ValueError(f"layer group {group.name!r} quantizes on seal and needs its tail pool and pool views")
         return SealedGroupAttention(spec, group, caches, manager, tail, is_live, is_in_use, ops)
+    if isinstance(manager, SlidingWindowManager):
+        return WindowGroupAttention(spec, group, caches, manager, ops)
     return GroupAttention(spec, group, caches, ops)

@@ -201,6 +201,24 @@ def read_context(
     return keys, read_kv(cache, spec, VALUE, ids, dtype, rotated=True).flatten(0, 1)[:seq_len]
 
 
+def window_context(
+    cache: Mapping[str, torch.Tensor], spec: LayerSpec, block_ids: torch.Tensor, seq_len: int, num_new: int,
+    params: LayerAttention, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`read_context` of the part of a request's context its ``num_new`` newest queries may read.
+
+    Full attention reads all ``seq_len`` tokens; a sliding window of ``W`` reads from the block holding position
+    ``seq_len - num_new - W + 1`` on (earlier blocks may hold no KV any more: their window slots were reused).
+    Returns ``(keys, values)``, each ``[r, kv_heads, head_dim]``: the last ``r`` positions of the context, so a
+    query still sits ``seq_len - 1 - p`` rows from the end (what :func:`~kvpage.ops.causal.request_attention`
+    assumes). No side effects.
+    """
+    if params.sliding_window is None:
+        return read_context(cache, spec, block_ids, seq_len, dtype)
+    first = max(0, seq_len - num_new - params.sliding_window + 1) // spec.block_size
+    return read_context(cache, spec, block_ids[first:], seq_len - first * spec.block_size, dtype)
+
+
 def check_inputs(spec: LayerSpec, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
     """Check ``q``/``k``/``v`` against the layer's spec before anything is written (shared by both attention ops).
 
@@ -304,6 +322,6 @@ def paged_attention(
     out = torch.empty_like(qa)
     for i in range(meta.num_requests):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        keys, vals = read_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], adtype)  # [s, Hkv, D]
+        keys, vals = window_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], b - a, params, adtype)
         out[a:b] = request_attention(qa[a:b], keys, vals, params)               # [n, H, D]
     return (out if rot is None else out @ rot.T).to(q.dtype)

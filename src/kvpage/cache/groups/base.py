@@ -55,6 +55,14 @@ class GroupManager:
     def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
         """The pool handed ``block_ids`` out for new content: forget anything kept for their old content."""
 
+    def on_request_blocks(self, request_id: str, block_ids: Sequence[int], num_matched_tokens: int | None) -> None:
+        """The request's table became ``block_ids`` (admitted with a hit of ``num_matched_tokens`` tokens, or grown:
+        ``None``). Default: nothing."""
+
+    def on_request_freed(self, request_id: str) -> None:
+        """The request let go of its table (finished, aborted or preempted), before dead blocks are reported.
+        Default: nothing."""
+
     def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
         """A request was freed and ``block_ids`` died with it (back on the free list): drop what was kept for them."""
 

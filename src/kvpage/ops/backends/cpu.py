@@ -35,7 +35,7 @@ import torch
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, FloatFormat, SealedFormat, StaticScaleFormat, TokenFormat
 from kvpage.formats.codes import E4M3_QMAX, INT8_QMAX
 from kvpage.formats.per_token import PerTokenFormat
-from kvpage.ops.attention import AttentionMetadata, check_inputs, read_context, token_format, write_kv
+from kvpage.ops.attention import AttentionMetadata, check_inputs, token_format, window_context, write_kv
 from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
@@ -278,7 +278,7 @@ class CpuBackend(AttentionBackend):
         dt = _sdpa_dtype(qa.dtype)
         for i in sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            keys, vals = read_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], dt)
+            keys, vals = window_context(cache, spec, meta.block_tables[i], meta.seq_lens[i], b - a, params, dt)
             out[a:b] = request_attention(qa[a:b].to(dt), keys, vals, params)
         if rot is not None:
             out = out @ rot.T

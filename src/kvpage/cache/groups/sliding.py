@@ -1,0 +1,254 @@
+"""``SlidingWindowManager``: a sliding-window layer group whose memory is bounded by the window, not the context.
+
+The group's layers keep their KV in a pool of *window slots* of their own, far smaller than the block pool:
+a block of the shared block table has a slot only while some request's window still covers it (or while it is
+cached in the prefix index and no slot is wanted for newer content). A query at position ``p`` reads positions
+``> p - sliding_window``, so once a request's next token is at ``t``, its blocks before ``(t - W + 1) // bs`` are
+never read by it again and their slots go back. A prefix hit of ``L`` blocks is usable only when the blocks
+inside the window of its end still have slots (vLLM's ``SlidingWindowManager`` rule). Tensor-free: the group
+attention translates block ids to slots with :meth:`SlidingWindowManager.slot_of`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvpage.cache.groups.base import GroupManager
+from kvpage.cache.requests import SupportsKVCache
+from kvpage.formats import TokenFormat
+from kvpage.spec import LayerGroupSpec
+
+
+def is_bounded_window(group: LayerGroupSpec) -> bool:
+    """Whether the group keeps its KV in window slots (:class:`SlidingWindowManager`): the ``sliding`` group
+    beside full-attention layers, in a token-wise format. (An all-windowed ``main`` group and block-wise formats,
+    whose seal tail is keyed by block id, keep every block and read only the window.)"""
+    return group.name == "sliding" and group.sliding_window is not None and isinstance(group.layer.format, TokenFormat)
+
+
+def window_slots_for(group: LayerGroupSpec, *, num_blocks: int, max_model_len: int, max_num_seqs: int,
+                     max_num_batched_tokens: int, num_lookahead_tokens: int = 0) -> int:
+    """Window slots of a bounded group over a pool of ``num_blocks`` blocks (what builder and capacity allocate).
+
+    A running request pins ``w = ceil((W - 1) / bs) + 1`` blocks of its window, ``ceil(k / bs)`` more for ``k``
+    lookahead tokens; a step's chunks add ``ceil(max_num_batched_tokens / bs)`` new blocks. The pool gets the
+    windows of as many requests as the block pool holds requests of ``max_model_len`` tokens (at least one, at
+    most ``max_num_seqs``) plus one step's chunks, and never more slots than blocks.
+    """
+    bs = group.layer.block_size
+    assert group.sliding_window is not None
+    per_request = -(-(group.sliding_window - 1) // bs) + 1 + -(-num_lookahead_tokens // bs)
+    requests = min(max_num_seqs, max(1, -(-num_blocks // max(1, -(-max_model_len // bs)))))
+    step = -(-max_num_batched_tokens // bs) + min(max_num_seqs, requests + 1)
+    return max(1, min(num_blocks, requests * per_request + step))
+
+
+class WindowSlotsExhaustedError(RuntimeError):
+    """A block needed a window slot and none was free or evictable (the promises of :meth:`side_reserve` were
+    bypassed: a caller allocated blocks without promising their slots first)."""
+
+
+class SlidingWindowManager(GroupManager):
+    """Window-slot bookkeeping and prefix policy of a token-wise sliding-window group.
+
+    Slot life: a block gets a slot when a request takes it for new content (promised before by
+    :meth:`side_reserve`); it is *pinned* by every request whose window reaches it; unpinned, it stays as a
+    cached slot (LRU, evictable) while the block is in the prefix index, else it is freed at once; the block's
+    death (freed, evicted, rolled back) frees it.
+
+    Args:
+        group: the layer group's spec (``sliding_window`` set, a token-wise format).
+        num_slots: window slots (rows of the group's cache tensors), >= 1.
+        is_cached: ``block_id -> bool``, whether the block is in the prefix index (its slot is worth keeping).
+
+    Raises:
+        ValueError: no window in ``group``, or ``num_slots < 1``.
+    """
+
+    def __init__(self, group: LayerGroupSpec, num_slots: int, is_cached: Callable[[int], bool] | None = None) -> None:
+        super().__init__(group)
+        if group.sliding_window is None:
+            raise ValueError(f"group {group.name!r} has no sliding window")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.window = group.sliding_window
+        self.block_size = group.layer.block_size
+        self.num_slots = num_slots
+        self.is_cached: Callable[[int], bool] = is_cached or (lambda b: False)
+        self._slot: dict[int, int] = {}                   # block id -> slot
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._pins: dict[int, int] = {}                   # block id -> requests whose window reaches it
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned blocks keeping a slot, oldest first
+        self._req: dict[str, dict[int, None]] = {}        # request -> its pinned blocks, table order
+        self._start: dict[str, int] = {}                  # request -> table index its window starts at
+        self._promised = 0
+
+    # -- the window -------------------------------------------------------------------------------------------
+
+    def first_block(self, position: int) -> int:
+        """Index of the first block a query at ``position`` (or any later one) reads."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def slot_of(self, block_id: int) -> int | None:
+        """The block's window slot, or ``None`` when its window-layer KV is not held (no side effects)."""
+        return self._slot.get(block_id)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots holding nothing."""
+        return len(self._free)
+
+    @property
+    def num_pinned_slots(self) -> int:
+        """Slots of blocks some request's window reaches."""
+        return sum(1 for b in self._slot if self._pins.get(b, 0) > 0)
+
+    @property
+    def num_cached_slots(self) -> int:
+        """Slots kept for cached blocks no window reaches (evictable)."""
+        return len(self._lru)
+
+    # -- GroupManager -----------------------------------------------------------------------------------------
+
+    @property
+    def supports_swap(self) -> bool:
+        """No: window slots are not keyed by block id, so a host copy by block id would miss them; recompute."""
+        return False
+
+    def usable_prefix(self, block_ids: Sequence[int]) -> int:
+        """The longest ``L`` whose blocks inside the window of position ``L * block_size`` all hold slots."""
+        held = [b in self._slot for b in block_ids]
+        for n in range(len(block_ids), 0, -1):
+            if all(held[self.first_block(n * self.block_size):n]):
+                return n
+        return 0
+
+    def allows_external_prefix(self, num_device_blocks: int) -> bool:
+        """No: a tier restores blocks by id, not the window slots this group reads."""
+        return False
+
+    def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
+        """Ids handed out anew hold no window KV (their old slots died with their old content)."""
+        self._drop(block_ids)
+
+    def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
+        """Dead blocks (freed uncached, evicted, rolled back): their slots go back and no request pins them."""
+        self._drop(block_ids)
+
+    @property
+    def drops_on_eviction(self) -> bool:
+        """Yes: an evicted block's slot is window-pool space."""
+        return True
+
+    def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
+                          num_new_tokens: int, *, num_draft: int = 0) -> int:
+        """New slots a chunk takes: one per block it adds to the table (matched in-window blocks hold theirs)."""
+        return max(0, -(-(num_computed + num_new_tokens) // self.block_size) - len(block_ids))
+
+    def side_reserve(self, need: int, protected: Sequence[int], is_in_use: Callable[[int], bool],
+                     is_live: Callable[[int], bool]) -> bool:
+        """Promise ``need`` slots when free plus evictable ones (not ``protected``) cover every promise."""
+        keep = set(protected)
+        evictable = sum(1 for b in self._lru if b not in keep)
+        if self._promised + need > len(self._free) + evictable:
+            return False
+        self._promised += need
+        return True
+
+    def side_unreserve(self, need: int) -> None:
+        """Take back a promise."""
+        self._promised = max(0, self._promised - need)
+
+    def side_release(self) -> None:
+        """Forget every promise (before a step is scheduled)."""
+        self._promised = 0
+
+    def on_request_blocks(self, request_id: str, block_ids: Sequence[int], num_matched_tokens: int | None) -> None:
+        """The request's table is now ``block_ids``: pin what its window reaches, giving new blocks their slots.
+
+        ``num_matched_tokens``: on admission, the tokens of its prefix hit (its window starts there); ``None``
+        when the request grew (every block past the pinned ones is new content, ahead of the window).
+
+        Raises:
+            WindowSlotsExhaustedError: a new block found no free or evictable slot.
+        """
+        pinned = self._req.get(request_id)
+        if pinned is None:  # admission: the window starts at the end of the hit
+            pinned = self._req[request_id] = {}
+            self._start[request_id] = self.first_block(num_matched_tokens or 0)
+        for b in block_ids[self._start[request_id]:]:
+            if b in pinned:
+                continue
+            if b not in self._slot:
+                self._assign(b)
+            pinned[b] = None
+            self._pins[b] = self._pins.get(b, 0) + 1
+            self._lru.pop(b, None)
+
+    def advance(self, request_id: str, block_ids: Sequence[int], position: int) -> None:
+        """The request's next query is at ``position`` (its tokens before are computed): unpin the blocks before
+        its window. Unpinned cached blocks keep their slots (evictable); the others free them."""
+        pinned = self._req.get(request_id)
+        if pinned is None:
+            return
+        first = self.first_block(position)
+        start = self._start[request_id]
+        if first <= start:
+            return
+        for b in block_ids[start:first]:
+            if b in pinned:
+                del pinned[b]
+                self._unpin(b)
+        self._start[request_id] = first
+
+    def on_request_freed(self, request_id: str) -> None:
+        """The request let go of its table (finished, aborted, preempted): unpin all it pinned."""
+        self._start.pop(request_id, None)
+        for b in self._req.pop(request_id, {}):
+            self._unpin(b)
+
+    def reset(self) -> None:
+        """The pool was re-allocated: every slot is free, nothing pinned or promised."""
+        if self._req:
+            raise RuntimeError(f"reset() with {len(self._req)} requests pinning window slots")
+        self._start.clear()
+        self._slot.clear()
+        self._pins.clear()
+        self._lru.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._promised = 0
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _assign(self, block_id: int) -> None:
+        if not self._free:
+            if not self._lru:
+                raise WindowSlotsExhaustedError(
+                    f"group {self.name!r}: all {self.num_slots} window slots are pinned; a chunk was allocated "
+                    f"without promising its slots (side_reserve)")
+            old, _ = self._lru.popitem(last=False)
+            self._free.append(self._slot.pop(old))
+        self._slot[block_id] = self._free.pop()
+        self._promised = max(0, self._promised - 1)
+
+    def _unpin(self, block_id: int) -> None:
+        n = self._pins.get(block_id, 0) - 1
+        if n > 0:
+            self._pins[block_id] = n
+            return
+        self._pins.pop(block_id, None)
+        if block_id in self._slot:
+            if self.is_cached(block_id):
+                self._lru[block_id] = None
+            else:
+                self._free.append(self._slot.pop(block_id))
+
+    def _drop(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            for pinned in self._req.values():
+                pinned.pop(b, None)
+            self._pins.pop(b, None)
+            self._lru.pop(b, None)
+            slot = self._slot.pop(b, None)
+            if slot is not None:
+                self._free.append(slot)

@@ -1,0 +1,297 @@
+"""Sliding-window layer groups whose memory is bounded by the window (issue 15 item 2).
+
+The ``sliding`` group of a model with windowed layers beside full-attention ones keeps its KV in window slots
+(:class:`~kvpage.cache.groups.SlidingWindowManager`). Checked here: exact slot accounting through admission,
+advance, caching, eviction, rollback and free (``free + pinned + cached == slots`` after every operation); the
+prefix rule (a hit is usable only while the blocks inside the window of its end hold slots); an engine whose
+window slots are reused many times still matches transformers; peak memory of a long request stays within the
+window share; a pool short of slots defers requests instead of failing; what cannot work yet says so.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpage.cache.groups import FullAttentionManager, SlidingWindowManager
+from kvpage.cache.groups.sliding import WindowSlotsExhaustedError, window_slots_for
+from kvpage.cache.manager import KVCacheManager, KVRequest
+from kvpage.cache.prefix_cache import PrefixBlockPool
+from kvpage.spec import CacheSpec
+
+BS, W = 4, 6  # a query reads its 6 last positions: blocks from (p - 5) // 4 on
+
+
+def _manager(num_blocks: int = 32, num_slots: int = 8) -> tuple[KVCacheManager, SlidingWindowManager]:
+    spec = CacheSpec.build(num_layers=3, num_kv_heads=1, head_dim=8, block_size=BS, layer_windows=[W, None, W])
+    assert spec.sliding is not None
+    pool = PrefixBlockPool(num_blocks)
+    win = SlidingWindowManager(spec.sliding, num_slots, lambda b: pool.block_hash(b) is not None)
+    mgr = KVCacheManager(num_blocks, BS, groups=[FullAttentionManager(spec.main), win], pool=pool)
+    return mgr, win
+
+
+def _check(win: SlidingWindowManager, mgr: KVCacheManager) -> None:
+    """Slot accounting is exact; every block a live request's window reaches holds a distinct slot."""
+    assert win.num_free_slots + win.num_pinned_slots + win.num_cached_slots == win.num_slots
+    slots = [win.slot_of(b) for b in range(mgr.num_blocks) if win.slot_of(b) is not None]
+    assert len(slots) == len(set(slots)) == win.num_slots - win.num_free_slots
+    assert mgr.num_free_blocks + mgr.num_evictable_blocks + mgr.num_in_use_blocks == mgr.num_blocks
+
+
+def _req(rid: str, tokens: list[int]) -> KVRequest:
+    return KVRequest(rid, list(tokens))
+
+
+def _run(mgr: KVCacheManager, win: SlidingWindowManager, req: KVRequest, upto: int) -> None:
+    """Admit (or extend) ``req`` to ``upto`` tokens as the scheduler and a final pass would, then index."""
+    held = mgr.num_tokens(req.request_id) if mgr.has_request(req.request_id) else None
+    if held is None:
+        m = mgr.match_prefix(req)
+        assert mgr.side_reserve(req, m.num_cached_tokens, upto - m.num_cached_tokens, m) is not None
+        assert mgr.allocate_slots(req, upto - m.num_cached_tokens, m) is not None
+        start = m.num_cached_tokens
+    else:
+        assert mgr.side_reserve(req, held, upto - held) is not None
+        assert mgr.allocate_slots(req, upto - held) is not None
+        start = held
+    win.advance(req.request_id, mgr.block_ids(req.request_id), start)  # the step's final pass
+    mgr.side_release()
+    mgr.cache_blocks(req, upto)
+    _check(win, mgr)
+
+
+def test_slots_follow_the_window_and_cached_blocks_keep_theirs() -> None:
+    mgr, win = _manager()
+    a = _req("a", list(range(100, 124)))  # 6 blocks
+    _run(mgr, win, a, 10)                 # blocks 0..2 pinned
+    assert win.num_pinned_slots == 3 and win.num_free_slots == 5
+    for t in range(11, 25):               # decode to 24 tokens
+        _run(mgr, win, a, t)
+        # the next query (position t - 1) reads blocks from first_block(t - 1) on: nothing before is pinned
+        first = win.first_block(t - 1)
+        assert win.num_pinned_slots == len(mgr.block_ids("a")) - first
+    # blocks that slid out were indexed when they filled: they kept their slots, evictable
+    assert win.num_cached_slots == 8 - win.num_pinned_slots - win.num_free_slots > 0
+    mgr.free(a)
+    _check(win, mgr)
+    assert win.num_pinned_slots == 0
+
+
+def test_prefix_hit_needs_the_window_of_its_end_and_shrinks_when_slots_were_evicted() -> None:
+    mgr, win = _manager(num_slots=8)
+    tokens = list(range(200, 229))        # 29 tokens: 7 full blocks
+    a = _req("a", tokens)
+    for t in range(8, 30, 4):
+        _run(mgr, win, a, t)
+    mgr.free(a)
+    # the window of a 28-token hit is blocks 5 and 6 ((28 - 5) // 4 = 5): held, so the whole hit is usable
+    b = _req("b", tokens)
+    assert mgr.match_prefix(b).num_cached_tokens == 28
+    # another request's new blocks take every free and cached slot: the hit loses its window, then shrinks
+    c = _req("c", list(range(900, 932)))
+    _run(mgr, win, c, 32)
+    assert win.num_cached_slots == 0
+    m = mgr.match_prefix(b)
+    assert m.num_cached_tokens == 0       # no block of a's chain kept a slot
+    mgr.free(c)
+    _check(win, mgr)
+
+
+def test_usable_prefix_rule_by_hand() -> None:
+    mgr, win = _manager(num_slots=8)
+    ids = [5, 6, 7, 8]
+    for b in (6, 7):                      # slots for blocks 6, 7 only
+        win._slot[b] = win._free.pop()
+    # L = 4 needs blocks (16 - 5) // 4 = 2 .. 3 -> 7 and 8: 8 has none; L = 3 needs blocks 1 .. 2 -> 6, 7: held
+    assert win.usable_prefix(ids) == 3
+    assert win.usable_prefix([5]) == 0    # L = 1 needs block 0 (5): none
+    assert win.usable_prefix([]) == 0
+
+
+def test_rollback_and_free_return_every_slot() -> None:
+    mgr, win = _manager()
+    a = _req("a", list(range(300, 340)))
+    _run(mgr, win, a, 9)
+    assert mgr.side_reserve(a, 9, 8) is not None
+    mgr.allocate_slots(a, 8)              # 17 slots: 5 blocks, two of them for drafts
+    mgr.side_release()
+    pinned = win.num_pinned_slots
+    freed = mgr.rollback(a, 10)           # drafts rejected: blocks 3, 4 go back with their slots
+    assert len(freed) == 2 and win.num_pinned_slots == pinned - 2
+    _check(win, mgr)
+    mgr.free(a)
+    # blocks 0 and 1 were indexed (9 tokens computed): they keep their slots; the others' came back
+    assert win.num_pinned_slots == 0 and win.num_cached_slots == 2 and win.num_free_slots == win.num_slots - 2
+    _check(win, mgr)
+
+
+def test_promises_bound_what_a_step_may_take() -> None:
+    mgr, win = _manager(num_slots=4)
+    a, b = _req("a", list(range(40))), _req("b", list(range(500, 540)))
+    assert mgr.side_reserve(a, 0, 12) == (0, 3)   # 3 new blocks of the sliding group
+    assert mgr.side_reserve(b, 0, 8) is None      # 3 + 2 > 4 slots: nothing promised
+    assert mgr.side_reserve(b, 0, 4) == (0, 1)
+    mgr.side_release()
+    mgr.allocate_slots(a, 12)
+    mgr.allocate_slots(b, 4)
+    c = _req("c", list(range(700, 710)))
+    with pytest.raises(WindowSlotsExhaustedError, match="side_reserve"):
+        mgr.allocate_slots(c, 4)                   # allocated without a promise, and no slot left
+
+
+def test_random_operations_keep_exact_slot_accounting() -> None:
+    """Random admissions (shared prefixes), decode steps, frees and evictions: accounting exact throughout."""
+    rng = random.Random(7)
+    mgr, win = _manager(num_blocks=40, num_slots=12)
+    live: dict[str, KVRequest] = {}
+    prefixes = [list(range(1000 * k, 1000 * k + 40)) for k in range(3)]
+    for step in range(400):
+        op = rng.random()
+        if op < 0.3 and len(live) < 3:
+            rid = f"r{step}"
+            base = rng.choice(prefixes)
+            req = _req(rid, base[: rng.randint(5, 20)] + [rng.randint(5000, 6000) for _ in range(20)])
+            m = mgr.match_prefix(req)
+            n = min(len(req.all_token_ids), m.num_cached_tokens + rng.randint(1, 6)) - m.num_cached_tokens
+            if mgr.side_reserve(req, m.num_cached_tokens, n, m) is None or mgr.allocate_slots(req, n, m) is None:
+                mgr.side_release()
+                continue
+            win.advance(rid, mgr.block_ids(rid), m.num_cached_tokens)
+            mgr.side_release()
+            mgr.cache_blocks(req, m.num_cached_tokens + n)
+            live[rid] = req
+        elif op < 0.8 and live:
+            rid = rng.choice(sorted(live))
+            req, held = live[rid], mgr.num_tokens(rid)
+            if held >= len(req.all_token_ids):
+                mgr.free(req)
+                del live[rid]
+            elif mgr.side_reserve(req, held, 1) is not None and mgr.allocate_slots(req, 1) is not None:
+                win.advance(rid, mgr.block_ids(rid), held)
+                mgr.side_release()
+                mgr.cache_blocks(req, held + 1)
+            else:
+                mgr.side_release()
+        elif op < 0.9 and live:
+            rid = rng.choice(sorted(live))
+            mgr.free(live.pop(rid))
+        else:
+            mgr.evict(rng.randint(1, 4))
+        _check(win, mgr)
+        for rid in live:                   # every block a live request's next query reads holds a slot
+            ids, t = mgr.block_ids(rid), mgr.num_tokens(rid)
+            assert all(win.slot_of(b) is not None for b in ids[win.first_block(t):])
+    for req in live.values():
+        mgr.free(req)
+    _check(win, mgr)
+    assert win.num_pinned_slots == 0
+
+
+def test_window_slots_for_sizes_by_requests_that_fit() -> None:
+    spec = CacheSpec.build(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, layer_windows=[1024, None])
+    g = spec.sliding
+    assert g is not None
+    # 4096-token requests: 256 blocks each; a pool of 1,024 blocks holds 4 -> 4 windows of 65 blocks + one step
+    n = window_slots_for(g, num_blocks=1024, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048)
+    assert n == 4 * 65 + 128 + 5
+    assert window_slots_for(g, num_blocks=10, max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=16) == 10
+
+
+# -- through the engine ---------------------------------------------------------------------------------------
+
+def _gemma_folder(tmp_path: Path, tokenizer, *, window: int, context: int) -> Path:
+    import transformers as tf
+
+    from test_families_engine import _init_weights
+
+    cfg = tf.Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                              max_position_embeddings=context, query_pre_attn_scalar=16, tie_word_embeddings=True,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention"])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    _init_weights(model, seed=5)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
+    return _gemma_folder(tmp_path_factory.mktemp("gemma_window"), smollm2.tokenizer, window=32, context=1100)
+
+
+def test_long_request_memory_stays_within_the_window_share(gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1,024-token request: the sliding layers never hold more than their window (+ one block per group), while
+    the global layer holds every block; the allocated window slots are far fewer than the blocks."""
+    from kvpage import LLM, SamplingParams
+
+    llm = LLM(str(gemma), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=2,
+              max_num_batched_tokens=64, kv_cache_memory_bytes=4 * 2**20)
+    win = llm._built.groups[1]
+    assert isinstance(win, SlidingWindowManager)
+    peak = 0
+    advance = win.advance
+
+    def watch(rid: str, ids, position: int) -> None:
+        nonlocal peak
+        advance(rid, ids, position)
+        peak = max(peak, win.num_pinned_slots)
+
+    monkeypatch.setattr(win, "advance", watch)
+    prompt = torch.randint(100, 40000, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 24
+    bs = 16
+    # a step's queries (<= 64 tokens) start at p: pinned blocks cover positions p - 31 .. p + 63
+    assert peak <= -(-(32 - 1 + 64) // bs) + 1
+    spec, cap = llm.spec, llm.capacity
+    sliding = spec.sliding
+    assert sliding is not None
+    real = sum(t.numel() * t.element_size() for i in sliding.layer_indices for t in llm.kv_caches[i].values())
+    assert real == cap.window_bytes == cap.window_slots * sliding.bytes_per_block   # C26: what is allocated
+    assert cap.window_slots < cap.num_blocks / 4
+    assert llm.controller.device_bytes == cap.pool_bytes + cap.window_bytes
+
+
+def test_a_pool_short_of_window_slots_defers_requests_and_every_one_finishes(gemma: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """More requests than window slots for them: the scheduler waits or preempts; all finish, nothing leaks."""
+    from kvpage import LLM, SamplingParams
+
+    llm = LLM(str(gemma), progress=False, kv_cache_dtype="float32", block_size=16, max_num_seqs=6,
+              max_num_batched_tokens=32, num_blocks=200)
+    win = llm._built.groups[1]
+    assert isinstance(win, SlidingWindowManager)
+    refused = 0
+    reserve = win.side_reserve
+
+    def counting(*a, **k) -> bool:
+        nonlocal refused
+        ok = reserve(*a, **k)
+        refused += not ok
+        return ok
+
+    monkeypatch.setattr(win, "side_reserve", counting)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(20, 120, (10,), generator=gen)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 40 and o.outputs[0].finish_reason == "length" for o in outs)
+    assert refused > 0, f"the {win.num_slots} window slots never ran short: the test does not test deferral"
+    assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
+    assert llm.kv_cache_stats().num_in_use == 0
+
+
+@pytest.mark.parametrize("setting", [{"swap_space": 0.01}, {"kv_disk_dir": "DIR"}])
+def test_tiers_are_refused_naming_the_setting(gemma: Path, tmp_path: Path, setting: dict) -> None:
+    from kvpage import LLM
+
+    setting = {k: (str(tmp_path) if v == "DIR" else v) for k, v in setting.items()}
+    with pytest.raises(ValueError, match=f"{next(iter(setting))}: KV tiers are not supported yet"):
+        LLM(str(gemma), progress=False, kv_cache_dtype="int8", num_blocks=64, **setting)
