@@ -135,7 +135,7 @@ class MidForward:
         backend = self.runner._by_layer[1]
         inner = backend.attend
 
-        def attend(layer_index, q, k, v):
+        def attend(layer_index, q, k, v, params):
             others_seal = any((r.num_computed + len(r.token_ids)) % self.bs == 0 and len(r.token_ids) == 1
                               for r in self.batch if r.request_id != self.marked)
             if layer_index == 1 and any(r.request_id == self.marked for r in self.batch):
@@ -143,7 +143,7 @@ class MidForward:
                     self.fired_while_sealing += 1
                 if self.fired_while_sealing:
                     raise RuntimeError("injected failure in layer 1")
-            return inner(layer_index, q, k, v)
+            return inner(layer_index, q, k, v, params)
 
         backend.attend = attend
 

@@ -22,6 +22,7 @@ from kvpage.errors import KVPageError
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
     from kvpage.engine.speculative.metrics import SpecDecodingStats
+    from kvpage.spec import LayerGroupSpec
 
 
 def _format_help() -> str:
@@ -173,18 +174,30 @@ def _capacity_lines(llm: LLM) -> list[str]:
                 f"copies for {cap.max_num_seqs} requests)")
     else:
         side = ""
+    window = cap.sliding_window if cap.window_slots else None
+    per_token = [g for g in spec.groups if not (window and g.name == "sliding")]
+    slots = (f" + {cap.window_bytes / 2**20:.1f} MiB of {cap.window_slots:,} window slots for the "
+             f"{spec.sliding.num_layers if spec.sliding else 0} sliding-window layers ({window}-token window)"
+             if window else "")
     return [
         f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
         f"{cap.bytes_per_token:,.0f} bytes/token = "
-        + " + ".join(f"{g.num_layers} {'' if g.name == 'main' else g.name + ' '}layers x 2 x {g.layer.kv_heads} kv "
-                     f"heads x {g.layer.head_dim} x {g.layer.bits_per_value / 8:g} bytes" for g in spec.groups)
+        + " + ".join(_group_formula(g) for g in per_token)
         + f"; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
-        f"= {cap.pool_bytes / 2**20:.1f} MiB{side}",
+        f"= {cap.pool_bytes / 2**20:.1f} MiB{slots}{side}",
         f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token): "
-        f"{1 - cap.bytes_per_token / cap.reference_bytes_per_token:.1%} less KV memory per cached token; "
+        f"{1 - (cap.effective_bytes_per_token if window else cap.bytes_per_token) / cap.reference_bytes_per_token:.1%}"
+        f" less KV memory per cached token{' (window slots included)' if window else ''}; "
         f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "
         f"({cap.ratio:.2f}x more tokens per byte, side space included)",
     ]
+
+
+def _group_formula(g: LayerGroupSpec) -> str:
+    """``30 layers x 2 x 3 kv heads x 64 x 1.03 bytes`` for one group (a key-only latent group: ``x 1``)."""
+    name = "" if g.name == "main" else g.name + " "
+    return (f"{g.num_layers} {name}layer{'s' if g.num_layers != 1 else ''} x {2 if g.layer.has_value else 1} x {g.layer.kv_heads} kv "
+            f"head{'s' if g.layer.kv_heads != 1 else ''} x {g.layer.head_dim} x {g.layer.bits_per_value / 8:g} bytes")
 
 
 def tier_line(llm: LLM) -> str | None:
@@ -239,11 +252,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_formats(args: argparse.Namespace) -> int:
     """``kvpage formats``: every format's aliases, bits per value, and tokens that fit at ``--budget-bytes``."""
-    from kvpage.engine.capacity import SMOLLM2_SHAPE, Shape, format_rows
+    from kvpage.engine.capacity import SMOLLM2_SHAPE, Shape, format_rows, model_shape
     from kvpage.formats import format_aliases, get_format
+    from kvpage.spec import CacheSpec
 
-    shape = Shape(args.num_layers or SMOLLM2_SHAPE.num_layers, args.num_kv_heads or SMOLLM2_SHAPE.num_kv_heads,
-                  args.head_dim or SMOLLM2_SHAPE.head_dim)
+    base = SMOLLM2_SHAPE if args.model is None else model_shape(args.model)
+    shape = Shape(args.num_layers or base.num_layers, args.num_kv_heads or base.num_kv_heads,
+                  args.head_dim or base.head_dim, base.max_position_embeddings, base.kv_has_value,
+                  base.layer_windows if args.num_layers in (None, base.num_layers) else None)
     aliases: dict[str, list[str]] = {}
     for a, c in format_aliases().items():
         aliases.setdefault(c, []).append(a)
@@ -251,7 +267,15 @@ def _cmd_formats(args: argparse.Namespace) -> int:
                                                                max_num_seqs=args.max_num_seqs)}
     block = ("each format's default block size (16; 32 for int4/int2)" if args.block_size is None
              else f"block {args.block_size}")
-    default = "" if (args.num_layers, args.num_kv_heads, args.head_dim) != (None, None, None) else " (SmolLM2-135M)"
+    default = ("" if (args.num_layers, args.num_kv_heads, args.head_dim) != (None, None, None) else
+               " (SmolLM2-135M)" if args.model is None else f" ({args.model})")
+    spec = CacheSpec.build(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                           has_value=shape.kv_has_value, layer_windows=shape.layer_windows)
+    groups = "; ".join(f"{g.name}: {_group_formula(g).split(' x ', 1)[0]}"
+                       + (f" with a {g.sliding_window}-token window" if g.sliding_window else "")
+                       + ("" if g.layer.has_value else " (key-only latent: keys serve as values)")
+                       for g in spec.groups)
+    print(f"# layer groups: {groups}")
     print(f"# {shape.num_layers} layers x {shape.num_kv_heads} kv heads x head_dim {shape.head_dim}{default}, {block}, "
           f"float32 model, max_num_seqs {args.max_num_seqs}; tokens that fit in {args.budget_bytes:,} bytes "
           f"({args.budget_bytes / 2**20:,.1f} MiB), side pools included ('-': no block fits, or the block size "
@@ -361,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("formats", help="list KV formats: aliases, bits per value, tokens that fit at a budget")
     f.add_argument("--budget-bytes", type=positive_int, default=512 * 2**20,
                    help="KV budget for the tokens column, side pools included (default 512 MiB)")
+    f.add_argument("--model", default=None,
+                   help="size for this model's cache (a Hugging Face folder or .gguf; its config only): its layer "
+                        "groups (sliding-window, key-only latent) and shape; default the bundled model")
     f.add_argument("--num-layers", type=positive_int, default=None, help="model layers (default: the bundled model's, 30)")
     f.add_argument("--num-kv-heads", type=positive_int, default=None, help="KV heads (default: the bundled model's, 3)")
     f.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default: the bundled model's, 64)")

@@ -15,7 +15,9 @@ everything the engine allocates for the KV cache:
   the pool's blocks, and allocated beside it are only the first-block copies' scales
   (:attr:`CapacityReport.sink_bytes`). Where the layout does not allow it (a head
   dimension the packing does not divide, fewer than ``r`` blocks) the old fixed pools
-  sized by ``max_num_seqs`` are reserved and counted instead.
+  sized by ``max_num_seqs`` are reserved and counted instead;
+* the window slots of a bounded sliding-window group (:mod:`kvpage.cache.groups.sliding`): its layers' tensors
+  have :func:`window_slots` rows instead of one per block, so the block pool is sized from what is left.
 
 "x more tokens" compares the tokens that fit with the tokens a cache in the model's
 dtype holds in the same bytes.
@@ -25,12 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvpage.cache.groups import SealedGroupManager, is_bounded_window, manager_for, window_slots_for
 from kvpage.cache.tail import TailPool
 from kvpage.cache.tail.side import blocks_per_slot, carved_blocks_per_slot
 from kvpage.formats import BlockFormat, SealedFormat, canonical_format_name, get_format
+from kvpage.engine.shape import SMOLLM2_SHAPE, ModelShape, Shape, model_shape
 from kvpage.spec import CacheSpec, LayerGroupSpec
 
 if TYPE_CHECKING:
@@ -38,46 +41,11 @@ if TYPE_CHECKING:
     from kvpage.engine.memory import KVBudget
     from kvpage.engine.threads import ThreadChoice
 
+__all__ = ["BudgetTooSmallError", "CapacityReport", "FormatRow", "ModelShape", "SMOLLM2_SHAPE", "Shape",
+           "build_spec", "format_rows", "kv_capacity", "markdown_table", "model_shape", "startup_line",
+           "window_slots"]
+
 MiB = 2**20
-
-
-class ModelShape(Protocol):
-    """What capacity needs of a model (a :class:`~kvpage.model.config.ModelConfig` has it)."""
-
-    @property
-    def num_layers(self) -> int:
-        """Decoder layers."""
-
-    @property
-    def num_kv_heads(self) -> int:
-        """Key/value heads per layer."""
-
-    @property
-    def head_dim(self) -> int:
-        """Channels per head."""
-
-    @property
-    def max_position_embeddings(self) -> int:
-        """The model's context, in tokens."""
-
-    @property
-    def kv_has_value(self) -> bool:
-        """``False`` for a key-only (MLA latent) cache."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A model's KV shape without the model (for ``kvpage formats`` and the README table)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int = 8192
-    kv_has_value: bool = True
-
-
-#: The bundled SmolLM2-135M-Instruct (tests check it against the loaded config).
-SMOLLM2_SHAPE = Shape(num_layers=30, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
 
 
 class BudgetTooSmallError(ValueError):
@@ -260,7 +228,8 @@ def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "",
     """The cache layout ``config`` gives ``model`` (what :func:`~kvpage.engine.build.build_engine` builds).
 
     ``layer_windows``: per model layer, its sliding window or ``None`` (the family's ``attention_params``);
-    windowed layers beside full-attention ones form the ``sliding`` group (:meth:`CacheSpec.build`).
+    windowed layers beside full-attention ones form the ``sliding`` group (:meth:`CacheSpec.build`); default the
+    model's own ``layer_windows`` when it has them (a :class:`Shape`), else all full attention.
 
     With ``speculative_config`` method ``draft_model``, ``draft`` is the draft model's KV shape: its layers
     become the spec's ``draft`` group, in ``draft_kv_cache_dtype`` (default the main format when it is
@@ -269,6 +238,8 @@ def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "",
     Raises:
         ValueError: a ``draft_model`` config without ``draft``.
     """
+    if layer_windows is None:
+        layer_windows = getattr(model, "layer_windows", None)
     sc = config.speculative
     num_draft, draft_fmt = 0, None
     if sc is not None and sc.method == "draft_model":

@@ -286,3 +286,16 @@ def resolve(model_type: str, hf_config: Any, num_layers: int) -> Architecture:
         if fam.final_softcap else None,
         rope_layer_types=rope_types,
     )
+
+
+def layer_windows(model_type: str, hf_config: Any, num_layers: int) -> list[int | None]:
+    """Per layer, its sliding window in tokens or ``None`` (full attention), from the config alone (no weights):
+    what the model's ``attention_params`` will say, for sizing a cache before a model is built.
+
+    Raises:
+        ValueError: as :func:`resolve` (an unregistered family, an unsupported setting).
+    """
+    if family_for(model_type).config_builder is not None:  # families with their own layer code: no windows yet
+        return [None] * num_layers
+    arch = resolve(model_type, hf_config, num_layers)
+    return [arch.attention(i).sliding_window for i in range(num_layers)]

@@ -355,6 +355,28 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def read_model_config(path: str | Path | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of the model at ``path`` (as :func:`load_model` would build it), without its weights.
+
+    Raises:
+        ModelNotFoundError: no model there (or no ``config.json`` in a folder).
+        ValueError: an unsupported architecture or file type.
+    """
+    from transformers import AutoConfig
+
+    p = default_model_path() if path is None else Path(path).expanduser().resolve()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelNotFoundError(f"{p} has no config.json: pass a Hugging Face model folder or a .gguf file")
+        return ModelConfig.from_hf(AutoConfig.from_pretrained(str(p), local_files_only=True))
+    if p.suffix.lower() == ".gguf" and p.is_file():
+        config_dict, _ = read_gguf(p)
+        if config_dict.get("model_type") not in _GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {config_dict.get('model_type')!r} in {p.name}")
+        return ModelConfig.from_hf(AutoConfig.for_model(**config_dict), torch_dtype=torch.float32)
+    raise ModelNotFoundError(f"no model at {p}: pass an existing .gguf file or a Hugging Face folder")
+
+
 def _load_hf_folder(folder: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
