@@ -64,7 +64,7 @@ def family_config(family: str) -> Any:
 FAMILIES = ["llama", "qwen2", "qwen2_window", "qwen3", "mistral", "gemma2", "gemma3", "deepseek_v3"]
 
 
-def _init_weights(model: torch.nn.Module, seed: int) -> None:
+def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights of a scale that gives a peaked next-token distribution (norm weights near their unit)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -87,7 +87,7 @@ def family_folders(tmp_path_factory: pytest.TempPathFactory, smollm2) -> dict[st
         config._attn_implementation = "eager"
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _init_weights(model, seed=100 + i)
+        init_weights(model, seed=100 + i)
         model.save_pretrained(folder)
         smollm2.tokenizer.save_pretrained(folder)
         out[family] = folder

@@ -205,7 +205,7 @@ def test_window_slots_for_sizes_by_requests_that_fit() -> None:
 def _gemma_folder(tmp_path: Path, tokenizer, *, window: int, context: int) -> Path:
     import transformers as tf
 
-    from test_families_engine import _init_weights
+    from test_families_engine import init_weights
 
     cfg = tf.Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
@@ -215,7 +215,7 @@ def _gemma_folder(tmp_path: Path, tokenizer, *, window: int, context: int) -> Pa
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg)
-    _init_weights(model, seed=5)
+    init_weights(model, seed=5)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     return tmp_path
