@@ -78,7 +78,7 @@ STRICT_CASES = [
     ("top_k-float", "/v1/completions", cmpl(top_k=5.5), "top_k", "expected an integer"),
     ("seed-string", "/v1/completions", cmpl(seed="42"), "seed", "expected an integer"),
     ("seed-huge", "/v1/completions", cmpl(seed=2**64), "seed", "must be <="),
-    ("n-two", "/v1/completions", cmpl(n=2), "n", "one choice per request"),
+    ("n-too-many", "/v1/completions", cmpl(n=129), "n", "must be <= 128"),
     ("n-string", "/v1/completions", cmpl(n="1"), "n", "expected an integer"),
     ("stop-five", "/v1/completions", cmpl(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
     ("stop-int", "/v1/completions", cmpl(stop=5), "stop", "expected a string or an array of strings"),
@@ -349,7 +349,7 @@ def test_openapi_schema_states_the_limits(server) -> None:
     ints = [b for b in req["max_tokens"]["anyOf"] if b.get("type") == "integer"]
     assert ints == [{"type": "integer", "minimum": 1, "maximum": CONTEXT - 1}]
     chat_req = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert chat_req["messages"]["minItems"] == 1 and chat_req["n"]["maximum"] == 1
+    assert chat_req["messages"]["minItems"] == 1 and chat_req["n"]["maximum"] == 128
     assert all("422" not in op["responses"] for ops in schema["paths"].values() for op in ops.values())
     post = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert {"200", "400", "404", "500", "503"} <= set(post)

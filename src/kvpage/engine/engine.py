@@ -24,8 +24,9 @@ from kvpage.engine.detokenize import REPLACEMENT, ends_with_split_character
 from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
+from kvpage.engine.parallel import ParallelSampling, ParentRequest, child_request_id
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvpage.engine.sampling import SamplingParams, sample
+from kvpage.engine.sampling import SamplingParams, child_params, sample
 from kvpage.engine.scheduler import ScheduledRequestChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.engine.sequence import Request
 from kvpage.engine.speculative.acceptance import verify
@@ -124,6 +125,7 @@ class LLMEngine:
         self.drafter = drafter
         self.spec_counters = SpecDecodingCounters(k) if drafter is not None else None
         self.requests: dict[str, Request] = {}
+        self.parallel = ParallelSampling()  # requests with n > 1 and their children
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
 
@@ -182,24 +184,46 @@ class LLMEngine:
                 f"smaller kv_cache_dtype, or lower max_tokens."
             )
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self.requests:
+        if rid in self.requests or self.parallel.in_use(rid):
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt, ids, params, time.perf_counter(), max_tokens, cache_salt=cache_salt)
-        self.requests[rid] = req
-        self.scheduler.add_request(req)
-        return req
+        now = time.perf_counter()
+        if params.n == 1:
+            req = Request(rid, prompt, ids, params, now, max_tokens, cache_salt=cache_salt)
+            self.requests[rid] = req
+            self.scheduler.add_request(req)
+            return req
+        # n > 1: children share the prompt's blocks (kvpage.engine.parallel); greedy ones are one computation
+        count = 1 if params.greedy else params.n
+        children = [Request(child_request_id(rid, i), prompt, ids, child_params(params, i), now, max_tokens,
+                            cache_salt=cache_salt) for i in range(count)]
+        if any(c.request_id in self.requests or self.parallel.in_use(c.request_id) for c in children):
+            raise ValueError(f"request id {rid!r} is already in use (by its completions' ids)")
+        for c in children:
+            self.requests[c.request_id] = c
+        self.parallel.add(ParentRequest(rid, params.n, children, held=children[1:]))
+        self.scheduler.add_request(children[0])
+        return children[0]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now (finish reason ``abort``) and free its blocks; unknown or finished ids return ``None``.
+        A request with ``n > 1`` aborts all its completions.
 
         Raises:
             TypeError: ``request_id`` is not a str.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        req = self.requests.get(request_id)
+        if request_id in self.parallel.parents:
+            return self.parallel.abort(request_id, self._abort_one)
+        return self._abort_one(self.requests.get(request_id))
+
+    def _abort_one(self, req: Request | None) -> RequestOutput | None:
+        """Abort one (child) request; ``None`` when unknown or already finished (a held child is just forgotten)."""
         if req is None or req.is_finished:
+            if req is not None:
+                self.requests.pop(req.request_id, None)
             return None
+        request_id = req.request_id
         self.scheduler.finish(req, "abort")
         if self.drafter is not None:
             self.drafter.forget(request_id)
@@ -210,8 +234,8 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request waits or runs."""
-        return self.scheduler.num_unfinished > 0
+        """Whether any request waits or runs (children held for their prompt included)."""
+        return self.scheduler.num_unfinished > 0 or self.parallel.has_held
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -234,6 +258,12 @@ class LLMEngine:
             RuntimeError: requests wait but none can be scheduled (cannot happen
                 for requests admitted by :meth:`add_request`; guards against a hang).
         """
+        for child in self.parallel.release():  # completions whose prompt blocks are now cached
+            self.scheduler.add_request(child)
+        return self.parallel.fan_in(self._step())
+
+    def _step(self) -> list[RequestOutput]:
+        """:meth:`step` before children's outputs are merged per parent."""
         self.kv.poll()  # acknowledge finished tier copies (no-op without tiers)
         sched = self.scheduler.schedule()
         if sched.is_empty:

@@ -11,6 +11,7 @@ engine is assembled by :func:`~kvpage.engine.build.build_engine`.
 from __future__ import annotations
 
 import sys
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -275,7 +276,9 @@ class LLM:
         ids_out: list[str] = []
         try:
             for (text, ids), sp in zip(encoded, params_list):
-                ids_out.append(self.engine.add_request(text, ids, sp).request_id)
+                rid = uuid.uuid4().hex  # the caller's id (with n > 1 the engine's requests are its completions)
+                self.engine.add_request(text, ids, sp, request_id=rid)
+                ids_out.append(rid)
         except Exception:
             for rid in ids_out:
                 self.engine.abort_request(rid)

@@ -72,7 +72,8 @@ class OutputRouter:
                 (they were finished by a call that bypassed the router, e.g. ``engine.abort_request``).
         """
         while not queue:
-            if not any(rid in self.engine.requests for rid in pending):
+            engine = self.engine
+            if not any(rid in engine.requests or rid in engine.parallel.parents for rid in pending):
                 for rid in pending:
                     self._routes.pop(rid, None)
                 raise RequestLostError(

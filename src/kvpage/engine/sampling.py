@@ -6,6 +6,7 @@ request's samples reproducible whatever else is in the batch.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ SAMPLING_EPS = 1e-5
 #: Seeds ``torch.Generator.manual_seed`` accepts; it maps a negative seed ``s`` to ``s + 2**64`` (so -1 is
 #: ``2**64 - 1``); vLLM passes the seed to the same call and accepts the int64 range, which this contains.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: Most completions one request may ask for (OpenAI caps ``n`` at 128).
+MAX_N = 128
 
 _MASK64 = 2**64 - 1
 
@@ -92,6 +95,9 @@ class SamplingParams:
         stop_token_ids: token ids (ints >= 0) that end the output besides the model's EOS, stored as a tuple;
             the engine checks them against the vocabulary at ``add_request``.
         ignore_eos: keep going past EOS (benchmarks); a bool.
+        n: completions to return for the prompt, an int in ``[1, MAX_N]`` (OpenAI's and vLLM's ``n``). They share
+            the prompt's KV blocks; each sampled one draws with its own seed (:func:`child_seed`), greedy ones are
+            one computation returned ``n`` times.
 
     Raises:
         ValueError: any field of the wrong type or out of range (the message names the field). Type errors are
@@ -106,6 +112,7 @@ class SamplingParams:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    n: int
 
     def __init__(
         self,
@@ -117,7 +124,11 @@ class SamplingParams:
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        n: int = 1,
     ) -> None:
+        n_ = as_int(n)
+        if n_ is None or not 1 <= n_ <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
         max_tokens_ = as_int(max_tokens)
         if max_tokens_ is None or max_tokens_ < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
@@ -156,7 +167,7 @@ class SamplingParams:
             ("max_tokens", max_tokens_), ("temperature", temperature_), ("top_p", top_p_), ("top_k", top_k_),
             ("seed", seed_), ("stop", tuple(s for s in stops if s)),
             ("stop_token_ids", tuple(i for i in ids if i is not None)),
-            ("ignore_eos", ignore_eos),
+            ("ignore_eos", ignore_eos), ("n", n_),
         )
         for name, checked_value in checked:
             object.__setattr__(self, name, checked_value)
@@ -165,6 +176,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request decodes greedily: ``temperature`` below :data:`SAMPLING_EPS` (0 included) or ``top_k == 1``."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion ``index`` of a request seeded with ``seed`` (``None`` stays ``None``).
+
+    Completion 0 keeps ``seed`` (so ``n=1`` samples as before); completion ``i`` gets the first 8 bytes of
+    SHA-256 over ``(seed, i)``, an int64, so every completion is reproducible and the completions differ.
+    """
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"kvpage-completion:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The one-completion params of completion ``index`` of ``params`` (``n=1``, :func:`child_seed`)."""
+    return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, seed=child_seed(params.seed, index), stop=params.stop,
+                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
 
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

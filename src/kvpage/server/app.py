@@ -314,10 +314,9 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         out = await _final_unless_disconnected(stream, request)
         if out is None:
             return Response(status_code=499)  # nobody is listening
-        c = out.outputs[0]
         return SafeJSONResponse(CompletionResponse(
             id=rid, created=created, model=name, usage=usage(out),
-            choices=[CompletionChoice(text=c.text, finish_reason=c.finish_reason)],
+            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in out.outputs],
         ).model_dump())
 
     @app.post("/v1/chat/completions", response_model=None, responses=generation_responses(ChatCompletionResponse))
@@ -340,14 +339,14 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         rid = stream.request_id
         created = int(time.time())
         if body.stream:
-            return SSEResponse(chat_events(stream, rid, created, name, body.include_usage), stream.abort)
+            return SSEResponse(chat_events(stream, rid, created, name, body.include_usage, params.n), stream.abort)
         out = await _final_unless_disconnected(stream, request)
         if out is None:
             return Response(status_code=499)
-        c = out.outputs[0]
         return SafeJSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=name, usage=usage(out),
-            choices=[ChatChoice(message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)],
+            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
+                     for c in out.outputs],
         ).model_dump())
 
     _serve_openapi(app, name, context_tokens, vocab_size)  # what /openapi.json serves

@@ -345,7 +345,9 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         """Abort every unfinished request (finish reason ``error``) and hand ``exc`` to their streams."""
         failed: list[RequestOutput] = []
-        rids = list(self.engine.requests)
+        parents = self.engine.parallel.parents
+        children = {c.request_id for p in parents.values() for c in p.children}
+        rids = [*parents, *(r for r in self.engine.requests if r not in children)]  # the ids callers know
         for rid in rids:
             try:
                 out = self.engine.abort_request(rid)
@@ -354,7 +356,8 @@ class AsyncEngine:
                 self.engine.requests.pop(rid, None)
                 out = None
             if out is not None:
-                out.outputs[0].finish_reason = "error"
+                for c in out.outputs:
+                    c.finish_reason = "error"
                 failed.append(out)
         self._observe(failed)
         if rids:

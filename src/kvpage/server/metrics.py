@@ -182,7 +182,7 @@ class ServerMetrics:
         """
         for out in outputs:
             rid = out.request_id
-            new_tokens = len(out.outputs[0].delta_token_ids)
+            new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
             last = self._last_token_time.get(rid)
             if new_tokens:
                 if last is None:

@@ -25,7 +25,7 @@ field                       accepted
 ``stop``                    string or array of at most 4 strings, each non-empty, or null
 ``stop_token_ids``          array of integers >= 0 (ids beyond the vocabulary: 400 in the app)
 ``ignore_eos``, ``stream``  boolean
-``n``                       1 (one choice per request)
+``n``                       integer in [1, 128]: choices per request
 ``stream_options``          object ``{"include_usage": boolean}``, only with ``stream: true``
 ``prompt``                  non-empty string, non-empty array of token ids >= 0, or a
                             one-element array of either
@@ -51,7 +51,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from kvpage.engine.sampling import SamplingParams
+from kvpage.engine.sampling import MAX_N, SamplingParams
 from kvpage.server.unsupported import OffChat, OffCommon, OffCompletion, integral
 
 #: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's); chat defaults to "until the context is full".
@@ -69,7 +69,7 @@ PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(integral)]
 TokenId = Annotated[int, Field(ge=0), BeforeValidator(integral)]
 TopK = Annotated[int, Field(ge=-1), BeforeValidator(integral)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(integral)]
-OneChoice = Annotated[int, Field(ge=1, le=1), BeforeValidator(integral)]
+Choices = Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(integral)]
 StopString = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -96,7 +96,8 @@ class _Request(OffCommon):
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None] = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
-    n: OneChoice = Field(1, description="Only 1: this server returns one choice per request.")
+    n: Choices = Field(1, description=f"Choices to generate for the prompt (1 to {MAX_N}); they share the prompt's "
+                                      f"KV blocks; with a seed each choice samples reproducibly and differently.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -133,6 +134,7 @@ class _Request(OffCommon):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
+            n=self.n,
             stop=self.stop,
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
@@ -164,7 +166,7 @@ class CompletionRequest(_Request, OffCompletion):
     def _one_prompt(cls, v: Any) -> str | list[int]:
         if isinstance(v, list) and isinstance(v[0], (str, list)):
             if len(v) != 1:
-                raise ValueError(f"give one prompt per request (n == 1), got an array of {len(v)} prompts")
+                raise ValueError(f"give one prompt per request (n choices of it with n), got an array of {len(v)} prompts")
             v = v[0]
         return v
 

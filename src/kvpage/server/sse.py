@@ -16,7 +16,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvpage.engine.outputs import RequestOutput
+from kvpage.engine.outputs import CompletionOutput, RequestOutput
 from kvpage.server.async_engine import EngineStepError, RequestStream
 from kvpage.server.errors import APIError
 from kvpage.server.jsonsafe import dumps, model_json
@@ -86,21 +86,27 @@ def sse(payload: Any) -> str:
 
 
 def usage(out: RequestOutput) -> UsageInfo:
-    """The usage block of a request's (latest) output."""
+    """The usage block of a request's (latest) output: the prompt once, every completion's tokens (as OpenAI)."""
     m = out.metrics
-    return UsageInfo.build(m.prompt_tokens, len(out.outputs[0].token_ids), m.cached_tokens)
+    return UsageInfo.build(m.prompt_tokens, sum(len(c.token_ids) for c in out.outputs), m.cached_tokens)
+
+
+def _failed(out: RequestOutput) -> CompletionOutput | None:
+    """The first completion the engine finished with ``finish_reason="error"``, or ``None``."""
+    return next((c for c in out.outputs if c.finish_reason == ERROR_FINISH_REASON), None)
 
 
 def failure_message(out: RequestOutput) -> str:
     """What to tell the client whose request the engine finished with ``finish_reason="error"``."""
-    detail = out.outputs[0].error
+    failed = _failed(out)
+    detail = None if failed is None else failed.error
     return (f"the engine failed while running request {out.request_id}"
             f"{f': {detail}' if detail else ''}; other requests were not affected")
 
 
 def raise_if_failed(out: RequestOutput) -> None:
-    """Raise a 500 :class:`APIError` when the engine finished ``out`` with ``finish_reason="error"``."""
-    if out.outputs[0].finish_reason == ERROR_FINISH_REASON:
+    """Raise a 500 :class:`APIError` when the engine finished a completion of ``out`` with ``"error"``."""
+    if _failed(out) is not None:
         raise APIError(500, failure_message(out), type="server_error", code="engine_error")
 
 
@@ -110,21 +116,25 @@ def _error_event(message: str) -> str:
 
 async def completion_events(stream: RequestStream, rid: str, created: int, model: str,
                             include_usage: bool) -> AsyncIterator[str]:
-    """SSE body of a streamed completion: text deltas, a finish chunk, optional usage, ``[DONE]``."""
+    """SSE body of a streamed completion: text deltas and a finish chunk per choice (each with its ``index``),
+    optional usage, ``[DONE]``."""
     try:
         last: RequestOutput | None = None
+        announced: set[int] = set()  # completions whose finish chunk went out
         async for out in stream:
             last = out
-            c = out.outputs[0]
-            if c.delta_text:
-                yield sse(CompletionResponse(id=rid, created=created, model=model,
-                                             choices=[CompletionChoice(text=c.delta_text)]))
-            if out.finished and c.finish_reason == ERROR_FINISH_REASON:
+            if out.finished and _failed(out) is not None:
                 yield _error_event(failure_message(out))
                 last = None
-            elif out.finished:
-                yield sse(CompletionResponse(id=rid, created=created, model=model,
-                                             choices=[CompletionChoice(text="", finish_reason=c.finish_reason)]))
+                continue
+            for c in out.outputs:
+                if c.delta_text:
+                    yield sse(CompletionResponse(id=rid, created=created, model=model,
+                                                 choices=[CompletionChoice(index=c.index, text=c.delta_text)]))
+                if c.finish_reason is not None and c.index not in announced:
+                    announced.add(c.index)
+                    yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[
+                        CompletionChoice(index=c.index, text="", finish_reason=c.finish_reason)]))
         if include_usage and last is not None:
             yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage(last)))
     except EngineStepError as e:
@@ -135,24 +145,29 @@ async def completion_events(stream: RequestStream, rid: str, created: int, model
 
 
 async def chat_events(stream: RequestStream, rid: str, created: int, model: str,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """SSE body of a streamed chat completion: role chunk, content deltas, finish chunk, optional usage, ``[DONE]``."""
+                      include_usage: bool, n: int = 1) -> AsyncIterator[str]:
+    """SSE body of a streamed chat completion: a role chunk per choice, content deltas, a finish chunk per choice
+    (each chunk's choice carries its ``index``), optional usage, ``[DONE]``."""
     try:
-        yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-            ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))]))
+        for i in range(n):
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
         last: RequestOutput | None = None
+        announced: set[int] = set()  # completions whose finish chunk went out
         async for out in stream:
             last = out
-            c = out.outputs[0]
-            if c.delta_text:
-                yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=DeltaMessage(content=c.delta_text))]))
-            if out.finished and c.finish_reason == ERROR_FINISH_REASON:
+            if out.finished and _failed(out) is not None:
                 yield _error_event(failure_message(out))
                 last = None
-            elif out.finished:
-                yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=DeltaMessage(), finish_reason=c.finish_reason)]))
+                continue
+            for c in out.outputs:
+                if c.delta_text:
+                    yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                        ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.delta_text))]))
+                if c.finish_reason is not None and c.index not in announced:
+                    announced.add(c.index)
+                    yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                        ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)]))
         if include_usage and last is not None:
             yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage(last)))
     except EngineStepError as e:

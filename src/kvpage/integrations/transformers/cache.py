@@ -1,0 +1,184 @@
+"""``KVPageCache``: a transformers ``Cache`` whose layers store keys and values in a kvpage KV format.
+
+::
+
+    from kvpage.integrations.transformers import KVPageCache
+
+    cache = KVPageCache(model.config, kv_cache_dtype="int4")
+    out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)   # or cache=cache (5.2x+)
+
+One :class:`~kvpage.spec.CacheSpec` (:meth:`CacheSpec.build <kvpage.spec.CacheSpec.build>` from the model
+config's layer count, KV heads, head size and sliding-window layers) decides every layer's tensors, dtype and
+bytes, as in kvpage's engine; each model layer gets a :class:`~kvpage.integrations.transformers.layer.KVPageLayer`
+(token-wise formats) or :class:`~kvpage.integrations.transformers.sealed.SealedKVPageLayer` (block-wise
+``int4``/``int2``) over its own paged pool. transformers' attention receives dequantized keys and values: the
+cache saves memory per token, not attention time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvpage.formats import BlockFormat, FloatFormat, KVFormat, get_format
+from kvpage.integrations.transformers.layer import KVPageLayer
+from kvpage.integrations.transformers.layout import SLIDING, ModelLayout, check_transformers_version, model_layout
+from kvpage.integrations.transformers.sealed import SealedKVPageLayer
+from kvpage.scales import StaticScales
+from kvpage.spec import CacheSpec
+
+
+def _model_dtype(dtype: torch.dtype | None, config: Any) -> torch.dtype:
+    """``dtype``, else the config's ``dtype`` when it names a float dtype, else float32."""
+    if dtype is not None:
+        return dtype
+    d = getattr(config, "dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) and d.is_floating_point else torch.float32
+
+
+class KVPageCache(Cache):
+    """A transformers ``Cache`` storing every layer's keys and values in a kvpage format, in paged blocks.
+
+    Args:
+        config: the model's ``PreTrainedConfig`` (its decoder text config is read: layers, KV heads, head size,
+            ``layer_types``/``sliding_window``).
+        kv_cache_dtype: a kvpage format name or alias (:func:`kvpage.formats.available_formats`: ``auto``,
+            ``float32``, ``bfloat16``, ``float16``, ``int8``, ``fp8``, ``int8_rotated``, ``fp8_per_token_head``,
+            ``int8_static``, ``fp8_static``, ``int4``, ``int2``). ``auto`` is the model's dtype (taken from the
+            first keys the cache sees).
+        max_cache_tokens: the most tokens one layer's pool holds, over all batch rows (beams included), in
+            whole blocks; the pool is allocated at once on the first update, plus one block per batch row for
+            partial blocks. ``None`` (default): each layer's pool grows on demand.
+        block_size: tokens per block; default the format's preferred size (16 token-wise, 32 for
+            ``int4``/``int2``, whose key groups are the block).
+        kv_cache_scales: calibrated static scales (a :class:`~kvpage.scales.StaticScales` or a scales file from
+            ``kvpage calibrate`` / :func:`~kvpage.integrations.transformers.calibrate_static_scales`); required by
+            ``int8_static``/``fp8_static``, ignored by the other formats.
+        residual_tokens: the full-precision window of ``int4``/``int2`` in tokens (``None``: the format's
+            default, 0 for ``int4`` and 32 for ``int2``); ignored by token-wise formats.
+        dtype: the model's compute dtype, for ``auto`` before the first update (default: the config's, else
+            float32).
+
+    Attributes:
+        spec: the cache layout (:class:`~kvpage.spec.CacheSpec`), the source of every layer's tensors and bytes.
+        layout: what was read from the config (:class:`~kvpage.integrations.transformers.layout.ModelLayout`).
+        layers: one :class:`KVPageLayer` / :class:`SealedKVPageLayer` per model layer.
+
+    Raises:
+        UnknownKVFormatError: an unknown ``kv_cache_dtype`` (the message lists the valid names).
+        UnsupportedModelError: a config whose attention layout the cache cannot hold (MLA, linear or chunked
+            attention, shared-KV layers, per-layer head shapes, encoder-decoder); the message names it.
+        StaticScalesError: a static-scale format without ``kv_cache_scales``, or scales that do not fit.
+        FileNotFoundError: ``kv_cache_scales`` names no file.
+        UnsupportedTransformersError: the installed transformers is outside the supported range.
+        ValueError: a non-positive ``max_cache_tokens``/``block_size``, a negative ``residual_tokens``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        kv_cache_dtype: str | KVFormat = "auto",
+        *,
+        max_cache_tokens: int | None = None,
+        block_size: int | None = None,
+        kv_cache_scales: StaticScales | str | Path | None = None,
+        residual_tokens: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        check_transformers_version()
+        self.layout: ModelLayout = model_layout(config)
+        self._auto = isinstance(kv_cache_dtype, str) and kv_cache_dtype.strip().lower() == "auto"
+        model_dtype = _model_dtype(dtype, config)
+        fmt = kv_cache_dtype if isinstance(kv_cache_dtype, KVFormat) else get_format(kv_cache_dtype, model_dtype)
+        if max_cache_tokens is not None and max_cache_tokens <= 0:
+            raise ValueError(f"max_cache_tokens must be positive (or None to grow on demand), got {max_cache_tokens}")
+        if block_size is not None and block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.max_cache_tokens = max_cache_tokens
+        self.residual_tokens = residual_tokens
+        self._block_size = block_size or fmt.preferred_block_size
+        self._scales = kv_cache_scales
+        self.spec = self._build_spec(fmt, model_dtype)
+        super().__init__(layers=self._make_layers(), offloading=False)
+
+    # -- construction --------------------------------------------------------------------------
+    def _build_spec(self, fmt: KVFormat, model_dtype: torch.dtype) -> CacheSpec:
+        lay = self.layout
+        return CacheSpec.build(
+            num_layers=lay.num_layers, num_kv_heads=lay.kv_heads, head_dim=lay.head_dim, model_dtype=model_dtype,
+            block_size=self._block_size, kv_cache_dtype=fmt, model_name=f"transformers:{lay.model_type}",
+            static_scales=self._scales, layer_windows=lay.layer_windows if lay.sliding_window else None,
+        )
+
+    def _make_layers(self) -> list[KVPageLayer]:
+        bs = self.spec.block_size
+        limit = None if self.max_cache_tokens is None else -(-self.max_cache_tokens // bs)
+        layers: list[KVPageLayer] = []
+        for i, kind in enumerate(self.layout.layer_types):
+            spec = self.spec.layer(i)
+            window = self.layout.sliding_window if kind == SLIDING else None
+            if isinstance(spec.format, BlockFormat):
+                layers.append(SealedKVPageLayer(spec, i, sliding_window=window, max_blocks=limit,
+                                                residual_tokens=self.residual_tokens))
+            else:
+                layers.append(KVPageLayer(spec, i, sliding_window=window, max_blocks=limit))
+        return layers
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """The layers' format (``auto`` resolved)."""
+        return self.spec.main.layer.format
+
+    def __repr__(self) -> str:
+        return (f"KVPageCache({self.kv_format.name}, {self.layout.model_type}, layers={len(self.layers)}, "
+                f"block_size={self.spec.block_size}, tokens={self.get_seq_length()})")
+
+    # -- transformers entry points -----------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer ``layer_idx``'s new keys/values (``[batch, kv_heads, n, head_dim]``) and return its context.
+
+        With ``kv_cache_dtype="auto"``, the first update of an empty cache resolves it to ``key_states.dtype``
+        (rebuilding the spec and the layers when the guess from the config differed). See
+        :meth:`KVPageLayer.update` for the result and the errors.
+        """
+        if (self._auto and isinstance(self.kv_format, FloatFormat) and key_states.dtype != self.kv_format.dtype
+                and not any(layer.is_initialized for layer in self.layers)):
+            self.spec = self._build_spec(get_format("auto", key_states.dtype), key_states.dtype)
+            self.layers = list(self._make_layers())
+        keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return keys, values
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """The most tokens layer ``layer_idx`` serves a query: its sliding window, or -1 (no limit)."""
+        return self.layers[layer_idx].get_max_length()
+
+    # -- accounting ----------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of KV data the cache holds for its tokens, every layer (see :meth:`KVPageLayer.kv_bytes` and
+        :meth:`SealedKVPageLayer.kv_bytes`: codes, scales, zero points, full-precision tail/window, 8-bit first
+        block; a block shared by beams counts once)."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the cache has allocated (whole pools, free blocks included)."""
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
+    def bits_per_value(self) -> float:
+        """Effective bits per cached key or value element: ``8 * kv_bytes()`` over every layer's
+        ``2 * batch * tokens * kv_heads * head_dim`` values (tokens written, sliding layers' dropped ones too).
+
+        Raises:
+            ValueError: the cache holds no token.
+        """
+        lay = self.layout
+        values = sum(2 * (layer.table.num_rows if layer.table else 0) * layer.num_tokens * lay.kv_heads * lay.head_dim
+                     for layer in self.layers)
+        if not values:
+            raise ValueError("the cache holds no token")
+        return 8 * self.kv_bytes() / values

@@ -1,0 +1,176 @@
+"""Parallel sampling (issue 16): ``SamplingParams(n=...)``, the engine's parents and children, HTTP ``n``.
+
+The n completions of a request share its prompt's blocks: the first computes the prompt, the others are admitted
+once its blocks are indexed and hit them. Checked: greedy completions equal ``n=1``; seeded sampled ones are
+reproducible and not all equal; the peak blocks of ``n=8`` stay near one prompt (measured from the pool);
+aborting the parent ends every completion and frees every block; streams carry each completion's deltas
+under its index; the HTTP endpoints return ``n`` choices with usage counting each token once.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _tiny import tiny_loaded
+from kvpage import LLM, SamplingParams
+from kvpage.engine.sampling import MAX_N, child_params, child_seed
+
+PROMPT = {"prompt_token_ids": list(range(10, 70))}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(tiny_loaded(), progress=False, num_blocks=400, block_size=16, max_num_seqs=16)
+
+
+def test_n_is_checked_and_children_get_derived_seeds() -> None:
+    for bad in (0, MAX_N + 1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="n must be an integer"):
+            SamplingParams(n=bad)
+    assert SamplingParams(n=3).n == 3
+    assert child_seed(None, 3) is None and child_seed(7, 0) == 7
+    seeds = {child_seed(7, i) for i in range(50)}
+    assert len(seeds) == 50 and seeds == {child_seed(7, i) for i in range(50)}
+    p = child_params(SamplingParams(n=5, seed=7, temperature=0.7, top_k=5, stop=["x"], max_tokens=9), 2)
+    assert (p.n, p.seed, p.temperature, p.top_k, p.stop, p.max_tokens) == (1, child_seed(7, 2), 0.7, 5, ("x",), 9)
+
+
+def test_greedy_completions_are_identical_and_equal_n_1(llm: LLM) -> None:
+    one = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    out = llm.generate(PROMPT, SamplingParams(n=4, max_tokens=12, temperature=0))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(c.token_ids == one.token_ids and c.text == one.text and c.finish_reason == "length"
+               for c in out.outputs)
+    assert out.metrics.output_tokens == 4 * 12 and out.metrics.prompt_tokens == 60
+
+
+def test_seeded_samples_are_reproducible_and_differ(llm: LLM) -> None:
+    params = SamplingParams(n=6, max_tokens=10, temperature=1.0, seed=11)
+    a = [c.token_ids for c in llm.generate(PROMPT, params)[0].outputs]
+    b = [c.token_ids for c in llm.generate(PROMPT, params)[0].outputs]
+    assert a == b
+    assert len({tuple(t) for t in a}) > 1
+    # completion 0 samples as the same request with n=1 would
+    solo = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=1.0, seed=11))[0].outputs[0].token_ids
+    assert a[0] == solo
+
+
+def test_completions_share_the_prompt_blocks(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n=8 on a long prompt: peak blocks in use <= prompt blocks + 8 x (generated blocks + 1), from the pool."""
+    llm.reset_prefix_cache()
+    bs = llm.spec.block_size
+    prompt = {"prompt_token_ids": torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(3)).tolist()}
+    gen = 20
+    peak = 0
+    engine = llm.engine
+    step = engine.step
+
+    def watched() -> list:
+        nonlocal peak
+        out = step()
+        peak = max(peak, llm.kv_cache_stats().num_in_use)
+        return out
+
+    monkeypatch.setattr(engine, "step", watched)
+    out = llm.generate(prompt, SamplingParams(n=8, max_tokens=gen, temperature=1.0, seed=1, ignore_eos=True))[0]
+    monkeypatch.undo()
+    assert all(len(c.token_ids) == gen for c in out.outputs)
+    prompt_blocks = -(-300 // bs)
+    bound = prompt_blocks + 8 * (-(-gen // bs) + 1)
+    assert peak <= bound, (peak, bound)
+    assert peak < 8 * prompt_blocks / 2  # far below eight separate prompts
+    assert llm.kv_cache_stats().num_in_use == 0
+
+
+def test_aborting_the_parent_ends_every_completion_and_frees_every_block(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request(None, list(range(20, 60)), SamplingParams(n=5, max_tokens=50, temperature=1.0),
+                       request_id="parent")
+    engine.step()  # the first completion computes the prompt; the others are held
+    engine.step()  # now they run
+    out = engine.abort_request("parent")
+    assert out is not None and out.finished and out.request_id == "parent"
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * 5
+    assert not engine.has_unfinished_requests()
+    assert llm.kv_cache_stats().num_in_use == 0
+    assert engine.abort_request("parent") is None
+    # aborted while the others were still held
+    engine.add_request(None, list(range(20, 60)), SamplingParams(n=3, max_tokens=5, temperature=1.0),
+                       request_id="early")
+    out = engine.abort_request("early")
+    assert out is not None and [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    assert not engine.has_unfinished_requests() and llm.kv_cache_stats().num_in_use == 0
+
+
+def test_stream_deltas_add_up_per_completion(llm: LLM) -> None:
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {}
+    last = None
+    for out in llm.generate_stream(PROMPT, SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=2)):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for c in out.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.delta_text
+            tokens.setdefault(c.index, []).extend(c.delta_token_ids)
+        last = out
+    assert last is not None and last.finished
+    for c in last.outputs:
+        assert tokens[c.index] == c.token_ids and texts[c.index] == c.text
+
+
+def test_a_request_id_in_use_by_a_parent_is_refused(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request(None, [1, 2, 3], SamplingParams(n=2, max_tokens=2, temperature=1.0), request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=2), request_id="dup#1")
+    engine.abort_request("dup")
+
+
+# -- HTTP ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(llm: LLM):
+    import httpx
+
+    from kvpage.server.app import ServerThread, build_app
+
+    with ServerThread(build_app(llm, "tiny")) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            yield http
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hello there"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+])
+def test_http_n_returns_n_choices_and_counts_each_token_once(server, path: str, body: dict) -> None:
+    r = server.post(path, json={"model": "tiny", **body, "n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 4})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    u = data["usage"]
+    assert u["completion_tokens"] == 18 and u["total_tokens"] == u["prompt_tokens"] + 18
+    # streamed: every chunk's choice carries its index; the deltas add up to the whole answers
+    r2 = server.post(path, json={"model": "tiny", **body, "n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 4,
+                                 "stream": True, "stream_options": {"include_usage": True}})
+    got: dict[int, str] = {0: "", 1: "", 2: ""}
+    finished: list[int] = []
+    usage = None
+    for line in r2.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for c in chunk["choices"]:
+            piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+            got[c["index"]] += piece or ""
+            if c.get("finish_reason"):
+                finished.append(c["index"])
+    assert sorted(finished) == [0, 1, 2]
+    whole = [c.get("text") if "text" in c else c["message"]["content"] for c in data["choices"]]
+    assert [got[i] for i in range(3)] == whole  # same seed: the same answers streamed
+    assert usage is not None and usage["completion_tokens"] == 18
