@@ -116,6 +116,20 @@ class ManagerMachine(RuleBasedStateMachine):
     def _pick(self, data: st.DataObject, pool: dict) -> str:
         return data.draw(st.sampled_from(sorted(pool)))
 
+    def _apply_copies(self) -> None:
+        """Copy-on-write booked by the last allocation: copy the blocks' KV, as the engine does before a forward."""
+        def copy(pairs) -> None:
+            for a, b in pairs:
+                OPS["copy-on-write"] += 1
+                assert self.m.pool.ref_count(b) == 1 and self.m.pool.block_hash(b) is None
+                for j in range(BS):
+                    if a * BS + j in self.kv:
+                        self.kv[b * BS + j] = self.kv[a * BS + j]
+                    else:
+                        self.kv.pop(b * BS + j, None)
+        self.m.apply_block_copies(copy)
+        assert self.m.num_pending_copies == 0
+
     # -- operations (each draws what it needs) ---------------------------------------------------
 
     def add_request(self, data: st.DataObject) -> None:
@@ -165,6 +179,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert (self.m.num_free_blocks, self.m.num_evictable_blocks) == free_before
             assert self.m.block_table(rid).num_tokens == run.reserved
             return
+        self._apply_copies()
         run.reserved += n
         assert blocks.num_tokens == run.reserved and len(blocks.block_ids) == self.m.blocks_for(run.reserved)
 
@@ -210,6 +225,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         blocks = m.allocate_slots(req, len(known) + k)
         assert blocks is not None
+        self._apply_copies()
         drafts = data.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k), label="draft tokens")
         tokens = [*req.all_token_ids, *drafts]
         for pos in range(run.computed, run.computed + len(known) + k):
@@ -238,6 +254,37 @@ class ManagerMachine(RuleBasedStateMachine):
         m.cache_blocks(req, keep)
         if data.draw(st.booleans(), label="bonus token"):
             req.all_token_ids.append(data.draw(st.integers(0, 2), label="bonus"))
+
+    def fork(self, data: st.DataObject) -> None:
+        """Parallel sampling (issue 16): a child shares the first ``n`` written tokens of a running request by
+        reference (no block taken), then diverges; whoever first writes into a shared partial block copies it."""
+        self._step()
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.running.items() if r.computed)), label="parent")
+        run = self.running[rid]
+        n = data.draw(st.integers(0, run.computed), label="shared tokens")
+        tail = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=4), label="child tokens")
+        cid = f"r{self.counter}"
+        self.counter += 1
+        child = KVRequest(cid, run.req.all_token_ids[:n] + tail, cache_salt=run.req.cache_salt,
+                          extra_keys=run.req.extra_keys)
+        before = (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks)
+        # the parent holds slots past n in the shared partial block: the child takes its copy at once
+        eager = n % BS != 0 and run.reserved > n
+        try:
+            blocks = self.m.fork(run.req, child, n)
+        except ValueError:
+            assert eager and before[0] + before[1] == 0, "a fork refused without cause"
+            assert (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks) == before
+            OPS["fork refused: no block for the copy"] += 1
+            return
+        shared = self.m.block_ids(rid)[: self.m.blocks_for(n)]
+        assert blocks.num_tokens == n and blocks.block_ids[: len(shared) - eager] == shared[: len(shared) - eager]
+        assert self.m.num_free_blocks + self.m.num_evictable_blocks == before[0] + before[1] - eager
+        self._apply_copies()
+        OPS["fork"] += 1
+        OPS["fork sharing a partial block"] += n % BS != 0 and not eager
+        OPS["fork copying the partial block at once"] += eager
+        self.running[cid] = Running(child, n, n)
 
     def finish(self, data: st.DataObject) -> None:
         """Finish or abort a running request (mid-prefill included)."""
@@ -292,6 +339,7 @@ class ManagerMachine(RuleBasedStateMachine):
             ("schedule", 3 if any(r.reserved < len(r.req.all_token_ids) for r in runs) else 0),
             ("forward", 6 if any(r.computed < r.reserved for r in runs) else 0),
             ("speculate", 3 if self._speculating() else 0),
+            ("fork", 1 if any(r.computed for r in runs) and len(self.running) < 6 else 0),
             ("finish", 2 if self.running else 0),
             ("abort_waiting", 1 if self.waiting else 0),
             ("preempt", 1 if self.running and len(self.waiting) < 6 else 0),
@@ -374,7 +422,7 @@ def _run(machine: type[ManagerMachine], examples: int) -> int:
     print(f"{machine.__name__}: {STEPS['count']} operations; {dict(sorted(OPS.items()))}")
     # the interesting paths really ran
     for what in ("admit ok", "admit refused", "forward", "preempt", "evicted blocks", "prefix-hit tokens", "speculate",
-                 "blocks freed by rollback", "rollback into an indexed block refused"):
+                 "blocks freed by rollback", "rollback into an indexed block refused", "fork"):
         assert OPS[what] > 0, what
     return STEPS["count"]
 
@@ -382,6 +430,8 @@ def _run(machine: type[ManagerMachine], examples: int) -> int:
 def test_manager_state_machine_10k_operations() -> None:
     n = _run(ManagerMachine, 300)
     assert n >= 10_000, n
+    for what in ("fork sharing a partial block", "fork copying the partial block at once", "copy-on-write"):
+        assert OPS[what] > 0, what
 
 
 def test_manager_state_machine_under_forced_collisions() -> None:

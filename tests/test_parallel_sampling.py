@@ -174,3 +174,55 @@ def test_http_n_returns_n_choices_and_counts_each_token_once(server, path: str, 
     whole = [c.get("text") if "text" in c else c["message"]["content"] for c in data["choices"]]
     assert [got[i] for i in range(3)] == whole  # same seed: the same answers streamed
     assert usage is not None and usage["completion_tokens"] == 18
+
+
+# -- fork and copy-on-write through the engine ---------------------------------------------------------------------
+
+def _peaked(seed: int = 0):
+    """The tiny model with weights x8: next-token distributions peaked enough that sampling at temperature 1e-3
+    picks the argmax (so forked completions must equal greedy unless their KV is wrong)."""
+    loaded = tiny_loaded(seed)
+    with torch.no_grad():
+        for name, p in loaded.model.named_parameters():
+            if "norm" not in name:
+                p.mul_(8.0)
+    return loaded
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
+def test_completions_fork_from_the_first_and_copy_its_partial_block(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefix caching off: the completions still share the prompt, by fork (int4: whole blocks); the partial block
+    is copied on write, and every completion reads exactly the prompt's KV (equal to greedy at temperature 1e-3)."""
+    llm = LLM(_peaked(), progress=False, num_blocks=200, block_size=16, enable_prefix_caching=False,
+              kv_cache_dtype=fmt)
+    manager = llm._built.kv.manager
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0))[0].outputs[0].token_ids
+    forks, copies = [], []
+    fork, apply = manager.fork, manager.apply_block_copies
+    monkeypatch.setattr(manager, "fork", lambda p, c, n: forks.append(n) or fork(p, c, n))
+    monkeypatch.setattr(manager, "apply_block_copies", lambda f: copies.append(apply(f)) or copies[-1])
+    out = llm.generate(PROMPT, SamplingParams(n=5, max_tokens=20, temperature=1e-3, seed=3))[0]
+    assert all(c.token_ids == greedy for c in out.outputs)
+    assert forks == [59 if fmt != "int4" else 48] * 4      # all but the last prompt token (int4: whole blocks)
+    assert (sum(copies) > 0) == (fmt != "int4")             # 59 % 16 != 0: the shared partial block is copied
+    assert llm.kv_cache_stats().num_in_use == 0
+
+
+def test_window_completions_fork_with_their_window_slots(tmp_path_factory: pytest.TempPathFactory, smollm2) -> None:
+    """A Gemma-3-style model: forks pin the window slots of the shared blocks and copy-on-write copies the
+    partial block's window slot too; every completion equals greedy at temperature 1e-3."""
+    from test_sliding_window import _gemma_folder
+
+    from kvpage.cache.groups import SlidingWindowManager
+
+    folder = _gemma_folder(tmp_path_factory.mktemp("gemma_fork"), smollm2.tokenizer, window=32, context=300)
+    llm = LLM(str(folder), progress=False, num_blocks=120, block_size=16, enable_prefix_caching=False,
+              kv_cache_dtype="int8")
+    win = llm._built.groups[1]
+    assert isinstance(win, SlidingWindowManager)
+    prompt = {"prompt_token_ids": torch.randint(100, 40000, (70,), generator=torch.Generator().manual_seed(5)).tolist()}
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].token_ids
+    out = llm.generate(prompt, SamplingParams(n=4, max_tokens=16, temperature=1e-3, seed=8))[0]
+    assert all(c.token_ids == greedy for c in out.outputs)
+    assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
+    assert llm.kv_cache_stats().num_in_use == 0

@@ -197,7 +197,7 @@ def _group_formula(g: LayerGroupSpec) -> str:
     """``30 layers x 2 x 3 kv heads x 64 x 1.03 bytes`` for one group (a key-only latent group: ``x 1``)."""
     name = "" if g.name == "main" else g.name + " "
     return (f"{g.num_layers} {name}layer{'s' if g.num_layers != 1 else ''} x {2 if g.layer.has_value else 1} x {g.layer.kv_heads} kv "
-            f"head{'s' if g.layer.kv_heads != 1 else ''} x {g.layer.head_dim} x {g.layer.bits_per_value / 8:g} bytes")
+            f"heads x {g.layer.head_dim} x {g.layer.bits_per_value / 8:g} bytes")
 
 
 def tier_line(llm: LLM) -> str | None:

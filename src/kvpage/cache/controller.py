@@ -13,7 +13,7 @@ tensor (see :mod:`kvpage.formats.base` for the per-block layout).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -261,6 +261,34 @@ class CacheController:
                 d.index_copy_(0, di.to(d.device), rows.to(d.device, non_blocking=d.device.type == "cpu" and rows.is_cuda))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]],
+                    rows: Mapping[int, Callable[[int], int | None]] | None = None) -> None:
+        """Copy whole device blocks ``source -> destination`` in every allocated layer: K, V and every scale, main,
+        sliding and draft layers (copy-on-write of a forked block).
+
+        Args:
+            pairs: ``(source, destination)`` block ids.
+            rows: per layer index, block id -> the row of its tensors, for a group that keeps its tensors in slots
+                of its own (a bounded sliding-window group); a block without a row is skipped there.
+
+        Raises:
+            ValueError / IndexError: a destination repeated, ids out of range.
+        """
+        by_layer = rows or {}
+        for i, cache in self.device_caches.items():
+            row = by_layer.get(i)
+            todo = pairs if row is None else [(row(a), row(b)) for a, b in pairs]
+            todo = [(a, b) for a, b in todo if a is not None and b is not None]
+            if not todo:
+                continue
+            n = next(iter(cache.values())).shape[0]
+            src = _check_ids("source block ids", [a for a, _ in todo], n)
+            dst = _check_ids("destination block ids", [b for _, b in todo], n)
+            if len(set(dst.tolist())) != len(todo):
+                raise ValueError(f"destination block ids repeat: {dst.tolist()}")
+            for t in cache.values():
+                t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
 
     def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], layers: Iterable[int] | None = None) -> None:
         """Copy device blocks to host blocks: K, V and every scale, for every (or the given) layer.

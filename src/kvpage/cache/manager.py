@@ -24,7 +24,6 @@ request is freed and every held block released, no block is in use.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kvpage.cache.block_table import BlockTable
 from kvpage.cache.events import EventSource, KVEventBus
@@ -33,25 +32,15 @@ from kvpage.cache.hashing import BlockHashFn, hash_block_tokens
 from kvpage.cache.prefix_cache import ROOT, BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
 from kvpage.cache.prefix_index import PrefixIndex
 from kvpage.cache.side_slots import SideSlots
+from kvpage.cache.req_state import _ReqState
+from kvpage.cache.table_edits import TableEdits
 from kvpage.cache.requests import KVCacheBlocks, KVCacheStats, KVRequest, MatchResult, SupportsKVCache
 
 __all__ = ["BlockRemoved", "BlockStored", "KVCacheBlocks", "KVCacheEvent", "KVCacheManager", "KVCacheStats",
            "KVRequest", "MatchResult", "SupportsKVCache"]
 
 
-@dataclass(slots=True)
-class _ReqState:
-    """Per-request bookkeeping: the block table and how far it is indexed."""
-
-    block_ids: list[int]
-    num_tokens: int  # slots reserved
-    num_cached_blocks: int  # block_ids[:num_cached_blocks] are indexed (or deduplicated / given up on)
-    parent: int  # block that holds the prefix up to num_cached_blocks (ROOT at 0)
-    anchors: list[int] = field(default_factory=list)  # extra refs on indexed twins of our duplicate blocks
-    stop_caching: bool = False  # a hash collision stopped this request's chain
-
-
-class KVCacheManager(SideSlots, EventSource):
+class KVCacheManager(SideSlots, TableEdits, EventSource):
     """Prefix-cached paged KV bookkeeping for a scheduler: match, allocate, cache, free.
 
     Args:
@@ -100,6 +89,7 @@ class KVCacheManager(SideSlots, EventSource):
         self.events = KVEventBus(self.pool, buffer=enable_events, max_buffered=max_buffered_events,
                                  record_changes=record_block_changes)
         self._reqs: dict[str, _ReqState] = {}
+        self._copies: list[tuple[int, int]] = []  # copy-on-write pairs booked, not applied (TableEdits)
         if any(g.drops_on_eviction for g in self.groups):
             self.events.subscribe(self._on_event)
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
@@ -233,7 +223,8 @@ class KVCacheManager(SideSlots, EventSource):
             if (match is not None and match.block_ids) or num_external_tokens:
                 raise ValueError(f"request {request.request_id!r} already holds blocks; a prefix match and "
                                  "external tokens are for admission")
-            return self.blocks_for(st.num_tokens + num_new_tokens) - len(st.block_ids), available
+            cow = int(self.needs_copy(request.request_id, num_new_tokens))  # a forked partial block to copy first
+            return self.blocks_for(st.num_tokens + num_new_tokens) - len(st.block_ids) + cow, available
         m = match or MatchResult()
         self._check_match(request, m)
         if m.num_cached_tokens + num_external_tokens > len(request.all_token_ids):
@@ -293,8 +284,12 @@ class KVCacheManager(SideSlots, EventSource):
                 return None
         st = self._reqs.get(request.request_id)
         if st is not None:
-            new = self._take(max(need, 0))
-            st.block_ids.extend(new)
+            copied: list[int] = []
+            if self.needs_copy(request.request_id, num_new_tokens):
+                copied = [self._copy_on_write(request.request_id)]
+                need -= 1
+            new = copied + self._take(max(need, 0))
+            st.block_ids.extend(new[len(copied):])
             st.num_tokens += num_new_tokens
             for g in self.groups:
                 g.on_request_blocks(request.request_id, st.block_ids, None)
@@ -332,40 +327,6 @@ class KVCacheManager(SideSlots, EventSource):
         if not 0 <= num_tokens <= st.num_tokens - st.num_cached_blocks * self.block_size:
             raise ValueError(f"cannot give back {num_tokens} of {st.num_tokens} slots")
         st.num_tokens -= num_tokens
-
-    def rollback(self, request: SupportsKVCache | str, num_tokens: int) -> tuple[int, ...]:
-        """Keep the request's first ``num_tokens`` reserved slots, dropping the rest (rejected drafts, issue 14)::
-
-            [0, num_cached_blocks * bs)   indexed blocks: never rolled back into (ValueError)
-            [.., num_tokens)              kept: verified tokens
-            [num_tokens, reserved)        dropped; blocks past blocks_for(num_tokens) go back to the pool
-
-        The dropped blocks were never indexed: they return to the free list, and every group manager hears of
-        them (:meth:`~kvpage.cache.groups.GroupManager.on_blocks_freed`), then of the kept table
-        (:meth:`~kvpage.cache.groups.GroupManager.on_rollback`) -- also when nothing is dropped
-        (``num_tokens == reserved``: the *commit* after a verification step, when a quantize-on-seal group learns
-        which provisional seals are verified). Returns the freed block ids in table order (maybe empty).
-
-        Raises:
-            KeyError: the request holds no blocks.
-            ValueError: ``num_tokens`` below its indexed blocks' tokens or above its reserved slots.
-        """
-        rid = request if isinstance(request, str) else request.request_id
-        st = self._reqs[rid]
-        indexed = st.num_cached_blocks * self.block_size
-        if not indexed <= num_tokens <= st.num_tokens:
-            raise ValueError(f"request {rid!r} cannot roll back to {num_tokens} tokens: it must keep its indexed "
-                             f"{indexed} and holds {st.num_tokens} slots")
-        keep = self.blocks_for(num_tokens)
-        freed = st.block_ids[keep:]
-        del st.block_ids[keep:]
-        st.num_tokens = num_tokens
-        if freed:
-            self.pool.release(list(reversed(freed)))
-            self._freed(freed)
-        for g in self.groups:
-            g.on_rollback(st.block_ids, num_tokens)
-        return tuple(freed)
 
     def num_tokens(self, request_id: str) -> int:
         """Slots the request holds, in tokens (``KeyError`` if it holds none)."""

@@ -94,8 +94,9 @@ class PrefixIndex:
         """Index the request's blocks ``block_ids[start:end]`` (their KV is written), chained after ``parent``.
 
         When an equal block is indexed already (two requests computed it at
-        once), that entry stays and is referenced instead (vLLM); a hash
-        collision (same hash, other contents) stops the chain.
+        once), that entry stays and is referenced instead (vLLM); a block this
+        request shares with a fork sibling that indexed it already is passed over;
+        a hash collision (same hash, other contents) stops the chain.
         """
         hashes = self.block_hashes(request, end)
         stored = 0
@@ -103,7 +104,13 @@ class PrefixIndex:
         done = start
         for i in range(start, end):
             b = block_ids[i]
-            holder = self.pool.insert(b, hashes[i], self.key(request, i, parent))
+            key = self.key(request, i, parent)
+            if self.pool.block_hash(b) is not None:  # a block shared with a fork sibling, indexed by it already
+                if self.pool.block_key(b) != key:
+                    return InsertResult(stored, done, parent, tuple(twins), True)
+                parent, done = b, i + 1
+                continue
+            holder = self.pool.insert(b, hashes[i], key)
             if holder is None:  # collision: another prefix owns this hash
                 return InsertResult(stored, done, parent, tuple(twins), True)
             if holder == b:

@@ -6,7 +6,7 @@ giving back side space when a block is evicted. Tensor-free.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvpage.cache.groups import GroupManager
@@ -14,7 +14,7 @@ from kvpage.cache.prefix_cache import BlockRemoved, KVCacheEvent, PrefixBlockPoo
 from kvpage.cache.requests import MatchResult, SupportsKVCache
 
 if TYPE_CHECKING:
-    from kvpage.cache.manager import _ReqState
+    from kvpage.cache.req_state import _ReqState
 
 
 class SideSlots:
@@ -31,6 +31,9 @@ class SideSlots:
     def is_live(self, block_id: int) -> bool:  # (the manager's)
         """Whether the block's content is still held."""
         raise NotImplementedError
+
+    #: Whether the request's next write copies a shared block first (:class:`~kvpage.cache.table_edits.TableEdits`).
+    needs_copy: Callable[[str, int], bool]
 
     # -- side slots (the tail of quantize-on-seal groups) -----------------------------------------
 
@@ -100,5 +103,6 @@ class SideSlots:
             raise ValueError(f"num_draft must be in [0, num_new_tokens={num_new_tokens}], got {num_draft}")
         st = self._reqs.get(request.request_id)
         held: Sequence[int] = st.block_ids if st is not None else (match.block_ids if match is not None else ())
+        cow = st is not None and self.needs_copy(request.request_id, num_new_tokens)  # a forked block copied first
         return tuple(g.side_slots_needed(request, held, num_computed, num_new_tokens, num_draft=num_draft)
-                     for g in self.groups)
+                     + (g.side_slots_per_copy if cow else 0) for g in self.groups)

@@ -11,6 +11,7 @@ block-wise formats (tail, window and first-block copies) are paid for.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.cache.controller import CacheController, LayerCache
-from kvpage.cache.groups import GroupManager, SealedGroupManager, is_bounded_window, manager_for
+from kvpage.cache.groups import GroupManager, SealedGroupManager, SlidingWindowManager, is_bounded_window, manager_for
 from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.cache.tail import TailPool
@@ -136,7 +137,14 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     manager = KVCacheManager(num_blocks, spec.block_size, groups=groups,
                              enable_caching=config.enable_prefix_caching,
                              record_block_changes=connector is not None, pool=pool)
-    kv = SchedulerKVCache(manager, connector)
+    slots = {i: g.slot_of for g in groups if isinstance(g, SlidingWindowManager) and g.group is not None
+             for i in g.group.layer_indices}  # bounded window layers keep their rows in window slots
+
+    def copy_blocks(pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write of forked blocks: every layer's tensors (main, sliding, draft)."""
+        controller.copy_blocks(pairs, slots)
+
+    kv = SchedulerKVCache(manager, connector, copy_blocks)
 
     tails: dict[str, TailPool] = {}
     backends: dict[str, GroupAttention] = {}

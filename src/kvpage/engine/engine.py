@@ -14,23 +14,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvpage.cache.requests import KVCacheStats
 from kvpage.engine.detokenize import REPLACEMENT, ends_with_split_character
 from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
 from kvpage.engine.parallel import ParallelSampling, ParentRequest, child_request_id
-from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpage.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, child_params, sample
 from kvpage.engine.scheduler import ScheduledRequestChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.engine.sequence import Request
 from kvpage.engine.speculative.acceptance import verify
-from kvpage.engine.speculative.metrics import SpecDecodingCounters, SpecDecodingStats
+from kvpage.engine.speculative.metrics import SpecDecodingCounters
 from kvpage.engine.speculative.proposer import Drafter, Proposal
 from kvpage.engine.validate import check_text, check_token_ids
 from kvpage.errors import PromptTooLongError
@@ -55,32 +53,6 @@ class EngineStepError(RuntimeError):
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for metrics.
-
-    Attributes:
-        num_running: requests in the running batch.
-        num_waiting: requests queued (new or preempted).
-        kv_usage: fraction of KV blocks in use, in [0, 1].
-        kv: the KV cache's counters (prefix queries/hits, evictions, ...; tier counters in ``kv.tiers``).
-        num_preemptions: requests preempted since start.
-        prompt_tokens: prompt tokens computed since start (cache hits excluded).
-        generation_tokens: tokens output since start (accepted drafts included).
-        spec_decoding: speculative decoding's counters (drafted, accepted, emitted tokens, per
-            position), or ``None`` when the engine does not speculate.
-    """
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    kv: KVCacheStats
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    spec_decoding: SpecDecodingStats | None = None
 
 
 class LLMEngine:
@@ -258,9 +230,22 @@ class LLMEngine:
             RuntimeError: requests wait but none can be scheduled (cannot happen
                 for requests admitted by :meth:`add_request`; guards against a hang).
         """
-        for child in self.parallel.release():  # completions whose prompt blocks are now cached
-            self.scheduler.add_request(child)
+        for first, child in self.parallel.release():  # the first completion has computed the prompt
+            if not self._fork(first, child):
+                self.scheduler.add_request(child)  # admitted as any request: its prompt blocks are cached
         return self.parallel.fan_in(self._step())
+
+    def _fork(self, first: Request, child: Request) -> bool:
+        """Start ``child`` on ``first``'s prompt blocks (all but the last prompt token, whose logits the child
+        computes itself; int4/int2: whole blocks); ``False`` when ``first`` holds no blocks or a group refuses."""
+        if first.is_finished or first.num_computed_tokens < first.num_prompt_tokens:
+            return False
+        n = self.kv.fork_point(child.num_prompt_tokens - 1)
+        if not self.kv.fork(first, child, n):
+            return False
+        child.num_computed_tokens = n
+        self.scheduler.add_running(child)
+        return True
 
     def _step(self) -> list[RequestOutput]:
         """:meth:`step` before children's outputs are merged per parent."""
@@ -274,6 +259,7 @@ class LLMEngine:
                 )
             return []
         self.kv.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
+        self.kv.apply_block_copies()  # copy-on-write of forked blocks the step writes into
         proposals = self._propose(sched.scheduled)
         batch = [
             ScheduledRequest(c.token_ids + list(p.tokens), c.num_computed, c.block_ids, c.request.request_id,

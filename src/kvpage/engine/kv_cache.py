@@ -91,16 +91,20 @@ class SchedulerKVCache:
     Args:
         manager: the device bookkeeping (built with ``record_block_changes=True`` when a connector is given).
         connector: the tiers, or ``None``.
+        copy_blocks: copies whole blocks ``(source, destination)`` in every layer's tensors (copy-on-write of a
+            forked block, :meth:`apply_block_copies`); ``None``: forks share only what no one writes again.
 
     Raises:
         ValueError: a connector with a manager that does not record block changes.
     """
 
-    def __init__(self, manager: KVCacheManager, connector: KVConnector | None = None) -> None:
+    def __init__(self, manager: KVCacheManager, connector: KVConnector | None = None,
+                 copy_blocks: Callable[[Sequence[tuple[int, int]]], None] | None = None) -> None:
         if connector is not None and not manager.records_block_changes:
             raise ValueError("a KV connector needs a KVCacheManager built with record_block_changes=True")
         self.manager = manager
         self.connector = connector
+        self._copy_blocks = copy_blocks
         self._loaded: dict[str, tuple[SupportsKVCache, int]] = {}  # request id -> (request, tokens once loaded)
 
     # -- read-through ------------------------------------------------------------------------------
@@ -274,6 +278,30 @@ class SchedulerKVCache:
                 else:
                     self._loaded[request.request_id] = (request, computed)
         return replace(blocks, num_computed_tokens=computed)
+
+    def fork_point(self, num_tokens: int) -> int:
+        """The most of a request's first ``num_tokens`` tokens a fork may share: all of them when copy-on-write is
+        possible here, else (no copier, or a group that cannot copy a partial block) the whole blocks."""
+        if self._copy_blocks is not None and all(g.copies_partial_blocks for g in self.manager.groups):
+            return num_tokens
+        return num_tokens // self.block_size * self.block_size
+
+    def fork(self, parent: SupportsKVCache | str, child: SupportsKVCache, num_tokens: int) -> bool:
+        """Let ``child`` share the parent's first ``num_tokens`` tokens (:meth:`KVCacheManager.fork`); ``False``
+        (nothing changed) when a group cannot serve the child from them (window slots gone)."""
+        try:
+            self.manager.fork(parent, child, num_tokens)
+        except ValueError:
+            return False
+        return True
+
+    def apply_block_copies(self) -> int:
+        """Apply the copy-on-write copies booked while scheduling (before the forward pass); returns how many."""
+        if self._copy_blocks is None:
+            if self.manager.num_pending_copies:
+                raise RuntimeError("copy-on-write booked with no block copier")
+            return 0
+        return self.manager.apply_block_copies(self._copy_blocks)
 
     def rollback(self, request: SupportsKVCache | str, num_tokens: int) -> tuple[int, ...]:
         """Keep the request's first ``num_tokens`` slots after a verification step, the rejected drafts' blocks back

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpage.cache.requests import KVCacheStats
+    from kvpage.engine.speculative.metrics import SpecDecodingStats
 
 #: Why a request ended (``CompletionOutput.finish_reason``).
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -72,3 +77,29 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0))
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics.
+
+    Attributes:
+        num_running: requests in the running batch.
+        num_waiting: requests queued (new or preempted).
+        kv_usage: fraction of KV blocks in use, in [0, 1].
+        kv: the KV cache's counters (prefix queries/hits, evictions, ...; tier counters in ``kv.tiers``).
+        num_preemptions: requests preempted since start.
+        prompt_tokens: prompt tokens computed since start (cache hits excluded).
+        generation_tokens: tokens output since start (accepted drafts included).
+        spec_decoding: speculative decoding's counters (drafted, accepted, emitted tokens, per
+            position), or ``None`` when the engine does not speculate.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    kv: KVCacheStats
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    spec_decoding: SpecDecodingStats | None = None

@@ -1,9 +1,11 @@
 """Parallel sampling (``n > 1``): one request, ``n`` completions over the prompt's shared KV blocks.
 
 A request with ``SamplingParams(n=k)`` becomes a *parent* of ``k`` child requests (vLLM's ``ParentRequest``):
-the first child computes the prompt; the others wait until its prompt blocks are written and indexed, then are
-admitted and hit them in the prefix cache, so the prompt's full blocks are computed once and held once (each
-child computes only the prompt's last partial block and its own output). Greedy completions are identical by
+the first child computes the prompt; the others wait until it has, then *fork* from it
+(:meth:`~kvpage.cache.manager.KVCacheManager.fork`): they share its blocks by reference up to the last prompt
+token (whose logits each computes itself, so each samples its own first token), the partial block copied on
+write; the prompt is computed once and held once. (int4/int2 groups share whole blocks; a child that cannot
+fork is admitted as a new request and hits the prompt's cached blocks.) Greedy completions are identical by
 definition, so a greedy parent runs one child and returns its completion ``k`` times. The engine turns the
 children's outputs into one :class:`~kvpage.engine.outputs.RequestOutput` per parent with ``k`` completions.
 """
@@ -127,12 +129,13 @@ class ParallelSampling:
         """Whether some child still waits for its prompt to be computed."""
         return any(p.held for p in self.parents.values())
 
-    def release(self) -> list[Request]:
-        """The held children whose first sibling has computed the prompt: admit them now (they are no longer held)."""
-        out: list[Request] = []
+    def release(self) -> list[tuple[Request, Request]]:
+        """``(first child, held child)`` for each held child whose first sibling has computed the prompt: start them
+        now, on its blocks (they are no longer held)."""
+        out: list[tuple[Request, Request]] = []
         for p in self.parents.values():
             if p.ready_to_release():
-                out.extend(p.held)
+                out.extend((p.children[0], c) for c in p.held)
                 p.held.clear()
         return out
 

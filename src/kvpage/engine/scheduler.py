@@ -223,6 +223,14 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Run a request that already holds its blocks (a fork of a running one, with ``num_computed_tokens``
+        set): it takes part in the next step as any running request does, after those already running."""
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        self.running.append(request)
+
     def finish(self, request: Request, reason: str) -> None:
         """Mark ``request`` finished with ``reason`` and release its blocks (idempotent)."""
         if request.is_finished:

@@ -59,6 +59,32 @@ class GroupManager:
         """The request's table became ``block_ids`` (admitted with a hit of ``num_matched_tokens`` tokens, or grown:
         ``None``). Default: nothing."""
 
+    @property
+    def copies_partial_blocks(self) -> bool:
+        """Whether a fork may share a partial block of this group, copied on write. Default: yes."""
+        return True
+
+    @property
+    def side_slots_per_copy(self) -> int:
+        """Side slots one copy-on-write takes in this group (its new block's). Default: 0."""
+        return 0
+
+    def can_fork(self, block_ids: Sequence[int], num_tokens: int) -> bool:
+        """Whether a child sharing ``block_ids`` (its first ``num_tokens`` tokens) could read all it needs of
+        them (no side effects). Default: yes."""
+        return True
+
+    def on_fork(self, parent_id: str, child_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+        """``child_id`` now shares ``block_ids`` (its first ``num_tokens`` tokens) with ``parent_id``. Default:
+        nothing."""
+
+    def on_block_copied(self, request_id: str, old: int, new: int) -> None:
+        """Copy-on-write: the request's block ``old`` is replaced by ``new``, whose content is copied from ``old``
+        before the next forward pass (``old`` stays referenced until then). Default: nothing."""
+
+    def on_copies_applied(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """The booked copies were applied to the tensors. Default: nothing."""
+
     def on_request_freed(self, request_id: str) -> None:
         """The request let go of its table (finished, aborted or preempted), before dead blocks are reported.
         Default: nothing."""

@@ -52,6 +52,15 @@ class SealedGroupManager(GroupManager):
         """No: the tail, window and first-block copies do not travel to the host tier, so preemption recomputes."""
         return False
 
+    @property
+    def copies_partial_blocks(self) -> bool:
+        """No: a partial block's rows live in its 16-bit tail slot, keyed by block id; forks share whole blocks."""
+        return False
+
+    def can_fork(self, block_ids: Sequence[int], num_tokens: int) -> bool:
+        """Only whole blocks (see :attr:`copies_partial_blocks`)."""
+        return num_tokens % self.table.block_size == 0
+
     def usable_prefix(self, block_ids: Sequence[int]) -> int:
         """All blocks when the first one still has its 8-bit copy, else none.
 

@@ -185,6 +185,41 @@ class SlidingWindowManager(GroupManager):
             self._pins[b] = self._pins.get(b, 0) + 1
             self._lru.pop(b, None)
 
+    @property
+    def side_slots_per_copy(self) -> int:
+        """One: a copied block needs a slot of its own."""
+        return 1
+
+    def can_fork(self, block_ids: Sequence[int], num_tokens: int) -> bool:
+        """Whether every block the child's window reaches at ``num_tokens`` still holds a slot."""
+        return all(b in self._slot for b in block_ids[self.first_block(num_tokens):])
+
+    def on_fork(self, parent_id: str, child_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+        """The child pins the shared blocks its window reaches (they hold slots: :meth:`can_fork`)."""
+        self._start[child_id] = self.first_block(num_tokens)
+        pinned = self._req[child_id] = {}
+        for b in block_ids[self._start[child_id]:]:
+            pinned[b] = None
+            self._pins[b] = self._pins.get(b, 0) + 1
+            self._lru.pop(b, None)
+
+    def on_block_copied(self, request_id: str, old: int, new: int) -> None:
+        """The request's ``old`` becomes ``new``: ``new`` gets a slot and the request's pin; ``old`` keeps a pin
+        of the pending copy (its slot is read by the copy) until :meth:`on_copies_applied`."""
+        self._assign(new)
+        pinned = self._req.setdefault(request_id, {})
+        pinned[new] = None
+        self._pins[new] = self._pins.get(new, 0) + 1
+        if pinned.pop(old, False) is None:  # the request pinned it: its pin becomes the copy's
+            return
+        self._pins[old] = self._pins.get(old, 0) + 1
+        self._lru.pop(old, None)
+
+    def on_copies_applied(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """The copies read their sources: drop the pins they held."""
+        for old, _ in pairs:
+            self._unpin(old)
+
     def advance(self, request_id: str, block_ids: Sequence[int], position: int) -> None:
         """The request's next query is at ``position`` (its tokens before are computed): unpin the blocks before
         its window. Unpinned cached blocks keep their slots (evictable); the others free them."""

@@ -6,7 +6,7 @@ engine (:mod:`kvpage.cache.tail`, :mod:`kvpage.ops.sealed_attention`), a layer k
 row and in the 16-bit :func:`tail dtype <kvpage.cache.tail.pool.tail_dtype>`:
 
 * the **open block**: the rows of its last, partial block (its pool block is reserved, as the engine's is);
-* the **window**: 16-bit copies of the ``ceil(residual_tokens / block_size)`` sealed blocks before the newest
+* the **window**: 16-bit copies of the ``ceil(residual_tokens / block_size)`` sealed blocks before the next
   token's block (KIVI's full-precision residual; ``int2``'s default is one block, ``int4``'s none);
 * the **sink**: an 8-bit (``int8`` per token and head) copy of the first block, read instead of its low-bit codes.
 
@@ -18,9 +18,10 @@ copy for block 0, else the sealed codes dequantized (:meth:`BlockFormat.unseal
 reads: a query reads its own block at full precision. In a longer step (prefill) every query reads the
 step's blocks at full precision, as transformers' own quantized caches do.
 
-Rollback (:meth:`~SealedKVPageLayer.crop`) must reopen a sealed block at full precision: its rows come from the
-window, or -- under ``activate_past_recording()`` (assisted generation) -- from the blocks sealed since the
-last ``crop``, which are kept until then.
+Rollback (:meth:`~SealedKVPageLayer.crop`) must reopen a sealed block at full precision and restore the window
+as it was: under ``activate_past_recording()`` (assisted generation) every 16-bit copy made or pushed out of the
+window since the last ``crop`` is kept until the next one, so any cut back to that point is exact. Without
+recording, a cut that reopens a sealed block works only when that block's window copy exists.
 """
 from __future__ import annotations
 
@@ -51,12 +52,11 @@ class SealedKVPageLayer(KVPageLayer):
         window_blocks: sealed blocks per row that keep a 16-bit copy.
         tail_dtype: dtype of the open block and the window copies (the model dtype when 16-bit, else float16).
         open_rows: kind -> ``[batch, block_size, kv_heads, head_dim]`` rows of the open block.
-        window: kind -> ``[batch, window_blocks, block_size, kv_heads, head_dim]`` ring of window copies
-            (block ``j`` in slot ``j % window_blocks``); ``window_ids`` says which block each slot holds.
+        copies: block index -> kind -> ``[batch, block_size, kv_heads, head_dim]`` 16-bit rows of sealed blocks:
+            the window (the ``window_blocks`` sealed blocks before the next token's), and while ``record_past``
+            also every block sealed or pushed out of the window since the last :meth:`crop`.
         sink: ``sink_key``/``sink_value`` ``[batch, block_size, kv_heads, head_dim]`` uint8 codes and
             ``sink_key_scale``/``sink_value_scale`` ``[batch, block_size, kv_heads]`` float16; ``has_sink``.
-        held: block index -> kind -> ``[batch, block_size, kv_heads, head_dim]`` rows of blocks sealed since
-            the last crop, kept only while ``record_past``.
 
     Raises:
         KVCacheLayoutError: the spec's format is token-wise (use ``KVPageLayer``).
@@ -79,11 +79,9 @@ class SealedKVPageLayer(KVPageLayer):
         self.sink_enabled = bool(getattr(fmt, "sink_bits", 8))
         self.tail_dtype = torch.float16
         self.open_rows: dict[str, torch.Tensor] = {}
-        self.window: dict[str, torch.Tensor] = {}
-        self.window_ids: list[int | None] = [None] * self.window_blocks
+        self.copies: dict[int, dict[str, torch.Tensor]] = {}
         self.sink: dict[str, torch.Tensor] = {}
         self.has_sink = False
-        self.held: dict[int, dict[str, torch.Tensor]] = {}
 
     def _check_format(self, spec: LayerSpec, layer_index: int) -> None:
         if not isinstance(spec.format, BlockFormat):
@@ -93,21 +91,18 @@ class SealedKVPageLayer(KVPageLayer):
             )
 
     def _init_side(self, num_rows: int) -> None:
-        """Allocate the open block, window and sink tensors for ``num_rows`` rows (emptied)."""
+        """Allocate the open block and sink tensors for ``num_rows`` rows (emptied); no window copies yet."""
         bs, h, d = self.spec.block_size, self.spec.kv_heads, self.spec.head_dim
         self.tail_dtype = tail_dtype(self.dtype)
         dev, td = self.device, self.tail_dtype
         self.open_rows = {k: torch.zeros((num_rows, bs, h, d), dtype=td, device=dev) for k in _KINDS}
-        self.window = ({k: torch.zeros((num_rows, self.window_blocks, bs, h, d), dtype=td, device=dev)
-                        for k in _KINDS} if self.window_blocks else {})
-        self.window_ids = [None] * self.window_blocks
+        self.copies = {}
         self.sink = {}
         if self.sink_enabled:
             for k in _KINDS:
                 self.sink["sink_" + k] = torch.zeros((num_rows, bs, h, d), dtype=torch.uint8, device=dev)
                 self.sink["sink_" + _SCALE[k]] = torch.zeros((num_rows, bs, h), dtype=torch.float16, device=dev)
         self.has_sink = False
-        self.held = {}
 
     # -- write and read --------------------------------------------------------------------------
     def update(
@@ -116,8 +111,8 @@ class SealedKVPageLayer(KVPageLayer):
         """Store this step's keys and values (sealing the blocks they fill) and return the kept context.
 
         Args and result as :meth:`KVPageLayer.update`; what each block of the result holds is described in the
-        module docstring. Side effects: seals filled blocks into the pool, updates the open block, window,
-        sink and (while recording) the held rows.
+        module docstring. Side effects: seals filled blocks into the pool, updates the open block, the 16-bit
+        copies (window, and while recording the rows a rollback needs) and the sink.
 
         Raises:
             KVCacheLayoutError: shapes that disagree with the spec, or a changed batch size.
@@ -148,23 +143,23 @@ class SealedKVPageLayer(KVPageLayer):
         out = self._read_context(fresh, q0, key_states.dtype)
         if not self.record_past:
             self._slide()
+            self._trim()
         return out
 
     def _seal(self, fresh: dict[str, torch.Tensor], q0: int, m: int) -> None:
-        """Seal blocks ``q0 .. q0 + m - 1`` from their rows in ``fresh`` into the pool; keep window/sink/held copies."""
+        """Seal blocks ``q0 .. q0 + m - 1`` from their rows in ``fresh`` into the pool; keep their 16-bit copies
+        (window, rollback) and the first block's 8-bit copy."""
         assert self.table is not None
         bs, rows = self.spec.block_size, self.table.num_rows
         ids = self.table.ids(self.device)[:, q0 - self.table.first: q0 - self.table.first + m].flatten()  # [B*m]
+        # blocks a 16-bit copy is kept of: the window's, or (recording) every one, for a rollback
+        keep_from = q0 if self.record_past else q0 + m - self.window_blocks
         for kind in _KINDS:
             blocks = fresh[kind][:, : m * bs].unflatten(1, (m, bs))                # [B, m, bs, Hkv, D]
             for name, t in self.format.seal(blocks.flatten(0, 1), kind).items():
                 self.pool[name].index_copy_(0, ids, t)
-            for jj in range(m):
-                j = q0 + jj
-                if self.window_blocks:
-                    self.window[kind][:, j % self.window_blocks] = blocks[:, jj]
-                if self.record_past:
-                    self.held.setdefault(j, {})[kind] = blocks[:, jj].clone()
+            for j in range(max(q0, keep_from), q0 + m):
+                self.copies.setdefault(j, {})[kind] = blocks[:, j - q0].clone()
             if q0 == 0 and self.sink_enabled:
                 q = SINK_FORMAT.quantize(blocks[:, 0].flatten(0, 1), kind=kind)   # [B*bs, Hkv, D]
                 assert q.scale is not None
@@ -172,9 +167,13 @@ class SealedKVPageLayer(KVPageLayer):
                 self.sink["sink_" + _SCALE[kind]].copy_(q.scale.view(rows, bs, -1))
         if q0 == 0 and self.sink_enabled:
             self.has_sink = True
-        for jj in range(m):
-            if self.window_blocks:
-                self.window_ids[(q0 + jj) % self.window_blocks] = q0 + jj
+
+    def _trim(self) -> None:
+        """Drop the 16-bit copies outside the window (the sealed blocks before the next token's block)."""
+        sealed = self.num_tokens // self.spec.block_size
+        first = self.table.first if self.table is not None else 0
+        lo = max(sealed - self.window_blocks, first)
+        self.copies = {j: c for j, c in self.copies.items() if lo <= j < sealed}
 
     def _read_context(
         self, fresh: dict[str, torch.Tensor], q0: int, dtype: torch.dtype
@@ -192,9 +191,8 @@ class SealedKVPageLayer(KVPageLayer):
                 old = self.format.unseal({t: self.pool[t][ids] for t in names}, kind, dtype,
                                          self.spec.head_dim)                              # [B, nq, bs, Hkv, D]
                 for j in range(max(first, last_block - self.window_blocks), min(q0, last_block)):
-                    slot = j % self.window_blocks
-                    if self.window_ids[slot] == j:
-                        old[:, j - first] = self.window[kind][:, slot].to(dtype)
+                    if j in self.copies:
+                        old[:, j - first] = self.copies[j][kind].to(dtype)
                 if first == 0 and self.has_sink:  # after the window, as the engine reads it
                     codes = self.sink["sink_" + kind]
                     scale = self.sink["sink_" + _SCALE[kind]]
@@ -211,22 +209,21 @@ class SealedKVPageLayer(KVPageLayer):
 
     # -- rollback and batch ----------------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
-        """As :meth:`KVPageLayer.crop`; also forgets the rows held for a rollback (the step is settled).
+        """As :meth:`KVPageLayer.crop`; afterwards only the window's 16-bit copies are kept (the step is settled).
 
         Raises:
-            RuntimeError: as :meth:`KVPageLayer.crop`, or the cut reopens a sealed block whose full-precision
-                rows are neither in the window nor held (call ``activate_past_recording()`` before the steps
-                you may roll back).
+            RuntimeError: as :meth:`KVPageLayer.crop`, or the cut reopens a sealed block without a 16-bit copy
+                (call ``activate_past_recording()`` before the steps you may roll back).
         """
         super().crop(tokens_to_remove)
-        self.held = {}
+        self._trim()
 
     def _truncate(self, keep: int) -> None:
         bs = self.spec.block_size
         j, rest = divmod(keep, bs)
         sealed = self.num_tokens // bs
-        if rest and j < sealed:  # block j was sealed: reopen it from full-precision rows
-            rows = self._full_rows(j)
+        if rest and j < sealed:  # block j was sealed: reopen it from its 16-bit copy
+            rows = self.copies.get(j)
             if rows is None:
                 raise RuntimeError(
                     f"layer {self.layer_index}: crop to {keep} tokens reopens block {j}, sealed to {self.spec.kv_format} "
@@ -236,48 +233,30 @@ class SealedKVPageLayer(KVPageLayer):
             for kind in _KINDS:
                 self.open_rows[kind][:, :rest] = rows[kind][:, :rest]
         super()._truncate(keep)
-        for slot, b in enumerate(self.window_ids):   # window copies of removed blocks, restored ones from `held`
-            if b is not None and b >= j:
-                self.window_ids[slot] = None
-        for b in range(max(0, j - self.window_blocks), j):
-            slot = b % self.window_blocks
-            if self.window_ids[slot] != b and b in self.held:
-                for kind in _KINDS:
-                    self.window[kind][:, slot] = self.held[b][kind]
-                self.window_ids[slot] = b
+        self.copies = {b: c for b, c in self.copies.items() if b < j}   # blocks from j on are no longer sealed
         if keep < bs:
             self.has_sink = False
-
-    def _full_rows(self, j: int) -> dict[str, torch.Tensor] | None:
-        """Full-precision rows of sealed block ``j``: held, or its window copy; ``None`` when neither exists."""
-        if j in self.held:
-            return self.held[j]
-        if self.window_blocks and self.window_ids[j % self.window_blocks] == j:
-            return {k: self.window[k][:, j % self.window_blocks] for k in _KINDS}
-        return None
 
     def _reorder(self, index: Sequence[int]) -> None:
         super()._reorder(index)
         idx = torch.tensor(list(index), dtype=torch.long, device=self.device)
         self.open_rows = {k: t.index_select(0, idx) for k, t in self.open_rows.items()}
-        self.window = {k: t.index_select(0, idx) for k, t in self.window.items()}
         self.sink = {k: t.index_select(0, idx) for k, t in self.sink.items()}
-        self.held = {b: {k: t.index_select(0, idx) for k, t in rows.items()} for b, rows in self.held.items()}
+        self.copies = {b: {k: t.index_select(0, idx) for k, t in rows.items()} for b, rows in self.copies.items()}
 
     def reset(self) -> None:
-        """As :meth:`KVPageLayer.reset`; the open block, window, sink and held rows are emptied too."""
+        """As :meth:`KVPageLayer.reset`; the 16-bit copies and the sink are dropped too."""
         super().reset()
-        self.window_ids = [None] * self.window_blocks
+        self.copies = {}
         self.has_sink = False
-        self.held = {}
 
     # -- accounting ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:
         """Bytes this layer holds for its tokens, counted as kvpage's engine counts them
         (:meth:`SealedFormat.effective_bits_per_value <kvpage.formats.SealedFormat.effective_bits_per_value>`):
         pool blocks in use (the open block's reserved one included; shared blocks once), the open block's 16-bit
-        rows when it holds any, the window copies of kept sealed blocks, the 8-bit first-block copy, plus rows
-        held for a rollback."""
+        rows when it holds any, the 16-bit copies (the window's, plus while recording those kept for a
+        rollback) and the 8-bit first-block copy."""
         if self.table is None:
             return 0
         rows = self.table.num_rows
@@ -286,16 +265,13 @@ class SealedKVPageLayer(KVPageLayer):
         total = self.table.blocks_in_use() * self.spec.bytes_per_block
         if self.num_tokens % bs:
             total += rows * fp_block
-        sealed = self.num_tokens // bs
-        total += rows * fp_block * sum(1 for b in self.window_ids
-                                       if b is not None and b >= self.table.first and b >= sealed - self.window_blocks)
+        total += sum(t.numel() * t.element_size() for c in self.copies.values() for t in c.values())
         if self.has_sink:
             total += rows * sum(t[0].numel() * t.element_size() for t in self.sink.values())
-        total += sum(t.numel() * t.element_size() for r in self.held.values() for t in r.values())
         return total
 
     def allocated_bytes(self) -> int:
-        """Bytes of every tensor the layer has allocated: pool, open block, window, sink and held rows."""
-        side = [*self.open_rows.values(), *self.window.values(), *self.sink.values()]
-        side += [t for r in self.held.values() for t in r.values()]
+        """Bytes of every tensor the layer has allocated: pool, open block, 16-bit copies and sink."""
+        side = [*self.open_rows.values(), *self.sink.values()]
+        side += [t for r in self.copies.values() for t in r.values()]
         return super().allocated_bytes() + sum(t.numel() * t.element_size() for t in side)

@@ -1,0 +1,174 @@
+"""Fork and copy-on-write in the manager (issue 16 item 2), with the tensors they move (case C28).
+
+A fork shares a request's blocks by reference; whoever first writes into a shared partial block gets a copy of
+the whole block (K, V, every scale, main and draft layers) booked by the manager and applied to the tensors by
+``CacheController.copy_blocks`` before the write. Checked: exact block accounting and every block freed exactly
+once whatever the order of freeing; the parent's bytes untouched by a child's writes; K and V kept apart (and
+their scales with them) by the copy, a swap to the host tier and back, and a disk-store round trip.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpage.cache.controller import CacheController
+from kvpage.cache.manager import KVCacheManager, KVRequest
+from kvpage.cache.tiers.stores import DiskStore
+from kvpage.cache.tiers.stores.blocks import gather_blocks, scatter_blocks
+from kvpage.spec import CacheSpec
+
+BS = 4
+
+
+def _fill(ctrl: CacheController, block: int, seed: int) -> None:
+    """Distinct random bytes in every tensor of ``block`` (K and V never equal; scales included)."""
+    gen = torch.Generator().manual_seed(seed)
+    for cache in ctrl.device_caches.values():
+        for name, t in cache.items():
+            raw = t[block].view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+            if t.dtype.is_floating_point:  # no NaN/inf patterns in float tensors: small finite values
+                t[block].copy_(torch.randn(t[block].shape, generator=gen).to(t.dtype))
+
+
+def _bytes(ctrl: CacheController, block: int) -> dict[tuple[int, str], bytes]:
+    """Every tensor of ``block`` (every layer, main and draft), as raw bytes."""
+    return {(i, n): t[block].contiguous().view(torch.uint8).numpy().tobytes()
+            for i, c in ctrl.device_caches.items() for n, t in c.items()}
+
+
+def _check(m: KVCacheManager) -> None:
+    assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == m.num_blocks
+    m.pool.validate()
+
+
+def _setup(fmt: str = "int8") -> tuple[KVCacheManager, CacheController, CacheSpec]:
+    spec = CacheSpec.build(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, kv_cache_dtype=fmt,
+                           num_draft_layers=1)
+    ctrl = CacheController(spec)
+    ctrl.initialize_kv_cache(12)
+    ctrl.initialize_draft_kv_cache(12)
+    return KVCacheManager(12, BS), ctrl, spec
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["parent", "a", "b"])))
+def test_fork_from_a_two_block_parent_frees_every_block_once(order: tuple[str, ...]) -> None:
+    m, ctrl, _ = _setup()
+    parent = KVRequest("parent", list(range(6)))
+    m.allocate_slots(parent, 6)                       # blocks: one full, one with 2 of 4 slots
+    p_ids = m.block_ids("parent")
+    for b in p_ids:
+        _fill(ctrl, b, seed=b)
+    before = {b: _bytes(ctrl, b) for b in p_ids}
+    m.cache_blocks(parent, 6)                          # the full block is indexed
+    _check(m)
+    kids = {name: KVRequest(name, list(range(6)) + [100 + i]) for i, name in enumerate("ab")}
+    for kid in kids.values():
+        blocks = m.fork(parent, kid, 6)
+        assert blocks.block_ids == p_ids and blocks.num_tokens == 6
+        _check(m)
+    assert [m.pool.ref_count(b) for b in p_ids] == [3, 3] and m.num_in_use_blocks == 2  # no block taken
+    # child a writes its 7th token: its partial block is shared, so it is copied first
+    assert m.needs_copy("a", 1)
+    m.allocate_slots(kids["a"], 1)
+    copy_a = m.block_ids("a")[1]
+    assert copy_a not in p_ids and m.num_pending_copies == 1 and m.pool.ref_count(p_ids[1]) == 3  # (held by the copy)
+    assert m.apply_block_copies(ctrl.copy_blocks) == 1
+    assert m.pool.ref_count(p_ids[1]) == 2
+    assert _bytes(ctrl, copy_a) == before[p_ids[1]]    # the whole block copied, every tensor
+    _fill(ctrl, copy_a, seed=99)                       # the child writes into its copy
+    assert {b: _bytes(ctrl, b) for b in p_ids} == before  # the parent's bytes are unchanged
+    _check(m)
+    # the parent and child b still share the partial block; the parent writes next: it copies too
+    m.allocate_slots(parent, 1)
+    assert m.block_ids("parent")[1] != p_ids[1] and m.num_pending_copies == 1
+    m.apply_block_copies(ctrl.copy_blocks)
+    assert m.block_ids("b") == p_ids and m.pool.ref_count(p_ids[1]) == 1
+    assert not m.needs_copy("b", 1)                    # b is its only holder now: it writes in place
+    _check(m)
+    held = {"parent": parent, **kids}
+    for name in order:
+        assert m.free(held[name])
+        _check(m)
+        assert not m.free(held[name])                  # a second free is a no-op
+    assert m.num_in_use_blocks == 0
+    assert m.num_evictable_blocks == 1                 # the indexed full block, cached once
+    m.reset_prefix_cache()
+    assert m.num_free_blocks == m.num_blocks
+    _check(m)
+
+
+def test_fork_at_a_block_boundary_copies_nothing_and_shares_indexed_blocks() -> None:
+    m, _, _ = _setup()
+    parent = KVRequest("p", list(range(9)))
+    m.allocate_slots(parent, 9)
+    m.cache_blocks(parent, 9)
+    child = KVRequest("c", list(range(8)) + [50, 51])
+    m.fork(parent, child, 8)
+    assert not m.needs_copy("c", 2)
+    m.allocate_slots(child, 2)
+    assert m.num_pending_copies == 0 and m.block_ids("c")[:2] == m.block_ids("p")[:2]
+    assert m.cache_blocks(child, 10) == 0              # its shared blocks are indexed already: passed over
+    for r in (parent, child):
+        m.free(r)
+    _check(m)
+    assert m.num_in_use_blocks == 0
+
+
+def test_a_parent_with_slots_past_the_fork_hands_the_child_its_copy_at_once() -> None:
+    m, ctrl, _ = _setup()
+    parent = KVRequest("p", list(range(7)))
+    m.allocate_slots(parent, 7)
+    child = KVRequest("c", list(range(5)) + [9])
+    m.fork(parent, child, 5)                           # the parent will write positions 5, 6 there without asking
+    assert m.num_pending_copies == 1 and m.block_ids("c")[1] != m.block_ids("p")[1]
+    m.apply_block_copies(ctrl.copy_blocks)
+    assert m.pool.ref_count(m.block_ids("p")[1]) == 1
+    with pytest.raises(ValueError, match="cannot fork 8 tokens"):
+        m.fork(parent, KVRequest("x", list(range(9))), 8)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        m.fork(parent, child, 4)
+    for r in (parent, child):
+        m.free(r)
+    _check(m)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "fp8_per_token_head"])
+def test_c28_fork_swap_tier_and_copy_on_write_keep_k_and_v_apart(fmt: str, tmp_path: Path) -> None:
+    """Case C28: K and V (and their scales) hold distinct patterns; a copy-on-write, a swap out and in and a disk
+    round trip each move them byte for byte into the same roles."""
+    m, ctrl, spec = _setup(fmt)
+    ctrl.initialize_host_cache(4)
+    parent = KVRequest("p", list(range(6)))
+    m.allocate_slots(parent, 6)
+    src = m.block_ids("p")[1]
+    gen = torch.Generator().manual_seed(3)
+    for cache in ctrl.device_caches.values():   # K all 0x11-ish, V all 0xEE-ish patterns, scales random
+        for name, t in cache.items():
+            raw = t[src].view(torch.uint8)
+            pattern = 0x11 if name.startswith("key") else 0x6E
+            raw.copy_(torch.full_like(raw, pattern) ^ torch.randint(0, 2, raw.shape, generator=gen, dtype=torch.uint8))
+    want = _bytes(ctrl, src)
+    child = KVRequest("c", list(range(6)) + [7])
+    m.fork(parent, child, 6)
+    m.allocate_slots(child, 1)
+    dst = m.block_ids("c")[1]
+    m.apply_block_copies(ctrl.copy_blocks)                                    # copy-on-write
+    assert _bytes(ctrl, dst) == want
+    ctrl.swap_out([dst], [2])                                                 # swap out ...
+    ctrl.swap_in([2], [11])                                                   # ... and into another block
+    assert _bytes(ctrl, 11) == want
+    disk = DiskStore(tmp_path / "kv", spec)                                   # a tier round trip
+    [block] = gather_blocks(ctrl.device_caches, spec, [11])
+    key = disk.key(b"\x01" * 32)
+    disk.put([(key, block)])
+    [back] = disk.get([key])
+    assert back is not None
+    scatter_blocks(ctrl.device_caches, spec, [10], [back])
+    assert _bytes(ctrl, 10) == want
+    for (layer, name), t in want.items():                                     # K and V really differ
+        if name == "key":
+            assert t != want[(layer, "value")]
