@@ -172,3 +172,27 @@ def test_c28_fork_swap_tier_and_copy_on_write_keep_k_and_v_apart(fmt: str, tmp_p
     for (layer, name), t in want.items():                                     # K and V really differ
         if name == "key":
             assert t != want[(layer, "value")]
+
+
+def test_fork_of_a_request_chained_onto_an_indexed_twin_keeps_the_twin_in_use() -> None:
+    """Regression (found by the state machine): a parent whose first block duplicates an indexed block chains its
+    next block onto that twin; a child sharing the next block must reference the twin too, or freeing the parent
+    makes the twin evictable under a cached child still in use."""
+    m = KVCacheManager(8, 2)
+    first = KVRequest("first", [0, 1, 5])
+    m.allocate_slots(first, 3)
+    m.cache_blocks(first, 3)                         # block [0, 1] indexed
+    parent = KVRequest("parent", [0, 1, 0, 0])
+    m.allocate_slots(parent, 4)                      # computed alongside: its [0, 1] block is a duplicate
+    m.cache_blocks(parent, 4)
+    twin = m.block_ids("first")[0]
+    assert m._reqs["parent"].anchors == [twin]
+    m.free(first)
+    child = KVRequest("child", [0, 1, 0, 0, 7])
+    m.fork(parent, child, 4)
+    assert m.pool.ref_count(twin) == 2               # the parent's anchor and the child's
+    m.free(parent)
+    _check(m)
+    m.free(child)
+    _check(m)
+    assert m.num_in_use_blocks == 0

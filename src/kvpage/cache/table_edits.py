@@ -101,10 +101,12 @@ class TableEdits:
         eager = num_tokens % self.block_size != 0 and st.num_tokens > num_tokens
         if eager and self.pool.num_free + self.pool.num_evictable < 1:
             raise ValueError(f"no block for the child's copy of request {pid!r}'s partial block")
-        self.pool.touch(ids)
+        # the child also references the indexed twins the parent chained its duplicate blocks onto: the shared
+        # blocks indexed after a twin are that twin's cached children, which it must keep in use
+        self.pool.touch([*ids, *st.anchors])
         # the child indexes its full blocks itself (passing over those a sibling indexed, twins of duplicates)
         self._reqs[child.request_id] = _ReqState(block_ids=list(ids), num_tokens=num_tokens, num_cached_blocks=0,
-                                                 parent=ROOT)
+                                                 parent=ROOT, anchors=list(st.anchors))
         for g in self.groups:
             g.on_fork(pid, child.request_id, ids, num_tokens)
         if eager:
