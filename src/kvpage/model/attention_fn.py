@@ -51,6 +51,20 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+def check_forward_args(positions: torch.Tensor, num_layers: int, total_layers: int, num_positions: int) -> None:
+    """The argument checks every family's ``forward_layers`` makes before running.
+
+    Raises:
+        ValueError: ``num_layers`` outside ``[1, total_layers]``.
+        IndexError: a position outside ``[0, num_positions)`` (the RoPE table's rows).
+    """
+    if not 1 <= num_layers <= total_layers:
+        raise ValueError(f"num_layers must be in [1, {total_layers}], got {num_layers}")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= num_positions):
+        raise IndexError(f"positions must be in [0, {num_positions}), got "
+                         f"[{int(positions.min())}, {int(positions.max())}]")
+
+
 def layer_attention(model: object, layer_index: int) -> LayerAttention:
     """The scale, sliding window and soft-cap of the model's layer ``layer_index`` (its own 0-based index).
 

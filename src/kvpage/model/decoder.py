@@ -30,7 +30,7 @@ from torch import nn
 
 from kvpage.model import families
 from kvpage.model import linear as packed_linear
-from kvpage.model.attention_fn import AttentionFn
+from kvpage.model.attention_fn import AttentionFn, check_forward_args
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear import PackedLinear
 from kvpage.model.rope import rope_tables
@@ -273,11 +273,7 @@ class DecoderForCausalLM(nn.Module):
             ValueError: ``num_layers`` outside ``[1, num_layers of the model]``.
             IndexError: a position out of range (as :meth:`forward`).
         """
-        if not 1 <= num_layers <= len(self.layers):
-            raise ValueError(f"num_layers must be in [1, {len(self.layers)}], got {num_layers}")
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.rope_cos.shape[0]):
-            raise IndexError(f"positions must be in [0, {self.rope_cos.shape[0]}), got "
-                             f"[{int(positions.min())}, {int(positions.max())}]")
+        check_forward_args(positions, num_layers, len(self.layers), self.rope_cos.shape[0])
         x = self.embed_tokens(input_ids)  # [T, E]
         if self.embed_scale is not None:
             x = x * self.embed_scale

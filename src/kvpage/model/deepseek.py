@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.model import linear as packed_linear
-from kvpage.model.attention_fn import AttentionFn
+from kvpage.model.attention_fn import AttentionFn, check_forward_args
 from kvpage.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from kvpage.model.linear import PackedLinear
 from kvpage.model.llama import RMSNorm, rope_inv_freq
@@ -368,11 +368,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             ValueError: ``num_layers`` outside ``[1, num_layers of the model]``.
             IndexError: a position out of range.
         """
-        if not 1 <= num_layers <= len(self.layers):
-            raise ValueError(f"num_layers must be in [1, {len(self.layers)}], got {num_layers}")
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.rope_cos.shape[0]):
-            raise IndexError(f"positions must be in [0, {self.rope_cos.shape[0]}), got "
-                             f"[{int(positions.min())}, {int(positions.max())}]")
+        check_forward_args(positions, num_layers, len(self.layers), self.rope_cos.shape[0])
         x = self.embed_tokens(input_ids)  # [T, E]
         for layer in self.layers[:num_layers]:
             x = layer(x, positions, self.rope_cos, self.rope_sin, attn)  # [T, E]
