@@ -9,6 +9,7 @@ under its index; the HTTP endpoints return ``n`` choices with usage counting eac
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -174,6 +175,28 @@ def test_http_n_returns_n_choices_and_counts_each_token_once(server, path: str, 
     whole = [c.get("text") if "text" in c else c["message"]["content"] for c in data["choices"]]
     assert [got[i] for i in range(3)] == whole  # same seed: the same answers streamed
     assert usage is not None and usage["completion_tokens"] == 18
+
+
+def test_http_stream_disconnect_frees_every_completion(server, llm: LLM) -> None:
+    """A client that leaves a streamed n=4 request midway: every completion is aborted and every block freed."""
+    from test_server import metric, scrape
+
+    url = str(server.base_url).rstrip("/")
+    before = metric(scrape(url), "kvpage:request_success_total", finished_reason="abort")
+    body = {"model": "tiny", "prompt": "once", "n": 4, "max_tokens": 400, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    with server.stream("POST", "/v1/completions", json=body) as r:
+        for _ in r.iter_lines():
+            break  # one chunk, then hang up
+    deadline = time.monotonic() + 20
+    while True:
+        after = scrape(url)
+        done = metric(after, "kvpage:request_success_total", finished_reason="abort") - before
+        if done >= 1 and metric(after, "kvpage:num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.05)
+    assert metric(after, "kvpage:kv_cache_usage_perc") == 0.0
 
 
 # -- fork and copy-on-write through the engine ---------------------------------------------------------------------
