@@ -196,3 +196,29 @@ def test_fork_of_a_request_chained_onto_an_indexed_twin_keeps_the_twin_in_use() 
     m.free(child)
     _check(m)
     assert m.num_in_use_blocks == 0
+
+
+def test_fork_before_a_duplicate_takes_no_twin_it_cannot_hold() -> None:
+    """Regression (state machine): a child forked before the parent's duplicate block must not reference that
+    block's twin, whose chain parent it does not hold (freeing the parent would leave the twin in use under an
+    evictable parent)."""
+    m = KVCacheManager(7, 2)
+    first = KVRequest("first", [0, 1, 2, 0])
+    m.allocate_slots(first, 4)
+    m.cache_blocks(first, 4)
+    m.free(first)
+    parent = KVRequest("parent", [0, 1, 2, 0])
+    match = m.match_prefix(parent)
+    m.allocate_slots(parent, 2, match)
+    m.cache_blocks(parent, 4)                        # its [2, 0] block duplicates first's: chained onto the twin
+    assert len(m._reqs["parent"].anchors) == 1
+    for n in (0, 2):
+        child = KVRequest(f"child{n}", [0, 1, 2, 0][:n] + [9])
+        m.fork(parent, child, n)
+        assert m._reqs[child.request_id].anchors == []  # the shared part holds no duplicate
+    m.free(parent)
+    _check(m)
+    for n in (0, 2):
+        m.free(f"child{n}")
+        _check(m)
+    assert m.num_in_use_blocks == 0

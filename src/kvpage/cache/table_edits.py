@@ -101,12 +101,15 @@ class TableEdits:
         eager = num_tokens % self.block_size != 0 and st.num_tokens > num_tokens
         if eager and self.pool.num_free + self.pool.num_evictable < 1:
             raise ValueError(f"no block for the child's copy of request {pid!r}'s partial block")
-        # the child also references the indexed twins the parent chained its duplicate blocks onto: the shared
-        # blocks indexed after a twin are that twin's cached children, which it must keep in use
-        self.pool.touch([*ids, *st.anchors])
+        # the child also references the indexed twins the parent chained the duplicate blocks it shares onto (the
+        # shared blocks indexed after a twin are that twin's cached children, kept in use); anchors follow the
+        # parent's duplicates in table order, and its indexed range holds indexed blocks and duplicates only
+        shared_full = min(num_tokens // self.block_size, st.num_cached_blocks)
+        anchors = st.anchors[:sum(1 for b in st.block_ids[:shared_full] if self.pool.block_hash(b) is None)]
+        self.pool.touch([*ids, *anchors])
         # the child indexes its full blocks itself (passing over those a sibling indexed, twins of duplicates)
         self._reqs[child.request_id] = _ReqState(block_ids=list(ids), num_tokens=num_tokens, num_cached_blocks=0,
-                                                 parent=ROOT, anchors=list(st.anchors))
+                                                 parent=ROOT, anchors=list(anchors))
         for g in self.groups:
             g.on_fork(pid, child.request_id, ids, num_tokens)
         if eager:
