@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--ns", default="1,4,16")
     args = p.parse_args()
     llm = LLM(progress=False, kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, max_num_seqs=16)
-    prompt = token_prompt(llm, args.prompt_tokens)
+    prompt = token_prompt(llm.tokenizer, args.prompt_tokens, seed=0)
     bs = llm.spec.block_size
     engine = llm.engine
     step = engine.step
