@@ -154,6 +154,12 @@ class KVPageCache(Cache):
         keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
         return keys, values
 
+    def activate_past_recording(self) -> None:
+        """Keep, until the next :meth:`crop`, what rolling back the coming steps needs (every layer's
+        ``activate_past_recording``; transformers' assisted generation calls it, and so may a user who will crop)."""
+        for layer in self.layers:
+            layer.activate_past_recording()
+
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """The most tokens layer ``layer_idx`` serves a query: its sliding window, or -1 (no limit)."""
         return self.layers[layer_idx].get_max_length()

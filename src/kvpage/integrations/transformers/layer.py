@@ -224,14 +224,16 @@ class KVPageLayer(CacheLayerMixin):
         """Tokens written per batch row (dropped sliding-window tokens included: the next token's position)."""
         return self.num_tokens
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the next :meth:`update` of ``query_length`` tokens.
 
         ``kv_offset`` is the position of the first key :meth:`update` returns (the first kept block's first
         token: 0 unless a sliding-window layer dropped blocks), ``kv_length`` how many it returns.
+        ``query_length`` may also be the step's ``cache_position`` tensor (what transformers before 5.2x pass).
         """
+        n = query_length if isinstance(query_length, int) else int(query_length.shape[0])
         first = self.table.first * self.spec.block_size if self.table is not None else 0
-        return self.num_tokens - first + query_length, first
+        return self.num_tokens - first + n, first
 
     def get_max_length(self) -> int:
         """The most tokens a query reads: the sliding window, or -1 (no maximum) for full attention."""

@@ -19,13 +19,16 @@ reads: a query reads its own block at full precision. In a longer step (prefill)
 step's blocks at full precision, as transformers' own quantized caches do.
 
 Rollback (:meth:`~SealedKVPageLayer.crop`) must reopen a sealed block at full precision and restore the window
-as it was: under ``activate_past_recording()`` (assisted generation) every 16-bit copy made or pushed out of the
-window since the last ``crop`` is kept until the next one, so any cut back to that point is exact. Without
-recording, a cut that reopens a sealed block works only when that block's window copy exists.
+as it was: under ``activate_past_recording()`` (assisted generation in transformers 5.2x) every 16-bit copy made
+or pushed out of the window since the last ``crop`` is kept until the next one, so any cut back to that point is
+exact. Without recording, the blocks sealed by an update of several tokens (a prefill, or the verification step
+of assisted generation in older releases, which crop right after it without recording) keep their 16-bit rows
+until the next update; a cut that reopens any other sealed block works only when its window copy exists.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -106,7 +109,7 @@ class SealedKVPageLayer(KVPageLayer):
 
     # -- write and read --------------------------------------------------------------------------
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's keys and values (sealing the blocks they fill) and return the kept context.
 
@@ -124,6 +127,8 @@ class SealedKVPageLayer(KVPageLayer):
         assert self.table is not None
         bs = self.spec.block_size
         rows, _, n, _ = key_states.shape
+        if not self.record_past:
+            self._trim()                       # the previous step's rollback rows are no longer needed
         start = self.num_tokens
         end = start + n
         q0 = start // bs                       # the first block this step writes
@@ -135,7 +140,7 @@ class SealedKVPageLayer(KVPageLayer):
             fresh[kind] = torch.cat([self.open_rows[kind][:, :o], new], dim=1)   # positions q0*bs .. end-1
         m = (o + n) // bs
         if m:
-            self._seal(fresh, q0, m)
+            self._seal(fresh, q0, m, keep_all=self.record_past or n > 1)
         rest = o + n - m * bs
         for kind in _KINDS:
             self.open_rows[kind][:, :rest] = fresh[kind][:, m * bs:]
@@ -143,17 +148,17 @@ class SealedKVPageLayer(KVPageLayer):
         out = self._read_context(fresh, q0, key_states.dtype)
         if not self.record_past:
             self._slide()
-            self._trim()
+            if n == 1:
+                self._trim()
         return out
 
-    def _seal(self, fresh: dict[str, torch.Tensor], q0: int, m: int) -> None:
+    def _seal(self, fresh: dict[str, torch.Tensor], q0: int, m: int, keep_all: bool) -> None:
         """Seal blocks ``q0 .. q0 + m - 1`` from their rows in ``fresh`` into the pool; keep their 16-bit copies
-        (window, rollback) and the first block's 8-bit copy."""
+        (the window's, or with ``keep_all`` every one, for a rollback) and the first block's 8-bit copy."""
         assert self.table is not None
         bs, rows = self.spec.block_size, self.table.num_rows
         ids = self.table.ids(self.device)[:, q0 - self.table.first: q0 - self.table.first + m].flatten()  # [B*m]
-        # blocks a 16-bit copy is kept of: the window's, or (recording) every one, for a rollback
-        keep_from = q0 if self.record_past else q0 + m - self.window_blocks
+        keep_from = q0 if keep_all else q0 + m - self.window_blocks
         for kind in _KINDS:
             blocks = fresh[kind][:, : m * bs].unflatten(1, (m, bs))                # [B, m, bs, Hkv, D]
             for name, t in self.format.seal(blocks.flatten(0, 1), kind).items():
