@@ -222,3 +222,27 @@ def test_fork_before_a_duplicate_takes_no_twin_it_cannot_hold() -> None:
         m.free(f"child{n}")
         _check(m)
     assert m.num_in_use_blocks == 0
+
+
+def test_a_request_freed_before_its_copy_ran_drops_it() -> None:
+    """Regression (schemathesis, n=128): a child preempted or aborted in the scheduling pass that booked its copy
+    gave its destination back; another copy may take the same block. The dropped copy must not run (two copies
+    into one block) and its source's pending reference must go."""
+    m, ctrl, _ = _setup()
+    parent = KVRequest("p", list(range(6)))
+    m.allocate_slots(parent, 6)
+    a, b = KVRequest("a", list(range(6)) + [1]), KVRequest("b", list(range(6)) + [2])
+    m.fork(parent, a, 6)
+    m.fork(parent, b, 6)
+    m.allocate_slots(a, 1)                           # a books a copy into a fresh block ...
+    dst_a = m.block_ids("a")[1]
+    m.free(a)                                        # ... and is preempted in the same pass
+    m.allocate_slots(b, 1)                           # b's copy may take the same block
+    applied: list = []
+    assert m.apply_block_copies(lambda pairs: applied.extend(pairs)) == 1
+    assert [d for _, d in applied] == [m.block_ids("b")[1]]
+    assert dst_a not in m.block_ids("b") or applied[0][1] == dst_a  # the one copy into that block is b's
+    for r in (parent, b):
+        m.free(r)
+    _check(m)
+    assert m.num_in_use_blocks == 0

@@ -89,7 +89,7 @@ class KVCacheManager(SideSlots, TableEdits, EventSource):
         self.events = KVEventBus(self.pool, buffer=enable_events, max_buffered=max_buffered_events,
                                  record_changes=record_block_changes)
         self._reqs: dict[str, _ReqState] = {}
-        self._copies: list[tuple[int, int]] = []  # copy-on-write pairs booked, not applied (TableEdits)
+        self._copies: list[tuple[str, int, int]] = []  # copy-on-write booked, not applied (TableEdits)
         if any(g.drops_on_eviction for g in self.groups):
             self.events.subscribe(self._on_event)
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
@@ -414,6 +414,7 @@ class KVCacheManager(SideSlots, TableEdits, EventSource):
         # one call: an indexed twin can be a parent of our blocks or a child of them
         self.pool.release([*reversed(ids), *reversed(st.anchors)])
         self._freed(ids)
+        self._drop_copies(rid)  # copies it booked this step and will not need
         return True
 
     def release_held(self, block_ids: Sequence[int]) -> None:

@@ -26,7 +26,7 @@ class TableEdits:
     pool: PrefixBlockPool
     block_size: int
     _reqs: dict[str, _ReqState]
-    _copies: list[tuple[int, int]]
+    _copies: list[tuple[str, int, int]]  # (request, source, destination) booked, not applied
 
     def blocks_for(self, num_tokens: int) -> int:  # (the manager's)
         """Blocks needed for ``num_tokens`` tokens."""
@@ -135,7 +135,7 @@ class TableEdits:
         idx = st.num_tokens // self.block_size
         old, (new,) = st.block_ids[idx], self._take(1)
         st.block_ids[idx] = new
-        self._copies.append((old, new))
+        self._copies.append((request_id, old, new))
         for g in self.groups:
             g.on_block_copied(request_id, old, new)
         return new
@@ -149,13 +149,24 @@ class TableEdits:
         """Hand the booked ``(source, destination)`` pairs to ``copy`` (which copies every layer's tensors of each
         block), then drop the sources' pending references; returns how many. Call it before the forward pass
         that writes into the destinations."""
-        pairs, self._copies = self._copies, []
+        pairs, self._copies = [(a, b) for _, a, b in self._copies], []
         if not pairs:
             return 0
         copy(pairs)
+        self._release_sources(pairs)
+        return len(pairs)
+
+    def _drop_copies(self, request_id: str) -> None:
+        """The request let go of its table before its booked copies ran (preempted or aborted while scheduling):
+        forget them and drop their sources' references (their destinations went with the table)."""
+        mine = [(a, b) for r, a, b in self._copies if r == request_id]
+        if mine:
+            self._copies = [c for c in self._copies if c[0] != request_id]
+            self._release_sources(mine)
+
+    def _release_sources(self, pairs: Sequence[tuple[int, int]]) -> None:
         for g in self.groups:
             g.on_copies_applied(pairs)
         olds = [a for a, _ in pairs]
         self.pool.release(olds)
         self._freed(olds)
-        return len(pairs)
