@@ -143,55 +143,11 @@ class ModelConfig:
             return built
         families.resolve(model_type, hf_config, int(hf_config.num_hidden_layers))  # raises on what is unsupported
 
-        nested = families.nested_rope_parameters(hf_config)
-        rope = dict((nested or {}).get(families.FULL_ATTENTION) or {}) if nested is not None else dict(
-            getattr(hf_config, "rope_parameters", None) or {})
-        legacy_scaling = getattr(hf_config, "rope_scaling", None)
-        if not rope and legacy_scaling:
-            rope = dict(legacy_scaling)
-        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-        if theta is None:
-            raise ValueError("config has no rope_theta (neither in rope_parameters nor as an attribute)")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        for params in [rope, *(nested or {}).values()]:
-            kind = params.get("rope_type", params.get("type", "default"))
-            if kind not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"unsupported RoPE type {kind!r}; supported: {SUPPORTED_ROPE_TYPES} "
-                    "(length-dependent variants cannot use one table for a varlen batch)"
-                )
-            if float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-                     or 1.0) != 1.0:
-                raise ValueError("unsupported partial_rotary_factor != 1.0")
-
-        num_heads = int(hf_config.num_attention_heads)
+        fields = common_hf_fields(hf_config, torch_dtype)   # raises on an unsupported RoPE
+        num_heads = int(fields["num_heads"])
         num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
         head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
-        eos = getattr(hf_config, "eos_token_id", None)
-        eos_ids: tuple[int, ...] = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
-        if torch_dtype is None:
-            torch_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-            if isinstance(torch_dtype, str):
-                torch_dtype = getattr(torch, torch_dtype)
-        bos = getattr(hf_config, "bos_token_id", None)
-        return cls(
-            vocab_size=int(hf_config.vocab_size),
-            hidden_size=int(hf_config.hidden_size),
-            intermediate_size=int(hf_config.intermediate_size),
-            num_layers=int(hf_config.num_hidden_layers),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=int(hf_config.max_position_embeddings),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos_ids,
-            torch_dtype=torch_dtype,
-            hf_config=hf_config,
-        )
+        return cls(**fields, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
     def to_hf(self) -> Any:
         """The transformers config: the stored ``hf_config``, or a ``LlamaConfig`` rebuilt from the fields.
@@ -220,3 +176,74 @@ class ModelConfig:
             bos_token_id=self.bos_token_id,
             eos_token_id=list(self.eos_token_ids) or None,
         )
+
+
+def common_hf_fields(hf_config: Any, torch_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The family-independent :class:`ModelConfig` fields of a transformers config, validated.
+
+    Shared by :meth:`ModelConfig.from_hf` and the families' own ``config_builder`` functions
+    (:func:`kvpage.model.deepseek.mla_model_config`); each adds what differs (``num_kv_heads``,
+    ``head_dim``, ``kv_has_value``). RoPE is read from the transformers-5 layout (``rope_parameters``
+    holding ``rope_theta``/``rope_type``, possibly nested by layer type as Gemma 3's: the
+    ``full_attention`` entry) or the older one (``rope_theta`` + ``rope_scaling`` attributes).
+
+    Args:
+        hf_config: a transformers ``PretrainedConfig`` (or an object with the same attributes).
+        torch_dtype: overrides the config's ``dtype`` (``torch_dtype`` on configs without one: reading it on
+            transformers 5 only logs a deprecation); the default is float32 when the config names none.
+
+    Returns:
+        ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_layers``, ``num_heads`` (query heads),
+        ``rms_norm_eps``, ``rope_theta``, ``rope_scaling`` (``None`` for the default type, else the RoPE
+        dict with ``rope_type``), ``max_position_embeddings``, ``tie_word_embeddings``, ``bos_token_id``,
+        ``eos_token_ids`` (a tuple of ints), ``torch_dtype`` (a ``torch.dtype``) and ``hf_config`` itself,
+        as keyword arguments of :class:`ModelConfig`.
+
+    Raises:
+        ValueError: no ``rope_theta``, a RoPE type outside :data:`SUPPORTED_ROPE_TYPES`, or a partial rotary
+            factor other than 1 (every ``rope_parameters`` entry is checked).
+    """
+    nested = families.nested_rope_parameters(hf_config)
+    rope = dict((nested or {}).get(families.FULL_ATTENTION) or {}) if nested is not None else dict(
+        getattr(hf_config, "rope_parameters", None) or {})
+    legacy_scaling = getattr(hf_config, "rope_scaling", None)
+    if not rope and legacy_scaling:
+        rope = dict(legacy_scaling)
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has no rope_theta (neither in rope_parameters nor as an attribute)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    for params in [rope, *(nested or {}).values()]:
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported RoPE type {kind!r}; supported: {SUPPORTED_ROPE_TYPES} "
+                "(length-dependent variants cannot use one table for a varlen batch)"
+            )
+        if float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+                 or 1.0) != 1.0:
+            raise ValueError("unsupported partial_rotary_factor != 1.0")
+
+    if torch_dtype is None:
+        # transformers 5 names it ``dtype`` (reading ``torch_dtype`` there only logs a deprecation)
+        attr = "dtype" if hasattr(hf_config, "dtype") else "torch_dtype"
+        torch_dtype = getattr(hf_config, attr, None) or torch.float32
+        if isinstance(torch_dtype, str):
+            torch_dtype = getattr(torch, torch_dtype)
+    eos, bos = getattr(hf_config, "eos_token_id", None), getattr(hf_config, "bos_token_id", None)
+    return {
+        "vocab_size": int(hf_config.vocab_size),
+        "hidden_size": int(hf_config.hidden_size),
+        "intermediate_size": int(hf_config.intermediate_size),
+        "num_layers": int(hf_config.num_hidden_layers),
+        "num_heads": int(hf_config.num_attention_heads),
+        "rms_norm_eps": float(hf_config.rms_norm_eps),
+        "rope_theta": float(theta),
+        "rope_scaling": None if rope_type == "default" else {**rope, "rope_type": rope_type},
+        "max_position_embeddings": int(hf_config.max_position_embeddings),
+        "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_ids": () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos),
+        "torch_dtype": torch_dtype,
+        "hf_config": hf_config,
+    }

@@ -42,7 +42,7 @@ from torch import nn
 
 from kvpage.model import linear as packed_linear
 from kvpage.model.attention_fn import AttentionFn, check_forward_args
-from kvpage.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
+from kvpage.model.config import ModelConfig, common_hf_fields
 from kvpage.model.linear import PackedLinear
 from kvpage.model.llama import RMSNorm, rope_inv_freq
 from kvpage.ops import fused
@@ -134,45 +134,11 @@ def mla_model_config(hf_config: Any, torch_dtype: torch.dtype | None = None) -> 
     if getattr(hf_config, "quantization_config", None):
         raise ValueError("unsupported quantized checkpoint (quantization_config is set, e.g. DeepSeek-V3's FP8 "
                          "weights with weight_scale_inv): dequantize it first")
-    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("config has no rope_theta (neither in rope_parameters nor as an attribute)")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES} "
-                         "(length-dependent variants cannot use one table for a varlen batch)")
-    if float(rope.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise ValueError("unsupported partial_rotary_factor != 1.0")
+    fields = common_hf_fields(hf_config, torch_dtype)   # raises on an unsupported RoPE
     dims = MLADims.from_hf(hf_config)
     if dims.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {dims.qk_rope_head_dim}")
-    if torch_dtype is None:
-        # transformers 5 names it ``dtype`` (reading ``torch_dtype`` there only logs a deprecation)
-        attr = "dtype" if hasattr(hf_config, "dtype") else "torch_dtype"
-        torch_dtype = getattr(hf_config, attr, None) or torch.float32
-        if isinstance(torch_dtype, str):
-            torch_dtype = getattr(torch, torch_dtype)
-    eos, bos = getattr(hf_config, "eos_token_id", None), getattr(hf_config, "bos_token_id", None)
-    return ModelConfig(
-        vocab_size=int(hf_config.vocab_size),
-        hidden_size=int(hf_config.hidden_size),
-        intermediate_size=int(hf_config.intermediate_size),
-        num_layers=layers,
-        num_heads=int(hf_config.num_attention_heads),
-        num_kv_heads=1,
-        head_dim=dims.cache_dim,
-        rms_norm_eps=float(hf_config.rms_norm_eps),
-        rope_theta=float(theta),
-        rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-        max_position_embeddings=int(hf_config.max_position_embeddings),
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos),
-        torch_dtype=torch_dtype,
-        hf_config=hf_config,
-        kv_has_value=False,
-    )
+    return ModelConfig(**fields, num_kv_heads=1, head_dim=dims.cache_dim, kv_has_value=False)
 
 
 def mla_softmax_scale(config: ModelConfig) -> float:

@@ -128,6 +128,27 @@ class KVPageLayer(CacheLayerMixin):
                 f"(use reorder_cache / batch_repeat_interleave / batch_select_indices to change them, or reset())"
             )
 
+    def _begin_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[BlockTable, int]:
+        """The prologue of every :meth:`update`: initialize on the first call, check the states, start the rows.
+
+        Args:
+            key_states: ``[batch, kv_heads, n, head_dim]`` this step's keys, any float dtype.
+            value_states: ``[batch, kv_heads, n, head_dim]`` this step's values.
+
+        Returns:
+            ``(table, start)``: the block table (never ``None`` once this returns) and :attr:`num_tokens` before
+            this step (the position of its first token). Side effects: :meth:`lazy_initialization` on the
+            first call; on the first tokens after a reset, the rows of the table and the per-row state.
+
+        Raises:
+            KVCacheLayoutError: shapes that disagree with the spec, or a changed batch size.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_states(key_states, value_states)
+        assert self.table is not None
+        return self.table, self.num_tokens
+
     # -- pool ----------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
         """Grow the pool tensors (and the table) to ``capacity`` blocks, keeping their data."""
@@ -184,15 +205,11 @@ class KVPageLayer(CacheLayerMixin):
             KVCacheLayoutError: shapes that disagree with the spec, or a changed batch size.
             OutOfBlocksError: the pool would need more than ``max_blocks`` blocks.
         """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._check_states(key_states, value_states)
-        assert self.table is not None
+        table, start = self._begin_update(key_states, value_states)
         rows, heads, n, dim = key_states.shape
-        start = self.num_tokens
         self._reserve(start + n, start // self.spec.block_size)
         if n:
-            slots = self.table.slots(start, n, self.device)
+            slots = table.slots(start, n, self.device)
             k = key_states.transpose(1, 2).reshape(rows * n, heads, dim)
             v = value_states.transpose(1, 2).reshape(rows * n, heads, dim)
             write_kv(self.pool, self.spec, k, v, slots)

@@ -121,15 +121,11 @@ class SealedKVPageLayer(KVPageLayer):
             KVCacheLayoutError: shapes that disagree with the spec, or a changed batch size.
             OutOfBlocksError: the pool would need more than ``max_blocks`` blocks.
         """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._check_states(key_states, value_states)
-        assert self.table is not None
+        _, start = self._begin_update(key_states, value_states)
         bs = self.spec.block_size
-        rows, _, n, _ = key_states.shape
+        n = key_states.shape[2]
         if not self.record_past:
             self._trim()                       # the previous step's rollback rows are no longer needed
-        start = self.num_tokens
         end = start + n
         q0 = start // bs                       # the first block this step writes
         self._reserve(end, q0, copy=False)     # its blocks and later ones are the row's own (no data to copy yet)
