@@ -5,7 +5,7 @@ The ``sliding`` group of a model with windowed layers beside full-attention ones
 advance, caching, eviction, rollback and free (``free + pinned + cached == slots`` after every operation); the
 prefix rule (a hit is usable only while the blocks inside the window of its end hold slots); an engine whose
 window slots are reused many times still matches transformers; peak memory of a long request stays within the
-window share; a pool short of slots defers requests instead of failing; what cannot work yet says so.
+window share; a pool short of slots defers requests instead of failing (tiers: ``test_sliding_tiers.py``).
 """
 from __future__ import annotations
 
@@ -286,12 +286,3 @@ def test_a_pool_short_of_window_slots_defers_requests_and_every_one_finishes(gem
     assert refused > 0, f"the {win.num_slots} window slots never ran short: the test does not test deferral"
     assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
     assert llm.kv_cache_stats().num_in_use == 0
-
-
-@pytest.mark.parametrize("setting", [{"swap_space": 0.01}, {"kv_disk_dir": "DIR"}])
-def test_tiers_are_refused_naming_the_setting(gemma: Path, tmp_path: Path, setting: dict) -> None:
-    from kvpage import LLM
-
-    setting = {k: (str(tmp_path) if v == "DIR" else v) for k, v in setting.items()}
-    with pytest.raises(ValueError, match=f"{next(iter(setting))}: KV tiers are not supported yet"):
-        LLM(str(gemma), progress=False, kv_cache_dtype="int8", num_blocks=64, **setting)

@@ -76,6 +76,8 @@ class CacheController:
     Attributes:
         device_caches: global layer index -> :data:`LayerCache` on ``device``.
         host_caches: global layer index -> :data:`LayerCache` on the CPU.
+        window_layers: layers whose device tensors have rows of their own (the window slots of a bounded
+            sliding-window group) instead of one row per block id; their host rows stay one per host block.
     """
 
     def __init__(self, spec: CacheSpec, device: str | torch.device = "cpu", fill_value: float | None = None) -> None:
@@ -86,6 +88,7 @@ class CacheController:
         self.host_caches: dict[int, LayerCache] = {}
         self.num_device_blocks = 0
         self.num_host_blocks = 0
+        self.window_layers: frozenset[int] = frozenset()
 
     # -- sizing ------------------------------------------------------------------------------
     def num_blocks_for_budget(self, budget_bytes: int, groups: Iterable[str] | None = None) -> BlockBudget:
@@ -168,6 +171,7 @@ class CacheController:
                 raise ValueError(f"group {group.name!r} needs a positive block count, got {n}")
             caches.update(self._allocate_group(group, n, self.device, False, "device"))
         self.device_caches.update(caches)
+        self.window_layers = frozenset(i for g in self.spec.model_groups if g.name in rows for i in g.layer_indices)
         self.num_device_blocks = num_blocks
         return caches
 
@@ -238,23 +242,43 @@ class CacheController:
         dst: dict[int, LayerCache],
         src_ids: Sequence[int],
         dst_ids: Sequence[int],
-        src_blocks: int,
-        dst_blocks: int,
         layers: Iterable[int] | None,
+        window_rows: Sequence[int | None] | None,
+        to_device: bool,
     ) -> None:
+        """Copy rows ``src_ids -> dst_ids`` between two tiers; in :attr:`window_layers` the device side reads
+        ``window_rows`` instead of the block ids (a ``None`` row: that block is skipped in those layers)."""
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"block id lists differ in length: {len(src_ids)} vs {len(dst_ids)}")
         if len(set(dst_ids)) != len(dst_ids):
             raise ValueError(f"destination block ids repeat: {list(dst_ids)}")
-        si = _check_ids("source block ids", src_ids, src_blocks)
-        di = _check_ids("destination block ids", dst_ids, dst_blocks)
+        dev_blocks, host_blocks = self.num_device_blocks, self.num_host_blocks
+        _check_ids("source block ids", src_ids, host_blocks if to_device else dev_blocks)
+        _check_ids("destination block ids", dst_ids, dev_blocks if to_device else host_blocks)
         todo = list(range(self.spec.num_layers)) if layers is None else list(layers)
         for i in todo:
             if i not in src or i not in dst:
                 raise KVPageError(f"layer {i} has no allocated cache in both tiers of this copy")
-        if not len(si):
+        windowed = [i for i in todo if i in self.window_layers]
+        if windowed and window_rows is None:
+            raise ValueError(f"layers {windowed} keep their device rows in window slots: pass window_rows")
+        if window_rows is not None and len(window_rows) != len(src_ids):
+            raise ValueError(f"{len(window_rows)} window rows for {len(src_ids)} blocks")
+        if not len(src_ids):
             return
+        plain = (list(src_ids), list(dst_ids))
+        slotted = plain
+        if windowed and window_rows is not None:  # device side -> window rows, blocks without one skipped
+            kept = [(r, s, d) for r, s, d in zip(window_rows, src_ids, dst_ids) if r is not None]
+            slotted = ([s for _, s, _ in kept], [r for r, _, _ in kept]) if to_device else \
+                ([r for r, _, _ in kept], [d for _, _, d in kept])
         for i in todo:
+            s_ids, d_ids = slotted if i in self.window_layers else plain
+            if not s_ids:
+                continue
+            n_src, n_dst = next(iter(src[i].values())).shape[0], next(iter(dst[i].values())).shape[0]
+            si = _check_ids(f"layer {i} source rows", s_ids, n_src)
+            di = _check_ids(f"layer {i} destination rows", d_ids, n_dst)
             for name, s in src[i].items():
                 d = dst[i][name]
                 rows = s.index_select(0, si.to(s.device))
@@ -290,25 +314,30 @@ class CacheController:
             for t in cache.values():
                 t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
 
-    def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], layers: Iterable[int] | None = None) -> None:
+    def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], layers: Iterable[int] | None = None,
+                 window_rows: Sequence[int | None] | None = None) -> None:
         """Copy device blocks to host blocks: K, V and every scale, for every (or the given) layer.
 
         Args:
             device_ids: source device block ids.
             host_ids: destination host block ids, same length, no repeats.
             layers: global layer indices to copy (per-layer path); default all, main and draft.
+            window_rows: per device block, its row in the :attr:`window_layers` (its window slot), ``None``
+                where it holds none (those layers of that host block are left as they were); required when
+                a copied layer is a window layer.
 
         Raises:
-            ValueError / IndexError: mismatched lengths, repeated destinations, ids out of range.
+            ValueError / IndexError: mismatched lengths, repeated destinations, ids or rows out of range, no
+                ``window_rows`` for window layers.
             KVPageError: a layer lacks host or device tensors.
         """
-        self._copy(self.device_caches, self.host_caches, device_ids, host_ids,
-                   self.num_device_blocks, self.num_host_blocks, layers)
+        self._copy(self.device_caches, self.host_caches, device_ids, host_ids, layers, window_rows, False)
 
-    def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int], layers: Iterable[int] | None = None) -> None:
-        """Copy host blocks back to device blocks (the reverse of :meth:`swap_out`); same arguments and errors."""
-        self._copy(self.host_caches, self.device_caches, host_ids, device_ids,
-                   self.num_host_blocks, self.num_device_blocks, layers)
+    def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int], layers: Iterable[int] | None = None,
+                window_rows: Sequence[int | None] | None = None) -> None:
+        """Copy host blocks back to device blocks (the reverse of :meth:`swap_out`; ``window_rows`` per device
+        block, ``None`` skips it in the window layers); same errors."""
+        self._copy(self.host_caches, self.device_caches, host_ids, device_ids, layers, window_rows, True)
 
     @property
     def device_bytes(self) -> int:

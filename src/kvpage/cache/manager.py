@@ -197,6 +197,16 @@ class KVCacheManager(SideSlots, TableEdits, EventSource):
         request's own blocks needs no prefix caching, a lookup by hash does: see :attr:`enable_caching`)."""
         return all(g.allows_external_prefix(len(match.block_ids)) for g in self.groups)
 
+    def usable_external(self, match: MatchResult, windows: Sequence[bool], num_external_tokens: int) -> int:
+        """Tokens of a tier's run after ``match`` that every group can read (the least of
+        :meth:`~kvpage.cache.groups.GroupManager.usable_external`; ``windows`` per loaded block)."""
+        return min(g.usable_external(match.block_ids, windows, num_external_tokens) for g in self.groups)
+
+    @property
+    def loads_may_stop_short(self) -> bool:
+        """Whether every group can compute on from where a tier load was cut short at read time."""
+        return all(g.loads_may_stop_short for g in self.groups)
+
     def _check_match(self, request: SupportsKVCache, match: MatchResult) -> None:
         """Raise if ``match`` is no longer what the index holds (a block was evicted since)."""
         if match.num_cached_tokens != len(match.block_ids) * self.block_size:
@@ -304,8 +314,8 @@ class KVCacheManager(SideSlots, TableEdits, EventSource):
             parent=m.block_ids[-1] if m.block_ids else ROOT,
         )
         self._reqs[request.request_id] = st
-        for g in self.groups:
-            g.on_request_blocks(request.request_id, st.block_ids, m.num_cached_tokens)
+        for g in self.groups:  # the hit ends after the loads: a window starts there
+            g.on_request_blocks(request.request_id, st.block_ids, m.num_cached_tokens + num_external_tokens)
         self._device_hit_blocks += len(m.block_ids)
         self._requests += 1
         self._queries += len(request.all_token_ids)

@@ -119,19 +119,22 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     controller = CacheController(spec, device)
     pool = PrefixBlockPool(num_blocks)  # side space of quantize-on-seal groups is carved from it on demand
     window_slots = {g.name: capacity.window_slots for g in spec.groups if is_bounded_window(g)}
-    if window_slots:
-        _check_no_tiers(config)
     groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
                                num_lookahead_tokens=config.num_lookahead_tokens,
                                pool=pool, max_model_len=max_model_len,
                                num_window_slots=window_slots.get(g.name)) for g in spec.groups)
     caches = allocate_device_caches(controller, num_blocks, window_slots)
+    windows_of = [g for g in groups if isinstance(g, SlidingWindowManager)]  # at most the one ``sliding`` group
+
+    def window_rows(block_ids: Sequence[int]) -> list[int | None]:
+        """Each block's window slot, which the tiers copy for the window layers."""
+        return [windows_of[0].slot_of(b) for b in block_ids]
 
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
         controller, swap_space=config.swap_space, config=config.offload,
         kv_disk_dir=None if config.kv_disk_dir is None else str(config.kv_disk_dir),
         kv_disk_max_bytes=config.kv_disk_max_bytes, kv_store=config.kv_store,
-        supports_swap=all(g.supports_swap for g in groups),
+        supports_swap=all(g.supports_swap for g in groups), window_rows=window_rows if windows_of else None,
     )
     connector = None if offload is None else TieredConnector(offload, spec.block_size)
     manager = KVCacheManager(num_blocks, spec.block_size, groups=groups,
@@ -170,19 +173,6 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, kv, runner, engine, int(num_blocks),
                        max_model_len, capacity, budget, drafter)
-
-
-def _check_no_tiers(config: EngineConfig) -> None:
-    """Tiers copy blocks by id; a bounded sliding-window group keeps its KV in window slots instead.
-
-    Raises:
-        ValueError: a host tier (``swap_space``), disk or remote store is configured (names the setting).
-    """
-    for name, on in (("swap_space", bool(config.swap_space)), ("kv_disk_dir", config.kv_disk_dir is not None),
-                     ("kv_store", config.kv_store is not None)):
-        if on:
-            raise ValueError(f"{name}: KV tiers are not supported yet for models with sliding-window layers beside "
-                             f"full-attention ones (their window slots are not keyed by block id); leave {name} unset")
 
 
 def allocate_device_caches(controller: CacheController, num_blocks: int,

@@ -179,7 +179,12 @@ class SchedulerKVCache:
         hashes: list[bytes] = []
         if self.manager.enable_caching and max_blocks > d:
             hashes = self.manager.block_hashes(request, max_blocks)[d:]
-        return TieredMatch(m, c.get_num_new_matched_tokens(request.request_id, hashes, m.num_cached_tokens, n - 1))
+        ext = c.get_num_new_matched_tokens(request.request_id, hashes, m.num_cached_tokens, n - 1)
+        if ext.loads:  # a sliding-window group reads the loads only up to an end whose window holds its rows
+            usable = self.manager.usable_external(m, [ld.window for ld in ext.loads], ext.num_tokens)
+            if usable < ext.num_tokens:
+                ext = ExternalMatch(ext.loads[: -(-usable // self.block_size)], usable)
+        return TieredMatch(m, ext)
 
     def _split(self, match: TieredMatch | MatchResult | None) -> tuple[MatchResult | None, ExternalMatch]:
         if isinstance(match, TieredMatch):
@@ -263,6 +268,9 @@ class SchedulerKVCache:
                 hashes = request.block_hashes[: len(m.block_ids)]
                 loaded = c.update_state_after_alloc(request.request_id, blocks.new_block_ids[: len(ext.loads)],
                                                     ext, m.block_ids, hashes)
+                if loaded < ext.num_tokens and not self.manager.loads_may_stop_short:
+                    raise LookupError(f"a tier source missed at read time after {loaded} of {ext.num_tokens} "
+                                      "tokens, and a sliding-window group cannot compute on from there")
             except Exception as exc:
                 self.free(request)
                 raise TierLoadError(f"loading the cached prefix of request {request.request_id!r} from a tier "

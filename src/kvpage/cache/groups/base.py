@@ -48,6 +48,18 @@ class GroupManager:
         """Whether tiers may serve the blocks after a device match of ``num_device_blocks`` blocks."""
         return True
 
+    def usable_external(self, device_ids: Sequence[int], windows: Sequence[bool], num_external_tokens: int) -> int:
+        """How many of ``num_external_tokens`` tokens a tier holds after the device hits ``device_ids`` this group
+        can read (no side effects): ``windows[i]`` says whether the source of the ``i``-th loaded block holds its
+        window layers' rows (:attr:`~kvpage.cache.tiers.types.BlockLoad.window`). Default: all of them."""
+        return num_external_tokens
+
+    @property
+    def loads_may_stop_short(self) -> bool:
+        """Whether a tier load cut short at read time (a store record gone) may be followed by computing the rest
+        from where it stopped. Default: yes."""
+        return True
+
     def max_indexable_tokens(self, request: SupportsKVCache, num_computed_tokens: int) -> int:
         """Tokens of the request whose full blocks may enter the prefix index (at most ``num_computed_tokens``)."""
         return num_computed_tokens

@@ -110,11 +110,6 @@ class SlidingWindowManager(GroupManager):
 
     # -- GroupManager -----------------------------------------------------------------------------------------
 
-    @property
-    def supports_swap(self) -> bool:
-        """No: window slots are not keyed by block id, so a host copy by block id would miss them; recompute."""
-        return False
-
     def usable_prefix(self, block_ids: Sequence[int]) -> int:
         """The longest ``L`` whose blocks inside the window of position ``L * block_size`` all hold slots."""
         held = [b in self._slot for b in block_ids]
@@ -123,8 +118,24 @@ class SlidingWindowManager(GroupManager):
                 return n
         return 0
 
-    def allows_external_prefix(self, num_device_blocks: int) -> bool:
-        """No: a tier restores blocks by id, not the window slots this group reads."""
+    def usable_external(self, device_ids: Sequence[int], windows: Sequence[bool], num_external_tokens: int) -> int:
+        """The most loaded tokens whose end keeps the window rule: every block inside the window of the end is a
+        device hit holding a slot or a load whose source holds the window rows (``windows``). Ends are the
+        whole run (its last block may be partial: a swap-in) or a block boundary; 0 when none qualifies (the
+        device hits alone always do: :meth:`usable_prefix`)."""
+        bs = self.block_size
+        d = len(device_ids)
+        held = [b in self._slot for b in device_ids] + [bool(w) for w in windows]
+        ends = [num_external_tokens] + [k * bs for k in range(len(windows) - 1, 0, -1) if k * bs < num_external_tokens]
+        for n in ends:
+            end = d * bs + n
+            if n > 0 and all(held[self.first_block(end):-(-end // bs)]):
+                return n
+        return 0
+
+    @property
+    def loads_may_stop_short(self) -> bool:
+        """No: the blocks inside the window of an earlier end got no slots (nor rows) at admission."""
         return False
 
     def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
@@ -142,8 +153,10 @@ class SlidingWindowManager(GroupManager):
 
     def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
                           num_new_tokens: int, *, num_draft: int = 0) -> int:
-        """New slots a chunk takes: one per block it adds to the table (matched in-window blocks hold theirs)."""
-        return max(0, -(-(num_computed + num_new_tokens) // self.block_size) - len(block_ids))
+        """New slots a chunk takes: one per block it adds to the table from the window of its first query on
+        (matched in-window blocks hold theirs; loaded blocks before that window get none)."""
+        first_new = max(len(block_ids), self.first_block(num_computed))
+        return max(0, -(-(num_computed + num_new_tokens) // self.block_size) - first_new)
 
     def side_reserve(self, need: int, protected: Sequence[int], is_in_use: Callable[[int], bool],
                      is_live: Callable[[int], bool]) -> bool:

@@ -23,7 +23,7 @@ write policies, LMCache's local-disk and remote (Redis) backends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -64,8 +64,19 @@ class HostTier:
         """Host blocks allocated by the controller."""
         return self.controller.num_host_blocks
 
+    def _rows(self, window_rows: Sequence[int | None] | None, n: int) -> dict[int, Sequence[int | None]] | None:
+        """The window layers' rows of a batch of ``n`` blocks (``None`` without window layers)."""
+        layers = self.controller.window_layers
+        if not layers:
+            return None
+        if window_rows is None or len(window_rows) != n:
+            raise ValueError(f"layers {sorted(layers)} keep their rows in window slots: pass one window row per "
+                             f"block ({n} blocks, got {None if window_rows is None else len(window_rows)})")
+        return dict.fromkeys(layers, window_rows)
+
     def device_to_host(
-        self, device_ids: Sequence[int], host_ids: Sequence[int], layers: Sequence[int] | None = None
+        self, device_ids: Sequence[int], host_ids: Sequence[int], window_rows: Sequence[int | None] | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
         """Copy device blocks to host blocks: K, V and every scale (``CacheController.swap_out``).
 
@@ -74,31 +85,45 @@ class HostTier:
             host_ids: destination host block ids (same length, no repeats).
             layers: global layer indices to copy (the per-layer path, as layer-wise
                 offload does); default every layer, main and draft.
+            window_rows: each device block's window slot in the controller's ``window_layers`` (``None``: it
+                holds none, and those layers of its host block are not written); needed with window layers.
 
         Raises:
             ValueError / IndexError: mismatched lengths, repeated destinations, ids out of range.
             KVPageError: a layer lacks device or host tensors.
         """
-        self.controller.swap_out(list(device_ids), list(host_ids), layers)
+        self.controller.swap_out(list(device_ids), list(host_ids), layers, window_rows)
 
     def host_to_device(
-        self, host_ids: Sequence[int], device_ids: Sequence[int], layers: Sequence[int] | None = None
+        self, host_ids: Sequence[int], device_ids: Sequence[int], window_rows: Sequence[int | None] | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
-        """Copy host blocks to device blocks (``CacheController.swap_in``); arguments and errors as :meth:`device_to_host`."""
-        self.controller.swap_in(list(host_ids), list(device_ids), layers)
+        """Copy host blocks to device blocks (``CacheController.swap_in``; ``window_rows`` per device block, as
+        :meth:`device_to_host`); errors as :meth:`device_to_host`."""
+        self.controller.swap_in(list(host_ids), list(device_ids), layers, window_rows)
 
-    def gather(self, device_ids: Sequence[int]) -> list[BlockData]:
-        """One :data:`BlockData` (CPU tensors, per-block shapes of the spec) per device block."""
-        return gather_blocks(self.controller.device_caches, self.spec, list(device_ids))
+    def gather(self, device_ids: Sequence[int], window_rows: Sequence[int | None] | None = None) -> list[BlockData]:
+        """One :data:`BlockData` (CPU tensors, per-block shapes of the spec) per device block.
 
-    def scatter(self, device_ids: Sequence[int], datas: Sequence[BlockData]) -> None:
+        ``window_rows``: each block's window slot (every one held: a store record is a whole block), needed when
+        the controller has window layers (``ValueError`` otherwise, or for a ``None`` row).
+        """
+        ids = list(device_ids)
+        return gather_blocks(self.controller.device_caches, self.spec, ids, rows=self._rows(window_rows, len(ids)))
+
+    def scatter(self, device_ids: Sequence[int], datas: Sequence[BlockData],
+                window_rows: Sequence[int | None] | None = None) -> None:
         """Write store blocks into device blocks; everything is checked against the spec before a byte is written.
+
+        ``window_rows``: each device block's window slot (``None``: outside every window, its window layers are
+        not written), needed when the controller has window layers.
 
         Raises:
             KVCacheLayoutError: a block disagrees with the spec (names the layer and tensor).
             ValueError / IndexError: bad ids.
         """
-        scatter_blocks(self.controller.device_caches, self.spec, list(device_ids), list(datas))
+        ids = list(device_ids)
+        scatter_blocks(self.controller.device_caches, self.spec, ids, list(datas), rows=self._rows(window_rows, len(ids)))
 
     def gather_host(self, host_ids: Sequence[int]) -> list[BlockData]:
         """One :data:`BlockData` per host block (for tests and debugging)."""
@@ -140,6 +165,7 @@ def build_offload(
     store_options: dict[str, Any] | None = None,
     queue: TransferQueue | None = None,
     supports_swap: bool = True,
+    window_rows: Callable[[Sequence[int]], list[int | None]] | None = None,
 ) -> OffloadManager | None:
     """Allocate the host tier, open the stores and return the :class:`OffloadManager` (``None`` when no tier is asked for).
 
@@ -156,12 +182,18 @@ def build_offload(
         queue: the transfer queue (default synchronous).
         supports_swap: whether every layer group's blocks can be swapped out and back
             (``KVCacheManager.supports_swap``; block-wise formats keep a tail pool outside them).
+        window_rows: device block ids -> window slots, when the controller has window layers (the bounded
+            sliding-window group's :meth:`~kvpage.cache.groups.SlidingWindowManager.slot_of`); ``ValueError``
+            when it has them and this is missing.
 
     Raises:
         ValueError: bad sizes; ``swap`` without a host tier; a disk cap without a disk store.
         CacheAllocationError: the host tier could not be allocated for some layer group (case C08).
     """
     config = config or OffloadConfig()
+    if controller.window_layers and window_rows is None:
+        raise ValueError(f"layers {sorted(controller.window_layers)} keep their device rows in window slots: "
+                         "the tiers need window_rows to find them")
     n_host = host_blocks_for_swap_space(controller, swap_space)
     if config.preemption_mode == "swap" and n_host == 0:
         raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
@@ -188,4 +220,4 @@ def build_offload(
             s.close()
         raise
     host = HostBlockPool(controller.num_host_blocks) if n_host else None
-    return OffloadManager(HostTier(controller), host, stores, config, queue)
+    return OffloadManager(HostTier(controller), host, stores, config, queue, window_rows=window_rows)

@@ -28,7 +28,7 @@ operations, so this module never touches a tensor:
   stores, LMCache's default), keyed ``StoreKey(spec.fingerprint, block_hash)``,
   except to the store it was just loaded from (and blocks loaded from the host
   tier, which were put when first cached).
-* **preempt** (``preemption_mode="swap"``, vLLM's ``swap_space`` /
+* **preempt** (:mod:`kvpage.cache.tiers.swap`; ``preemption_mode="swap"``, vLLM's ``swap_space`` /
   ``preemption_mode``): a preempted request's written blocks are copied to host
   blocks it owns and its device blocks are freed; on readmission they are
   loaded back into fresh device blocks (after any of its full blocks still
@@ -52,6 +52,7 @@ from typing import Any
 
 from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
 from kvpage.cache.tiers.policy import DIRECTIONS, OffloadConfig
+from kvpage.cache.tiers.swap import SwapPreemption
 from kvpage.cache.tiers.transfer import Transfer, TransferQueue
 from kvpage.cache.tiers.types import BlockLoad, BlockMover, LoadResult, OffloadStats, StoreLike, SwapRecord
 
@@ -62,7 +63,7 @@ def _hash_of(load: BlockLoad) -> bytes:
     return load.block_hash
 
 
-class OffloadManager:
+class OffloadManager(SwapPreemption):
     """Host tier, stores and swap preemption for one :class:`~kvpage.cache.manager.KVCacheManager`.
 
     Args:
@@ -72,6 +73,12 @@ class OffloadManager:
         config: policies.
         queue: the transfer queue (default a synchronous one).
         clock: monotonic seconds, for load deadlines (tests pass a fake clock).
+        window_rows: device block ids -> their window slots (``None`` where a block holds none), for a model
+            whose bounded sliding-window layers keep their device rows in window slots
+            (:meth:`~kvpage.cache.groups.SlidingWindowManager.slot_of`); resolved when a copy is issued (the
+            forward pass that could reuse a slot waits for every copy: ``fence``). Host blocks remember whether
+            they got window rows (:attr:`BlockLoad.window`); a block without them is not put to a store, so a
+            store record is always whole.
 
     Raises:
         ValueError: ``preemption_mode="swap"`` without a host tier, or repeated tier names.
@@ -85,6 +92,7 @@ class OffloadManager:
         config: OffloadConfig | None = None,
         queue: TransferQueue | None = None,
         clock: Callable[[], float] = time.monotonic,
+        window_rows: Callable[[Sequence[int]], list[int | None]] | None = None,
     ) -> None:
         self.mover = mover
         self.host = host if host is not None and host.num_blocks > 0 else None
@@ -92,6 +100,8 @@ class OffloadManager:
         self.config = config or OffloadConfig()
         self.queue = queue or TransferQueue()
         self.clock = clock
+        self.window_rows = window_rows
+        self._no_window: set[int] = set()  # host blocks written without the window layers' rows
         names = ["device", "host", *(n for n, _ in self.stores)]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique and not 'device'/'host', got {[n for n, _ in self.stores]}")
@@ -109,6 +119,20 @@ class OffloadManager:
     def block_bytes(self) -> int:
         """Bytes of one block (all layers, scales included)."""
         return int(self.mover.bytes_per_block)
+
+    def _rows(self, device_ids: Sequence[int]) -> dict[str, list[int | None]]:
+        """The mover's ``window_rows`` argument for these device blocks (none without window layers)."""
+        if self.window_rows is None:
+            return {}
+        return {"window_rows": list(self.window_rows(device_ids))}
+
+    def _mark_window(self, host_ids: Sequence[int], rows: dict[str, list[int | None]]) -> None:
+        """Remember which host blocks got their window rows (``rows`` from :meth:`_rows`)."""
+        for h, r in zip(host_ids, rows.get("window_rows", [0] * len(host_ids))):
+            if r is None:
+                self._no_window.add(h)
+            else:
+                self._no_window.discard(h)
 
     # -- transfers -------------------------------------------------------------------------------
     def _submit(
@@ -175,43 +199,13 @@ class OffloadManager:
         for i, h in enumerate(block_hashes):
             hb = host_ids[i]
             if hb is not None:
-                out.append(BlockLoad("host", h, host_block=hb))
+                out.append(BlockLoad("host", h, host_block=hb, window=hb not in self._no_window))
                 continue
             k = next((k for k, p in enumerate(probes) if p[i - first_miss]), None)
             if k is None:
                 break
             out.append(BlockLoad(self.stores[k][0], h, store=k))
         return out
-
-    def swap_loads(
-        self, request_id: str, first_block: int, max_tokens: int, block_size: int
-    ) -> tuple[list[BlockLoad], int] | None:
-        """The loads that swap a preempted request back in, from its block ``first_block`` on.
-
-        Waits for the request's swap-out copy if it is still in flight.
-
-        Args:
-            request_id: the request.
-            first_block: blocks before it are served otherwise (device hits).
-            max_tokens: at most this many tokens come back (``len(tokens) - 1``: the
-                last token is always computed, so the step yields logits).
-            block_size: tokens per block.
-
-        Returns:
-            ``(loads, tokens they restore)``, or ``None`` when the request is not swapped out.
-        """
-        rec = self._swapped.get(request_id)
-        if rec is None:
-            return None
-        if not rec.transfer.acknowledged:
-            self.wait([rec.transfer])
-        num_tokens = max(min(rec.num_tokens, max_tokens), 0)
-        last = -(-num_tokens // block_size)
-        return [BlockLoad("swap", None, host_block=b) for b in rec.host_ids[first_block:last]], num_tokens
-
-    def is_swapped(self, request_id: str) -> bool:
-        """Whether the request's blocks are in the host tier waiting for a swap-in."""
-        return request_id in self._swapped
 
     def check_loads(self, loads: Sequence[BlockLoad]) -> None:
         """Raise ``ValueError`` if a host source of ``loads`` no longer holds its block (a stale match)."""
@@ -292,7 +286,8 @@ class OffloadManager:
 
             transfers.append(self._submit(
                 "host_to_device", "host_to_device", hids, dids,
-                functools.partial(self.mover.host_to_device, hids, dids), release_host, release_host,
+                functools.partial(self.mover.host_to_device, hids, dids, **self._rows(dids)), release_host,
+                release_host,
             ))
         for k, idxs in by_store.items():
             idxs = [i for i in idxs if i < ok]
@@ -302,7 +297,7 @@ class OffloadManager:
             blocks = [datas[i] for i in idxs]
             transfers.append(self._submit(
                 "store_to_device", "store_read", (), dids,
-                functools.partial(self.mover.scatter, dids, blocks), lambda: None,
+                functools.partial(self.mover.scatter, dids, blocks, **self._rows(dids)), lambda: None,
             ))
         for ld in loads[:ok]:
             if ld.tier != "swap":
@@ -351,13 +346,15 @@ class OffloadManager:
         dids = [d for d, _ in pairs]
         hids = self.host.allocate(len(pairs), [h for _, h in pairs])
         self._backups += len(pairs)
+        rows = self._rows(dids)
+        self._mark_window(hids, rows)
 
         def written(host: HostBlockPool = self.host, hids: list[int] = hids) -> None:
             for b in hids:
                 host.finish_write(b)
 
         self._submit("device_to_host", "device_to_host", dids, hids,
-                     lambda: self.mover.device_to_host(dids, hids), written)
+                     lambda: self.mover.device_to_host(dids, hids, **rows), written)
         return hids
 
     def on_cached(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
@@ -372,12 +369,14 @@ class OffloadManager:
         sources = [self._loaded_from.pop(h, None) for h in block_hashes]
         if not self.stores:
             return
-        todo = [[i for i, src in enumerate(sources) if src is None or (src >= 0 and src != k)]
+        whole = self._rows(device_ids).get("window_rows", [0] * len(device_ids))  # a record is a whole block
+        todo = [[i for i, src in enumerate(sources) if (src is None or (src >= 0 and src != k)) and whole[i] is not None]
                 for k in range(len(self.stores))]
         need = sorted({i for t in todo for i in t})
         if not need:
             return
-        gathered = dict(zip(need, self.mover.gather([device_ids[i] for i in need])))
+        gathered = dict(zip(need, self.mover.gather([device_ids[i] for i in need],
+                                                    **self._rows([device_ids[i] for i in need]))))
         for k, (_, store) in enumerate(self.stores):
             if todo[k]:
                 store.put([(store.key(block_hashes[i]), gathered[i]) for i in todo[k]])
@@ -405,52 +404,6 @@ class OffloadManager:
         self._use_counts.pop(block_hash, None)
         if self.config.write_policy == "write_back":
             self.backup([device_id], [block_hash])
-
-    # -- swap preemption -------------------------------------------------------------------------
-    def swap_out(self, request_id: str, device_ids: Sequence[int], num_tokens: int) -> bool:
-        """Copy a preempted request's blocks (holding ``num_tokens`` tokens) to host blocks it owns.
-
-        Returns:
-            ``False`` (nothing done; recompute instead) without a host tier, with
-            no blocks, or when fewer host blocks are free or evictable than needed.
-
-        Raises:
-            ValueError: the request is already swapped out.
-        """
-        if request_id in self._swapped:
-            raise ValueError(f"request {request_id!r} is already swapped out")
-        n = len(device_ids)
-        if self.host is None or n == 0 or not self.host.can_allocate(n):
-            if n:
-                self._swap_fallbacks += 1
-            return False
-        dids = [int(d) for d in device_ids]
-        hids = self.host.allocate(n)
-
-        def written(host: HostBlockPool = self.host, hids: list[int] = hids) -> None:
-            for b in hids:
-                host.finish_write(b)
-
-        t = self._submit("device_to_host", "device_to_host", dids, hids,
-                         lambda: self.mover.device_to_host(dids, hids), written)
-        self._swapped[request_id] = SwapRecord(tuple(hids), int(num_tokens), t)
-        self._swap_out += n
-        return True
-
-    def drop_swapped(self, request_id: str) -> bool:
-        """Free a swapped-out request's host blocks (it finished or was aborted while waiting).
-
-        Blocks whose swap-out copy is still in flight are freed when it is acknowledged.
-
-        Returns:
-            Whether the request was swapped out.
-        """
-        rec = self._swapped.pop(request_id, None)
-        if rec is None:
-            return False
-        assert self.host is not None  # (a swap record exists only with a host tier)
-        self.host.free_owned(rec.host_ids)
-        return True
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self, *, num_held_blocks: int = 0) -> OffloadStats:

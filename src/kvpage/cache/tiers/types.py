@@ -24,17 +24,22 @@ class BlockMover(Protocol):
 
     bytes_per_block: int
 
-    def device_to_host(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> None:
-        """Copy device blocks into host blocks."""
+    def device_to_host(self, device_ids: Sequence[int], host_ids: Sequence[int],
+                       window_rows: Sequence[int | None] | None = None) -> None:
+        """Copy device blocks into host blocks (``window_rows``: each device block's window slot, given when the
+        model has bounded sliding-window layers; ``None`` skips a block in them)."""
 
-    def host_to_device(self, host_ids: Sequence[int], device_ids: Sequence[int]) -> None:
-        """Copy host blocks into device blocks."""
+    def host_to_device(self, host_ids: Sequence[int], device_ids: Sequence[int],
+                       window_rows: Sequence[int | None] | None = None) -> None:
+        """Copy host blocks into device blocks (``window_rows`` as :meth:`device_to_host`)."""
 
-    def gather(self, device_ids: Sequence[int]) -> list[Any]:
-        """One ``BlockData`` (CPU tensors) per device block."""
+    def gather(self, device_ids: Sequence[int], window_rows: Sequence[int | None] | None = None) -> list[Any]:
+        """One ``BlockData`` (CPU tensors) per device block (``window_rows`` as :meth:`device_to_host`, all held)."""
 
-    def scatter(self, device_ids: Sequence[int], datas: Sequence[Any]) -> None:
-        """Write ``BlockData`` into device blocks (validated against the spec first)."""
+    def scatter(self, device_ids: Sequence[int], datas: Sequence[Any],
+                window_rows: Sequence[int | None] | None = None) -> None:
+        """Write ``BlockData`` into device blocks, validated against the spec first (``window_rows`` as
+        :meth:`device_to_host`)."""
 
 
 class StoreLike(Protocol):
@@ -67,12 +72,16 @@ class BlockLoad:
         block_hash: the block's chained hash (``None`` for a swap load of a partial block).
         host_block: the host block id for ``host`` and ``swap`` loads, else -1.
         store: index of the store in :attr:`OffloadManager.stores` for store loads, else -1.
+        window: whether the source holds the block's rows of the bounded sliding-window layers (a block backed
+            up after its window slot was gone holds only the other layers: usable before the window of a hit's
+            end, :meth:`~kvpage.cache.groups.GroupManager.usable_external`); always true without such layers.
     """
 
     tier: str
     block_hash: bytes | None
     host_block: int = -1
     store: int = -1
+    window: bool = True
 
 
 @dataclass(frozen=True, slots=True)
