@@ -12,6 +12,8 @@ Three parts, all on small random-initialised transformers models (no weights are
    in use x their bytes + pinned window slots x theirs) and compared with the theory: the global layers' full
    share + the window layers' window share + one block per group; and with the same model on a cache that
    keeps every block in every layer.
+   1b. The same for a Mistral-style model whose every layer is windowed: block ids carry no tensor and the
+   budget buys window slots only.
 2. **MLA.** Bytes per token of a DeepSeek-V3-sized latent cache (``L x (kv_lora_rank + rope)`` values) against
    the uncompressed K/V the same attention would cache, and the tiny model's cache as the engine allocates it.
 3. **Quantized caches per family.** For each family, the KL divergence of the next-token distribution of
@@ -95,6 +97,48 @@ def sliding_window(tokenizer: object, root: Path, context: int, window: int) -> 
     print()
 
 
+def all_windowed(tokenizer: object, root: Path, context: int, window: int) -> None:
+    cfg = tf.MistralConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
+                           max_position_embeddings=context + 64, tie_word_embeddings=True)
+    folder = save(cfg, root / "mistral", tokenizer)
+    prompt = torch.randint(100, 40000, (context - 32,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(folder), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=4,
+              max_num_batched_tokens=256, kv_cache_memory_bytes=16 * 2**20)
+    spec, cap = llm.spec, llm.capacity
+    win = llm._built.groups[0]
+    assert isinstance(win, SlidingWindowManager) and cap.bytes_per_block == 0
+    bpb = spec.main.bytes_per_block
+    samples: list[tuple[int, int]] = []  # (position, pinned window slots)
+    advance = win.advance
+
+    def watch(rid: str, ids: list[int], position: int) -> None:
+        advance(rid, ids, position)
+        samples.append((position, win.num_pinned_slots))
+
+    setattr(win, "advance", watch)
+    llm.generate({"prompt_token_ids": prompt}, params)
+    bs = spec.block_size
+    peak_decode = max(w for p, w in samples if p >= len(prompt)) * bpb
+    peak_all = max(w for _, w in samples) * bpb
+    theory = (-(-window // bs) + 1) * bpb
+    full = -(-context // bs) * bpb
+    print(f"## 1b. Every layer windowed: Mistral-style, 12 layers of a {window}-token window, {context}-token "
+          f"request, int8, block 16")
+    print(f"groups: {[(g.name, g.num_layers, g.sliding_window) for g in spec.groups]}; block ids {cap.num_blocks:,} "
+          f"(no tensor); window slots {cap.window_slots:,} x {bpb:,} bytes = {cap.window_bytes / 2**20:.2f} MiB, "
+          f"all the device KV memory ({llm.controller.device_bytes / 2**20:.2f} MiB allocated)")
+    print("| KV bytes held by the request | bytes | vs theory |")
+    print("|---|---:|---:|")
+    print(f"| theory: window {-(-window // bs)} blocks + one block | {theory:,} | 1.000 |")
+    print(f"| measured, peak during decode | {peak_decode:,} | {peak_decode / theory:.3f} |")
+    print(f"| measured, peak during chunked prefill (256-token chunks: the chunk's blocks too) | {peak_all:,} "
+          f"| {peak_all / theory:.3f} |")
+    print(f"| every block (no window bound) | {full:,} | {full / theory:.3f} |")
+    print()
+
+
 def mla(tokenizer: object, root: Path) -> None:
     print("## 2. MLA: bytes per token of the latent cache")
     print("| model | layers | cached per token and layer | bytes/token (bf16) | uncompressed K/V (bf16) | ratio |")
@@ -157,6 +201,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         sliding_window(tokenizer, root, args.context, args.window)
+        all_windowed(tokenizer, root, args.context, args.window)
         mla(tokenizer, root)
         if not args.skip_formats:
             formats(tokenizer, root)

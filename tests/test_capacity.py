@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from _tiny import tiny_loaded
-from kvpage.engine.capacity import SMOLLM2_SHAPE, BudgetTooSmallError, format_rows, kv_capacity, markdown_table
+from kvpage.engine.capacity import SMOLLM2_SHAPE, BudgetTooSmallError, kv_capacity
+from kvpage.engine.format_table import format_rows, markdown_table
 from kvpage.engine.config import EngineConfig
 from kvpage.formats import StaticScaleFormat, available_formats, get_format
 from kvpage.model.loader import LoadedModel

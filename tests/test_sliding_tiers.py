@@ -146,15 +146,16 @@ PROMPT_LEN = 90
 STEPS = 8
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
-    """A tiny random Gemma 3 text model (3 sliding layers of 24 tokens, 1 global) saved as a HF folder."""
+@pytest.fixture(scope="module", params=["gemma3", "mistral"])
+def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
+    """A tiny random model saved as a HF folder: Gemma 3 text (3 sliding layers of 24 tokens beside 1 global:
+    a ``sliding`` group) or Mistral (every layer windowed: the ``main`` group keeps window slots only)."""
     from transformers import AutoModelForCausalLM
 
     from test_families_engine import family_config, init_weights
 
-    folder = tmp_path_factory.mktemp("gemma3_tiers")
-    config = family_config("gemma3")
+    folder = tmp_path_factory.mktemp(f"{request.param}_tiers")
+    config = family_config(request.param)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -162,6 +163,10 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
     model.save_pretrained(folder)
     smollm2.tokenizer.save_pretrained(folder)
     return folder
+
+
+def _win(llm: LLM) -> SlidingWindowManager:
+    return next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
 
 
 def _llm(folder: Path, **kw) -> LLM:
@@ -192,52 +197,52 @@ def _check_against_transformers(folder: Path, llm: LLM, prompt: list[int]) -> in
     return rec.rows[0][0]
 
 
-def test_host_tier_serves_the_prompt_again_with_its_window_rows(gemma3: Path) -> None:
-    llm = _llm(gemma3, swap_space=0.01)
+def test_host_tier_serves_the_prompt_again_with_its_window_rows(windowed: Path) -> None:
+    llm = _llm(windowed, swap_space=0.01)
     prompt = _prompt(1)
-    _check_against_transformers(gemma3, llm, prompt)
+    _check_against_transformers(windowed, llm, prompt)
     llm.reset_prefix_cache()                       # the device forgets it; write_through kept it on the host
-    win = llm._built.groups[1]
-    assert isinstance(win, SlidingWindowManager) and win.num_cached_slots == 0
-    assert _check_against_transformers(gemma3, llm, prompt) == PROMPT_LEN - 1  # only the last token computed
+    win = _win(llm)
+    assert win.num_cached_slots == 0
+    assert _check_against_transformers(windowed, llm, prompt) == PROMPT_LEN - 1  # only the last token computed
     st = llm.kv_cache_stats()
     assert st.tier_hits["host"] == (PROMPT_LEN - 1) // 16
     assert win.num_pinned_slots == 0 and st.num_in_use == 0
 
 
-def test_disk_store_serves_another_engine_whole_records(gemma3: Path, tmp_path: Path) -> None:
-    writer = _llm(gemma3, kv_disk_dir=tmp_path)
+def test_disk_store_serves_another_engine_whole_records(windowed: Path, tmp_path: Path) -> None:
+    writer = _llm(windowed, kv_disk_dir=tmp_path)
     prompt = _prompt(2)
-    _check_against_transformers(gemma3, writer, prompt)
-    reader = _llm(gemma3, kv_disk_dir=tmp_path)    # a fresh device: everything it reuses comes from the disk
-    assert _check_against_transformers(gemma3, reader, prompt) == PROMPT_LEN - 1
+    _check_against_transformers(windowed, writer, prompt)
+    reader = _llm(windowed, kv_disk_dir=tmp_path)    # a fresh device: everything it reuses comes from the disk
+    assert _check_against_transformers(windowed, reader, prompt) == PROMPT_LEN - 1
     assert reader.kv_cache_stats().tier_hits["disk"] == (PROMPT_LEN - 1) // 16
 
 
-def test_blocks_backed_up_without_window_rows_are_never_read_inside_a_window(gemma3: Path) -> None:
+def test_blocks_backed_up_without_window_rows_are_never_read_inside_a_window(windowed: Path) -> None:
     # write_back backs a block up when the device evicts it; its window slot went with the eviction, so the
     # host block holds only the global layer's rows: a hit may not end where its window needs them
-    llm = _llm(gemma3, swap_space=0.01, kv_offload_policy="write_back")
+    llm = _llm(windowed, swap_space=0.01, kv_offload_policy="write_back")
     prompt = _prompt(3)
-    first = _check_against_transformers(gemma3, llm, prompt)   # 31: the end of the first 32-token chunk
+    first = _check_against_transformers(windowed, llm, prompt)   # 31: the end of the first 32-token chunk
     llm.reset_prefix_cache()
     offload = llm._built.connector.offload
     assert offload.stats().backups == (PROMPT_LEN + STEPS - 1) // 16   # every full block the request computed
     assert offload._no_window                      # backed up without window rows
     loads = offload.lookup(llm.engine.kv.manager.block_hashes(KVRequest("x", prompt), (PROMPT_LEN - 1) // 16))
     assert loads and not any(ld.window for ld in loads)
-    assert _check_against_transformers(gemma3, llm, prompt) == first   # recomputed from the start, exact
+    assert _check_against_transformers(windowed, llm, prompt) == first   # recomputed from the start, exact
     assert llm.kv_cache_stats().tier_hits.get("host", 0) == 0
 
 
 @pytest.mark.slow
-def test_swap_preemption_with_window_slots_matches_no_preemption(gemma3: Path) -> None:
+def test_swap_preemption_with_window_slots_matches_no_preemption(windowed: Path) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": _prompt(10 + i, 50)} for i in range(4)]
-    big = _llm(gemma3, num_blocks=128, max_num_seqs=4, enable_prefix_caching=False)
+    big = _llm(windowed, num_blocks=128, max_num_seqs=4, enable_prefix_caching=False)
     ref = [o.outputs[0].token_ids for o in big.generate(prompts, params)]
     # 4 requests growing to 90 tokens (6 blocks each) in 14 blocks: some are swapped out and back in
-    llm = _llm(gemma3, num_blocks=14, max_num_seqs=4, enable_prefix_caching=False, swap_space=0.01,
+    llm = _llm(windowed, num_blocks=14, max_num_seqs=4, enable_prefix_caching=False, swap_space=0.01,
                preemption_mode="swap")
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -245,5 +250,4 @@ def test_swap_preemption_with_window_slots_matches_no_preemption(gemma3: Path) -
     assert st.num_preemptions > 0
     assert st.kv.tiers.swapped_out_blocks > 0 and st.kv.tiers.swapped_in_blocks > 0
     assert st.kv.num_in_use == 0 and st.kv.tiers.num_host_busy == 0
-    win = llm._built.groups[1]
-    assert isinstance(win, SlidingWindowManager) and win.num_pinned_slots == 0
+    assert _win(llm).num_pinned_slots == 0

@@ -286,3 +286,63 @@ def test_a_pool_short_of_window_slots_defers_requests_and_every_one_finishes(gem
     assert refused > 0, f"the {win.num_slots} window slots never ran short: the test does not test deferral"
     assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
     assert llm.kv_cache_stats().num_in_use == 0
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
+    """A tiny random Mistral (every layer windowed, 32 tokens) saved as a HF folder."""
+    import transformers as tf
+
+    from test_families_engine import init_weights
+
+    folder = tmp_path_factory.mktemp("mistral_window")
+    cfg = tf.MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                           max_position_embeddings=1100, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    init_weights(model, seed=7)
+    model.save_pretrained(folder)
+    smollm2.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_all_windowed_model_allocates_window_slots_only(mistral: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mistral: every layer windowed, so the block ids carry no tensor and the budget buys window slots; a
+    1,000-token request pins at most its window (+ one step's chunk) and runs to the end."""
+    from kvpage import LLM, SamplingParams
+
+    budget = 2 * 2**20
+    llm = LLM(str(mistral), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=2,
+              max_num_batched_tokens=64, kv_cache_memory_bytes=budget)
+    spec, cap = llm.spec, llm.capacity
+    win = llm._built.groups[0]
+    assert isinstance(win, SlidingWindowManager) and win.name == "main" and spec.sliding is None
+    assert cap.bytes_per_block == 0 and cap.pool_bytes == 0 and cap.window_group == "main"
+    assert cap.window_slots == win.num_slots == budget // spec.main.bytes_per_block   # the budget buys slots
+    assert cap.num_blocks == max(cap.window_slots, 2 * -(-1100 // 16) + 64 // 16)  # ids for 2 requests, each slot
+    assert llm.controller.device_bytes == cap.window_bytes <= budget
+    assert cap.max_concurrency == cap.window_slots / (-(-31 // 16) + 1)
+    peak = 0
+    advance = win.advance
+
+    def watch(rid: str, ids, position: int) -> None:
+        nonlocal peak
+        advance(rid, ids, position)
+        peak = max(peak, win.num_pinned_slots)
+
+    monkeypatch.setattr(win, "advance", watch)
+    prompt = torch.randint(100, 40000, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 24
+    assert peak <= -(-(32 - 1 + 64) // 16) + 1
+    assert win.num_pinned_slots == 0 and llm.kv_cache_stats().num_in_use == 0
+
+
+def test_all_windowed_budget_too_small_names_the_window(mistral: Path) -> None:
+    from kvpage import LLM
+    from kvpage.engine.capacity import BudgetTooSmallError
+
+    with pytest.raises(BudgetTooSmallError, match="32-token window"):
+        LLM(str(mistral), progress=False, kv_cache_dtype="int8", block_size=16, kv_cache_memory_bytes=4096)

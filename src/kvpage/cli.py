@@ -175,14 +175,15 @@ def _capacity_lines(llm: LLM) -> list[str]:
     else:
         side = ""
     window = cap.sliding_window if cap.window_slots else None
-    per_token = [g for g in spec.groups if not (window and g.name == "sliding")]
+    windowed = next((g for g in spec.groups if window and g.name == cap.window_group), None)
+    per_token = [g for g in spec.groups if g is not windowed]
     slots = (f" + {cap.window_bytes / 2**20:.1f} MiB of {cap.window_slots:,} window slots for the "
-             f"{spec.sliding.num_layers if spec.sliding else 0} sliding-window layers ({window}-token window)"
-             if window else "")
+             f"{windowed.num_layers} sliding-window layers ({window}-token window: "
+             f"{_group_formula(windowed)} per token in a slot)" if windowed is not None else "")
     return [
         f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
         f"{cap.bytes_per_token:,.0f} bytes/token = "
-        + " + ".join(_group_formula(g) for g in per_token)
+        + (" + ".join(_group_formula(g) for g in per_token) if per_token else "0 (every layer is windowed)")
         + f"; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
         f"= {cap.pool_bytes / 2**20:.1f} MiB{slots}{side}",
         f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token): "
@@ -252,7 +253,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_formats(args: argparse.Namespace) -> int:
     """``kvpage formats``: every format's aliases, bits per value, and tokens that fit at ``--budget-bytes``."""
-    from kvpage.engine.capacity import SMOLLM2_SHAPE, Shape, format_rows, model_shape
+    from kvpage.engine.capacity import SMOLLM2_SHAPE, Shape, model_shape
+    from kvpage.engine.format_table import format_rows
     from kvpage.formats import format_aliases, get_format
     from kvpage.spec import CacheSpec
 

@@ -3,7 +3,7 @@
 :func:`kv_capacity` is the one computation of every capacity figure kvpage
 reports: :func:`~kvpage.engine.build.build_engine` takes its block count from it,
 ``kvpage generate`` prints its ratio, ``kvpage formats`` its tokens at a budget,
-and the README table comes from ``python -m kvpage.engine.capacity``. It counts
+and the README table comes from ``python -m kvpage.engine.format_table``. It counts
 everything the engine allocates for the KV cache:
 
 * the device blocks of every layer group (codes, scales, zero points; scale tensors included);
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpage.cache.groups import SealedGroupManager, is_bounded_window, manager_for, window_slots_for
 from kvpage.cache.tail import TailPool
@@ -41,9 +41,8 @@ if TYPE_CHECKING:
     from kvpage.engine.memory import KVBudget
     from kvpage.engine.threads import ThreadChoice
 
-__all__ = ["BudgetTooSmallError", "CapacityReport", "FormatRow", "ModelShape", "SMOLLM2_SHAPE", "Shape",
-           "build_spec", "format_rows", "kv_capacity", "markdown_table", "model_shape", "startup_line",
-           "window_slots"]
+__all__ = ["BudgetTooSmallError", "CapacityReport", "ModelShape", "SMOLLM2_SHAPE", "Shape", "build_spec",
+           "kv_capacity", "model_shape", "startup_line", "window_slots"]
 
 MiB = 2**20
 
@@ -80,6 +79,8 @@ class CapacityReport:
             instead of ``num_blocks``; :func:`~kvpage.cache.groups.window_slots_for`); 0 without one.
         window_bytes: bytes of those slots (``window_slots x`` the group's bytes per block).
         sliding_window: that group's window in tokens (0 without one).
+        window_group: that group's name (``sliding``; ``main`` when every layer is windowed, whose blocks then
+            hold no tensor: ``bytes_per_block`` is 0 and the block ids are bookkeeping only); ``""`` without one.
     """
 
     kv_format: str
@@ -100,6 +101,7 @@ class CapacityReport:
     window_slots: int = 0
     window_bytes: int = 0
     sliding_window: int = 0
+    window_group: str = ""
 
     @property
     def pool_bytes(self) -> int:
@@ -151,8 +153,12 @@ class CapacityReport:
     def max_concurrency(self) -> float:
         """Requests of :attr:`seq_len` tokens the blocks hold at once (vLLM's "Maximum concurrency").
 
-        The KV bound only: the scheduler also caps running requests at :attr:`max_num_seqs`.
+        The KV bound only: the scheduler also caps running requests at :attr:`max_num_seqs`. When every layer
+        is windowed (no pool bytes), the window slots bound it: each request pins ``ceil((W - 1) / bs) + 1``.
         """
+        if not self.bytes_per_block and self.window_slots:
+            per_request = -(-(self.sliding_window - 1) // self.block_size) + 1
+            return self.window_slots / per_request
         return self.num_blocks / self.blocks_per_request
 
     def summary(self) -> str:
@@ -302,6 +308,8 @@ def kv_capacity(
 
     r = _carved(spec, None, max_len, config.residual_tokens, config.num_lookahead_tokens)
     budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
+    if bounded is not None and bpb == 0:  # every layer windowed: blocks are ids only, the slots take the memory
+        return _window_only(config, model, spec, bounded, budget, max_len, seq_len)
     if r > 0 and config.num_blocks is None:
         num_blocks = _carved_blocks(budget, bpb, spec)
     else:
@@ -335,13 +343,7 @@ def kv_capacity(
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if mid * bpb + window(mid) <= budget - side else (lo, mid - 1)
             num_blocks = lo
-    dg = spec.draft  # the reference holds the same layers (draft ones too) in the model dtype
-    ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                          has_value=model.kv_has_value, model_dtype=config.torch_dtype, block_size=spec.block_size,
-                          num_draft_layers=0 if dg is None else dg.num_layers,
-                          draft_num_kv_heads=None if dg is None else dg.layer.kv_heads,
-                          draft_head_dim=None if dg is None else dg.layer.head_dim)
-    ref_bpb = ref.bytes_per_block
+    ref_bpb = _reference_bytes_per_block(config, model, spec)  # the same layers in the model dtype
     if seq_len is None:
         seq_len = config.max_model_len or int(model.max_position_embeddings)
     return CapacityReport(
@@ -355,6 +357,58 @@ def kv_capacity(
         window_slots=0 if bounded is None else window_slots(config, bounded, int(num_blocks), max_len),
         window_bytes=window(int(num_blocks)),
         sliding_window=0 if bounded is None or bounded.sliding_window is None else bounded.sliding_window,
+        window_group="" if bounded is None else bounded.name,
+    )
+
+
+def _reference_bytes_per_block(config: EngineConfig, model: ModelShape, spec: CacheSpec) -> int:
+    """Bytes of one block of the model-dtype cache with the same layers (draft ones too) and block size."""
+    dg = spec.draft
+    ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                          has_value=model.kv_has_value, model_dtype=config.torch_dtype, block_size=spec.block_size,
+                          num_draft_layers=0 if dg is None else dg.num_layers,
+                          draft_num_kv_heads=None if dg is None else dg.layer.kv_heads,
+                          draft_head_dim=None if dg is None else dg.layer.head_dim)
+    return ref.bytes_per_block
+
+
+def _window_only(config: EngineConfig, model: ModelShape, spec: CacheSpec, group: LayerGroupSpec,
+                 budget: int, max_len: int, seq_len: int | None) -> CapacityReport:
+    """Capacity of a model whose every layer is windowed (Mistral): the budget buys window slots only.
+
+    Block ids cost no tensor memory here, so there are enough for ``max_num_seqs`` requests of ``max_model_len``
+    tokens plus one step's chunks, and at least one per slot (``num_blocks`` when given); the slots are what the
+    budget holds (with ``num_blocks`` given: :func:`window_slots` of them). Slots no running window pins keep
+    cached prefixes, as blocks do in a pool.
+
+    Raises:
+        BudgetTooSmallError: the budget holds fewer slots than one request's window plus one block.
+    """
+    bs, gbpb = spec.block_size, group.bytes_per_block
+    assert group.sliding_window is not None
+    per_request = -(-(group.sliding_window - 1) // bs) + 1
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+        slots = window_slots(config, group, num_blocks, max_len)
+        budget = slots * gbpb
+    else:
+        slots = budget // gbpb  # the whole budget: slots beyond the running windows keep cached prefixes
+        num_blocks = max(slots, config.max_num_seqs * -(-max_len // bs) + -(-config.max_num_batched_tokens // bs))
+        if slots < per_request + 1:
+            knob = "kv_cache_memory_fraction" if config.kv_cache_memory_fraction is not None else "kv_cache_memory_bytes"
+            raise BudgetTooSmallError(
+                f"KV budget too small: one request's {group.sliding_window}-token window and one more block need "
+                f"{(per_request + 1) * gbpb:,} bytes of window slots ({gbpb:,} bytes each); {budget:,} bytes given "
+                f"({knob}); raise it")
+    ref_bpb = _reference_bytes_per_block(config, model, spec)
+    return CapacityReport(
+        kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
+        block_size=bs, num_blocks=int(num_blocks), bytes_per_block=0, group_bytes={group.name: slots * gbpb},
+        tail_open_bytes=0, tail_window_bytes=0, sink_bytes=0, budget_bytes=int(budget),
+        reference_bytes_per_block=ref_bpb, reference_tokens=(int(budget) // ref_bpb) * bs,
+        seq_len=int(seq_len if seq_len is not None else max_len), max_num_seqs=config.max_num_seqs,
+        window_slots=int(slots), window_bytes=slots * gbpb, sliding_window=group.sliding_window,
+        window_group=group.name,
     )
 
 
@@ -375,86 +429,3 @@ def startup_line(threads: ThreadChoice, capacity: CapacityReport, budget: KVBudg
     size = f"{capacity.budget_bytes / MiB:,.1f} MiB ({budget.source})"
     return (f"[kvpage] engine: {n} torch thread{'s' if n != 1 else ''} ({threads.reason}); "
             f"{capacity.summary()}; budget {size}")
-
-
-@dataclass(frozen=True)
-class FormatRow:
-    """One format's capacity at a budget, against the float32 and bfloat16 caches (README table, ``kvpage formats``).
-
-    Attributes:
-        name: the format.
-        report: the format's :class:`CapacityReport` (model dtype float32); ``None`` when the budget
-            holds no block of it after its side pools.
-        float32_tokens, bfloat16_tokens: tokens those caches hold in the same budget.
-    """
-
-    name: str
-    report: CapacityReport | None
-    float32_tokens: int
-    bfloat16_tokens: int
-
-
-def format_rows(model: ModelShape = SMOLLM2_SHAPE, budget_bytes: int = 512 * MiB, *,
-                formats: list[str] | None = None, block_size: int | None = None,
-                max_num_seqs: int | None = None) -> list[FormatRow]:
-    """:func:`kv_capacity` of each format (default: every registered one but ``auto``) at one budget.
-
-    Static-scale formats are sized with unit scales (their bytes do not depend on the values).
-    ``max_num_seqs`` (sizes the side pools) defaults to :class:`~kvpage.engine.config.EngineConfig`'s.
-    A format whose side pools leave no block in the budget, or that refuses ``block_size``, gets ``report=None``.
-
-    Raises:
-        UnknownKVFormatError: a name in ``formats`` is no format.
-    """
-    from kvpage.engine.config import EngineConfig
-    from kvpage.formats import StaticScaleFormat, available_formats, get_format
-    from kvpage.scales import StaticScales
-
-    names = [n for n in (formats or available_formats()) if n != "auto"]
-    extra: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-    unit = StaticScales({i: 1.0 for i in range(model.num_layers)}, {i: 1.0 for i in range(model.num_layers)})
-
-    def report(name: str) -> CapacityReport | None:
-        scales = unit if isinstance(get_format(name), StaticScaleFormat) else None
-        try:
-            return kv_capacity(EngineConfig(kv_cache_dtype=name, kv_cache_scales=scales, block_size=block_size,
-                                            kv_cache_memory_bytes=budget_bytes, **extra), model)
-        except ValueError:  # BudgetTooSmallError, or a block size the format refuses
-            return None
-
-    f32, bf16 = (getattr(report(n), "tokens", 0) for n in ("float32", "bfloat16"))
-    return [FormatRow(n, report(n), f32, bf16) for n in names]
-
-
-def markdown_table(rows: list[FormatRow]) -> str:
-    """The README's capacity table: format, bytes/token, side pools, tokens that fit, ratios to float32 and bfloat16."""
-    budget = next((r.report.budget_bytes / MiB for r in rows if r.report is not None), 0.0)
-    out = [f"| format | block | bytes/token (pool) | side pools (MiB) | tokens in {budget:,.0f} MiB "
-           f"| vs float32 | vs bfloat16 |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        c = r.report
-        if c is None or not r.float32_tokens or not r.bfloat16_tokens:
-            out.append(f"| `{r.name}` | | | | does not fit (or refuses the block size) | | |")
-            continue
-        out.append(f"| `{c.kv_format}` | {c.block_size} | {c.bytes_per_token:,.0f} | {c.side_pool_bytes / MiB:.1f} "
-                   f"| {c.tokens:,} | {c.tokens / r.float32_tokens:.2f}x | {c.tokens / r.bfloat16_tokens:.2f}x |")
-    return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvpage.engine.capacity [--budget-bytes N]``: print the capacity table (SmolLM2 shape) in Markdown."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m kvpage.engine.capacity", description=main.__doc__)
-    p.add_argument("--budget-bytes", type=int, default=512 * MiB, help="KV budget (default 512 MiB)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="requests at once (sizes side pools; default 64)")
-    args = p.parse_args(argv)
-    s = SMOLLM2_SHAPE
-    print(f"SmolLM2-135M ({s.num_layers} layers x {s.num_kv_heads} kv heads x head_dim {s.head_dim}), "
-          f"model dtype float32, default block size and max_num_seqs; side pools included:\n")
-    print(markdown_table(format_rows(s, args.budget_bytes, max_num_seqs=args.max_num_seqs)))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

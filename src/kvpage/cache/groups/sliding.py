@@ -5,8 +5,11 @@ a block of the shared block table has a slot only while some request's window st
 cached in the prefix index and no slot is wanted for newer content). A query at position ``p`` reads positions
 ``> p - sliding_window``, so once a request's next token is at ``t``, its blocks before ``(t - W + 1) // bs`` are
 never read by it again and their slots go back. A prefix hit of ``L`` blocks is usable only when the blocks
-inside the window of its end still have slots (vLLM's ``SlidingWindowManager`` rule). Tensor-free: the group
-attention translates block ids to slots with :meth:`SlidingWindowManager.slot_of`.
+inside the window of its end still have slots (vLLM's ``SlidingWindowManager`` rule); blocks a tier loads count
+when their source holds the window rows (:meth:`SlidingWindowManager.usable_external`). Either the ``sliding``
+group beside full-attention layers (Gemma 2/3), or the ``main`` group of a model whose every layer is windowed
+(Mistral): then block ids carry no tensor at all. Tensor-free: the group attention and the tiers translate
+block ids to slots with :meth:`SlidingWindowManager.slot_of`.
 """
 from __future__ import annotations
 
@@ -20,10 +23,12 @@ from kvpage.spec import LayerGroupSpec
 
 
 def is_bounded_window(group: LayerGroupSpec) -> bool:
-    """Whether the group keeps its KV in window slots (:class:`SlidingWindowManager`): the ``sliding`` group
-    beside full-attention layers, in a token-wise format. (An all-windowed ``main`` group and block-wise formats,
-    whose seal tail is keyed by block id, keep every block and read only the window.)"""
-    return group.name == "sliding" and group.sliding_window is not None and isinstance(group.layer.format, TokenFormat)
+    """Whether the group keeps its KV in window slots (:class:`SlidingWindowManager`): a model group with a
+    sliding window (the ``sliding`` group beside full-attention layers, or the ``main`` group of an all-windowed
+    model such as Mistral) in a token-wise format. (Block-wise formats, whose seal tail is keyed by block id,
+    keep every block and read only the window; draft layers keep theirs by block id.)"""
+    return (group.name != "draft" and group.sliding_window is not None
+            and isinstance(group.layer.format, TokenFormat))
 
 
 def window_slots_for(group: LayerGroupSpec, *, num_blocks: int, max_model_len: int, max_num_seqs: int,
