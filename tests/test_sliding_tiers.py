@@ -197,13 +197,19 @@ def _check_against_transformers(folder: Path, llm: LLM, prompt: list[int]) -> in
     return rec.rows[0][0]
 
 
-def test_host_tier_serves_the_prompt_again_with_its_window_rows(windowed: Path) -> None:
-    llm = _llm(windowed, swap_space=0.01)
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_host_tier_serves_the_prompt_again_with_its_window_rows(windowed: Path, policy: str) -> None:
+    # write_through copies each block when it is cached; write_back when the device evicts it, from the window
+    # slot the block held then (handed out again at once, its content intact until the next forward pass)
+    llm = _llm(windowed, swap_space=0.01, kv_offload_policy=policy)
     prompt = _prompt(1)
     _check_against_transformers(windowed, llm, prompt)
-    llm.reset_prefix_cache()                       # the device forgets it; write_through kept it on the host
+    llm.reset_prefix_cache()                       # the device forgets it; the host tier keeps it
     win = _win(llm)
     assert win.num_cached_slots == 0
+    # write_through copied every block with its rows; write_back only those that still held a slot when evicted
+    # (here the first block's slot went to newer content), which includes the window of the hit's end
+    assert bool(llm._built.connector.offload._no_window) == (policy == "write_back")
     assert _check_against_transformers(windowed, llm, prompt) == PROMPT_LEN - 1  # only the last token computed
     st = llm.kv_cache_stats()
     assert st.tier_hits["host"] == (PROMPT_LEN - 1) // 16
@@ -219,18 +225,20 @@ def test_disk_store_serves_another_engine_whole_records(windowed: Path, tmp_path
     assert reader.kv_cache_stats().tier_hits["disk"] == (PROMPT_LEN - 1) // 16
 
 
-def test_blocks_backed_up_without_window_rows_are_never_read_inside_a_window(windowed: Path) -> None:
-    # write_back backs a block up when the device evicts it; its window slot went with the eviction, so the
-    # host block holds only the global layer's rows: a hit may not end where its window needs them
+def test_blocks_backed_up_without_window_rows_are_never_read_inside_a_window(windowed: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # blocks whose window slot was gone when the device evicted them (taken by newer content) reach the host
+    # with the other layers only: a hit may not end where its window needs their rows
     llm = _llm(windowed, swap_space=0.01, kv_offload_policy="write_back")
+    win = _win(llm)
+    monkeypatch.setattr(win, "evicted_window_rows", lambda ids: [None] * len(ids))
     prompt = _prompt(3)
     first = _check_against_transformers(windowed, llm, prompt)   # 31: the end of the first 32-token chunk
     llm.reset_prefix_cache()
     offload = llm._built.connector.offload
     assert offload.stats().backups == (PROMPT_LEN + STEPS - 1) // 16   # every full block the request computed
-    assert offload._no_window                      # backed up without window rows
     loads = offload.lookup(llm.engine.kv.manager.block_hashes(KVRequest("x", prompt), (PROMPT_LEN - 1) // 16))
-    assert loads and not any(ld.window for ld in loads)
+    assert len(loads) == (PROMPT_LEN - 1) // 16 and not any(ld.window for ld in loads)
     assert _check_against_transformers(windowed, llm, prompt) == first   # recomputed from the start, exact
     assert llm.kv_cache_stats().tier_hits.get("host", 0) == 0
 

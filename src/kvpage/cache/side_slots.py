@@ -42,7 +42,7 @@ class SideSlots:
         if isinstance(event, BlockRemoved):
             for g in self.groups:
                 if g.drops_on_eviction:
-                    g.on_blocks_freed([event.block_id])
+                    g.on_block_evicted(event.block_id)
 
     @property
     def num_side_blocks(self) -> int:

@@ -124,17 +124,12 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                                pool=pool, max_model_len=max_model_len,
                                num_window_slots=window_slots.get(g.name)) for g in spec.groups)
     caches = allocate_device_caches(controller, num_blocks, window_slots)
-    windows_of = [g for g in groups if isinstance(g, SlidingWindowManager)]  # at most the one ``sliding`` group
-
-    def window_rows(block_ids: Sequence[int]) -> list[int | None]:
-        """Each block's window slot, which the tiers copy for the window layers."""
-        return [windows_of[0].slot_of(b) for b in block_ids]
-
+    window = next((g for g in groups if isinstance(g, SlidingWindowManager)), None)  # at most one bounded group
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
         controller, swap_space=config.swap_space, config=config.offload,
         kv_disk_dir=None if config.kv_disk_dir is None else str(config.kv_disk_dir),
         kv_disk_max_bytes=config.kv_disk_max_bytes, kv_store=config.kv_store,
-        supports_swap=all(g.supports_swap for g in groups), window_rows=window_rows if windows_of else None,
+        supports_swap=all(g.supports_swap for g in groups), window_slots=window,
     )
     connector = None if offload is None else TieredConnector(offload, spec.block_size)
     manager = KVCacheManager(num_blocks, spec.block_size, groups=groups,

@@ -129,6 +129,11 @@ class GroupManager:
         """Give optional side space back to the pool (the pool ran short); returns how much. Default: none."""
         return 0
 
+    def on_block_evicted(self, block_id: int) -> None:
+        """The device evicted the cached ``block_id`` (its content died; the id may be handed out at once). Only
+        called when :attr:`drops_on_eviction`. Default: :meth:`on_blocks_freed`."""
+        self.on_blocks_freed([block_id])
+
     @property
     def drops_on_eviction(self) -> bool:
         """Whether evicted blocks must be reported (:meth:`on_blocks_freed`) at once: side space kept for them

@@ -87,6 +87,7 @@ class SlidingWindowManager(GroupManager):
         self._req: dict[str, dict[int, None]] = {}        # request -> its pinned blocks, table order
         self._start: dict[str, int] = {}                  # request -> table index its window starts at
         self._promised = 0
+        self._evicted: dict[int, int] = {}                # block id -> slot it held when evicted, this pass
 
     # -- the window -------------------------------------------------------------------------------------------
 
@@ -97,6 +98,15 @@ class SlidingWindowManager(GroupManager):
     def slot_of(self, block_id: int) -> int | None:
         """The block's window slot, or ``None`` when its window-layer KV is not held (no side effects)."""
         return self._slot.get(block_id)
+
+    def window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
+        """:meth:`slot_of` of each block (the tiers' :class:`~kvpage.cache.tiers.types.WindowSlots`)."""
+        return [self._slot.get(b) for b in block_ids]
+
+    def evicted_window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
+        """The slot each block held when the device evicted it in this scheduling pass (``None``: it held none,
+        or was not evicted); its content stays until the next forward pass, so a ``write_back`` copy reads it."""
+        return [self._evicted.get(b) for b in block_ids]
 
     @property
     def num_free_slots(self) -> int:
@@ -156,6 +166,13 @@ class SlidingWindowManager(GroupManager):
         """Yes: an evicted block's slot is window-pool space."""
         return True
 
+    def on_block_evicted(self, block_id: int) -> None:
+        """The slot goes back at once; which one it was is kept until the next pass (:meth:`evicted_window_rows`)."""
+        slot = self._slot.get(block_id)
+        self._drop([block_id])
+        if slot is not None:
+            self._evicted[block_id] = slot
+
     def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
                           num_new_tokens: int, *, num_draft: int = 0) -> int:
         """New slots a chunk takes: one per block it adds to the table from the window of its first query on
@@ -178,8 +195,9 @@ class SlidingWindowManager(GroupManager):
         self._promised = max(0, self._promised - need)
 
     def side_release(self) -> None:
-        """Forget every promise (before a step is scheduled)."""
+        """Forget every promise and the slots of blocks evicted in the last pass (before a step is scheduled)."""
         self._promised = 0
+        self._evicted.clear()
 
     def on_request_blocks(self, request_id: str, block_ids: Sequence[int], num_matched_tokens: int | None) -> None:
         """The request's table is now ``block_ids``: pin what its window reaches, giving new blocks their slots.
@@ -268,6 +286,7 @@ class SlidingWindowManager(GroupManager):
         self._slot.clear()
         self._pins.clear()
         self._lru.clear()
+        self._evicted.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._promised = 0
 

@@ -23,7 +23,7 @@ write policies, LMCache's local-disk and remote (Redis) backends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +34,7 @@ from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.cache.tiers.stores import BlockData, KVStore, open_store
 from kvpage.cache.tiers.stores.blocks import gather_blocks, scatter_blocks
 from kvpage.cache.tiers.transfer import TransferQueue
+from kvpage.cache.tiers.types import WindowSlots
 from kvpage.formats import BlockFormat
 
 #: Bytes in one GiB (``swap_space`` is in GiB, as in vLLM).
@@ -165,7 +166,7 @@ def build_offload(
     store_options: dict[str, Any] | None = None,
     queue: TransferQueue | None = None,
     supports_swap: bool = True,
-    window_rows: Callable[[Sequence[int]], list[int | None]] | None = None,
+    window_slots: WindowSlots | None = None,
 ) -> OffloadManager | None:
     """Allocate the host tier, open the stores and return the :class:`OffloadManager` (``None`` when no tier is asked for).
 
@@ -182,18 +183,18 @@ def build_offload(
         queue: the transfer queue (default synchronous).
         supports_swap: whether every layer group's blocks can be swapped out and back
             (``KVCacheManager.supports_swap``; block-wise formats keep a tail pool outside them).
-        window_rows: device block ids -> window slots, when the controller has window layers (the bounded
-            sliding-window group's :meth:`~kvpage.cache.groups.SlidingWindowManager.slot_of`); ``ValueError``
-            when it has them and this is missing.
+        window_slots: where the window layers keep each block's rows, when the controller has window layers
+            (the bounded sliding-window group's :class:`~kvpage.cache.groups.SlidingWindowManager`);
+            ``ValueError`` when it has them and this is missing.
 
     Raises:
         ValueError: bad sizes; ``swap`` without a host tier; a disk cap without a disk store.
         CacheAllocationError: the host tier could not be allocated for some layer group (case C08).
     """
     config = config or OffloadConfig()
-    if controller.window_layers and window_rows is None:
+    if controller.window_layers and window_slots is None:
         raise ValueError(f"layers {sorted(controller.window_layers)} keep their device rows in window slots: "
-                         "the tiers need window_rows to find them")
+                         "the tiers need window_slots to find them")
     n_host = host_blocks_for_swap_space(controller, swap_space)
     if config.preemption_mode == "swap" and n_host == 0:
         raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
@@ -220,4 +221,4 @@ def build_offload(
             s.close()
         raise
     host = HostBlockPool(controller.num_host_blocks) if n_host else None
-    return OffloadManager(HostTier(controller), host, stores, config, queue, window_rows=window_rows)
+    return OffloadManager(HostTier(controller), host, stores, config, queue, window_slots=window_slots)

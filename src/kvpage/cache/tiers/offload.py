@@ -54,7 +54,7 @@ from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
 from kvpage.cache.tiers.policy import DIRECTIONS, OffloadConfig
 from kvpage.cache.tiers.swap import SwapPreemption
 from kvpage.cache.tiers.transfer import Transfer, TransferQueue
-from kvpage.cache.tiers.types import BlockLoad, BlockMover, LoadResult, OffloadStats, StoreLike, SwapRecord
+from kvpage.cache.tiers.types import BlockLoad, BlockMover, LoadResult, OffloadStats, StoreLike, SwapRecord, WindowSlots
 
 
 def _hash_of(load: BlockLoad) -> bytes:
@@ -73,12 +73,11 @@ class OffloadManager(SwapPreemption):
         config: policies.
         queue: the transfer queue (default a synchronous one).
         clock: monotonic seconds, for load deadlines (tests pass a fake clock).
-        window_rows: device block ids -> their window slots (``None`` where a block holds none), for a model
-            whose bounded sliding-window layers keep their device rows in window slots
-            (:meth:`~kvpage.cache.groups.SlidingWindowManager.slot_of`); resolved when a copy is issued (the
-            forward pass that could reuse a slot waits for every copy: ``fence``). Host blocks remember whether
-            they got window rows (:attr:`BlockLoad.window`); a block without them is not put to a store, so a
-            store record is always whole.
+        window_slots: where the bounded sliding-window layers keep each block's device rows, for a model that has
+            them (:class:`~kvpage.cache.tiers.types.WindowSlots`); resolved when a copy is issued (the forward
+            pass that could reuse a slot waits for every copy: ``fence``), from the slot a block held at eviction
+            for a ``write_back`` copy. Host blocks remember whether they got window rows
+            (:attr:`BlockLoad.window`); a block without them is not put to a store, so a store record is whole.
 
     Raises:
         ValueError: ``preemption_mode="swap"`` without a host tier, or repeated tier names.
@@ -92,7 +91,7 @@ class OffloadManager(SwapPreemption):
         config: OffloadConfig | None = None,
         queue: TransferQueue | None = None,
         clock: Callable[[], float] = time.monotonic,
-        window_rows: Callable[[Sequence[int]], list[int | None]] | None = None,
+        window_slots: WindowSlots | None = None,
     ) -> None:
         self.mover = mover
         self.host = host if host is not None and host.num_blocks > 0 else None
@@ -100,7 +99,7 @@ class OffloadManager(SwapPreemption):
         self.config = config or OffloadConfig()
         self.queue = queue or TransferQueue()
         self.clock = clock
-        self.window_rows = window_rows
+        self.window_slots = window_slots
         self._no_window: set[int] = set()  # host blocks written without the window layers' rows
         names = ["device", "host", *(n for n, _ in self.stores)]
         if len(set(names)) != len(names):
@@ -120,11 +119,13 @@ class OffloadManager(SwapPreemption):
         """Bytes of one block (all layers, scales included)."""
         return int(self.mover.bytes_per_block)
 
-    def _rows(self, device_ids: Sequence[int]) -> dict[str, list[int | None]]:
-        """The mover's ``window_rows`` argument for these device blocks (none without window layers)."""
-        if self.window_rows is None:
+    def _rows(self, device_ids: Sequence[int], *, evicted: bool = False) -> dict[str, list[int | None]]:
+        """The mover's ``window_rows`` argument for these device blocks (none without window layers); ``evicted``:
+        the slots they held when the device evicted them."""
+        w = self.window_slots
+        if w is None:
             return {}
-        return {"window_rows": list(self.window_rows(device_ids))}
+        return {"window_rows": list(w.evicted_window_rows(device_ids) if evicted else w.window_rows(device_ids))}
 
     def _mark_window(self, host_ids: Sequence[int], rows: dict[str, list[int | None]]) -> None:
         """Remember which host blocks got their window rows (``rows`` from :meth:`_rows`)."""
@@ -312,13 +313,14 @@ class OffloadManager(SwapPreemption):
             self._loaded_from.popitem(last=False)
 
     # -- writes ----------------------------------------------------------------------------------
-    def backup(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> list[int]:
+    def backup(self, device_ids: Sequence[int], block_hashes: Sequence[bytes], *, evicted: bool = False) -> list[int]:
         """Copy device blocks to the host tier and index them there once the copy is acknowledged.
 
         Blocks the host tier already holds (or is writing) are skipped; when
         fewer host blocks are free or evictable than needed, the rest are
         dropped (counted in ``backups_dropped``). Never takes a host block
-        with a copy in flight or a pinned one (C09).
+        with a copy in flight or a pinned one (C09). ``evicted``: the device just
+        evicted the blocks (window rows come from the slots they held then).
 
         Returns:
             The host blocks written (in ``device_ids`` order of the blocks backed up).
@@ -346,7 +348,7 @@ class OffloadManager(SwapPreemption):
         dids = [d for d, _ in pairs]
         hids = self.host.allocate(len(pairs), [h for _, h in pairs])
         self._backups += len(pairs)
-        rows = self._rows(dids)
+        rows = self._rows(dids, evicted=evicted)
         self._mark_window(hids, rows)
 
         def written(host: HostBlockPool = self.host, hids: list[int] = hids) -> None:
@@ -403,7 +405,7 @@ class OffloadManager(SwapPreemption):
         """A cached device block is being evicted (before its id is reused): ``write_back`` copies it to the host tier."""
         self._use_counts.pop(block_hash, None)
         if self.config.write_policy == "write_back":
-            self.backup([device_id], [block_hash])
+            self.backup([device_id], [block_hash], evicted=True)
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self, *, num_held_blocks: int = 0) -> OffloadStats:

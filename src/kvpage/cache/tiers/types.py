@@ -42,6 +42,18 @@ class BlockMover(Protocol):
         :meth:`device_to_host`)."""
 
 
+class WindowSlots(Protocol):
+    """Where a bounded sliding-window group keeps each block's window rows (implemented by
+    :class:`kvpage.cache.groups.SlidingWindowManager`); block ids are device block ids, ``None`` = no row."""
+
+    def window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
+        """Each block's window slot now."""
+
+    def evicted_window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
+        """The slot each block held when the device evicted it in this scheduling pass (the slot's content is
+        intact until the next forward pass, though the slot and the id may be handed out again)."""
+
+
 class StoreLike(Protocol):
     """What the offload manager uses of a :class:`kvpage.cache.tiers.stores.base.KVStore`."""
 
