@@ -225,6 +225,25 @@ def test_disk_store_serves_another_engine_whole_records(windowed: Path, tmp_path
     assert reader.kv_cache_stats().tier_hits["disk"] == (PROMPT_LEN - 1) // 16
 
 
+def test_a_store_record_missing_at_read_time_recomputes_the_whole_prefix(windowed: Path, tmp_path: Path) -> None:
+    # a load cut short leaves the window of the earlier end without rows (those blocks got no slot at
+    # admission), so a sliding-window model recomputes the prefix instead of continuing from the cut
+    writer = _llm(windowed, kv_disk_dir=tmp_path)
+    prompt = _prompt(4)
+    first = _check_against_transformers(windowed, writer, prompt)
+    store = writer._built.connector.offload.stores[0][1]
+    hashes = writer.engine.kv.manager.block_hashes(KVRequest("x", prompt), (PROMPT_LEN - 1) // 16)
+    path = store.path_for(store.key(hashes[2]))
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01                   # exists() still says yes; get() rejects it
+    path.write_bytes(bytes(blob))
+    reader = _llm(windowed, kv_disk_dir=tmp_path)
+    assert _check_against_transformers(windowed, reader, prompt) == first   # recomputed from the start, exact
+    st = reader.kv_cache_stats()
+    assert st.tiers is not None and st.tiers.store_rejected == 1 and st.num_in_use == 0
+    assert _win(reader).num_pinned_slots == 0
+
+
 def test_blocks_backed_up_without_window_rows_are_never_read_inside_a_window(windowed: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # blocks whose window slot was gone when the device evicted them (taken by newer content) reach the host
