@@ -78,7 +78,7 @@ STRICT_CASES = [
     ("top_k-float", "/v1/completions", cmpl(top_k=5.5), "top_k", "expected an integer"),
     ("seed-string", "/v1/completions", cmpl(seed="42"), "seed", "expected an integer"),
     ("seed-huge", "/v1/completions", cmpl(seed=2**64), "seed", "must be <="),
-    ("n-too-many", "/v1/completions", cmpl(n=129), "n", "must be <= 128"),
+    ("n-too-many", "/v1/completions", cmpl(n=129), "n", "must be <= 128: completions per prompt, 1 to 128"),
     ("n-string", "/v1/completions", cmpl(n="1"), "n", "expected an integer"),
     ("stop-five", "/v1/completions", cmpl(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
     ("stop-int", "/v1/completions", cmpl(stop=5), "stop", "expected a string or an array of strings"),

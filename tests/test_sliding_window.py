@@ -346,3 +346,21 @@ def test_all_windowed_budget_too_small_names_the_window(mistral: Path) -> None:
 
     with pytest.raises(BudgetTooSmallError, match="32-token window"):
         LLM(str(mistral), progress=False, kv_cache_dtype="int8", block_size=16, kv_cache_memory_bytes=4096)
+
+
+@pytest.mark.parametrize("fixture", ["gemma", "mistral"])
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_the_model_dtype_comparison_keeps_the_window_layout(request: pytest.FixtureRequest, fixture: str,
+                                                           fmt: str) -> None:
+    """The CLI's "vs a float32 cache" compares the same layout (window slots too): a float32 cache gains 1.00x,
+    int8 exactly the per-block bytes ratio; the window's saving is not counted as the format's (a regression)."""
+    from kvpage import LLM
+    from kvpage.cli import _capacity_lines
+
+    llm = LLM(str(request.getfixturevalue(fixture)), progress=False, kv_cache_dtype=fmt, block_size=16,
+              kv_cache_memory_bytes=8 * 2**20)
+    cap, spec = llm.capacity, llm.spec
+    assert cap.ratio == pytest.approx(32 / spec.layer(0).bits_per_value, rel=1e-4)   # the format's bits alone
+    line = _capacity_lines(llm)[1]
+    assert f"({cap.ratio:.2f}x more tokens per byte" in line
+    assert ("0.0% less" in line) == (fmt == "float32")

@@ -186,9 +186,10 @@ def _capacity_lines(llm: LLM) -> list[str]:
         + (" + ".join(_group_formula(g) for g in per_token) if per_token else "0 (every layer is windowed)")
         + f"; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
         f"= {cap.pool_bytes / 2**20:.1f} MiB{slots}{side}",
-        f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token): "
-        f"{1 - (cap.effective_bytes_per_token if window else cap.bytes_per_token) / cap.reference_bytes_per_token:.1%}"
-        f" less KV memory per cached token{' (window slots included)' if window else ''}; "
+        f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token"
+        f"{' in every layer; the same window slots' if window else ''}): "
+        f"{1 - (cap.reference_tokens / cap.tokens if window else cap.bytes_per_token / cap.reference_bytes_per_token):.1%}"
+        f" less KV memory per cached token; "
         f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "
         f"({cap.ratio:.2f}x more tokens per byte, side space included)",
     ]

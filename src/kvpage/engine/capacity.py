@@ -70,7 +70,9 @@ class CapacityReport:
             running request; carved from the pool: their scales only).
         budget_bytes: the budget the figures are for (with ``num_blocks`` given: what is allocated).
         reference_bytes_per_block: bytes of one block of the model-dtype cache (same block size).
-        reference_tokens: tokens a model-dtype cache (no side pools) holds in ``budget_bytes``.
+        reference_tokens: tokens a model-dtype cache (no side pools) holds in ``budget_bytes``; with a bounded
+            sliding-window group, a model-dtype cache of the same layout (window slots too), so the ratio is the
+            format's alone: ``tokens x`` (bytes of a block of every layer, this format / the model dtype).
         seq_len: tokens per request for :attr:`max_concurrency` (``max_model_len`` by default).
         max_num_seqs: the scheduler's cap on running requests (sizes fixed side pools).
         side_blocks_per_slot: pool blocks one 16-bit tail slot (or first-block copy) takes while a request
@@ -167,6 +169,11 @@ class CapacityReport:
                   if self.side_blocks_per_slot else "")
         window = (f" (+{self.window_bytes / MiB:.1f} MiB: {self.window_slots:,} window slots of the "
                   f"{self.sliding_window}-token sliding-window layers)" if self.window_slots else "")
+        if not self.bytes_per_block and self.window_slots:  # every layer windowed: the ids hold no tensor
+            return (f"{self.kv_format} KV cache: {self.window_slots:,} window slots x {self.block_size} tokens of the "
+                    f"{self.sliding_window}-token sliding-window layers in {self.window_bytes / MiB:.1f} MiB "
+                    f"({self.num_blocks:,} block ids, no tensor); max concurrency {self.max_concurrency:.2f}x "
+                    f"(each request's window)")
         return (f"{self.kv_format} KV cache: {self.num_blocks:,} blocks x {self.block_size} tokens = "
                 f"{self.tokens:,} tokens in {self.pool_bytes / MiB:.1f} MiB{window} "
                 f"(+{self.side_pool_bytes / MiB:.1f} MiB side pools{carved}); max concurrency "
@@ -352,7 +359,9 @@ def kv_capacity(
         group_bytes={**{n: int(num_blocks) * b for n, b in per_block.items()},
                      **({} if bounded is None else {bounded.name: window(int(num_blocks))})},
         tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
-        reference_bytes_per_block=ref_bpb, reference_tokens=(int(budget) // ref_bpb) * spec.block_size,
+        reference_bytes_per_block=ref_bpb,
+        reference_tokens=((int(budget) // ref_bpb) * spec.block_size if bounded is None
+                          else int(num_blocks) * spec.block_size * spec.bytes_per_block // ref_bpb),
         seq_len=int(seq_len), max_num_seqs=config.max_num_seqs, side_blocks_per_slot=r,
         window_slots=0 if bounded is None else window_slots(config, bounded, int(num_blocks), max_len),
         window_bytes=window(int(num_blocks)),
@@ -405,7 +414,7 @@ def _window_only(config: EngineConfig, model: ModelShape, spec: CacheSpec, group
         kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
         block_size=bs, num_blocks=int(num_blocks), bytes_per_block=0, group_bytes={group.name: slots * gbpb},
         tail_open_bytes=0, tail_window_bytes=0, sink_bytes=0, budget_bytes=int(budget),
-        reference_bytes_per_block=ref_bpb, reference_tokens=(int(budget) // ref_bpb) * bs,
+        reference_bytes_per_block=ref_bpb, reference_tokens=int(num_blocks) * bs * spec.bytes_per_block // ref_bpb,
         seq_len=int(seq_len if seq_len is not None else max_len), max_num_seqs=config.max_num_seqs,
         window_slots=int(slots), window_bytes=slots * gbpb, sliding_window=group.sliding_window,
         window_group=group.name,

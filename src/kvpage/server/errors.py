@@ -62,7 +62,7 @@ _MESSAGES = {
 }
 
 #: Why a field has the range it has, appended to its range errors.
-_HINTS = {"n": "this server returns one choice per request (n == 1)"}
+_HINTS = {"n": "completions per prompt, 1 to 128 (they share the prompt's KV blocks)"}
 
 
 class APIError(Exception):
