@@ -226,15 +226,10 @@ def gemma(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
     return _gemma_folder(tmp_path_factory.mktemp("gemma_window"), smollm2.tokenizer, window=32, context=1100)
 
 
-def test_long_request_memory_stays_within_the_window_share(gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 1,024-token request: the sliding layers never hold more than their window (+ one block per group), while
-    the global layer holds every block; the allocated window slots are far fewer than the blocks."""
-    from kvpage import LLM, SamplingParams
+def _peak_pinned_over_a_long_request(llm, win: SlidingWindowManager, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Serve a 1,000-token prompt and 24 greedy tokens; the most window slots pinned after any step's advance."""
+    from kvpage import SamplingParams
 
-    llm = LLM(str(gemma), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=2,
-              max_num_batched_tokens=64, kv_cache_memory_bytes=4 * 2**20)
-    win = llm._built.groups[1]
-    assert isinstance(win, SlidingWindowManager)
     peak = 0
     advance = win.advance
 
@@ -247,6 +242,19 @@ def test_long_request_memory_stays_within_the_window_share(gemma: Path, monkeypa
     prompt = torch.randint(100, 40000, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 24
+    return peak
+
+
+def test_long_request_memory_stays_within_the_window_share(gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1,024-token request: the sliding layers never hold more than their window (+ one block per group), while
+    the global layer holds every block; the allocated window slots are far fewer than the blocks."""
+    from kvpage import LLM
+
+    llm = LLM(str(gemma), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=2,
+              max_num_batched_tokens=64, kv_cache_memory_bytes=4 * 2**20)
+    win = llm._built.groups[1]
+    assert isinstance(win, SlidingWindowManager)
+    peak = _peak_pinned_over_a_long_request(llm, win, monkeypatch)
     bs = 16
     # a step's queries (<= 64 tokens) start at p: pinned blocks cover positions p - 31 .. p + 63
     assert peak <= -(-(32 - 1 + 64) // bs) + 1
@@ -311,7 +319,7 @@ def mistral(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
 def test_all_windowed_model_allocates_window_slots_only(mistral: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mistral: every layer windowed, so the block ids carry no tensor and the budget buys window slots; a
     1,000-token request pins at most its window (+ one step's chunk) and runs to the end."""
-    from kvpage import LLM, SamplingParams
+    from kvpage import LLM
 
     budget = 2 * 2**20
     llm = LLM(str(mistral), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=2,
@@ -324,18 +332,7 @@ def test_all_windowed_model_allocates_window_slots_only(mistral: Path, monkeypat
     assert cap.num_blocks == max(cap.window_slots, 2 * -(-1100 // 16) + 64 // 16)  # ids for 2 requests, each slot
     assert llm.controller.device_bytes == cap.window_bytes <= budget
     assert cap.max_concurrency == cap.window_slots / (-(-31 // 16) + 1)
-    peak = 0
-    advance = win.advance
-
-    def watch(rid: str, ids, position: int) -> None:
-        nonlocal peak
-        advance(rid, ids, position)
-        peak = max(peak, win.num_pinned_slots)
-
-    monkeypatch.setattr(win, "advance", watch)
-    prompt = torch.randint(100, 40000, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 24
+    peak = _peak_pinned_over_a_long_request(llm, win, monkeypatch)
     assert peak <= -(-(32 - 1 + 64) // 16) + 1
     assert win.num_pinned_slots == 0 and llm.kv_cache_stats().num_in_use == 0
 
