@@ -1,0 +1,92 @@
+"""Decode speed of kvpage at two commits, interleaved A/B in one run (did a change slow the hot path?).
+
+Usage::
+
+    python benchmarks/ab_commits.py --base 8441d79 [--head WORKTREE] [--rounds 3] [--formats float32,int8]
+                                    [--batch 1,8] [--tokens 48]
+
+``--base`` is checked out into a temporary ``git worktree``; ``--head`` defaults to this checkout. Each round
+runs every (format, batch) once at the base and once at the head, alternating which goes first, each in a fresh
+subprocess (``PYTHONPATH`` set to that commit's ``src``) on the bundled SmolLM2 with the same thread count.
+Decode tokens/s excludes prefill: ``(output_tokens - 1) / (finish time - first token time)`` per request,
+summed over the batch. The table gives the median of the rounds and head / base; the load average is printed
+before and after (the machines are shared).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time
+import torch
+from kvpage import LLM, SamplingParams
+fmt, batch, tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=64 * 2**20, max_num_seqs=batch)
+prompts = [llm.chat_prompt(f"Question {i}: tell me about the number {i * 7}.") for i in range(batch)]
+params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+first, done = {}, {}
+t0 = time.perf_counter()
+for out in llm.generate_stream(prompts, params):
+    now = time.perf_counter()
+    first.setdefault(out.request_id, now)
+    if out.finished:
+        done[out.request_id] = (now, len(out.outputs[0].token_ids))
+rate = sum((n - 1) / (t - first[r]) for r, (t, n) in done.items() if t > first[r])
+print(json.dumps({"tokens_per_s": rate}))
+"""
+
+
+def run(src: Path, fmt: str, batch: int, tokens: int, threads: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, "-c", CHILD, fmt, str(batch), str(tokens), str(threads)], env=env,
+                         capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="git revision to compare against")
+    p.add_argument("--head", type=Path, default=ROOT, help="checkout of the new code (default: this one)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--formats", default="float32,int8")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    cases = [(f, int(b)) for f in args.formats.split(",") for b in args.batch.split(",")]
+    print(f"load average before: {os.getloadavg()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base], check=True)
+        try:
+            res: dict[tuple[str, int, str], list[float]] = {}
+            for r in range(args.rounds):
+                for fmt, batch in cases:
+                    order = [("base", base / "src"), ("head", args.head / "src")]
+                    for name, src in (order if r % 2 == 0 else order[::-1]):
+                        res.setdefault((fmt, batch, name), []).append(run(src, fmt, batch, args.tokens, args.threads))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
+    print(f"load average after: {os.getloadavg()}")
+    print(f"\nkvpage decode tokens/s, median of {args.rounds} interleaved rounds, {args.threads} thread(s), "
+          f"{args.tokens} tokens per request; base {args.base}, head {args.head}")
+    print("| format | batch | base | head | head / base |")
+    print("|---|---:|---:|---:|---:|")
+    for fmt, batch in cases:
+        b, h = (statistics.median(res[(fmt, batch, n)]) for n in ("base", "head"))
+        print(f"| {fmt} | {batch} | {b:.1f} | {h:.1f} | {h / b:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
