@@ -289,3 +289,20 @@ def test_the_build_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) ->
     key = cpu_build.build_key()
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "another cpu")
     assert cpu_build.build_key() != key
+
+
+def test_a_stale_torch_build_lock_is_cleared_under_the_os_lock(tmp_path) -> None:
+    """A build killed half-way leaves torch's ``lock`` file, on which every later build waited forever (seen when
+    a benchmark was interrupted mid-compile); under kvpage's OS lock no other process builds, so it goes."""
+    import fcntl
+
+    from kvpage.ops.cpu.build import _build_lock
+
+    (tmp_path / "lock").write_text("")
+    with _build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / ".kvpage-build.lock") as f:   # held: another process could not take it now
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / ".kvpage-build.lock") as f:       # released on exit
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -15,11 +15,13 @@ build altogether.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -71,6 +73,29 @@ def build_dir(key: str | None = None) -> Path:
     return d
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Hold an OS file lock on ``folder`` while torch builds or loads there, and clear a stale torch ``lock``.
+
+    torch's own ``lock`` file is a plain file that a build killed half-way leaves behind, after which every later
+    build waits on it forever. The OS lock (``flock``) dies with its process, so whoever holds it knows no other
+    process is building in ``folder``: a torch ``lock`` left there is stale and is removed. Without ``fcntl``
+    (Windows) only torch's lock is used.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(folder / ".kvpage-build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load_kernels() -> ModuleType | None:
     """The compiled CPU kernels module, building it on first use; ``None`` (after one warning) when it cannot be built.
 
@@ -91,13 +116,15 @@ def load_kernels() -> ModuleType | None:
             from torch.utils.cpp_extension import load
 
             key = build_key()
-            mod = load(
-                name=f"kvpage_cpu_{key}",
-                sources=[str(p) for p in SOURCES],
-                extra_cflags=list(CFLAGS),
-                build_directory=str(build_dir(key)),
-                verbose=False,
-            )
+            folder = build_dir(key)
+            with _build_lock(folder):
+                mod = load(
+                    name=f"kvpage_cpu_{key}",
+                    sources=[str(p) for p in SOURCES],
+                    extra_cflags=list(CFLAGS),
+                    build_directory=str(folder),
+                    verbose=False,
+                )
         except Exception as e:  # noqa: BLE001 - any build failure means: use the reference path
             warnings.warn(
                 f"kvpage's CPU attention kernels could not be built ({type(e).__name__}: {_tail(str(e))}); "
