@@ -48,7 +48,10 @@ print(json.dumps({"tokens_per_s": rate}))
 
 
 def run(src: Path, fmt: str, batch: int, tokens: int, threads: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # each checkout compiles its CPU kernels into its own folder (ninja records source paths: a shared folder
+    # would be rebuilt at every alternation)
+    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "KVPAGE_EXTENSIONS_DIR": str(src.parent / ".kvpage-extensions")}
     out = subprocess.run([sys.executable, "-c", CHILD, fmt, str(batch), str(tokens), str(threads)], env=env,
                          capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
