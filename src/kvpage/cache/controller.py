@@ -287,22 +287,27 @@ class CacheController:
             torch.cuda.synchronize(self.device)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]],
-                    rows: Mapping[int, Callable[[int], int | None]] | None = None) -> None:
+                    window_rows: Callable[[Sequence[int]], list[int | None]] | None = None) -> None:
         """Copy whole device blocks ``source -> destination`` in every allocated layer: K, V and every scale, main,
         sliding and draft layers (copy-on-write of a forked block).
 
         Args:
             pairs: ``(source, destination)`` block ids.
-            rows: per layer index, block id -> the row of its tensors, for a group that keeps its tensors in slots
-                of its own (a bounded sliding-window group); a block without a row is skipped there.
+            window_rows: block ids -> their window slots in the :attr:`window_layers` (a bounded sliding-window
+                group's :meth:`~kvpage.cache.groups.SlidingWindowManager.window_rows`); a pair either side of
+                which holds no slot is skipped there. Required when there are window layers.
 
         Raises:
-            ValueError / IndexError: a destination repeated, ids out of range.
+            ValueError / IndexError: a destination repeated, ids out of range, no ``window_rows`` for window layers.
         """
-        by_layer = rows or {}
+        slotted: list[tuple[int | None, int | None]] = []
+        if self.window_layers:
+            if window_rows is None:
+                raise ValueError(f"layers {sorted(self.window_layers)} keep their rows in window slots: pass "
+                                 "window_rows")
+            slotted = list(zip(window_rows([a for a, _ in pairs]), window_rows([b for _, b in pairs])))
         for i, cache in self.device_caches.items():
-            row = by_layer.get(i)
-            todo = pairs if row is None else [(row(a), row(b)) for a, b in pairs]
+            todo = slotted if i in self.window_layers else pairs
             todo = [(a, b) for a, b in todo if a is not None and b is not None]
             if not todo:
                 continue

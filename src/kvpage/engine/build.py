@@ -135,12 +135,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     manager = KVCacheManager(num_blocks, spec.block_size, groups=groups,
                              enable_caching=config.enable_prefix_caching,
                              record_block_changes=connector is not None, pool=pool)
-    slots = {i: g.slot_of for g in groups if isinstance(g, SlidingWindowManager) and g.group is not None
-             for i in g.group.layer_indices}  # bounded window layers keep their rows in window slots
-
     def copy_blocks(pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write of forked blocks: every layer's tensors (main, sliding, draft)."""
-        controller.copy_blocks(pairs, slots)
+        controller.copy_blocks(pairs, None if window is None else window.window_rows)
 
     kv = SchedulerKVCache(manager, connector, copy_blocks)
 

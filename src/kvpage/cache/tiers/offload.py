@@ -371,14 +371,15 @@ class OffloadManager(SwapPreemption):
         sources = [self._loaded_from.pop(h, None) for h in block_hashes]
         if not self.stores:
             return
-        whole = self._rows(device_ids).get("window_rows", [0] * len(device_ids))  # a record is a whole block
+        rows = self._rows(device_ids)
+        whole = rows.get("window_rows", [0] * len(device_ids))  # a record is a whole block
         todo = [[i for i, src in enumerate(sources) if (src is None or (src >= 0 and src != k)) and whole[i] is not None]
                 for k in range(len(self.stores))]
         need = sorted({i for t in todo for i in t})
         if not need:
             return
-        gathered = dict(zip(need, self.mover.gather([device_ids[i] for i in need],
-                                                    **self._rows([device_ids[i] for i in need]))))
+        picked = {"window_rows": [whole[i] for i in need]} if rows else {}
+        gathered = dict(zip(need, self.mover.gather([device_ids[i] for i in need], **picked)))
         for k, (_, store) in enumerate(self.stores):
             if todo[k]:
                 store.put([(store.key(block_hashes[i]), gathered[i]) for i in todo[k]])
