@@ -78,8 +78,8 @@ def test_admission_after_loads_gives_slots_only_to_the_window_of_the_hit_end() -
 
 # -- copies through window slots ------------------------------------------------------------------------------
 
-def _controller(num_blocks: int = 8, slots: int = 3, host: int = 6) -> CacheController:
-    c = CacheController(_spec("int8"))
+def _controller(num_blocks: int = 8, slots: int = 3, host: int = 6, fmt: str = "int8") -> CacheController:
+    c = CacheController(_spec(fmt))
     c.initialize_kv_cache(num_blocks, {"sliding": slots})
     c.initialize_host_cache(host)
     gen = torch.Generator().manual_seed(0)
@@ -89,8 +89,9 @@ def _controller(num_blocks: int = 8, slots: int = 3, host: int = 6) -> CacheCont
     return c
 
 
-def test_swap_out_and_in_carry_window_rows_byte_exact_and_skip_blocks_without_a_slot() -> None:
-    c = _controller()
+@pytest.mark.parametrize("fmt", ["int8", "int4"])  # int4: the window slots hold sealed codes and their scales
+def test_swap_out_and_in_carry_window_rows_byte_exact_and_skip_blocks_without_a_slot(fmt: str) -> None:
+    c = _controller(fmt=fmt)
     assert c.window_layers == {0, 2}
     with pytest.raises(ValueError, match="window slots: pass window_rows"):
         c.swap_out([1, 2], [0, 1])
@@ -115,8 +116,9 @@ def test_swap_out_and_in_carry_window_rows_byte_exact_and_skip_blocks_without_a_
         c.swap_in([0], [6], window_rows=[3])                # only 3 slots
 
 
-def test_store_blocks_gather_and_scatter_through_window_rows() -> None:
-    c = _controller()
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_store_blocks_gather_and_scatter_through_window_rows(fmt: str) -> None:
+    c = _controller(fmt=fmt)
     spec = c.spec
     rows = {0: [1, 2], 2: [1, 2]}
     datas = gather_blocks(c.device_caches, spec, [3, 4], rows=rows)
@@ -126,7 +128,7 @@ def test_store_blocks_gather_and_scatter_through_window_rows() -> None:
                 assert torch.equal(datas[j][i][n], t[r if i in rows else b])
     with pytest.raises(ValueError, match="holds no row"):
         gather_blocks(c.device_caches, spec, [3], rows={0: [None], 2: [None]})
-    other = _controller()
+    other = _controller(fmt=fmt)
     for cache in other.device_caches.values():
         for t in cache.values():
             t.zero_()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.cache.controller import CacheController, LayerCache
-from kvpage.cache.groups import GroupManager, SealedGroupManager, SlidingWindowManager, is_bounded_window, manager_for
+from kvpage.cache.groups import GroupManager, SealedGroupManager, SlidingWindowManager, is_bounded_window, managers_for
 from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.cache.tail import TailPool
@@ -54,7 +54,8 @@ class BuiltEngine:
         spec: the cache layout.
         controller: the device (and host) cache tensors.
         caches: global layer index -> that layer's device tensors (updated in place by a re-allocation).
-        groups: one group manager per layer group.
+        groups: the group managers of every layer group, in spec order (a block-wise sliding-window group has two:
+            its sealed tail, then its window slots; :func:`~kvpage.cache.groups.managers_for`).
         tails: layer group name -> its tail tensors (block-wise groups only).
         connector: the tiers, or ``None``.
         kv: the scheduler's KV interface (device manager + connector).
@@ -119,10 +120,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     controller = CacheController(spec, device)
     pool = PrefixBlockPool(num_blocks)  # side space of quantize-on-seal groups is carved from it on demand
     window_slots = {g.name: capacity.window_slots for g in spec.groups if is_bounded_window(g)}
-    groups = tuple(manager_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
-                               num_lookahead_tokens=config.num_lookahead_tokens,
-                               pool=pool, max_model_len=max_model_len,
-                               num_window_slots=window_slots.get(g.name)) for g in spec.groups)
+    per_group = [managers_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
+                              num_lookahead_tokens=config.num_lookahead_tokens,
+                              pool=pool, max_model_len=max_model_len,
+                              num_window_slots=window_slots.get(g.name)) for g in spec.groups]
+    groups = tuple(m for ms in per_group for m in ms)  # a block-wise window group has two (managers_for)
     caches = allocate_device_caches(controller, num_blocks, window_slots)
     window = next((g for g in groups if isinstance(g, SlidingWindowManager)), None)  # at most one bounded group
     offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
@@ -143,14 +145,16 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
 
     tails: dict[str, TailPool] = {}
     backends: dict[str, GroupAttention] = {}
-    for g, group_spec in zip(groups, spec.groups):
-        tail = None
+    for ms, group_spec in zip(per_group, spec.groups):
+        g, tail = ms[0], None
+        slots = next((m for m in ms if isinstance(m, SlidingWindowManager)), None)
         if isinstance(g, SealedGroupManager):
             tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.layers, caches=caches)
             tails[g.name] = tail
         ops = select_backend(config.attention_backend, spec.layer(group_spec.layer_indices[0]), device)
         backends[group_spec.name] = group_attention_for(spec, g, caches, tail=tail, is_live=manager.is_live,
-                                                        is_in_use=manager.is_in_use, ops=ops)
+                                                        is_in_use=manager.is_in_use, ops=ops,
+                                                        window=slots if slots is not g else None)
     model_groups = tuple(g.name for g in spec.model_groups)
     runner = ModelRunner(model, spec, [backends[n] for n in model_groups], device, groups=model_groups)
     drafter = _drafter(config, mc, runner, spec, backends, draft, device)

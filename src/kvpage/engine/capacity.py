@@ -25,7 +25,7 @@ dtype holds in the same bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -186,10 +186,11 @@ def _carved(spec: CacheSpec, num_blocks: int | None, max_model_len: int, residua
     carves (0: no block-wise group), or -1 when one does not (then every group is counted with fixed pools;
     the builder decides the same way, :func:`~kvpage.cache.groups.manager_for` with
     :func:`~kvpage.cache.tail.side.carved_blocks_per_slot`: the window's blocks and those the lookahead may
-    keep provisionally)."""
+    keep provisionally). A bounded sliding-window group never carves: its tensors have window-slot rows, and its
+    tail is a fixed pool (:func:`_tail_bytes`)."""
     rs = []
     for g in spec.groups:
-        if isinstance(g.layer.format, BlockFormat):
+        if isinstance(g.layer.format, BlockFormat) and not is_bounded_window(g):  # window slots: fixed tails
             w = -(-residual_tokens // g.layer.block_size) + -(-num_lookahead_tokens // g.layer.block_size)
             n = 1 << 62 if num_blocks is None else num_blocks
             rs.append(carved_blocks_per_slot(g.layer, n, max_model_len, w))
@@ -203,25 +204,29 @@ def _scale_bytes(spec: CacheSpec, num_blocks: int) -> int:
     total = 0
     for group in spec.groups:
         fmt, r = group.layer.format, blocks_per_slot(group.layer)
-        if r is not None and isinstance(fmt, SealedFormat) and fmt.sink_bits:
+        if r is not None and not is_bounded_window(group) and isinstance(fmt, SealedFormat) and fmt.sink_bits:
             total += TailPool.scale_bytes_for(spec, 2 * (num_blocks // r), layers=group.layer_indices)
     return total
 
 
-def _carved_blocks(budget: int, bpb: int, spec: CacheSpec) -> int:
-    """The most blocks whose pool plus first-block scales fit ``budget`` (scales grow with the blocks)."""
-    n = budget // bpb
-    while n > 0 and n * bpb + _scale_bytes(spec, n) > budget:
-        over = n * bpb + _scale_bytes(spec, n) - budget
-        n -= max(1, over // (2 * bpb))
-    return max(n, 0)
+def _carved_blocks(budget: int, bpb: int, spec: CacheSpec, extra: Callable[[int], int]) -> int:
+    """The most blocks whose pool, first-block scales and ``extra(n)`` (a bounded window group's slots and fixed
+    tail) fit ``budget``; each grows with the blocks, so a bisection finds it."""
+    lo, hi = 0, budget // bpb
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if mid * bpb + _scale_bytes(spec, mid) + extra(mid) <= budget else (lo, mid - 1)
+    return lo
 
 
-def _tail_bytes(spec: CacheSpec, config: EngineConfig) -> tuple[int, int, int]:
+def _tail_bytes(spec: CacheSpec, config: EngineConfig, *, bounded_only: bool = False) -> tuple[int, int, int]:
     """(open, window, sink) fixed side pool bytes, from the same group managers and tail formula the builder
-    uses when it does not carve them from the pool."""
+    uses when it does not carve them from the pool; ``bounded_only``: of bounded sliding-window groups alone
+    (whose tails are fixed even when the other groups carve theirs)."""
     open_b = window_b = sink_b = 0
     for group in spec.groups:
+        if bounded_only and not is_bounded_window(group):
+            continue
         g = manager_for(group, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
                         num_lookahead_tokens=config.num_lookahead_tokens)
         if not isinstance(g, SealedGroupManager):
@@ -318,12 +323,13 @@ def kv_capacity(
     if bounded is not None and bpb == 0:  # every layer windowed: blocks are ids only, the slots take the memory
         return _window_only(config, model, spec, bounded, budget, max_len, seq_len)
     if r > 0 and config.num_blocks is None:
-        num_blocks = _carved_blocks(budget, bpb, spec)
+        fixed = sum(_tail_bytes(spec, config, bounded_only=True))
+        num_blocks = _carved_blocks(budget, bpb, spec, lambda n: fixed + window(n))
     else:
         num_blocks = config.num_blocks if config.num_blocks is not None else 0
     if r > 0 and _carved(spec, num_blocks, max_len, config.residual_tokens, config.num_lookahead_tokens) > 0:  # as manager_for decides
-        open_b = window_b = 0
-        sink_b = _scale_bytes(spec, num_blocks)
+        open_b, window_b, sink_b = _tail_bytes(spec, config, bounded_only=True)
+        sink_b += _scale_bytes(spec, num_blocks)
     else:
         open_b, window_b, sink_b = _tail_bytes(spec, config)
         r = 0
@@ -387,8 +393,8 @@ def _window_only(config: EngineConfig, model: ModelShape, spec: CacheSpec, group
 
     Block ids cost no tensor memory here, so there are enough for ``max_num_seqs`` requests of ``max_model_len``
     tokens plus one step's chunks, and at least one per slot (``num_blocks`` when given); the slots are what the
-    budget holds (with ``num_blocks`` given: :func:`window_slots` of them). Slots no running window pins keep
-    cached prefixes, as blocks do in a pool.
+    budget holds after a block-wise format's fixed tail pool (with ``num_blocks`` given: :func:`window_slots` of
+    them). Slots no running window pins keep cached prefixes, as blocks do in a pool.
 
     Raises:
         BudgetTooSmallError: the budget holds fewer slots than one request's window plus one block.
@@ -396,24 +402,27 @@ def _window_only(config: EngineConfig, model: ModelShape, spec: CacheSpec, group
     bs, gbpb = spec.block_size, group.bytes_per_block
     assert group.sliding_window is not None
     per_request = -(-(group.sliding_window - 1) // bs) + 1
+    open_b, window_b, sink_b = _tail_bytes(spec, config, bounded_only=True)
+    side = open_b + window_b + sink_b
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
         slots = window_slots(config, group, num_blocks, max_len)
-        budget = slots * gbpb
+        budget = slots * gbpb + side
     else:
-        slots = budget // gbpb  # the whole budget: slots beyond the running windows keep cached prefixes
+        slots = max(0, budget - side) // gbpb  # the whole budget: slots beyond the running windows keep cached prefixes
         num_blocks = max(slots, config.max_num_seqs * -(-max_len // bs) + -(-config.max_num_batched_tokens // bs))
         if slots < per_request + 1:
             knob = "kv_cache_memory_fraction" if config.kv_cache_memory_fraction is not None else "kv_cache_memory_bytes"
             raise BudgetTooSmallError(
                 f"KV budget too small: one request's {group.sliding_window}-token window and one more block need "
-                f"{(per_request + 1) * gbpb:,} bytes of window slots ({gbpb:,} bytes each); {budget:,} bytes given "
-                f"({knob}); raise it")
+                f"{(per_request + 1) * gbpb:,} bytes of window slots ({gbpb:,} bytes each)"
+                + (f" beside {side:,} bytes of side pools (for max_num_seqs={config.max_num_seqs})" if side else "")
+                + f"; {budget:,} bytes given ({knob}); raise it")
     ref_bpb = _reference_bytes_per_block(config, model, spec)
     return CapacityReport(
         kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
         block_size=bs, num_blocks=int(num_blocks), bytes_per_block=0, group_bytes={group.name: slots * gbpb},
-        tail_open_bytes=0, tail_window_bytes=0, sink_bytes=0, budget_bytes=int(budget),
+        tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
         reference_bytes_per_block=ref_bpb, reference_tokens=int(num_blocks) * bs * spec.bytes_per_block // ref_bpb,
         seq_len=int(seq_len if seq_len is not None else max_len), max_num_seqs=config.max_num_seqs,
         window_slots=int(slots), window_bytes=slots * gbpb, sliding_window=group.sliding_window,

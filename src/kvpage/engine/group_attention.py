@@ -13,7 +13,7 @@ group is.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -189,30 +189,94 @@ class WindowGroupAttention(GroupAttention):
         Raises:
             RuntimeError: a block the step writes has no window slot (it was allocated without one).
         """
-        m, meta, bs = self.manager, step.meta, step.meta.block_size
+        meta, bs = step.meta, step.meta.block_size
         qsl = meta.query_start_loc
-        starts = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(meta.seq_lens)]
-        if step.final:
-            for owner, table, start in zip(step.owners, step.block_tables, starts):
-                if owner is not None:
-                    m.advance(owner, table, start)
+        starts = advance_windows(self.manager, step)
         tables, slots = [], []
         for table, start, s in zip(step.block_tables, starts, meta.seq_lens):
-            first = m.first_block(start)
-            row = [0] * len(table)
-            for j in range(first, len(table)):
-                slot = m.slot_of(table[j])
-                if slot is None:
-                    if j * bs < s:
-                        raise RuntimeError(f"group {self.group.name!r}: block {table[j]} (index {j}) inside the "
-                                           f"window has no window slot")
-                    continue
-                row[j] = slot
+            row = window_table(self.manager, table, start, s)
             tables.append(row)
             slots.extend(row[p // bs] * bs + p % bs for p in range(start, s))
         self._meta = AttentionMetadata.build(block_tables=tables, seq_lens=meta.seq_lens,
                                              query_lens=[qsl[i + 1] - qsl[i] for i in range(meta.num_requests)],
                                              slot_mapping=slots, block_size=bs, device=device)
+
+
+class SealedWindowGroupAttention(SealedGroupAttention):
+    """A bounded sliding-window group in a block-wise format: sealed codes in window slots, the tail by block id.
+
+    The seal plan is made over block ids (the 16-bit tail, window copies and first-block copies are keyed by
+    them), then its pool ids -- the blocks sealed this step and each request's full blocks -- are translated
+    to window slots (:meth:`~kvpage.cache.groups.SlidingWindowManager.slot_of`). A full block before a
+    request's window has no slot: it reads row 0 instead, which the window mask never lets a query see. A
+    step's final pass first releases the slots that slid out of every window (as :class:`WindowGroupAttention`).
+
+    Args:
+        spec, group, caches, manager, tail, is_live, is_in_use, ops: as :class:`SealedGroupAttention`.
+        window: the group's :class:`~kvpage.cache.groups.SlidingWindowManager`.
+    """
+
+    def __init__(self, spec: CacheSpec, group: LayerGroupSpec, caches: Mapping[int, LayerCache],
+                 manager: SealedGroupManager, tail: TailPool, is_live: Callable[[int], bool],
+                 is_in_use: Callable[[int], bool], window: SlidingWindowManager,
+                 ops: AttentionBackend | None = None) -> None:
+        super().__init__(spec, group, caches, manager, tail, is_live, is_in_use, ops)
+        self.window = window
+
+    def begin_step(self, step: StepLayout, device: torch.device) -> None:
+        """Release slots that slid out (final pass), plan over block ids, then address the pool by window slot.
+
+        Raises:
+            RuntimeError: a block the step seals, or a full block inside a window, has no window slot.
+        """
+        starts = advance_windows(self.window, step)
+        super().begin_step(step, device)
+        assert self._ctx is not None
+        plan = self._ctx.plan
+        rows = [dict(zip(table, window_table(self.window, table, start, s)))  # per request: a shared block may
+                for table, start, s in zip(step.block_tables, starts, step.meta.seq_lens)]  # be in one's window only
+        missing = [b for b in plan.seal_ids.tolist() if self.window.slot_of(b) is None]
+        if missing:
+            raise RuntimeError(f"group {self.group.name!r}: blocks {missing} seal this step but hold no window slot")
+        seal_ids = torch.tensor([self.window.slot_of(b) for b in plan.seal_ids.tolist()], dtype=torch.long,
+                                device=plan.seal_ids.device)
+        reads = tuple(replace(r, full_ids=torch.tensor([row[b] for b in r.full_ids.tolist()], dtype=torch.long,
+                                                       device=r.full_ids.device))
+                      for r, row in zip(plan.reads, rows))
+        self._ctx = replace(self._ctx, plan=replace(plan, seal_ids=seal_ids, reads=reads))
+
+
+def advance_windows(manager: SlidingWindowManager, step: StepLayout) -> list[int]:
+    """Each request's first query position this pass; on the step's final pass, also tell ``manager`` where
+    each owned request's queries start (:meth:`~kvpage.cache.groups.SlidingWindowManager.advance`: the blocks
+    that slid out of its window give their slots back; a drafter's earlier passes start later and must not)."""
+    qsl = step.meta.query_start_loc
+    starts = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(step.meta.seq_lens)]
+    if step.final:
+        for owner, table, start in zip(step.owners, step.block_tables, starts):
+            if owner is not None:
+                manager.advance(owner, table, start)
+    return starts
+
+
+def window_table(manager: SlidingWindowManager, table: Sequence[int], start: int, seq_len: int) -> list[int]:
+    """A request's block table in window slots: the slot of each block from the window of its first query
+    (``start``) on, 0 before it (never read) and for blocks past ``seq_len`` without one (no side effects).
+
+    Raises:
+        RuntimeError: a block inside the window (before ``seq_len``) has no window slot.
+    """
+    bs = manager.block_size
+    row = [0] * len(table)
+    for j in range(manager.first_block(start), len(table)):
+        slot = manager.slot_of(table[j])
+        if slot is None:
+            if j * bs < seq_len:
+                raise RuntimeError(f"group {manager.name!r}: block {table[j]} (index {j}) inside the window has "
+                                   f"no window slot")
+            continue
+        row[j] = slot
+    return row
 
 
 def group_attention_for(
@@ -224,8 +288,10 @@ def group_attention_for(
     is_live: Callable[[int], bool] | None = None,
     is_in_use: Callable[[int], bool] | None = None,
     ops: AttentionBackend | None = None,
+    window: SlidingWindowManager | None = None,
 ) -> GroupAttention:
-    """The group attention of ``manager``'s layer group over ``ops`` (sealed groups need their ``tail`` and the pool's views).
+    """The group attention of ``manager``'s layer group over ``ops`` (sealed groups need their ``tail`` and the pool's
+    views; a sealed group whose codes live in window slots also its ``window`` manager, :func:`~kvpage.cache.groups.managers_for`).
 
     Raises:
         ValueError: a sealed group without its tail tensors or pool views, or a manager without a group.
@@ -236,6 +302,8 @@ def group_attention_for(
     if isinstance(manager, SealedGroupManager):
         if tail is None or is_live is None or is_in_use is None:
             raise ValueError(f"layer group {group.name!r} quantizes on seal and needs its tail pool and pool views")
+        if window is not None:
+            return SealedWindowGroupAttention(spec, group, caches, manager, tail, is_live, is_in_use, window, ops)
         return SealedGroupAttention(spec, group, caches, manager, tail, is_live, is_in_use, ops)
     if isinstance(manager, SlidingWindowManager):
         return WindowGroupAttention(spec, group, caches, manager, ops)

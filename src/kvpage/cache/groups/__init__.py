@@ -3,7 +3,8 @@
 Full attention over token-wise formats (:class:`FullAttentionManager`) and
 quantize-on-seal block-wise formats (:class:`SealedGroupManager`, which owns the
 tail pool's bookkeeping), sliding-window layers kept in window slots
-(:class:`SlidingWindowManager`). Draft/MTP and latent groups need no policy of their own. Imports :mod:`kvpage.spec`, :mod:`kvpage.formats` and
+(:class:`SlidingWindowManager`; a block-wise sliding-window group gets both a sealed manager for its
+tail and a window manager for its codes, :func:`managers_for`). Draft/MTP and latent groups need no policy of their own. Imports :mod:`kvpage.spec`, :mod:`kvpage.formats` and
 the tensor-free parts of :mod:`kvpage.cache`; nothing from the engine.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvpage.formats import BlockFormat, SealedFormat
 from kvpage.spec import LayerGroupSpec
 
 __all__ = ["FullAttentionManager", "GroupManager", "SealedGroupManager", "SlidingWindowManager", "is_bounded_window",
-           "manager_for", "window_slots_for"]
+           "manager_for", "managers_for", "window_slots_for"]
 
 
 def manager_for(
@@ -36,7 +37,8 @@ def manager_for(
         group: the layer group.
         max_num_seqs: requests running at once (sizes a block-wise group's fixed tail: one open slot
             and the window's slots per request, two first-block slots per request).
-        residual_tokens: full-precision window of block-wise formats, in tokens (``kv_quant_residual_tokens``).
+        residual_tokens: full-precision window of block-wise formats, in tokens (``kv_quant_residual_tokens``;
+            at most the group's sliding window: its layers never read further back).
         pool: the device block pool; a block-wise group then takes its tail slots and first-block copies
             out of it on demand (:class:`~kvpage.cache.tail.side.SideGroups`) when its layout allows
             (:func:`~kvpage.cache.tail.side.carved_blocks_per_slot`), instead of fixed pools for ``max_num_seqs``.
@@ -45,25 +47,29 @@ def manager_for(
             a block-wise group's blocks they fill keep a 16-bit slot until verified, ``ceil(k / block_size)``
             more slots per request at most (fixed tails get them; a carving pool must hold them too).
         num_window_slots: window slots of a bounded sliding-window group (:func:`window_slots_for`); such a
-            group (:func:`is_bounded_window`) gets a :class:`SlidingWindowManager` when this is given (and
-            ``pool``, whose index it asks which blocks are cached).
+            group (:func:`is_bounded_window`) in a token-wise format gets a :class:`SlidingWindowManager` when
+            this is given (and ``pool``, whose index it asks which blocks are cached).
 
     Raises:
-        ValueError: ``max_num_seqs < 1``, ``residual_tokens < 0`` or ``num_lookahead_tokens < 0``.
+        ValueError: ``max_num_seqs < 1``, ``residual_tokens < 0`` or ``num_lookahead_tokens < 0``; window slots
+            for a block-wise group (it needs two managers: :func:`managers_for`).
     """
     if max_num_seqs < 1 or residual_tokens < 0 or num_lookahead_tokens < 0:
         raise ValueError(f"need max_num_seqs >= 1, residual_tokens >= 0 and num_lookahead_tokens >= 0, got "
                          f"{max_num_seqs}, {residual_tokens}, {num_lookahead_tokens}")
     fmt = group.layer.format
     if num_window_slots is not None and is_bounded_window(group):
-        index = pool
-        return SlidingWindowManager(group, num_window_slots,
-                                    None if index is None else (lambda b: index.block_hash(b) is not None))
+        if isinstance(fmt, BlockFormat):
+            raise ValueError(f"group {group.name!r} is block-wise and windowed: it has a sealed manager and a window "
+                             f"manager (managers_for)")
+        return _window_manager(group, num_window_slots, pool)
     if isinstance(fmt, BlockFormat):
+        if group.sliding_window is not None:  # copies past the sliding window are never read
+            residual_tokens = min(residual_tokens, group.sliding_window)
         window = -(-residual_tokens // group.layer.block_size)
         provisional = -(-num_lookahead_tokens // group.layer.block_size)
         sink = isinstance(fmt, SealedFormat) and bool(fmt.sink_bits)
-        r = (None if pool is None else
+        r = (None if pool is None or is_bounded_window(group) else
              carved_blocks_per_slot(group.layer, pool.num_blocks, max_model_len, window + provisional))
         if pool is not None and r is not None:
             side = SideGroups(pool, r)
@@ -72,3 +78,39 @@ def manager_for(
         return SealedGroupManager(group, num_slots=max_num_seqs * (1 + window + provisional),
                                   num_sink_slots=2 * max_num_seqs * sink, window_blocks=window)
     return FullAttentionManager(group)
+
+
+def managers_for(
+    group: LayerGroupSpec,
+    *,
+    max_num_seqs: int,
+    residual_tokens: int,
+    pool: PrefixBlockPool | None = None,
+    max_model_len: int | None = None,
+    num_lookahead_tokens: int = 0,
+    num_window_slots: int | None = None,
+) -> tuple[GroupManager, ...]:
+    """Every group manager of ``group`` (arguments as :func:`manager_for`), in the order the cache manager asks them.
+
+    One, except for a bounded sliding-window group in a block-wise format given ``num_window_slots``: its sealed
+    codes live in window slots (:class:`SlidingWindowManager`) while its 16-bit tail, window copies and first-block
+    copies stay keyed by block id in a fixed tail pool (:class:`SealedGroupManager`; never carved from the block
+    pool, whose rows this group's tensors do not have). The cache manager combines their answers as it does across
+    groups (the most restrictive wins) and promises each its own side slots, so a chunk waits until both have room.
+
+    Raises:
+        ValueError: as :func:`manager_for`.
+    """
+    if num_window_slots is not None and is_bounded_window(group) and isinstance(group.layer.format, BlockFormat):
+        sealed = manager_for(group, max_num_seqs=max_num_seqs, residual_tokens=residual_tokens,
+                             num_lookahead_tokens=num_lookahead_tokens)
+        return sealed, _window_manager(group, num_window_slots, pool)
+    return (manager_for(group, max_num_seqs=max_num_seqs, residual_tokens=residual_tokens, pool=pool,
+                        max_model_len=max_model_len, num_lookahead_tokens=num_lookahead_tokens,
+                        num_window_slots=num_window_slots),)
+
+
+def _window_manager(group: LayerGroupSpec, num_slots: int, pool: PrefixBlockPool | None) -> SlidingWindowManager:
+    """The window manager of ``group``, asking ``pool``'s index which blocks are cached."""
+    index = pool
+    return SlidingWindowManager(group, num_slots, None if index is None else (lambda b: index.block_hash(b) is not None))

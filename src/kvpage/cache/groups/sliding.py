@@ -18,17 +18,16 @@ from collections.abc import Callable, Sequence
 
 from kvpage.cache.groups.base import GroupManager
 from kvpage.cache.requests import SupportsKVCache
-from kvpage.formats import TokenFormat
 from kvpage.spec import LayerGroupSpec
 
 
 def is_bounded_window(group: LayerGroupSpec) -> bool:
     """Whether the group keeps its KV in window slots (:class:`SlidingWindowManager`): a model group with a
     sliding window (the ``sliding`` group beside full-attention layers, or the ``main`` group of an all-windowed
-    model such as Mistral) in a token-wise format. (Block-wise formats, whose seal tail is keyed by block id,
-    keep every block and read only the window; draft layers keep theirs by block id.)"""
-    return (group.name != "draft" and group.sliding_window is not None
-            and isinstance(group.layer.format, TokenFormat))
+    model such as Mistral), in any format. A block-wise (quantize-on-seal) group keeps its sealed codes in the
+    slots and its 16-bit tail in a fixed tail pool beside them (:func:`~kvpage.cache.groups.managers_for`);
+    draft layers keep theirs by block id."""
+    return group.name != "draft" and group.sliding_window is not None
 
 
 def window_slots_for(group: LayerGroupSpec, *, num_blocks: int, max_model_len: int, max_num_seqs: int,
@@ -54,7 +53,7 @@ class WindowSlotsExhaustedError(RuntimeError):
 
 
 class SlidingWindowManager(GroupManager):
-    """Window-slot bookkeeping and prefix policy of a token-wise sliding-window group.
+    """Window-slot bookkeeping and prefix policy of a sliding-window group.
 
     Slot life: a block gets a slot when a request takes it for new content (promised before by
     :meth:`side_reserve`); it is *pinned* by every request whose window reaches it; unpinned, it stays as a
@@ -62,7 +61,8 @@ class SlidingWindowManager(GroupManager):
     death (freed, evicted, rolled back) frees it.
 
     Args:
-        group: the layer group's spec (``sliding_window`` set, a token-wise format).
+        group: the layer group's spec (``sliding_window`` set; a block-wise format's group also has a
+            :class:`~kvpage.cache.groups.SealedGroupManager` for its tail, see :func:`~kvpage.cache.groups.managers_for`).
         num_slots: window slots (rows of the group's cache tensors), >= 1.
         is_cached: ``block_id -> bool``, whether the block is in the prefix index (its slot is worth keeping).
 
