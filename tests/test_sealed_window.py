@@ -238,3 +238,30 @@ def test_a_pool_short_of_window_slots_defers_and_gives_every_slot_back(long_fold
     assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
     assert llm.kv_cache_stats().num_in_use == 0
     llm.close()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_speculative_rollback_over_window_slots_gives_everything_back(folders: dict[str, Path], family: str) -> None:
+    """ngram speculation on int4 window layers: drafts seal blocks provisionally and rejected ones roll back;
+    outputs agree with plain decoding up to near-ties, and every window and tail slot comes back."""
+    from kvpage import LLM, SamplingParams
+
+    rep = torch.randint(100, 40000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [{"prompt_token_ids": rep * 5}, {"prompt_token_ids": rep[:7] * 6}]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = dict(progress=False, kv_cache_dtype="int4", block_size=16, num_blocks=64, max_num_seqs=2,
+                              max_num_batched_tokens=16)
+    plain = LLM(str(folders[family]), **kw)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    plain.close()
+    llm = LLM(str(folders[family]), **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                              "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert sum(a == b for a, b in zip(ref, outs)) >= 1, "speculation changed every greedy output"
+    st = llm.engine.stats().spec_decoding
+    assert st is not None and st.num_draft_tokens > st.num_accepted_tokens > 0   # some drafts rejected
+    win = _window(llm)
+    sealed = next(g for g in llm._built.groups if isinstance(g, SealedGroupManager) and g.group is win.group)
+    assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
+    assert sealed.table.num_used == 0 and llm.kv_cache_stats().num_in_use == 0
+    llm.close()
