@@ -52,16 +52,19 @@ def family_config(family: str) -> Any:
         return tf.Gemma3TextConfig(**c, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention",
                                                 "sliding_attention"])
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "deepseek_v3_moe"):
         for k in ("num_key_value_heads", "head_dim", "intermediate_size"):
             c.pop(k)
+        moe = (dict(first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+                    n_shared_experts=1, routed_scaling_factor=2.5) if family == "deepseek_v3_moe" else
+               dict(first_k_dense_replace=4, n_routed_experts=4))
         return tf.DeepseekV3Config(**c, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
                                    kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                   v_head_dim=16, first_k_dense_replace=4, n_routed_experts=4)
+                                   v_head_dim=16, **moe)
     raise ValueError(family)
 
 
-FAMILIES = ["llama", "qwen2", "qwen2_window", "qwen3", "mistral", "gemma2", "gemma3", "deepseek_v3"]
+FAMILIES = ["llama", "qwen2", "qwen2_window", "qwen3", "mistral", "gemma2", "gemma3", "deepseek_v3", "deepseek_v3_moe"]
 
 
 def init_weights(model: torch.nn.Module, seed: int) -> None:

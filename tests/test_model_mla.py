@@ -17,6 +17,7 @@ from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 from kvpage.cache.controller import CacheController
 from kvpage.model.config import ModelConfig
 from kvpage.model.deepseek import DeepseekV3ForCausalLM, mla_model_config
+from kvpage.model.mlp import MoEMLP
 from kvpage.ops.attention import AttentionMetadata, paged_attention
 from kvpage.spec import CacheSpec
 
@@ -29,6 +30,10 @@ CASES = {
     "q_proj": {"q_lora_rank": None},
     "q_lora": {"q_lora_rank": 24, "rope_interleave": False, "tie_word_embeddings": True},
     "q_lora_yarn": {"q_lora_rank": 24, "rope_parameters": YARN},
+    # DeepSeek-V3's MoE from layer 1: 8 routed experts in 2 groups (1 kept), 2 per token, a shared expert
+    "moe": {"q_lora_rank": 24, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+            "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+            "routed_scaling_factor": 2.5, "norm_topk_prob": True},
 }
 
 
@@ -99,6 +104,10 @@ def build(case: str) -> tuple[HFDeepseekV3, DeepseekV3ForCausalLM]:
     torch.manual_seed(0)
     hf = HFDeepseekV3(hf_config(**CASES[case])).eval()
     randomize(hf, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    for name, b in hf.named_buffers():  # the MoE's load-balancing bias steers the choice, not the weights
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     ours = DeepseekV3ForCausalLM(mla_model_config(hf.config))
     ours.load_hf_state_dict(dict(hf.state_dict()))
     return hf, ours.eval()
@@ -216,8 +225,13 @@ def test_paged_latent_cache_matches_transformers(models, kv_cache_dtype, tol):
         steps = [ours.compute_logits(ours(torch.tensor(IDS[:20]), torch.arange(20), attn.step(20)))]
         steps += [ours.compute_logits(ours(torch.tensor([t]), torch.tensor([p]), attn.step(1)))
                   for p, t in enumerate(IDS[20:], start=20)]
-    err = (torch.cat(steps) - reference(hf, IDS)).abs().max().item()
-    assert err < tol
+    errs = (torch.cat(steps) - reference(hf, IDS)).abs().amax(dim=-1)  # [positions]
+    err = errs.max().item()
+    if kv_cache_dtype != "float32" and any(isinstance(layer.mlp, MoEMLP) for layer in ours.layers):
+        # the latent's rounding may flip a token's expert choice (a discontinuity, ~1 position in 48 here)
+        assert (errs < tol).float().mean().item() >= 0.9, errs.tolist()
+    else:
+        assert err < tol
     assert kv_cache_dtype == "float32" or err > TOLERANCE  # the int8 cache really quantized the latent
 
 
@@ -250,7 +264,9 @@ def test_cache_bytes_per_token_is_the_latent_arithmetic():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"first_k_dense_replace": 1}, "MoE"),
+    ({"first_k_dense_replace": 1, "n_routed_experts": 6, "n_group": 4}, "n_group=4 groups"),
+    ({"first_k_dense_replace": 1, "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 5},
+     "cannot supply num_experts_per_tok=5"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "RoPE type 'dynamic'"),
     ({"hidden_act": "gelu"}, "activation"),
     ({"attention_bias": True}, "attention_bias"),
@@ -284,3 +300,34 @@ def test_rejects_a_non_mla_config():
     c = mla_model_config(hf_config())
     with pytest.raises(ValueError):
         DeepseekV3ForCausalLM(replace(c, kv_has_value=True))
+
+
+def test_router_and_moe_block_match_transformers():
+    """DeepSeek-V3's group-limited routing picks the same experts with the same weights as transformers', and
+    the MoE block (routed + shared experts) gives the same output; the routing is not trivial."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from kvpage.model.mlp import MoEDims, route, split_fused_experts
+
+    cfg = hf_config(**CASES["moe"])
+    torch.manual_seed(0)
+    ref = DeepseekV3MoE(cfg).eval()
+    randomize(ref, seed=4)
+    with torch.no_grad():
+        ref.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=torch.Generator().manual_seed(5)))
+    ours = MoEMLP(E, MoEDims.from_hf(cfg), torch.float32)
+    ours.load(split_fused_experts({"mlp." + k: v for k, v in ref.state_dict().items()}), "mlp.")
+    h = torch.randn(64, E, generator=torch.Generator().manual_seed(6))
+    weights, experts = route(h, ours.gate, ours.bias, ours.dims)
+    with torch.no_grad():
+        _, ref_w, ref_i = ref.gate(h)
+        ref_out = ref(h[None])[0]
+    order, ref_order = experts.argsort(dim=-1), ref_i.argsort(dim=-1)
+    assert torch.equal(experts.gather(1, order), ref_i.gather(1, ref_order))
+    assert torch.allclose(weights.gather(1, order), ref_w.gather(1, ref_order), atol=1e-6)
+    assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5), atol=1e-5)   # normalised, then scaled
+    with torch.no_grad():
+        assert (ours(h) - ref_out).abs().max().item() < 1e-5
+    assert experts.unique().numel() >= 6                      # tokens spread over the experts
+    groups = experts // 4
+    assert bool((groups == groups[:, :1]).all())              # topk_group=1: one group per token

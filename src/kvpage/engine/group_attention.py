@@ -290,8 +290,9 @@ def group_attention_for(
     ops: AttentionBackend | None = None,
     window: SlidingWindowManager | None = None,
 ) -> GroupAttention:
-    """The group attention of ``manager``'s layer group over ``ops`` (sealed groups need their ``tail`` and the pool's
-    views; a sealed group whose codes live in window slots also its ``window`` manager, :func:`~kvpage.cache.groups.managers_for`).
+    """The group attention of ``manager``'s layer group over ``ops`` (sealed groups need their ``tail`` and the
+    pool's views; a sealed group whose codes live in window slots also its ``window`` manager,
+    :func:`~kvpage.cache.groups.managers_for`).
 
     Raises:
         ValueError: a sealed group without its tail tensors or pool views, or a manager without a group.

@@ -26,7 +26,8 @@ and layer instead of ``H * (n + r + v)``.
 Numerics follow transformers' ``modeling_deepseek_v3`` (5.x): RMSNorm in float32 (the ``q_a`` and
 ``kv_a`` norms with transformers' fixed ``eps = 1e-6``), RoPE tables in float32 cast to the model
 dtype, interleaved-pair rotation when ``rope_interleave`` (the default) else rotate-half, SiLU-gated
-MLP. Only dense-MLP checkpoints are supported (``first_k_dense_replace >= num_hidden_layers``).
+MLP; from layer ``first_k_dense_replace`` on the MLP is DeepSeek-V3's routed mixture of experts with shared
+experts (:mod:`kvpage.model.mlp`).
 Notation: ``T`` tokens, ``H`` query heads, ``E`` hidden, ``I`` MLP width, ``V`` vocabulary, ``P``
 positions, ``Q`` = ``q_lora_rank``.
 """
@@ -45,7 +46,7 @@ from kvpage.model.attention_fn import AttentionFn, check_forward_args
 from kvpage.model.config import ModelConfig, common_hf_fields
 from kvpage.model.linear import PackedLinear
 from kvpage.model.llama import RMSNorm, rope_inv_freq
-from kvpage.ops import fused
+from kvpage.model.mlp import DenseMLP, MoEDims, MoEMLP, split_fused_experts
 from kvpage.ops.layer_attention import LayerAttention
 
 #: ``model_type`` values this module computes exactly.
@@ -101,30 +102,26 @@ def mla_model_config(hf_config: Any, torch_dtype: torch.dtype | None = None) -> 
 
     ``num_kv_heads = 1``, ``head_dim = kv_lora_rank + qk_rope_head_dim``, ``kv_has_value = False``
     (per token and layer the cache holds ``cat(c_kv, k_pe)``; keys serve as values);
-    ``num_heads`` is the query heads, ``intermediate_size`` the dense MLP width. ``hf_config`` is kept
-    on the result (RoPE init and the MLA widths are read from it).
+    ``num_heads`` is the query heads, ``intermediate_size`` the dense MLP width (the first
+    ``first_k_dense_replace`` layers; the others are MoE, :class:`~kvpage.model.mlp.MoEDims`).
+    ``hf_config`` is kept on the result (RoPE init and the MLA widths are read from it).
 
     Args:
         hf_config: a transformers ``DeepseekV3Config`` (``model_type == "deepseek_v3"``).
         torch_dtype: overrides the config's ``dtype``/``torch_dtype`` (default float32).
 
     Raises:
-        ValueError: naming what is unsupported: another ``model_type``; MoE layers
-            (``first_k_dense_replace < num_hidden_layers``: only dense-MLP MLA models run here);
-            an activation other than SiLU; attention or MLP biases; a quantized (e.g. FP8) checkpoint;
+        ValueError: naming what is unsupported: another ``model_type``; MoE widths that do not route
+            (:meth:`~kvpage.model.mlp.MoEDims.from_hf`); an activation other than SiLU; attention or MLP
+            biases; a quantized (e.g. FP8) checkpoint;
             a RoPE type outside :data:`~kvpage.model.config.SUPPORTED_ROPE_TYPES` or a partial rotary
             factor; an odd ``qk_rope_head_dim``.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in MLA_MODEL_TYPES:
         raise ValueError(f"unsupported architecture {model_type!r} for the MLA model; supported: {MLA_MODEL_TYPES}")
-    layers = int(hf_config.num_hidden_layers)
-    first_dense = getattr(hf_config, "first_k_dense_replace", None)
-    if first_dense is None or int(first_dense) < layers:
-        raise ValueError(
-            f"unsupported MoE layers: first_k_dense_replace={first_dense} < num_hidden_layers={layers} "
-            f"(n_routed_experts={getattr(hf_config, 'n_routed_experts', None)}); kvpage's MLA model implements "
-            "dense SwiGLU MLPs only (set first_k_dense_replace >= num_hidden_layers)")
+    if first_moe_layer(hf_config) < int(hf_config.num_hidden_layers):
+        MoEDims.from_hf(hf_config)  # raises on widths that do not route
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported activation {act!r}; only 'silu' (SwiGLU) is implemented")
@@ -139,6 +136,12 @@ def mla_model_config(hf_config: Any, torch_dtype: torch.dtype | None = None) -> 
     if dims.qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {dims.qk_rope_head_dim}")
     return ModelConfig(**fields, num_kv_heads=1, head_dim=dims.cache_dim, kv_has_value=False)
+
+
+def first_moe_layer(hf_config: Any) -> int:
+    """Index of the first MoE layer (transformers' ``first_k_dense_replace``; 0 when unset, as its default of 3 is
+    applied by the config class itself); ``num_hidden_layers`` or more: every MLP is dense."""
+    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
 
 
 def mla_softmax_scale(config: ModelConfig) -> float:
@@ -195,7 +198,8 @@ class MLADecoderLayer(nn.Module):
     ``in_proj [Qo + R + r, E]`` = rows of ``q_proj`` (``Qo = H*(n+r)``) or ``q_a_proj`` (``Qo = Q``), then
     ``kv_a_proj_with_mqa``; ``q_b_proj [H*(n+r), Q]`` when ``q_lora_rank`` is set; the absorbed
     ``w_uk [H, n, R]`` and ``w_uv_t [H, R, v]`` (from ``kv_b_proj [H*(n+v), R]``); ``o_proj [E, H*v]``;
-    ``gate_up_proj [2I, E]``, ``down_proj [E, I]``; RMSNorm weights.
+    RMSNorm weights; ``mlp``: a :class:`~kvpage.model.mlp.DenseMLP` before ``first_k_dense_replace``, else a
+    :class:`~kvpage.model.mlp.MoEMLP`.
     """
 
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype) -> None:
@@ -214,8 +218,9 @@ class MLADecoderLayer(nn.Module):
         self.register_buffer("w_uk", torch.empty(H, d.qk_nope_head_dim, d.kv_lora_rank, **meta), persistent=False)
         self.register_buffer("w_uv_t", torch.empty(H, d.kv_lora_rank, d.v_head_dim, **meta), persistent=False)
         self.o_proj = nn.Linear(H * d.v_head_dim, E, bias=False, **meta)
-        self.gate_up_proj = nn.Linear(E, 2 * inter, bias=False, **meta)
-        self.down_proj = nn.Linear(inter, E, bias=False, **meta)
+        hf = config.hf_config
+        self.mlp: DenseMLP | MoEMLP = (DenseMLP(E, inter, dtype) if layer_index < first_moe_layer(hf) else
+                                       MoEMLP(E, MoEDims.from_hf(hf), dtype))
 
     def attention(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttentionFn) -> torch.Tensor:
@@ -254,14 +259,14 @@ class MLADecoderLayer(nn.Module):
         """
         x = x + self.o_proj(self.attention(self.input_layernorm(x), positions, cos, sin, attn))  # [T, E]
         h = self.post_attention_layernorm(x)  # [T, E]
-        return x + self.down_proj(fused.silu_mul(self.gate_up_proj(h)))  # [T, E]
+        return x + self.mlp(h)  # [T, E]
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """DeepSeek-V3-architecture causal LM (dense MLPs) with absorbed MLA over a latent KV cache.
+    """DeepSeek-V3-architecture causal LM with absorbed MLA over a latent KV cache.
 
-    Embedding -> ``num_layers`` pre-norm layers (MLA, SwiGLU MLP) -> final RMSNorm -> LM head (tied when
-    ``config.tie_word_embeddings``), as transformers' ``DeepseekV3ForCausalLM``. The attention callable
+    Embedding -> ``num_layers`` pre-norm layers (MLA, then a SwiGLU MLP or the MoE) -> final RMSNorm -> LM head
+    (tied when ``config.tie_word_embeddings``), as transformers' ``DeepseekV3ForCausalLM``. The attention callable
     receives ``q [T, H, R+r]``, ``k [T, 1, R+r]``, ``v=None`` per layer (see the module docstring) and must
     use the scale of :meth:`attention_params`. Weights live on ``meta`` until :meth:`load_hf_state_dict`;
     all parameters have ``requires_grad=False``.
@@ -354,10 +359,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Tensor names and shapes this model takes, as transformers' ``DeepseekV3ForCausalLM`` names them.
 
         ``q_proj`` when ``q_lora_rank`` is ``None``, else ``q_a_proj``, ``q_a_layernorm`` and ``q_b_proj``;
-        ``lm_head.weight`` only with untied embeddings.
+        ``lm_head.weight`` only with untied embeddings; each layer's ``mlp.*`` as its MLP names them
+        (dense, or the MoE's router, routed and shared experts).
         """
         c, d = self.config, self.dims
-        E, H, inter = c.hidden_size, c.num_heads, c.intermediate_size
+        E, H = c.hidden_size, c.num_heads
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, E), "model.norm.weight": (E,)}
         if not c.tie_word_embeddings:
             shapes["lm_head.weight"] = (c.vocab_size, E)
@@ -375,9 +381,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             shapes[a + "kv_a_layernorm.weight"] = (d.kv_lora_rank,)
             shapes[a + "kv_b_proj.weight"] = (H * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank)
             shapes[a + "o_proj.weight"] = (E, H * d.v_head_dim)
-            shapes[p + "mlp.gate_proj.weight"] = (inter, E)
-            shapes[p + "mlp.up_proj.weight"] = (inter, E)
-            shapes[p + "mlp.down_proj.weight"] = (E, inter)
+            shapes.update(self.layers[i].mlp.hf_shapes(p + "mlp."))
         return shapes
 
     @torch.no_grad()
@@ -388,7 +392,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         modify ``sd`` afterwards). ``q_proj``/``q_a_proj`` and ``kv_a_proj_with_mqa`` become one fused
         ``in_proj``; ``kv_b_proj`` is split once into the absorbed ``w_uk [H, n, R]`` and
         ``w_uv_t [H, R, v]``; projections become :class:`~kvpage.model.linear.PackedLinear` (as in
-        :meth:`kvpage.model.llama.LlamaForCausalLM.load_hf_state_dict`). Ignored: ``*rotary_emb.inv_freq``,
+        :meth:`kvpage.model.llama.LlamaForCausalLM.load_hf_state_dict`); MoE experts are stacked per layer
+        (:meth:`~kvpage.model.mlp.MoEMLP.load`; checkpoint names, or transformers' fused in-memory ones:
+        :func:`~kvpage.model.mlp.split_fused_experts`), the router kept in float32. Ignored: ``*rotary_emb.inv_freq``,
         a tied ``lm_head.weight``, and ``model.layers.{i}.*`` for ``i >= num_layers`` (DeepSeek-V3's MTP
         module, which transformers ignores too).
 
@@ -400,6 +406,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 nothing is loaded then.
         """
         c, d = self.config, self.dims
+        sd = split_fused_experts(sd)  # transformers' in-memory MoE layout -> the checkpoint's names
         expected = self.hf_parameter_shapes()
         ignored = {n for n in sd if n.endswith("rotary_emb.inv_freq")}
         ignored |= {n for n in sd if n.startswith("model.layers.") and n.split(".")[2].isdigit()
@@ -446,5 +453,4 @@ class DeepseekV3ForCausalLM(nn.Module):
             layer.w_uk = kv_b[:, :n].contiguous()  # [H, n, R]
             layer.w_uv_t = kv_b[:, n:].transpose(1, 2).contiguous()  # [H, R, v]
             layer.o_proj = PackedLinear(gather(a + "o_proj.weight"))
-            layer.gate_up_proj = PackedLinear(gather(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
-            layer.down_proj = PackedLinear(gather(p + "mlp.down_proj.weight"))
+            layer.mlp.load(sd, p + "mlp.")

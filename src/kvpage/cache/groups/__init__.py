@@ -1,11 +1,11 @@
-"""Per-layer-group cache managers: one :class:`GroupManager` per layer group, chosen from the group's spec.
+"""Per-layer-group cache managers: chosen from each layer group's spec.
 
-Full attention over token-wise formats (:class:`FullAttentionManager`) and
-quantize-on-seal block-wise formats (:class:`SealedGroupManager`, which owns the
-tail pool's bookkeeping), sliding-window layers kept in window slots
-(:class:`SlidingWindowManager`; a block-wise sliding-window group gets both a sealed manager for its
-tail and a window manager for its codes, :func:`managers_for`). Draft/MTP and latent groups need no policy of their own. Imports :mod:`kvpage.spec`, :mod:`kvpage.formats` and
-the tensor-free parts of :mod:`kvpage.cache`; nothing from the engine.
+Full attention over token-wise formats (:class:`FullAttentionManager`) and quantize-on-seal block-wise
+formats (:class:`SealedGroupManager`, which owns the tail pool's bookkeeping), sliding-window layers kept in
+window slots (:class:`SlidingWindowManager`; a block-wise sliding-window group gets both, a sealed manager for
+its tail and a window manager for its codes: :func:`managers_for`). Draft/MTP and latent groups need no
+policy of their own. Imports :mod:`kvpage.spec`, :mod:`kvpage.formats` and the tensor-free parts of
+:mod:`kvpage.cache`; nothing from the engine.
 """
 from __future__ import annotations
 
@@ -113,4 +113,5 @@ def managers_for(
 def _window_manager(group: LayerGroupSpec, num_slots: int, pool: PrefixBlockPool | None) -> SlidingWindowManager:
     """The window manager of ``group``, asking ``pool``'s index which blocks are cached."""
     index = pool
-    return SlidingWindowManager(group, num_slots, None if index is None else (lambda b: index.block_hash(b) is not None))
+    is_cached = None if index is None else (lambda b: index.block_hash(b) is not None)
+    return SlidingWindowManager(group, num_slots, is_cached)
