@@ -78,23 +78,25 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
 
 
+def save_family(folder: Path, family: str, tokenizer: Any, *, seed: int, weight_seed: int) -> Path:
+    """Save a tiny random ``family`` model (config.json, safetensors, ``tokenizer``) into ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(family)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_weights(model, seed=weight_seed)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def family_folders(tmp_path_factory: pytest.TempPathFactory, smollm2) -> dict[str, Path]:
     """``family -> folder`` of a saved tiny random model (config.json, safetensors, the bundled tokenizer)."""
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for i, family in enumerate(FAMILIES):
-        folder = tmp_path_factory.mktemp(family)
-        config = family_config(family)
-        config._attn_implementation = "eager"
-        torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        init_weights(model, seed=100 + i)
-        model.save_pretrained(folder)
-        smollm2.tokenizer.save_pretrained(folder)
-        out[family] = folder
-    return out
+    return {family: save_family(tmp_path_factory.mktemp(family), family, smollm2.tokenizer, seed=i,
+                                weight_seed=100 + i) for i, family in enumerate(FAMILIES)}
 
 
 def hf_logits(folder: Path, ids: list[int]) -> torch.Tensor:

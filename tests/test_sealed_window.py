@@ -6,8 +6,8 @@ An ``int4``/``int2`` windowed group has two managers (:func:`~kvpage.cache.group
 copies and first-block copies by block id. Checked here: the managers and the capacity arithmetic; through the
 engine, the group's tensors have window-slot rows and a long request pins at most its window; the same requests
 read exactly what the layout that keeps every block reads (a differential test: window slots move rows and
-never change a value), with chunked prefill, a prefix hit and concurrent requests sharing a prefix; a pool short
-of slots defers requests and every slot comes back.
+never change a value), with chunked prefill, a prefix hit and concurrent requests sharing a prefix; speculative
+rollback gives every slot back (a pool short of slots: ``test_sliding_window.py``, for int4 too).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.formats import BlockFormat
 from kvpage.spec import CacheSpec, LayerGroupSpec
 
-from test_families_engine import family_config, init_weights
+from test_families_engine import init_weights, save_family
 
 
 def _spec(fmt: str) -> CacheSpec:
@@ -54,20 +54,8 @@ def test_a_block_wise_window_group_gets_a_fixed_tail_and_window_slots() -> None:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory, smollm2) -> dict[str, Path]:
     """Tiny random Gemma 3 (sliding + global), Mistral (all windowed) and Qwen2 (windowed last layers), window 24."""
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for i, family in enumerate(["gemma3", "mistral", "qwen2_window"]):
-        folder = tmp_path_factory.mktemp(family)
-        config = family_config(family)
-        config._attn_implementation = "eager"
-        torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        init_weights(model, seed=300 + i)
-        model.save_pretrained(folder)
-        smollm2.tokenizer.save_pretrained(folder)
-        out[family] = folder
-    return out
+    return {family: save_family(tmp_path_factory.mktemp(family), family, smollm2.tokenizer, seed=i,
+                                weight_seed=300 + i) for i, family in enumerate(["gemma3", "mistral", "qwen2_window"])}
 
 
 def _old_rule(group: LayerGroupSpec) -> bool:
@@ -208,35 +196,6 @@ def test_a_long_request_pins_only_its_window_and_capacity_is_what_is_allocated(
     assert win.num_pinned_slots == 0 and llm.kv_cache_stats().num_in_use == 0
     sealed = next(g for g in built.groups if isinstance(g, SealedGroupManager) and g.group is win.group)
     assert sealed.table.num_used == 0  # open blocks and window copies died with their requests
-    llm.close()
-
-
-def test_a_pool_short_of_window_slots_defers_and_gives_every_slot_back(long_folders: dict[str, Path],
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """More int4 requests than window slots for them: the scheduler waits or preempts; all finish, nothing leaks."""
-    from kvpage import LLM, SamplingParams
-
-    llm = LLM(str(long_folders["gemma3"]), progress=False, kv_cache_dtype="int4", block_size=16, max_num_seqs=6,
-              max_num_batched_tokens=32, num_blocks=200)
-    win = _window(llm)
-    refused = 0
-    reserve = win.side_reserve
-
-    def counting(*a: Any, **k: Any) -> bool:
-        nonlocal refused
-        ok = reserve(*a, **k)
-        refused += not ok
-        return ok
-
-    monkeypatch.setattr(win, "side_reserve", counting)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=gen).tolist()}
-               for n in torch.randint(20, 120, (10,), generator=gen)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 40 and o.outputs[0].finish_reason == "length" for o in outs)
-    assert refused > 0, f"the {win.num_slots} window slots never ran short: the test does not test deferral"
-    assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
-    assert llm.kv_cache_stats().num_in_use == 0
     llm.close()
 
 

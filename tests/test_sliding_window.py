@@ -267,15 +267,15 @@ def test_long_request_memory_stays_within_the_window_share(gemma: Path, monkeypa
     assert llm.controller.device_bytes == cap.pool_bytes + cap.window_bytes
 
 
-def test_a_pool_short_of_window_slots_defers_requests_and_every_one_finishes(gemma: Path,
+@pytest.mark.parametrize("fmt", ["float32", "int4"])  # int4: sealed codes in the slots, a fixed tail beside them
+def test_a_pool_short_of_window_slots_defers_requests_and_every_one_finishes(gemma: Path, fmt: str,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """More requests than window slots for them: the scheduler waits or preempts; all finish, nothing leaks."""
     from kvpage import LLM, SamplingParams
 
-    llm = LLM(str(gemma), progress=False, kv_cache_dtype="float32", block_size=16, max_num_seqs=6,
+    llm = LLM(str(gemma), progress=False, kv_cache_dtype=fmt, block_size=16, max_num_seqs=6,
               max_num_batched_tokens=32, num_blocks=200)
-    win = llm._built.groups[1]
-    assert isinstance(win, SlidingWindowManager)
+    win = next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
     refused = 0
     reserve = win.side_reserve
 
