@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/families.py [--context 4096] [--window 1024] [--skip-formats]
+    python benchmarks/families.py [--context 4096] [--window 1024] [--formats int8,int4] [--skip-formats]
 
 Three parts, all on small random-initialised transformers models (no weights are downloaded):
 
@@ -13,7 +13,8 @@ Three parts, all on small random-initialised transformers models (no weights are
    share + the window layers' window share + one block per group; and with the same model on a cache that
    keeps every block in every layer.
    1b. The same for a Mistral-style model whose every layer is windowed: block ids carry no tensor and the
-   budget buys window slots only.
+   budget buys window slots only. Both for each of ``--formats`` (default ``int8,int4``): ``int4`` keeps its
+   sealed codes in the window slots too, and its 16-bit tails (open blocks, copies) are reported beside them.
 2. **MLA.** Bytes per token of a DeepSeek-V3-sized latent cache (``L x (kv_lora_rank + rope)`` values) against
    the uncompressed K/V the same attention would cache, and the tiny model's cache as the engine allocates it.
 3. **Quantized caches per family.** For each family, the KL divergence of the next-token distribution of
@@ -36,7 +37,8 @@ import transformers as tf  # noqa: E402
 from test_families_engine import FAMILIES, LogitRecorder, family_config, hf_logits, init_weights  # noqa: E402
 
 from kvpage import LLM, SamplingParams  # noqa: E402
-from kvpage.cache.groups import SlidingWindowManager  # noqa: E402
+from kvpage.cache.groups import SealedGroupManager, SlidingWindowManager  # noqa: E402
+from kvpage.cache.tail import TailPool  # noqa: E402
 from kvpage.model.loader import load_model  # noqa: E402
 from kvpage.spec import CacheSpec  # noqa: E402
 
@@ -51,7 +53,19 @@ def save(model_config: tf.PretrainedConfig, folder: Path, tokenizer: object, see
     return folder
 
 
-def sliding_window(tokenizer: object, root: Path, context: int, window: int) -> None:
+def tails_held(llm: LLM) -> int:
+    """Bytes of 16-bit tail the quantize-on-seal groups hold now (open blocks, window and first-block copies):
+    pool blocks carved for them plus the used slots of fixed tail pools; 0 for token-wise formats."""
+    spec, built = llm.spec, llm._built
+    held = llm.kv_cache_stats().num_side * spec.main.bytes_per_block  # only the full-attention group carves
+    for g in built.groups:
+        if isinstance(g, SealedGroupManager) and g.table.side is None:
+            dt = built.tails[g.name].dtype
+            held += TailPool.bytes_for(spec, dt, g.table.num_used, g.table.num_sink_used, layers=g.layers)
+    return held
+
+
+def sliding_window(tokenizer: object, root: Path, context: int, window: int, fmt: str) -> None:
     layers = ["sliding_attention"] * 5 + ["full_attention"]
     cfg = tf.Gemma3TextConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
@@ -60,29 +74,30 @@ def sliding_window(tokenizer: object, root: Path, context: int, window: int) -> 
     folder = save(cfg, root / "gemma3", tokenizer)
     prompt = torch.randint(100, 40000, (context - 32,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    llm = LLM(str(folder), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=4,
+    llm = LLM(str(folder), progress=False, kv_cache_dtype=fmt, block_size=16, max_num_seqs=4,
               max_num_batched_tokens=256, kv_cache_memory_bytes=64 * 2**20)
     spec, cap = llm.spec, llm.capacity
-    win = llm._built.groups[1]
-    assert isinstance(win, SlidingWindowManager) and spec.sliding is not None
+    win = next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
+    assert spec.sliding is not None
     main_bpb, win_bpb = spec.main.bytes_per_block, spec.sliding.bytes_per_block
-    samples: list[tuple[int, int, int]] = []  # (position, global blocks in use, pinned window slots)
+    samples: list[tuple[int, int, int, int]] = []  # (position, global blocks in use, pinned window slots, tails)
     advance = win.advance
 
     def watch(rid: str, ids: list[int], position: int) -> None:
         advance(rid, ids, position)
-        samples.append((position, llm.kv_cache_stats().num_in_use, win.num_pinned_slots))
+        samples.append((position, llm.kv_cache_stats().num_in_use, win.num_pinned_slots, tails_held(llm)))
 
     setattr(win, "advance", watch)
     llm.generate({"prompt_token_ids": prompt}, params)
     bs = spec.block_size
     decode = [s for s in samples if s[0] >= len(prompt)]
-    peak_decode = max(m * main_bpb + w * win_bpb for _, m, w in decode)
-    peak_all = max(m * main_bpb + w * win_bpb for _, m, w in samples)
+    at_peak = max(decode, key=lambda s: s[1] * main_bpb + s[2] * win_bpb)
+    peak_decode = at_peak[1] * main_bpb + at_peak[2] * win_bpb
+    peak_all = max(m * main_bpb + w * win_bpb for _, m, w, _ in samples)
     theory = -(-context // bs) * main_bpb + -(-window // bs) * win_bpb + main_bpb + win_bpb
     full = -(-context // bs) * (main_bpb + win_bpb)
     print(f"## 1. Sliding window: Gemma-3-style, 12 layers (10 local of {window} tokens, 2 global), "
-          f"{context}-token request, int8, block 16")
+          f"{context}-token request, {fmt}, block 16")
     print(f"groups: {[(g.name, g.num_layers, g.sliding_window) for g in spec.groups]}; bytes/block: global "
           f"{main_bpb:,}, window {win_bpb:,}; window slots allocated {cap.window_slots:,} "
           f"({cap.window_bytes / 2**20:.2f} MiB) beside {cap.num_blocks:,} blocks ({cap.pool_bytes / 2**20:.2f} MiB)")
@@ -94,41 +109,46 @@ def sliding_window(tokenizer: object, root: Path, context: int, window: int) -> 
     print(f"| measured, peak during chunked prefill (256-token chunks: the chunk's blocks too) | {peak_all:,} "
           f"| {peak_all / theory:.3f} |")
     print(f"| every block in every layer (no window bound) | {full:,} | {full / theory:.3f} |")
+    if at_peak[3]:
+        print(f"| beside the codes at the decode peak: 16-bit tails (open blocks, window and first-block copies) "
+              f"| {at_peak[3]:,} | {at_peak[3] / theory:.3f} |")
     print()
 
 
-def all_windowed(tokenizer: object, root: Path, context: int, window: int) -> None:
+def all_windowed(tokenizer: object, root: Path, context: int, window: int, fmt: str) -> None:
     cfg = tf.MistralConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
                            max_position_embeddings=context + 64, tie_word_embeddings=True)
     folder = save(cfg, root / "mistral", tokenizer)
     prompt = torch.randint(100, 40000, (context - 32,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    llm = LLM(str(folder), progress=False, kv_cache_dtype="int8", block_size=16, max_num_seqs=4,
+    llm = LLM(str(folder), progress=False, kv_cache_dtype=fmt, block_size=16, max_num_seqs=4,
               max_num_batched_tokens=256, kv_cache_memory_bytes=16 * 2**20)
     spec, cap = llm.spec, llm.capacity
-    win = llm._built.groups[0]
-    assert isinstance(win, SlidingWindowManager) and cap.bytes_per_block == 0
+    win = next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
+    assert cap.bytes_per_block == 0
     bpb = spec.main.bytes_per_block
-    samples: list[tuple[int, int]] = []  # (position, pinned window slots)
+    samples: list[tuple[int, int, int]] = []  # (position, pinned window slots, tails)
     advance = win.advance
 
     def watch(rid: str, ids: list[int], position: int) -> None:
         advance(rid, ids, position)
-        samples.append((position, win.num_pinned_slots))
+        samples.append((position, win.num_pinned_slots, tails_held(llm)))
 
     setattr(win, "advance", watch)
     llm.generate({"prompt_token_ids": prompt}, params)
     bs = spec.block_size
-    peak_decode = max(w for p, w in samples if p >= len(prompt)) * bpb
-    peak_all = max(w for _, w in samples) * bpb
+    at_peak = max((s for s in samples if s[0] >= len(prompt)), key=lambda s: s[1])
+    peak_decode = at_peak[1] * bpb
+    peak_all = max(w for _, w, _ in samples) * bpb
     theory = (-(-window // bs) + 1) * bpb
     full = -(-context // bs) * bpb
     print(f"## 1b. Every layer windowed: Mistral-style, 12 layers of a {window}-token window, {context}-token "
-          f"request, int8, block 16")
+          f"request, {fmt}, block 16")
     print(f"groups: {[(g.name, g.num_layers, g.sliding_window) for g in spec.groups]}; block ids {cap.num_blocks:,} "
           f"(no tensor); window slots {cap.window_slots:,} x {bpb:,} bytes = {cap.window_bytes / 2**20:.2f} MiB, "
-          f"all the device KV memory ({llm.controller.device_bytes / 2**20:.2f} MiB allocated)")
+          f"all the device KV memory ({llm.controller.device_bytes / 2**20:.2f} MiB allocated)"
+          + (f" beside a {cap.side_pool_bytes / 2**20:.2f} MiB 16-bit tail pool" if cap.side_pool_bytes else ""))
     print("| KV bytes held by the request | bytes | vs theory |")
     print("|---|---:|---:|")
     print(f"| theory: window {-(-window // bs)} blocks + one block | {theory:,} | 1.000 |")
@@ -136,6 +156,9 @@ def all_windowed(tokenizer: object, root: Path, context: int, window: int) -> No
     print(f"| measured, peak during chunked prefill (256-token chunks: the chunk's blocks too) | {peak_all:,} "
           f"| {peak_all / theory:.3f} |")
     print(f"| every block (no window bound) | {full:,} | {full / theory:.3f} |")
+    if at_peak[2]:
+        print(f"| beside the codes at the decode peak: 16-bit tails (open blocks, window and first-block copies) "
+              f"| {at_peak[2]:,} | {at_peak[2] / theory:.3f} |")
     print()
 
 
@@ -193,6 +216,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--formats", default="int8,int4", help="KV formats of parts 1 and 1b (comma-separated)")
     p.add_argument("--skip-formats", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -200,8 +224,9 @@ def main() -> None:
     tokenizer = load_model(None, progress=False).tokenizer
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        sliding_window(tokenizer, root, args.context, args.window)
-        all_windowed(tokenizer, root, args.context, args.window)
+        for fmt in args.formats.split(","):
+            sliding_window(tokenizer, root, args.context, args.window, fmt)
+            all_windowed(tokenizer, root, args.context, args.window, fmt)
         mla(tokenizer, root)
         if not args.skip_formats:
             formats(tokenizer, root)
