@@ -224,3 +224,32 @@ def test_speculative_rollback_over_window_slots_gives_everything_back(folders: d
     assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
     assert sealed.table.num_used == 0 and llm.kv_cache_stats().num_in_use == 0
     llm.close()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_windowed_layers_dequantize_only_their_window(folders: dict[str, Path], fmt: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A windowed sealed layer reads from the first block of its queries' windows (``first_read_block``): every
+    logits row equals the run that dequantizes the whole context and masks it (within 1e-5)."""
+    import kvpage.ops.sealed_attention as ops
+
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (70, 45)]
+    calls: list[int] = []
+    trim = ops.first_read_block
+
+    def counted(*a: Any) -> int:
+        calls.append(trim(*a))
+        return calls[-1]
+
+    for module in ("kvpage.ops.sealed_attention", "kvpage.ops.backends.cpu"):
+        monkeypatch.setattr(f"{module}.first_read_block", counted)
+    llm, rows = _serve_all(folders["gemma3"], fmt, prompts, max_num_seqs=2)
+    llm.close()
+    assert max(calls) >= 4   # some reads really started past block 0 (positions beyond 24 + 3 * 16)
+    for module in ("kvpage.ops.sealed_attention", "kvpage.ops.backends.cpu"):
+        monkeypatch.setattr(f"{module}.first_read_block", lambda *a: 0)
+    ref_llm, ref = _serve_all(folders["gemma3"], fmt, prompts, max_num_seqs=2)
+    ref_llm.close()
+    assert [r.shape for r in rows] == [r.shape for r in ref]
+    assert max((a - b).abs().max().item() for a, b in zip(rows, ref)) < 1e-5

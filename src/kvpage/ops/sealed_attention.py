@@ -135,22 +135,33 @@ def write_sealed_kv(
     return SealBatch(kb, vb)
 
 
+def first_read_block(params: LayerAttention, seq_len: int, num_new: int, block_size: int) -> int:
+    """The first block a request's ``num_new`` newest queries read: 0 for full attention, else the block of
+    position ``seq_len - num_new - sliding_window + 1`` (earlier ones are outside every query's window)."""
+    if params.sliding_window is None:
+        return 0
+    return max(0, seq_len - num_new - params.sliding_window + 1) // block_size
+
+
 def sealed_request_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: RequestRead, batch: SealBatch,
-    block_size: int, params: LayerAttention = PLAIN,
+    block_size: int, params: LayerAttention = PLAIN, first: int = 0,
 ) -> torch.Tensor:
     """Attention of one request's new tokens, each reading its own block at full precision.
 
-    ``keys``/``values`` (``[s, kv_heads, head_dim]``, from :func:`read_sealed_context`) hold every block
-    as stored. A query whose block this step sealed (``read.sealed_now``) reads that block's rows from
-    ``batch`` instead, up to its own position; every other key as stored, causally. Without blocks sealed
-    now this is :func:`~kvpage.ops.causal.request_attention`. ``q``: ``[n, num_heads, head_dim]`` queries
-    of positions ``s - n .. s - 1``; returns ``[n, num_heads, head_dim]`` in ``keys.dtype``. ``params``: the
-    layer's scale, window (keys at positions ``> pos - sliding_window`` only) and soft-cap. No side effects.
+    ``keys``/``values`` (``[s - first * block_size, kv_heads, head_dim]``, from :func:`read_sealed_context`)
+    hold every block from block ``first`` on as stored. A query whose block this step sealed
+    (``read.sealed_now``) reads that block's rows from ``batch`` instead, up to its own position; every other
+    key as stored, causally. Without blocks sealed now this is :func:`~kvpage.ops.causal.request_attention`.
+    ``q``: ``[n, num_heads, head_dim]`` queries of positions ``s - n .. s - 1``; returns ``[n, num_heads,
+    head_dim]`` in ``keys.dtype``. ``params``: the layer's scale, window (keys at positions
+    ``> pos - sliding_window`` only; ``first`` at most :func:`first_read_block`) and soft-cap. No side effects.
     """
     if not read.sealed_now or batch.keys is None or batch.values is None:
         return request_attention(q, keys, values, params)
-    bs, n, s, dev = block_size, q.shape[0], keys.shape[0], q.device
+    bs, n, dev = block_size, q.shape[0], q.device
+    off = first * bs
+    s = off + keys.shape[0]
     own = torch.tensor([j for j, _, _ in read.sealed_now], dtype=torch.long, device=dev)        # [f]
     pick = torch.tensor([m for _, m, _ in read.sealed_now], dtype=torch.long, device=dev)
     fk = batch.keys[pick].flatten(0, 1).to(keys.dtype)                                      # [f*bs, Hkv, D]
@@ -158,7 +169,7 @@ def sealed_request_attention(
     pos = s - n + torch.arange(n, device=dev)                                               # [n]
     qblk = pos // bs
     fresh_own = torch.isin(qblk, own)                                                        # [n]
-    t = torch.arange(s, device=dev)
+    t = torch.arange(off, s, device=dev)
     stored = (t[None, :] <= pos[:, None]) & ~(fresh_own[:, None] & ((t // bs)[None, :] == qblk[:, None]))
     fpos = (own[:, None] * bs + torch.arange(bs, device=dev)).flatten()                       # [f*bs]
     fresh = ((fpos // bs)[None, :] == qblk[:, None]) & (fpos[None, :] <= pos[:, None])
@@ -171,15 +182,19 @@ def sealed_request_attention(
 
 def read_sealed(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
-    spec: LayerSpec, kind: str, read: RequestRead, dtype: torch.dtype,
+    spec: LayerSpec, kind: str, read: RequestRead, dtype: torch.dtype, first: int = 0,
 ) -> torch.Tensor:
-    """One request's context keys or values, ``[seq_len, kv_heads, head_dim]`` in ``dtype`` (no side effects)."""
+    """One request's context keys or values from block ``first`` on (a windowed layer's earlier blocks are never
+    read: :func:`first_read_block`), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype`` (no
+    side effects)."""
     bs, d = spec.block_size, spec.head_dim
     rows = tail[kind]
-    full = fmt.unseal({n: cache[n][read.full_ids] for n in fmt.names(kind)}, kind, dtype, d)  # [nf, bs, Hkv, D]
+    ids = read.full_ids[first:]
+    full = fmt.unseal({n: cache[n][ids] for n in fmt.names(kind)}, kind, dtype, d)  # [nf - first, bs, Hkv, D]
     for j, slot in read.fp_blocks:
-        full[j] = rows[slot * bs:(slot + 1) * bs]
-    if read.sink_slot is not None:
+        if j >= first:
+            full[j - first] = rows[slot * bs:(slot + 1) * bs]
+    if read.sink_slot is not None and first == 0:
         a = read.sink_slot * bs
         codes, scales = tail["sink_" + kind][a:a + bs], tail["sink_" + _scale_name(kind)][a:a + bs]
         full[0] = sink_format.dequantize(codes, scales, dtype, kind=kind)
@@ -192,16 +207,17 @@ def read_sealed(
 
 def read_sealed_context(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
-    spec: LayerSpec, read: RequestRead, dtype: torch.dtype,
+    spec: LayerSpec, read: RequestRead, dtype: torch.dtype, first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's keys and values (:func:`read_sealed` of each), ``[seq_len, kv_heads, head_dim]`` in ``dtype``.
+    """One request's keys and values from block ``first`` on (:func:`read_sealed` of each),
+    ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype``.
 
     A key-only layer's values are its keys. No side effects.
     """
-    keys = read_sealed(cache, tail, fmt, sink_format, spec, KEY, read, dtype)
+    keys = read_sealed(cache, tail, fmt, sink_format, spec, KEY, read, dtype, first)
     if not spec.has_value:
         return keys, keys
-    return keys, read_sealed(cache, tail, fmt, sink_format, spec, VALUE, read, dtype)
+    return keys, read_sealed(cache, tail, fmt, sink_format, spec, VALUE, read, dtype, first)
 
 
 def sealed_attention_checks(
@@ -279,6 +295,7 @@ def sealed_attention(
     qsl = meta.query_start_loc
     for i, read in enumerate(plan.reads):
         a, b = qsl[i], qsl[i + 1]
-        keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, adtype)  # [s, Hkv, D]
-        out[a:b] = sealed_request_attention(qa[a:b], keys, vals, read, batch, spec.block_size, params)
+        first = first_read_block(params, meta.seq_lens[i], b - a, spec.block_size)
+        keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, adtype, first)  # [s', Hkv, D]
+        out[a:b] = sealed_request_attention(qa[a:b], keys, vals, read, batch, spec.block_size, params, first)
     return out.to(q.dtype)

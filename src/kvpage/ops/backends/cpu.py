@@ -42,6 +42,7 @@ from kvpage.ops.cpu.build import load_kernels
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.sealed_attention import (
     SealContext,
+    first_read_block,
     read_sealed_context,
     sealed_attention_checks,
     sealed_request_attention,
@@ -317,8 +318,10 @@ class CpuBackend(AttentionBackend):
         for i in sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             read = ctx.plan.reads[i]
-            keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt)
-            out[a:b] = sealed_request_attention(qa[a:b].to(dt), keys, vals, read, batch, spec.block_size, params)
+            first = first_read_block(params, meta.seq_lens[i], b - a, spec.block_size)
+            keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt, first)
+            out[a:b] = sealed_request_attention(qa[a:b].to(dt), keys, vals, read, batch, spec.block_size, params,
+                                                first)
         return out
 
 
