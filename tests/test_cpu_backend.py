@@ -291,6 +291,19 @@ def test_the_build_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_build.build_key() != key
 
 
+def test_the_build_cache_is_keyed_by_where_sources_and_torch_live(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path) -> None:
+    """torch's build.ninja names the sources and torch's include folders by absolute path: two checkouts (or two
+    virtual environments) sharing one folder made ninja rebuild at every alternation, minutes per engine start."""
+    key = cpu_build.build_key()
+    assert cpu_build.build_key() == key                                  # stable
+    monkeypatch.setattr(cpu_build, "_HERE", tmp_path)                     # another checkout, same sources
+    other = cpu_build.build_key()
+    assert other != key
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2" / "torch" / "__init__.py"))
+    assert cpu_build.build_key() not in (key, other)
+
+
 def test_a_stale_torch_build_lock_is_cleared_under_the_os_lock(tmp_path) -> None:
     """A build killed half-way leaves torch's ``lock`` file, on which every later build waited forever (seen when
     a benchmark was interrupted mid-compile); under kvpage's OS lock no other process builds, so it goes."""

@@ -5,7 +5,7 @@ The kernels are a C++ extension built with ``torch.utils.cpp_extension.load``
 is tuned to the CPU it runs on (``-march=native``), so its cache folder is keyed by
 the source, the compiler flags, the torch version and the CPU's feature flags:
 a machine with other instructions builds its own copy instead of loading one
-that would fault. The folder is ``$KVPAGE_EXTENSIONS_DIR`` when set, else
+that would fault; and by where the sources and torch live, which the build file names. The folder is ``$KVPAGE_EXTENSIONS_DIR`` when set, else
 ``~/.cache/kvpage/extensions``.
 
 When the extension cannot be built (no compiler, no ninja, a failed compile)
@@ -56,10 +56,13 @@ def _tail(message: str, lines: int = 6) -> str:
 
 
 def build_key() -> str:
-    """A short hash of what the binary depends on: source, flags, torch version, CPU features."""
+    """A short hash of what the binary and its build file depend on: source, flags, torch version, CPU features,
+    and where the sources and torch live (torch's ``build.ninja`` names both by absolute path, so a second
+    checkout or virtual environment sharing the folder made ninja rebuild at every alternation)."""
     h = hashlib.sha256()
+    where = f"{_HERE.resolve()}|{Path(torch.__file__).resolve().parent}"
     for part in (*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                 _cpu_flags().encode()):
+                 _cpu_flags().encode(), where.encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
