@@ -57,23 +57,33 @@ class MoEDims:
         """Read and check the MoE fields of a transformers ``DeepseekV3Config``.
 
         Raises:
-            ValueError: experts not divisible into groups, groups of fewer than two experts (the group score
-                sums the two best), more groups or experts per token than there are, or non-positive sizes.
+            ValueError: naming the field: a size below 1 (``n_shared_experts`` below 0), experts not divisible
+                into groups of at least two (the group score sums the two best), ``topk_group`` above
+                ``n_group``, or more experts per token than the kept groups hold.
         """
-        d = cls(int(c.n_routed_experts), int(c.num_experts_per_tok), int(getattr(c, "n_group", 1) or 1),
-                int(getattr(c, "topk_group", 1) or 1), bool(getattr(c, "norm_topk_prob", True)),
-                float(getattr(c, "routed_scaling_factor", 1.0)), int(c.moe_intermediate_size),
-                int(getattr(c, "n_shared_experts", 0) or 0))
-        per_group = d.n_routed_experts // d.n_group if d.n_group > 0 else 0
-        if min(d.n_routed_experts, d.num_experts_per_tok, d.n_group, d.topk_group, d.moe_intermediate_size) < 1 \
-                or d.n_shared_experts < 0:
-            raise ValueError(f"MoE sizes must be positive: {d}")
+        def field(name: str, default: int | None = None) -> int:
+            v = getattr(c, name, default)
+            if v is None:
+                raise ValueError(f"MoE config: {name} is not set")
+            return int(v)
+
+        d = cls(field("n_routed_experts"), field("num_experts_per_tok"), field("n_group", 1), field("topk_group", 1),
+                bool(getattr(c, "norm_topk_prob", True)), float(getattr(c, "routed_scaling_factor", 1.0)),
+                field("moe_intermediate_size"), field("n_shared_experts", 0))
+        for name in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "moe_intermediate_size"):
+            if getattr(d, name) < 1:
+                raise ValueError(f"MoE config: {name} must be >= 1, got {getattr(d, name)}")
+        if d.n_shared_experts < 0:
+            raise ValueError(f"MoE config: n_shared_experts must be >= 0, got {d.n_shared_experts}")
+        per_group = d.n_routed_experts // d.n_group
         if d.n_routed_experts % d.n_group or per_group < 2:
-            raise ValueError(f"n_routed_experts={d.n_routed_experts} must split into n_group={d.n_group} groups of "
-                             f"at least 2 experts")
-        if d.topk_group > d.n_group or d.num_experts_per_tok > d.topk_group * per_group:
-            raise ValueError(f"topk_group={d.topk_group} (of n_group={d.n_group}) groups of {per_group} experts "
-                             f"cannot supply num_experts_per_tok={d.num_experts_per_tok}")
+            raise ValueError(f"MoE config: n_routed_experts={d.n_routed_experts} must split into n_group={d.n_group} "
+                             f"groups of at least 2 experts")
+        if d.topk_group > d.n_group:
+            raise ValueError(f"MoE config: topk_group={d.topk_group} exceeds n_group={d.n_group}")
+        if d.num_experts_per_tok > d.topk_group * per_group:
+            raise ValueError(f"MoE config: num_experts_per_tok={d.num_experts_per_tok} exceeds the "
+                             f"{d.topk_group * per_group} experts of topk_group={d.topk_group} groups of {per_group}")
         return d
 
 
