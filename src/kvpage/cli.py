@@ -187,7 +187,7 @@ def _capacity_lines(llm: LLM) -> list[str]:
         + f"; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
         f"= {cap.pool_bytes / 2**20:.1f} MiB{slots}{side}",
         f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token"
-        f"{' in every layer; the same window slots' if window else ''}): "
+        f"{' in every layer; the same layout, window slots too' if window else ''}): "
         f"{1 - (cap.reference_tokens / cap.tokens if window else cap.bytes_per_token / cap.reference_bytes_per_token):.1%}"
         f" less KV memory per cached token; "
         f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "

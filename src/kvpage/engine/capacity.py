@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvpage.cache.groups import SealedGroupManager, is_bounded_window, manager_for, window_slots_for
@@ -71,8 +71,9 @@ class CapacityReport:
         budget_bytes: the budget the figures are for (with ``num_blocks`` given: what is allocated).
         reference_bytes_per_block: bytes of one block of the model-dtype cache (same block size).
         reference_tokens: tokens a model-dtype cache (no side pools) holds in ``budget_bytes``; with a bounded
-            sliding-window group, a model-dtype cache of the same layout (window slots too), so the ratio is the
-            format's alone: ``tokens x`` (bytes of a block of every layer, this format / the model dtype).
+            sliding-window group, what :func:`kv_capacity` gives a model-dtype cache of the same layout (window
+            slots too) in the same budget, so the ratio is the format's alone, side pools included (every layer
+            windowed: ``tokens x`` the ratio of the two caches' window slots).
         seq_len: tokens per request for :attr:`max_concurrency` (``max_model_len`` by default).
         max_num_seqs: the scheduler's cap on running requests (sizes fixed side pools).
         side_blocks_per_slot: pool blocks one 16-bit tail slot (or first-block copy) takes while a request
@@ -155,13 +156,16 @@ class CapacityReport:
     def max_concurrency(self) -> float:
         """Requests of :attr:`seq_len` tokens the blocks hold at once (vLLM's "Maximum concurrency").
 
-        The KV bound only: the scheduler also caps running requests at :attr:`max_num_seqs`. When every layer
-        is windowed (no pool bytes), the window slots bound it: each request pins ``ceil((W - 1) / bs) + 1``.
+        The KV bound only: the scheduler also caps running requests at :attr:`max_num_seqs`. With window slots
+        they bound it too (each request pins ``ceil((W - 1) / bs) + 1``), alone when every layer is windowed
+        (no pool bytes).
         """
-        if not self.bytes_per_block and self.window_slots:
-            per_request = -(-(self.sliding_window - 1) // self.block_size) + 1
-            return self.window_slots / per_request
-        return self.num_blocks / self.blocks_per_request
+        by_slots = math.inf
+        if self.window_slots:
+            by_slots = self.window_slots / (-(-(self.sliding_window - 1) // self.block_size) + 1)
+            if not self.bytes_per_block:
+                return by_slots
+        return min(self.num_blocks / self.blocks_per_request, by_slots)
 
     def summary(self) -> str:
         """One line: format, blocks, tokens, bytes and side pools (the start-up line's cache part)."""
@@ -359,6 +363,7 @@ def kv_capacity(
     ref_bpb = _reference_bytes_per_block(config, model, spec)  # the same layers in the model dtype
     if seq_len is None:
         seq_len = config.max_model_len or int(model.max_position_embeddings)
+    ref = None if bounded is None else _reference_sizes(config, model, spec, int(budget))
     return CapacityReport(
         kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
         block_size=spec.block_size, num_blocks=int(num_blocks), bytes_per_block=bpb,
@@ -367,7 +372,7 @@ def kv_capacity(
         tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
         reference_bytes_per_block=ref_bpb,
         reference_tokens=((int(budget) // ref_bpb) * spec.block_size if bounded is None
-                          else int(num_blocks) * spec.block_size * spec.bytes_per_block // ref_bpb),
+                          else int(num_blocks) * spec.block_size if ref is None else ref[0]),
         seq_len=int(seq_len), max_num_seqs=config.max_num_seqs, side_blocks_per_slot=r,
         window_slots=0 if bounded is None else window_slots(config, bounded, int(num_blocks), max_len),
         window_bytes=window(int(num_blocks)),
@@ -376,15 +381,38 @@ def kv_capacity(
     )
 
 
+def _reference_spec(config: EngineConfig, model: ModelShape, spec: CacheSpec, *, windows: bool) -> CacheSpec:
+    """The model-dtype cache with the same layers (draft ones too) and block size; ``windows``: the same
+    sliding windows too (the same layout), else every layer full."""
+    dg, layer_windows = spec.draft, [None] * model.num_layers
+    for g in spec.model_groups if windows else ():
+        for i in g.layer_indices:
+            layer_windows[i] = g.sliding_window
+    return CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                           has_value=model.kv_has_value, model_dtype=config.torch_dtype, block_size=spec.block_size,
+                           layer_windows=layer_windows, num_draft_layers=0 if dg is None else dg.num_layers,
+                           draft_num_kv_heads=None if dg is None else dg.layer.kv_heads,
+                           draft_head_dim=None if dg is None else dg.layer.head_dim)
+
+
 def _reference_bytes_per_block(config: EngineConfig, model: ModelShape, spec: CacheSpec) -> int:
     """Bytes of one block of the model-dtype cache with the same layers (draft ones too) and block size."""
-    dg = spec.draft
-    ref = CacheSpec.build(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                          has_value=model.kv_has_value, model_dtype=config.torch_dtype, block_size=spec.block_size,
-                          num_draft_layers=0 if dg is None else dg.num_layers,
-                          draft_num_kv_heads=None if dg is None else dg.layer.kv_heads,
-                          draft_head_dim=None if dg is None else dg.layer.head_dim)
-    return ref.bytes_per_block
+    return _reference_spec(config, model, spec, windows=False).bytes_per_block
+
+
+def _reference_sizes(config: EngineConfig, model: ModelShape, spec: CacheSpec, budget: int) -> tuple[int, int] | None:
+    """``(tokens, window slots)`` a model-dtype cache of the same layout (window slots and all) holds in ``budget``
+    bytes, from :func:`kv_capacity` itself (``(0, 0)``: not one block); ``None`` when ``config`` is that cache."""
+    ref_config = replace(config, kv_cache_dtype="auto", kv_cache_scales=None, kv_quant_residual_tokens=None,
+                         block_size=spec.block_size, num_blocks=None, kv_cache_memory_bytes=budget,
+                         kv_cache_memory_fraction=None)
+    if ref_config.kv_format.name == config.kv_format.name:
+        return None
+    try:
+        ref = kv_capacity(ref_config, model, budget, spec=_reference_spec(config, model, spec, windows=True))
+    except BudgetTooSmallError:
+        return 0, 0
+    return ref.tokens, ref.window_slots
 
 
 def _window_only(config: EngineConfig, model: ModelShape, spec: CacheSpec, group: LayerGroupSpec,
@@ -417,13 +445,15 @@ def _window_only(config: EngineConfig, model: ModelShape, spec: CacheSpec, group
                 f"KV budget too small: one request's {group.sliding_window}-token window and one more block need "
                 f"{(per_request + 1) * gbpb:,} bytes of window slots ({gbpb:,} bytes each)"
                 + (f" beside {side:,} bytes of side pools (for max_num_seqs={config.max_num_seqs})" if side else "")
-                + f"; {budget:,} bytes given ({knob}); raise it")
+                + f"; {budget:,} bytes given ({knob}); raise it" + (" or lower max_num_seqs" if side else ""))
     ref_bpb = _reference_bytes_per_block(config, model, spec)
+    ref = _reference_sizes(config, model, spec, int(budget))  # its slots, scaled to this report's tokens
     return CapacityReport(
         kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
         block_size=bs, num_blocks=int(num_blocks), bytes_per_block=0, group_bytes={group.name: slots * gbpb},
         tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
-        reference_bytes_per_block=ref_bpb, reference_tokens=int(num_blocks) * bs * spec.bytes_per_block // ref_bpb,
+        reference_bytes_per_block=ref_bpb,
+        reference_tokens=int(num_blocks) * bs * (1 if ref is None else ref[1]) // (1 if ref is None else slots),
         seq_len=int(seq_len if seq_len is not None else max_len), max_num_seqs=config.max_num_seqs,
         window_slots=int(slots), window_bytes=slots * gbpb, sliding_window=group.sliding_window,
         window_group=group.name,
