@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvpage.cache.groups import SealedGroupManager, is_bounded_window, manager_for, window_slots_for
+from kvpage.cache.groups import SealedGroupManager, is_bounded_window, manager_for, may_carve, window_slots_for
 from kvpage.cache.tail import TailPool
 from kvpage.cache.tail.side import blocks_per_slot, carved_blocks_per_slot
 from kvpage.formats import BlockFormat, SealedFormat, canonical_format_name, get_format
@@ -194,7 +194,7 @@ def _carved(spec: CacheSpec, num_blocks: int | None, max_model_len: int, residua
     tail is a fixed pool (:func:`_tail_bytes`)."""
     rs = []
     for g in spec.groups:
-        if isinstance(g.layer.format, BlockFormat) and not is_bounded_window(g):  # window slots: fixed tails
+        if may_carve(g):
             w = -(-residual_tokens // g.layer.block_size) + -(-num_lookahead_tokens // g.layer.block_size)
             n = 1 << 62 if num_blocks is None else num_blocks
             rs.append(carved_blocks_per_slot(g.layer, n, max_model_len, w))
@@ -208,7 +208,7 @@ def _scale_bytes(spec: CacheSpec, num_blocks: int) -> int:
     total = 0
     for group in spec.groups:
         fmt, r = group.layer.format, blocks_per_slot(group.layer)
-        if r is not None and not is_bounded_window(group) and isinstance(fmt, SealedFormat) and fmt.sink_bits:
+        if r is not None and may_carve(group) and isinstance(fmt, SealedFormat) and fmt.sink_bits:
             total += TailPool.scale_bytes_for(spec, 2 * (num_blocks // r), layers=group.layer_indices)
     return total
 
@@ -326,13 +326,13 @@ def kv_capacity(
     budget = config.kv_budget_bytes if budget_bytes is None else int(budget_bytes)
     if bounded is not None and bpb == 0:  # every layer windowed: blocks are ids only, the slots take the memory
         return _window_only(config, model, spec, bounded, budget, max_len, seq_len)
+    fixed_tail = _tail_bytes(spec, config, bounded_only=True)  # a bounded window group's, carving or not
     if r > 0 and config.num_blocks is None:
-        fixed = sum(_tail_bytes(spec, config, bounded_only=True))
-        num_blocks = _carved_blocks(budget, bpb, spec, lambda n: fixed + window(n))
+        num_blocks = _carved_blocks(budget, bpb, spec, lambda n: sum(fixed_tail) + window(n))
     else:
         num_blocks = config.num_blocks if config.num_blocks is not None else 0
     if r > 0 and _carved(spec, num_blocks, max_len, config.residual_tokens, config.num_lookahead_tokens) > 0:  # as manager_for decides
-        open_b, window_b, sink_b = _tail_bytes(spec, config, bounded_only=True)
+        open_b, window_b, sink_b = fixed_tail
         sink_b += _scale_bytes(spec, num_blocks)
     else:
         open_b, window_b, sink_b = _tail_bytes(spec, config)
@@ -447,13 +447,14 @@ def _window_only(config: EngineConfig, model: ModelShape, spec: CacheSpec, group
                 + (f" beside {side:,} bytes of side pools (for max_num_seqs={config.max_num_seqs})" if side else "")
                 + f"; {budget:,} bytes given ({knob}); raise it" + (" or lower max_num_seqs" if side else ""))
     ref_bpb = _reference_bytes_per_block(config, model, spec)
-    ref = _reference_sizes(config, model, spec, int(budget))  # its slots, scaled to this report's tokens
+    ref = _reference_sizes(config, model, spec, int(budget))
+    tokens = int(num_blocks) * bs
     return CapacityReport(
         kv_format=config.kv_format.name, model_dtype=str(config.torch_dtype).removeprefix("torch."),
         block_size=bs, num_blocks=int(num_blocks), bytes_per_block=0, group_bytes={group.name: slots * gbpb},
         tail_open_bytes=open_b, tail_window_bytes=window_b, sink_bytes=sink_b, budget_bytes=int(budget),
         reference_bytes_per_block=ref_bpb,
-        reference_tokens=int(num_blocks) * bs * (1 if ref is None else ref[1]) // (1 if ref is None else slots),
+        reference_tokens=tokens if ref is None else tokens * ref[1] // slots,  # scaled by the two caches' slots
         seq_len=int(seq_len if seq_len is not None else max_len), max_num_seqs=config.max_num_seqs,
         window_slots=int(slots), window_bytes=slots * gbpb, sliding_window=group.sliding_window,
         window_group=group.name,

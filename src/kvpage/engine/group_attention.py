@@ -235,11 +235,12 @@ class SealedWindowGroupAttention(SealedGroupAttention):
         plan = self._ctx.plan
         rows = [dict(zip(table, window_table(self.window, table, start, s)))  # per request: a shared block may
                 for table, start, s in zip(step.block_tables, starts, step.meta.seq_lens)]  # be in one's window only
-        missing = [b for b in plan.seal_ids.tolist() if self.window.slot_of(b) is None]
+        sealed = plan.seal_ids.tolist()
+        seal_slots = self.window.window_rows(sealed)
+        missing = [b for b, slot in zip(sealed, seal_slots) if slot is None]
         if missing:
             raise RuntimeError(f"group {self.group.name!r}: blocks {missing} seal this step but hold no window slot")
-        seal_ids = torch.tensor([self.window.slot_of(b) for b in plan.seal_ids.tolist()], dtype=torch.long,
-                                device=plan.seal_ids.device)
+        seal_ids = torch.tensor(seal_slots, dtype=torch.long, device=plan.seal_ids.device)
         reads = tuple(replace(r, full_ids=torch.tensor([row[b] for b in r.full_ids.tolist()], dtype=torch.long,
                                                        device=r.full_ids.device))
                       for r, row in zip(plan.reads, rows))

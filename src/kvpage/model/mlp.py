@@ -113,6 +113,13 @@ def route(h: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, d: MoEDims) -
     return weights * d.routed_scaling_factor, experts
 
 
+def swiglu_shapes(prefix: str, hidden_size: int, intermediate_size: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's tensor names under ``prefix`` as transformers names them, and their shapes."""
+    E, inter = hidden_size, intermediate_size
+    return {prefix + "gate_proj.weight": (inter, E), prefix + "up_proj.weight": (inter, E),
+            prefix + "down_proj.weight": (E, inter)}
+
+
 class DenseMLP(nn.Module):
     """SwiGLU MLP ``down(silu(gate(h)) * up(h))`` with fused ``gate_up_proj [2I, E]`` and ``down_proj [E, I]``.
 
@@ -135,9 +142,7 @@ class DenseMLP(nn.Module):
 
     def hf_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """transformers' tensor names under ``prefix`` (e.g. ``model.layers.0.mlp.``) and their shapes."""
-        E, inter = self.hidden_size, self.intermediate_size
-        return {prefix + "gate_proj.weight": (inter, E), prefix + "up_proj.weight": (inter, E),
-                prefix + "down_proj.weight": (E, inter)}
+        return swiglu_shapes(prefix, self.hidden_size, self.intermediate_size)
 
     @torch.no_grad()
     def load(self, sd: dict[str, torch.Tensor], prefix: str) -> None:
@@ -189,9 +194,8 @@ class MoEMLP(nn.Module):
         d, E = self.dims, self.hidden_size
         shapes: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (d.n_routed_experts, E),
                                               prefix + "gate.e_score_correction_bias": (d.n_routed_experts,)}
-        expert = DenseMLP(E, d.moe_intermediate_size, self.dtype)
         for x in range(d.n_routed_experts):
-            shapes.update(expert.hf_shapes(f"{prefix}experts.{x}."))
+            shapes.update(swiglu_shapes(f"{prefix}experts.{x}.", E, d.moe_intermediate_size))
         if self.shared is not None:
             shapes.update(self.shared.hf_shapes(prefix + "shared_experts."))
         return shapes

@@ -18,7 +18,14 @@ from kvpage.formats import BlockFormat, SealedFormat
 from kvpage.spec import LayerGroupSpec
 
 __all__ = ["FullAttentionManager", "GroupManager", "SealedGroupManager", "SlidingWindowManager", "is_bounded_window",
-           "manager_for", "managers_for", "window_slots_for"]
+           "manager_for", "managers_for", "may_carve", "window_slots_for"]
+
+
+def may_carve(group: LayerGroupSpec) -> bool:
+    """Whether ``group``'s tail may be carved from the block pool (:class:`~kvpage.cache.tail.side.SideGroups`): a
+    block-wise group whose tensors have block-id rows, so not a bounded sliding-window one (its rows are window
+    slots; its tail is a fixed pool). Capacity and :func:`manager_for` decide by it alike."""
+    return isinstance(group.layer.format, BlockFormat) and not is_bounded_window(group)
 
 
 def manager_for(
@@ -69,7 +76,7 @@ def manager_for(
         window = -(-residual_tokens // group.layer.block_size)
         provisional = -(-num_lookahead_tokens // group.layer.block_size)
         sink = isinstance(fmt, SealedFormat) and bool(fmt.sink_bits)
-        r = (None if pool is None or is_bounded_window(group) else
+        r = (None if pool is None or not may_carve(group) else
              carved_blocks_per_slot(group.layer, pool.num_blocks, max_model_len, window + provisional))
         if pool is not None and r is not None:
             side = SideGroups(pool, r)
