@@ -171,7 +171,7 @@ def long_folders(tmp_path_factory: pytest.TempPathFactory, smollm2) -> dict[str,
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 @pytest.mark.parametrize("fmt", ["int4", "int2"])
-def test_a_long_request_pins_only_its_window_and_capacity_is_what_is_allocated(
+def test_c26_a_long_request_pins_only_its_window_and_capacity_is_what_is_allocated(
         long_folders: dict[str, Path], family: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1,000-token request on a 32-token window: at most the window plus one step's chunk is pinned; the
     windowed layers' tensors are the window slots and the tail pools are what capacity counted (C26)."""

@@ -350,7 +350,7 @@ def test_all_windowed_budget_too_small_names_the_window(mistral: Path) -> None:
 
 @pytest.mark.parametrize("fixture", ["gemma", "mistral"])
 @pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
-def test_the_model_dtype_comparison_keeps_the_window_layout(request: pytest.FixtureRequest, fixture: str,
+def test_c26_the_model_dtype_comparison_keeps_the_window_layout(request: pytest.FixtureRequest, fixture: str,
                                                            fmt: str) -> None:
     """The CLI's "vs a float32 cache" compares a float32 engine of the same layout (window slots too) and budget:
     its tokens are what that engine really holds (every layer windowed: its window slots), a float32 cache gains
