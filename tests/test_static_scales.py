@@ -485,7 +485,7 @@ def test_calibrate_writes_finite_positive_absmax_of_the_right_shapes(smollm2, ca
     assert meta["model"] == smollm2.path.name and meta["dtype"] == "float32" and meta["text"] == "GPL-3"
     # K is recorded post-RoPE, as stored: an independent single forward with plain causal attention
     # gives the same absmax (layer 0 exactly: its K does not depend on attention; later layers to rounding)
-    from kvpage.calibrate import calibration_token_ids
+    from kvpage.eval.calibrate import calibration_token_ids
 
     ids = calibration_token_ids(smollm2.tokenizer, GPL3.read_text(), 256)
     seen_k: dict[int, torch.Tensor] = {}

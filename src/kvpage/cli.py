@@ -300,7 +300,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     """``kvpage calibrate``: per-layer K/V absmax on sample text -> a scales file for int8_static / fp8_static."""
     from pathlib import Path
 
-    from kvpage.calibrate import calibrate, summarize
+    from kvpage.eval.calibrate import calibrate, summarize
     from kvpage.engine.llm import resolve_dtype
     from kvpage.engine.threads import apply_num_threads
     from kvpage.model.loader import load_model

@@ -5,7 +5,8 @@
 * :mod:`kvpage.eval.divergence` — KL divergence and top-1 agreement against the unquantized cache;
 * :mod:`kvpage.eval.report` — text table, ``results.json``, Δppl- and KLD-vs-bits PNGs;
 * :mod:`kvpage.eval.suite` — the evaluation set (texts of several kinds found at run time, one held back),
-  summarized by :mod:`kvpage.eval.suite_report`; :mod:`kvpage.eval.command` is ``kvpage eval``.
+  summarized by :mod:`kvpage.eval.suite_report`; :mod:`kvpage.eval.command` is ``kvpage eval``;
+* :mod:`kvpage.eval.calibrate` — ``kvpage calibrate``: static K/V scales measured on sample text.
 """
 from __future__ import annotations
 
