@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvpage import cli
-from kvpage.cli_args import json_object
+from kvpage.engine.args import json_object
 from kvpage.engine.speculative.metrics import SpecDecodingCounters, SpecDecodingStats
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvpage.cli_args import DTYPE_HELP, json_object, nonnegative_int, port, positive_int, threads_help
+from kvpage.engine.args import DTYPE_HELP, json_object, nonnegative_int, port, positive_int, threads_help
 from kvpage.errors import KVPageError
 
 if TYPE_CHECKING:
@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     s.set_defaults(func=_cmd_serve)
-    from kvpage.eval.command import add_eval_parser  # here: it imports this module's argparse types
+    from kvpage.eval.command import add_eval_parser  # here, not at the top: importing kvpage.eval imports torch
 
     add_eval_parser(sub)
     c = sub.add_parser("calibrate", help="calibrate static K/V scales (int8_static, fp8_static) on sample text")

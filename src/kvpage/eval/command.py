@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.cli_args import DTYPE_HELP, nonnegative_int, positive_int, threads_help
+from kvpage.engine.args import DTYPE_HELP, nonnegative_int, positive_int, threads_help
 
 #: Tokens scored by ``--text`` unless ``--tokens`` says otherwise (suite members carry their own).
 DEFAULT_TEXT_TOKENS = 1024

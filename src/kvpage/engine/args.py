@@ -1,7 +1,8 @@
-"""argparse value types and help texts shared by the ``kvpage`` sub-commands (:mod:`kvpage.cli`, :mod:`kvpage.eval.command`).
+"""The engine's argparse value types and help texts, shared by every front end that takes engine flags.
 
-A leaf module: it imports nothing of kvpage at import time, so every sub-command's module can use it
-without importing :mod:`kvpage.cli` (which imports them).
+:mod:`kvpage.cli` and :mod:`kvpage.eval.command` both import them from here, below both (as vLLM keeps
+its engine arguments with the engine). A leaf: it imports nothing of kvpage at import time (the
+``--threads`` help reads :mod:`kvpage.engine.threads` when called).
 """
 from __future__ import annotations
 
