@@ -139,12 +139,13 @@ def test_help_lists_every_format_float16_and_the_thread_rule() -> None:
 
 def test_generate_passes_max_num_seqs_and_max_model_len(tiny, monkeypatch, capsys) -> None:
     from kvpage import cli
+    from kvpage.cli import generate
     from kvpage.model import loader
 
     built = []
-    real_build = cli._build_llm
+    real_build = generate.build_llm
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
-    monkeypatch.setattr(cli, "_build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
+    monkeypatch.setattr(generate, "build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
     assert cli.main(["generate", "abc", "--no-chat", "--max-tokens", "2", "--max-num-seqs", "3",
                      "--max-model-len", "100", "--num-blocks", "20", "--threads", "1"]) == 0
     cfg = built[0].engine_config
@@ -157,12 +158,13 @@ def test_generate_passes_max_num_seqs_and_max_model_len(tiny, monkeypatch, capsy
 
 def test_generate_prints_tier_counters_with_swap_space(tiny, monkeypatch, capsys) -> None:
     from kvpage import cli
+    from kvpage.cli import generate
     from kvpage.model import loader
 
     built = []
-    real_build = cli._build_llm
+    real_build = generate.build_llm
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
-    monkeypatch.setattr(cli, "_build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
+    monkeypatch.setattr(generate, "build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
     prompt = "the quick brown fox jumps over the lazy dog " * 2  # 88 byte tokens: 5 full blocks
     assert cli.main(["generate", prompt, "--no-chat", "--max-tokens", "4", "--kv-cache-dtype", "int8",
                      "--num-blocks", "32", "--swap-space", "0.01", "--threads", "1"]) == 0
@@ -184,12 +186,13 @@ def test_tier_line_reports_the_tier_counters_of_a_disk_store(tiny, monkeypatch, 
     not the store's own lookup/put counters: on an empty dir 0 hits and every cached block stored; a second
     run on the same dir is served from disk."""
     from kvpage import cli
+    from kvpage.cli import generate
     from kvpage.model import loader
 
     built = []
-    real_build = cli._build_llm
+    real_build = generate.build_llm
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
-    monkeypatch.setattr(cli, "_build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
+    monkeypatch.setattr(generate, "build_llm", lambda args, **kw: built.append(real_build(args, **kw)) or built[-1])
     prompt = "the quick brown fox jumps over the lazy dog " * 2  # 88 byte tokens: 5 full blocks
     argv = ["generate", prompt, "--no-chat", "--max-tokens", "4", "--kv-cache-dtype", "int8", "--num-blocks", "32",
             "--swap-space", "0.01", "--kv-disk-dir", str(tmp_path / "kv"), "--threads", "1"]

@@ -418,16 +418,16 @@ def test_a_recomputed_first_block_keeps_its_8bit_copy_while_its_request_runs_the
 
 
 def test_the_cli_capacity_line_says_carved_side_space_is_taken_from_the_blocks_and_fixed_pools_are_per_request() -> None:
-    from kvpage.cli import _capacity_lines
+    from kvpage.cli.generate import capacity_lines
 
     loaded = tiny_loaded(0)
     carved = LLM(loaded, kv_cache_dtype="int4", block_size=16, num_blocks=80, max_model_len=64, max_num_seqs=3,
                  progress=False)
     assert carved.capacity.side_blocks_per_slot == 4 and carved.capacity.side_pool_bytes > 0
-    line = _capacity_lines(carved)[0]
+    line = capacity_lines(carved)[0]
     assert "MiB of first-block copy scales (16-bit tail slots, window and first-block copies are taken from " \
            "these blocks while requests hold them, 4 blocks each)" in line and "requests)" not in line
     fixed = LLM(loaded, kv_cache_dtype="int4", block_size=16, num_blocks=12, max_model_len=64, max_num_seqs=3,
                 progress=False)
     assert fixed.capacity.side_blocks_per_slot == 0 and all(t.table.side is None for t in _tails(fixed))
-    assert "MiB side pools (16-bit tail slots, window and first-block copies for 3 requests)" in _capacity_lines(fixed)[0]
+    assert "MiB side pools (16-bit tail slots, window and first-block copies for 3 requests)" in capacity_lines(fixed)[0]

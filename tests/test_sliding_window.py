@@ -357,7 +357,7 @@ def test_c26_the_model_dtype_comparison_keeps_the_window_layout(request: pytest.
     1.00x, and the window's saving is not counted as the format's (a regression). (At this small budget the
     fixed count of window slots is a large share: a format also gains the blocks its cheaper slots leave.)"""
     from kvpage import LLM
-    from kvpage.cli import _capacity_lines
+    from kvpage.cli.generate import capacity_lines
 
     folder = str(request.getfixturevalue(fixture))
     llm = LLM(folder, progress=False, kv_cache_dtype=fmt, block_size=16, kv_cache_memory_bytes=8 * 2**20)
@@ -368,7 +368,7 @@ def test_c26_the_model_dtype_comparison_keeps_the_window_layout(request: pytest.
     else:
         assert cap.reference_tokens == rc.tokens
     assert (cap.ratio == 1.0) == (fmt == "float32")
-    line = _capacity_lines(llm)[1]
+    line = capacity_lines(llm)[1]
     assert f"({cap.ratio:.2f}x more tokens per byte" in line
     assert ("0.0% less" in line) == (fmt == "float32")
     assert llm.capacity.max_concurrency <= cap.window_slots / (-(-31 // 16) + 1)   # window slots bound it too

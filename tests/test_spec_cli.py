@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 
 from kvpage import cli
+from kvpage.cli import generate
+from kvpage.cli.engine_flags import build_llm
 from kvpage.engine.args import json_object
 from kvpage.engine.speculative.metrics import SpecDecodingCounters, SpecDecodingStats
 
@@ -52,26 +54,26 @@ def _fake_llm(monkeypatch) -> dict[str, Any]:
 
 def test_the_dict_reaches_llm_as_the_engine_setting(monkeypatch) -> None:
     seen = _fake_llm(monkeypatch)
-    cli._build_llm(cli.build_parser().parse_args(["generate", "hi", "--speculative-config", NGRAM]))
+    build_llm(cli.build_parser().parse_args(["generate", "hi", "--speculative-config", NGRAM]))
     assert seen["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     seen.clear()
-    cli._build_llm(cli.build_parser().parse_args(["serve", "--speculative-config", NGRAM]), max_num_batched_tokens=64)
+    build_llm(cli.build_parser().parse_args(["serve", "--speculative-config", NGRAM]), max_num_batched_tokens=64)
     assert seen["speculative_config"]["method"] == "ngram" and seen["max_num_batched_tokens"] == 64
     seen.clear()
-    cli._build_llm(cli.build_parser().parse_args(["generate", "hi"]))
+    build_llm(cli.build_parser().parse_args(["generate", "hi"]))
     assert "speculative_config" not in seen and seen["kv_cache_dtype"] == "auto"  # not given: not passed
 
 
 def test_summary_line() -> None:
-    assert cli.spec_decode_line(None) is None
+    assert generate.spec_decode_line(None) is None
     c = SpecDecodingCounters(3)
     c.observe(3, 3, 4)
     c.observe(3, 1, 2)
     c.observe(2, 0, 1)
-    assert cli.spec_decode_line(c.snapshot()) == (
+    assert generate.spec_decode_line(c.snapshot()) == (
         "[kvpage] speculative: 8 drafted, 4 accepted in 3 rounds; acceptance rate 50.0%, mean accepted length "
         "2.33; per position 0.67 0.33 0.50")
-    assert cli.spec_decode_line(SpecDecodingStats.empty(2)) == (
+    assert generate.spec_decode_line(SpecDecodingStats.empty(2)) == (
         "[kvpage] speculative: 0 drafted, 0 accepted in 0 rounds; acceptance rate 0.0%, mean accepted length "
         "0.00; per position 0.00 0.00")
 
@@ -89,14 +91,14 @@ def test_generate_prints_the_line_only_when_the_engine_speculates(monkeypatch, c
     assert "[kvpage] speculative:" not in capsys.readouterr().out  # EngineStats without spec_decoding, or None
     c = SpecDecodingCounters(2)
     c.observe(2, 1, 2)
-    real_build = cli._build_llm
+    real_build = generate.build_llm
 
     def build(args: argparse.Namespace, **kw: Any) -> Any:
         llm = real_build(args, **kw)
         monkeypatch.setattr(llm.engine, "stats", lambda: SimpleNamespace(spec_decoding=c.snapshot()))
         return llm
 
-    monkeypatch.setattr(cli, "_build_llm", build)
+    monkeypatch.setattr(generate, "build_llm", build)
     assert cli.main(argv) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[kvpage] speculative:")]
-    assert line == cli.spec_decode_line(c.snapshot())
+    assert line == generate.spec_decode_line(c.snapshot())

@@ -183,8 +183,8 @@ def test_draft_group_has_its_own_layout_c04(target: LoadedModel, draft: LoadedMo
     assert llm.capacity.pool_bytes == llm.num_blocks * (main.bytes_per_block + dg.bytes_per_block)
     # the model-dtype reference holds the draft layers too (float32 here), and the CLI's formula names both groups
     assert llm.capacity.reference_bytes_per_block == BS * (4 * 2 * 2 * 16 * 4 + 2 * 2 * 1 * 32 * 4)
-    from kvpage.cli import _capacity_lines
-    line = _capacity_lines(llm)[0]
+    from kvpage.cli.generate import capacity_lines
+    line = capacity_lines(llm)[0]
     assert line.split(" = ", 1)[1].startswith("4 layers x 2 x 2 kv heads x 16 x 1.125 bytes + 2 draft layers x 2 x 1 kv "
                                              "heads x 32 x 4 bytes;")  # 288 + 512 = 800 bytes/token
     assert "800 bytes/token" in line

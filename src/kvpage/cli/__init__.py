@@ -1,0 +1,63 @@
+"""The ``kvpage`` command line: ``kvpage generate``, ``serve``, ``eval``, ``calibrate`` and ``formats``.
+
+One module per sub-command, each with its ``add_*_parser`` and ``run_*`` (``kvpage eval``'s are
+:mod:`kvpage.eval.command`'s); :mod:`kvpage.cli.engine_flags` holds the flags ``generate`` and ``serve`` share.
+The top layer: it may import any other, and none imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from kvpage.cli.calibrate import add_calibrate_parser
+from kvpage.cli.formats import add_formats_parser
+from kvpage.cli.generate import add_generate_parser
+from kvpage.cli.serve import add_serve_parser
+from kvpage.errors import KVPageError
+
+__all__ = ["build_parser", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line and a hint, not the whole usage block.
+
+    ``kvpage generate --max-num-seqs 0`` prints ``kvpage generate: error: argument --max-num-seqs: ...``
+    and ``run 'kvpage generate --help' for the options`` on stderr, then exits with status 2
+    (argparse's). Sub-command parsers are of this class too (``add_subparsers`` uses the parent's).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``<prog>: error: <message>`` and a ``--help`` hint on stderr; exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message}\nrun '{self.prog} --help' for the options\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve``, ``eval``, ``calibrate`` and ``formats``).
+
+    A bad flag exits with status 2 after one error line and a ``--help`` hint (:class:`_Parser`).
+    """
+    parser = _Parser(prog="kvpage", description="Paged, quantized KV cache and a small LLM engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    from kvpage.eval.command import add_eval_parser  # here, not at the top: importing kvpage.eval imports torch
+
+    add_eval_parser(sub)
+    add_calibrate_parser(sub)
+    add_formats_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvpage`` console script; returns the exit status (2 on a kvpage error)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (KVPageError, FileNotFoundError, ValueError) as e:
+        print(f"kvpage: error: {e}", file=sys.stderr)
+        return 2

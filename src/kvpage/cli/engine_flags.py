@@ -1,0 +1,102 @@
+"""The engine flags ``kvpage generate`` and ``kvpage serve`` share, and the :class:`~kvpage.engine.llm.LLM` they build.
+
+Value types and help texts come from :mod:`kvpage.engine.args` (shared with ``kvpage eval``); the engine itself is
+imported only when :func:`build_llm` runs, so building the parser stays light.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from kvpage.engine.args import DTYPE_HELP, json_object, nonnegative_int, positive_int, threads_help
+
+if TYPE_CHECKING:
+    from kvpage.engine.llm import LLM
+
+
+def _format_help() -> str:
+    """``--kv-cache-dtype`` help listing every registered format (generated, so it cannot go stale)."""
+    from kvpage.formats import available_formats
+
+    return f"KV format: {', '.join(available_formats())} (and aliases; see `kvpage formats`)"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Add the engine flags (model, KV format and budget, threads, backend, speculation, tiers) to ``p``."""
+    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-cache-dtype", default="auto", help=_format_help())
+    p.add_argument("--kv-cache-scales", default=None,
+                   help="static K/V scales file (safetensors from `kvpage calibrate`); required by int8_static / fp8_static")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV block (default 16; 32 for int4/int2, whose key group is the block: "
+                        "they need >= 8)")
+    p.add_argument("--kv-quant-residual-tokens", type=nonnegative_int, default=None,
+                   help="int4/int2: recent tokens whose sealed blocks keep a 16-bit copy (default: int4 0, int2 32)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache budget in bytes, side pools of int4/int2 included (default 512 MiB)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="KV budget as a fraction in (0, 1] of the memory left: CUDA free memory after the weights "
+                        "and a profiled forward pass, or available RAM on the CPU (not vLLM's "
+                        "gpu_memory_utilization, a fraction of total memory); excludes --kv-cache-memory-bytes "
+                        "and --num-blocks")
+    p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--threads", type=positive_int, default=None, help=threads_help())
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
+                   help="attention kernels: auto (kvpage's C++ CPU kernels where they serve the format, else "
+                        "reference), cpu (refused at start-up where they cannot serve), reference (PyTorch SDPA)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64,
+                   help="requests running at once (default 64; sizes the side pools of int4/int2)")
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s flag: a JSON object such as \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'; methods ngram, draft_model '
+                        '(with "model": PATH), layer_skip (with "num_layers": N) (default: none)')
+    _add_tier_args(p)
+
+
+def _add_tier_args(p: argparse.ArgumentParser) -> None:
+    """KV tier flags (host tier, swap preemption, disk and Redis stores), passed to ``LLM`` by :func:`build_llm`."""
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="host (CPU) KV tier in GiB (default 0: none); blocks come back from it on a prefix hit")
+    p.add_argument("--kv-offload-policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="when blocks go to the host tier: when cached, once used twice, or on device eviction")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="preempted requests: recompute later (default) or swap their blocks to the host tier")
+    p.add_argument("--kv-disk-dir", default=None, help="directory of a persistent disk store of KV blocks")
+    p.add_argument("--kv-disk-max-bytes", type=int, default=None, help="size cap of the disk store in bytes (LRU)")
+    p.add_argument("--kv-store", default=None, help="redis://host:port/db of a KV block store shared between instances")
+
+
+def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
+    """An :class:`~kvpage.engine.llm.LLM` from the shared engine flags (see :func:`add_engine_args`) plus ``extra``."""
+    from kvpage.engine.llm import LLM
+
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:  # passed only when given, like vLLM's flag (default: no speculation)
+        extra = {"speculative_config": speculative, **extra}
+    return LLM(
+        args.model,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_scales=args.kv_cache_scales,
+        block_size=args.block_size,
+        kv_quant_residual_tokens=args.kv_quant_residual_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        swap_space=args.swap_space,
+        kv_offload_policy=args.kv_offload_policy,
+        preemption_mode=args.preemption_mode,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_max_bytes=args.kv_disk_max_bytes,
+        kv_store=args.kv_store,
+        **extra,
+    )
+
