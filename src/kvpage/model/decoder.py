@@ -34,7 +34,7 @@ from kvpage.model.attention_fn import AttentionFn, check_forward_args
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear import PackedLinear
 from kvpage.model.rope import rope_tables
-from kvpage.model.weights import load_hf_weights, parameter_shapes
+from kvpage.model.weights import check_state_dict, parameter_shapes
 from kvpage.ops import fused
 from kvpage.ops.layer_attention import LayerAttention
 
@@ -312,15 +312,16 @@ class DecoderForCausalLM(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Put weights named as in the family's transformers class (e.g. ``Qwen2ForCausalLM``) into this model.
 
-        q/k/v rows (and biases) are concatenated into ``qkv_proj`` (``qkv_bias``) and
-        gate/up rows into ``gate_up_proj``; every tensor is cast to the model dtype.
-        A tensor that already has the model dtype becomes the parameter itself (no
-        copy), so do not modify ``sd`` afterwards. The projections (and an untied
-        LM head) become :class:`~kvpage.model.linear.PackedLinear` modules. With
-        tied embeddings and ``linear.PACK_TIED_LM_HEAD``, a packed copy of the
-        embedding is kept for the LM head (``tied_lm_head``). Ignored:
-        ``*.rotary_emb.inv_freq`` buffers and ``lm_head.weight`` when embeddings
-        are tied. Details: :func:`kvpage.model.weights.load_hf_weights`.
+        The names are checked first (:func:`kvpage.model.weights.check_state_dict`). q/k/v rows (and
+        biases) are concatenated into ``qkv_proj`` (``qkv_bias``) and gate/up rows into
+        ``gate_up_proj``; every tensor is cast to the model dtype. A tensor that already has the
+        model dtype becomes the parameter itself (no copy: a copy into fresh memory costs ~1.5 s of
+        page faults for a 135M model), so do not modify ``sd`` afterwards. The projections (and an
+        untied LM head) become :class:`~kvpage.model.linear.PackedLinear` modules: bfloat16 CPU
+        weights are prepacked into their own memory then, others stay as they are. Parameters end up
+        on the device of the given tensors. With tied embeddings and ``linear.PACK_TIED_LM_HEAD``, a
+        packed copy of the embedding is kept for the LM head (``tied_lm_head``). Ignored:
+        ``*.rotary_emb.inv_freq`` buffers and ``lm_head.weight`` when embeddings are tied.
 
         Args:
             sd: ``{name: tensor}``, any float dtype, on any one device.
@@ -329,7 +330,42 @@ class DecoderForCausalLM(nn.Module):
             ValueError: naming every missing tensor, unexpected tensor and shape
                 mismatch (expected vs found) at once; nothing is loaded then.
         """
-        load_hf_weights(self, sd)
+        cfg = self.config
+        check_state_dict(self.hf_parameter_shapes(), sd, cfg.tie_word_embeddings, cfg.model_type)
+
+        def gather(*names: str) -> torch.Tensor:
+            tensors = [sd[n].to(self.dtype) for n in names]
+            weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+            return weight.contiguous()
+
+        def put(module: nn.Module, *names: str) -> None:
+            module.weight = nn.Parameter(gather(*names), requires_grad=False)
+
+        def put_linear(parent: nn.Module, attr: str, *names: str) -> None:
+            setattr(parent, attr, PackedLinear(gather(*names)))
+
+        put(self.embed_tokens, "model.embed_tokens.weight")
+        put(self.norm, "model.norm.weight")
+        if self.lm_head is not None:
+            put_linear(self, "lm_head", "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"):
+                if getattr(layer, norm) is not None:
+                    put(getattr(layer, norm), p + norm + ".weight")
+            put_linear(layer, "qkv_proj", *(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias = nn.Parameter(gather(*(p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v"))),
+                                              requires_grad=False)
+            if layer.q_norm is not None:
+                put(layer.q_norm, p + "self_attn.q_norm.weight")
+                put(layer.k_norm, p + "self_attn.k_norm.weight")
+            put_linear(layer, "o_proj", p + "self_attn.o_proj.weight")
+            if layer.o_bias is not None:
+                layer.o_bias = nn.Parameter(gather(p + "self_attn.o_proj.bias"), requires_grad=False)
+            put_linear(layer, "gate_up_proj", *(p + f"mlp.{n}_proj.weight" for n in ("gate", "up")))
+            put_linear(layer, "down_proj", p + "mlp.down_proj.weight")
         self.tied_lm_head = None
         if self.lm_head is None and packed_linear.PACK_TIED_LM_HEAD:
             self.tied_lm_head = PackedLinear(self.embed_tokens.weight, copy_of_shared=True)
