@@ -313,8 +313,8 @@ def test_the_layer_rule_flags_upward_and_peer_imports_and_passes_downward_ones()
     assert sum("(a peer: " in line for line in got) == 2
     assert layer_of("kvpage.errors") == (0, "kvpage.errors") and layer_of("kvpage.cli.generate")[0] == len(LAYERS) - 1
     assert layer_of("kvpage.eval")[0] == layer_of("kvpage.server.app")[0] == layer_of("kvpage.integrations")[0]
-    assert unlayered(["kvpage.calibrate", "kvpage.cli_args", "kvpage.spec", "kvpage", "kvpage.specs"]) == [
-        "kvpage.calibrate", "kvpage.cli_args", "kvpage.specs"]
+    assert unlayered(["kvpage.calibration", "kvpage.flag_types", "kvpage.spec", "kvpage", "kvpage.specs"]) == [
+        "kvpage.calibration", "kvpage.flag_types", "kvpage.specs"]
 
 
 def test_the_cache_engine_rule_flags_only_cache_importing_engine() -> None:

@@ -93,8 +93,11 @@ def test_serve_subcommand_parses() -> None:
                                       "--no-enable-prefix-caching", "--served-model-name", "m"])
     assert (args.port, args.host, args.kv_cache_dtype, args.max_num_seqs) == (0, "127.0.0.1", "int8", 8)
     assert args.enable_prefix_caching is False and args.enable_chunked_prefill is True
-    assert args.served_model_name == "m" and args.func.__name__ == "_cmd_serve"
-    assert build_parser().parse_args(["generate", "hi"]).func.__name__ == "_cmd_generate"
+    from kvpage.cli.generate import run_generate
+    from kvpage.cli.serve import run_serve
+
+    assert args.served_model_name == "m" and args.func is run_serve
+    assert build_parser().parse_args(["generate", "hi"]).func is run_generate
 
 
 # -- happy paths, official client ------------------------------------------------------------------
