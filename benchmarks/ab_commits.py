@@ -1,15 +1,17 @@
-"""Decode speed of kvpage at two commits, interleaved A/B in one run (did a change slow the hot path?).
+"""Decode (or prefill) speed of kvpage at two commits, interleaved A/B in one run (did a change slow the hot path?).
 
 Usage::
 
     python benchmarks/ab_commits.py --base 8441d79 [--head WORKTREE] [--rounds 3] [--formats float32,int8]
-                                    [--batch 1,8] [--tokens 48]
+                                    [--batch 1,8] [--tokens 48] [--prompt-tokens 0]
 
 ``--base`` is checked out into a temporary ``git worktree``; ``--head`` defaults to this checkout. Each round
 runs every (format, batch) once at the base and once at the head, alternating which goes first, each in a fresh
 subprocess (``PYTHONPATH`` set to that commit's ``src``) on the bundled SmolLM2 with the same thread count.
 Decode tokens/s excludes prefill: ``(output_tokens - 1) / (finish time - first token time)`` per request,
-summed over the batch. The table gives the median of the rounds and head / base; the load average is printed
+summed over the batch. With ``--prompt-tokens N`` the load is prefill-heavy instead: ``batch`` prompts of ``N``
+tokens each (distinct texts: no prefix hits), ``--tokens`` out, and the figure is prompt tokens per second of the
+whole run. The table gives the median of the rounds and head / base; the load average is printed
 before and after (the machines are shared).
 """
 from __future__ import annotations
@@ -29,12 +31,18 @@ CHILD = r"""
 import json, sys, time
 import torch
 from kvpage import LLM, SamplingParams
-fmt, batch, tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+fmt, batch, tokens, threads, plen = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                                     int(sys.argv[5]))
 torch.set_num_threads(threads)
-llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=64 * 2**20, max_num_seqs=batch)
-prompts = [llm.chat_prompt(f"Question {i}: tell me about the number {i * 7}.") for i in range(batch)]
+llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=256 * 2**20, max_num_seqs=batch)
+if plen:  # prefill-heavy: distinct long prompts
+    words = " ".join(f"word{k} is number {k * 13 % 97}." for k in range(plen))
+    base = llm.tokenizer.encode(words)
+    prompts = [{"prompt_token_ids": base[i * 7: i * 7 + plen]} for i in range(batch)]
+else:
+    prompts = [llm.chat_prompt(f"Question {i}: tell me about the number {i * 7}.") for i in range(batch)]
 params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+llm.generate([llm.chat_prompt("warm up")], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 first, done = {}, {}
 t0 = time.perf_counter()
 for out in llm.generate_stream(prompts, params):
@@ -42,18 +50,21 @@ for out in llm.generate_stream(prompts, params):
     first.setdefault(out.request_id, now)
     if out.finished:
         done[out.request_id] = (now, len(out.outputs[0].token_ids))
-rate = sum((n - 1) / (t - first[r]) for r, (t, n) in done.items() if t > first[r])
+if plen:
+    rate = sum(len(p["prompt_token_ids"]) for p in prompts) / (time.perf_counter() - t0)
+else:
+    rate = sum((n - 1) / (t - first[r]) for r, (t, n) in done.items() if t > first[r])
 print(json.dumps({"tokens_per_s": rate}))
 """
 
 
-def run(src: Path, fmt: str, batch: int, tokens: int, threads: int) -> float:
+def run(src: Path, fmt: str, batch: int, tokens: int, threads: int, prompt_tokens: int = 0) -> float:
     # each checkout compiles its CPU kernels into its own folder (ninja records source paths: a shared folder
     # would be rebuilt at every alternation)
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "KVPAGE_EXTENSIONS_DIR": str(src.parent / ".kvpage-extensions")}
-    out = subprocess.run([sys.executable, "-c", CHILD, fmt, str(batch), str(tokens), str(threads)], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, fmt, str(batch), str(tokens), str(threads), str(prompt_tokens)],
+                         env=env, capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
 
 
@@ -66,6 +77,8 @@ def main() -> None:
     p.add_argument("--batch", default="1,8")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prefill-heavy load: prompts of this many tokens; report prompt tokens/s (default 0: decode)")
     args = p.parse_args()
     cases = [(f, int(b)) for f in args.formats.split(",") for b in args.batch.split(",")]
     print(f"load average before: {os.getloadavg()}")
@@ -78,11 +91,14 @@ def main() -> None:
                 for fmt, batch in cases:
                     order = [("base", base / "src"), ("head", args.head / "src")]
                     for name, src in (order if r % 2 == 0 else order[::-1]):
-                        res.setdefault((fmt, batch, name), []).append(run(src, fmt, batch, args.tokens, args.threads))
+                        res.setdefault((fmt, batch, name), []).append(
+                            run(src, fmt, batch, args.tokens, args.threads, args.prompt_tokens))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
     print(f"load average after: {os.getloadavg()}")
-    print(f"\nkvpage decode tokens/s, median of {args.rounds} interleaved rounds, {args.threads} thread(s), "
+    what = (f"prefill (prompt tokens/s of the run, {args.prompt_tokens}-token prompts)" if args.prompt_tokens
+            else "decode tokens/s")
+    print(f"\nkvpage {what}, median of {args.rounds} interleaved rounds, {args.threads} thread(s), "
           f"{args.tokens} tokens per request; base {args.base}, head {args.head}")
     print("| format | batch | base | head | head / base |")
     print("|---|---:|---:|---:|---:|")

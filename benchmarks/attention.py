@@ -19,7 +19,7 @@ request has ``depth`` cached tokens and decodes one new token, so the step write
   backend's ``forward_sealed`` (1,024-token chunks per request, so sealed blocks,
   the sink copy of block 0 and, for ``int2``, the 32-token 16-bit window are real;
   tail slots sized as the engine sizes them). The decode step is then planned
-  **once** (``TailTable.plan`` + ``TailPool.context``) and its ``forward_sealed`` is
+  **once** (``TailTable.plan``'s operations made index tensors by ``TailPool.context``) and its ``forward_sealed`` is
   repeated before ``table.finish()``, exactly as every layer of a model applies one
   plan; its writes (one row into the open tail slot) are idempotent, so every repeat
   sees depth exactly ``depth`` and no reset is needed.
@@ -54,11 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 from kvpage.cache.controller import CacheController  # noqa: E402
-from kvpage.cache.tail import TailPool, TailTable  # noqa: E402
+from kvpage.cache.tail import TailTable  # noqa: E402
+from kvpage.cache.tail.pool import TailPool  # noqa: E402
 from kvpage.ops.attention import AttentionMetadata  # noqa: E402
 from kvpage.ops.backends import ReferenceBackend, select_backend  # noqa: E402
 from kvpage.scales import StaticScales  # noqa: E402
-from kvpage.spec import CacheSpec  # noqa: E402
+from kvpage.spec import CacheSpec, TailLayout  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
@@ -151,8 +152,9 @@ def sealed_case(fmt: str, batch: int, depth: int, gen: torch.Generator, setup_th
     window = -(-ls.format.default_residual_tokens // bs)
     nbr = math.ceil((depth + 1) / bs)
     cache = CacheController(spec).initialize_kv_cache(batch * nbr)[0]
-    table = TailTable(bs, num_slots=batch * (1 + window), num_sink_slots=2 * batch, window_blocks=window)
-    pool = TailPool(spec, table, torch.float32)  # a float32 model: float16 tail rows
+    layout = TailLayout(num_slots=batch * (1 + window), num_sink_slots=2 * batch, window_blocks=window)
+    table = TailTable(bs, layout.num_slots, layout.num_sink_slots, layout.window_blocks)
+    pool = TailPool(spec, layout, torch.float32)  # a float32 model: float16 tail rows
     tables = _tables(batch, nbr)
     cpu = select_backend("cpu", ls, "cpu")
     threads = torch.get_num_threads()
@@ -181,7 +183,7 @@ def sealed_case(fmt: str, batch: int, depth: int, gen: torch.Generator, setup_th
     tensors = 2 if ls.has_value else 1
     total = 0
     for read in plan.reads:  # the sources the cpu backend reads, block by block (see its _sealed_sources)
-        kind = ["pool"] * read.full_ids.numel()
+        kind = ["pool"] * len(read.full_ids)
         for j, _ in read.fp_blocks:
             kind[j] = "window"
         if read.sink_slot is not None:

@@ -37,10 +37,9 @@ import transformers as tf  # noqa: E402
 from test_families_engine import FAMILIES, LogitRecorder, family_config, hf_logits, init_weights  # noqa: E402
 
 from kvpage import LLM, SamplingParams  # noqa: E402
-from kvpage.cache.groups import SealedGroupManager, SlidingWindowManager  # noqa: E402
-from kvpage.cache.tail import TailPool  # noqa: E402
+from kvpage.cache.groups import SealedWindowManager, SlidingWindowManager  # noqa: E402
 from kvpage.model.loader import load_model  # noqa: E402
-from kvpage.spec import CacheSpec  # noqa: E402
+from kvpage.spec import CacheSizing, CacheSpec, Sealed  # noqa: E402
 
 
 def save(model_config: tf.PretrainedConfig, folder: Path, tokenizer: object, seed: int = 0) -> Path:
@@ -59,10 +58,19 @@ def tails_held(llm: LLM) -> int:
     spec, built = llm.spec, llm._built
     held = llm.kv_cache_stats().num_side * spec.main.bytes_per_block  # only the full-attention group carves
     for g in built.groups:
-        if isinstance(g, SealedGroupManager) and g.table.side is None:
-            dt = built.tails[g.name].dtype
-            held += TailPool.bytes_for(spec, dt, g.table.num_used, g.table.num_sink_used, layers=g.layers)
+        table = g.seals.table if isinstance(g, SealedWindowManager) else getattr(g, "table", None)
+        if table is not None and table.side is None:
+            gs, sizing = spec.group(g.name), CacheSizing(model_dtype=built.tails[g.name].dtype)
+            held += table.num_used * Sealed.tail_slot_bytes(gs, sizing) + table.num_sink_used * Sealed.sink_slot_bytes(gs)
     return held
+
+
+def window_manager(llm: LLM) -> SlidingWindowManager:
+    """The window slots' bookkeeping of the model's windowed group (a block-wise group's is inside its manager)."""
+    g = llm._built.kv.group(llm.capacity.window_group)
+    win = g.window if isinstance(g, SealedWindowManager) else g
+    assert isinstance(win, SlidingWindowManager)
+    return win
 
 
 def sliding_window(tokenizer: object, root: Path, context: int, window: int, fmt: str) -> None:
@@ -77,7 +85,7 @@ def sliding_window(tokenizer: object, root: Path, context: int, window: int, fmt
     llm = LLM(str(folder), progress=False, kv_cache_dtype=fmt, block_size=16, max_num_seqs=4,
               max_num_batched_tokens=256, kv_cache_memory_bytes=64 * 2**20)
     spec, cap = llm.spec, llm.capacity
-    win = next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
+    win = window_manager(llm)
     assert spec.sliding is not None
     main_bpb, win_bpb = spec.main.bytes_per_block, spec.sliding.bytes_per_block
     samples: list[tuple[int, int, int, int]] = []  # (position, global blocks in use, pinned window slots, tails)
@@ -125,7 +133,7 @@ def all_windowed(tokenizer: object, root: Path, context: int, window: int, fmt: 
     llm = LLM(str(folder), progress=False, kv_cache_dtype=fmt, block_size=16, max_num_seqs=4,
               max_num_batched_tokens=256, kv_cache_memory_bytes=16 * 2**20)
     spec, cap = llm.spec, llm.capacity
-    win = next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
+    win = window_manager(llm)
     assert cap.bytes_per_block == 0
     bpb = spec.main.bytes_per_block
     samples: list[tuple[int, int, int]] = []  # (position, pinned window slots, tails)

@@ -1,19 +1,19 @@
-"""KV-cache manager bookkeeping speed: allocate / append / match / free operations per second.
+"""KV-cache bookkeeping speed: allocate / append / match / free operations per second.
 
 Usage::
 
     python benchmarks/manager_ops.py [--ops 100000] [--blocks 4096] [--block-size 16] [--seed 0] [--no-caching]
 
-A simulated serving loop drives one :class:`~kvpage.cache.manager.KVCacheManager`
+A simulated serving loop drives one :class:`~kvpage.cache.kv_cache.KVCache`
 (no tensors, no model) for ``--ops`` operations in all, picking at each step:
 
-* **allocate** — admit a new request: ``match_prefix`` + ``allocate_slots``
-  for its whole prompt + ``cache_blocks`` (prompts of 64-1024 tokens; half
+* **allocate** — admit a new request: ``match`` + ``allocate``
+  for its whole prompt + ``cache`` (prompts of 64-1024 tokens; half
   start with one of 8 shared "system prompts" of 256 tokens, so hits happen);
 * **append** — one decode step of a running request: append a token,
-  ``allocate_slots(req, 1)``, ``cache_blocks``;
-* **match** — ``match_prefix`` of a fresh request (routing-style lookup);
-* **free** — finish a running request (``free``); when ``allocate_slots``
+  ``allocate(req, 1)``, ``cache``;
+* **match** — ``match`` of a fresh request (routing-style lookup);
+* **free** — finish a running request (``free``); when ``allocate``
   returns ``None`` the oldest running request is preempted instead.
 
 Each operation is timed on its own with ``time.perf_counter_ns``; the table
@@ -31,13 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvpage.cache.manager import KVCacheManager, KVRequest  # noqa: E402
+from kvpage.cache.kv_cache import KVCache  # noqa: E402
+from kvpage.cache.requests import KVRequest  # noqa: E402
 
 
 def run(num_ops: int, num_blocks: int, block_size: int, seed: int, caching: bool) -> dict[str, list[int]]:
     """Run the mixed workload; returns ``{op: [count, total_ns]}`` and prints nothing."""
     rng = random.Random(seed)
-    mgr = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    mgr = KVCache(num_blocks, block_size, enable_caching=caching)
     systems = [[rng.randrange(32000) for _ in range(256)] for _ in range(8)]
     running: list[KVRequest] = []
     timing: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -61,10 +62,10 @@ def run(num_ops: int, num_blocks: int, block_size: int, seed: int, caching: bool
         if r < 0.15 or not running:
             req = new_request()
             t0 = clock()
-            match = mgr.match_prefix(req)
-            blocks = mgr.allocate_slots(req, len(req.all_token_ids) - match.num_cached_tokens, match)
+            match = mgr.match(req)
+            blocks = mgr.allocate(req, len(req.all_token_ids) - match.num_cached_tokens, match)
             if blocks is not None:
-                mgr.cache_blocks(req, blocks.num_tokens)
+                mgr.cache(req, blocks.num_tokens)
             t1 = clock()
             if blocks is None:
                 if running:  # out of blocks: preempt the oldest, as a scheduler would
@@ -82,9 +83,9 @@ def run(num_ops: int, num_blocks: int, block_size: int, seed: int, caching: bool
             req = rng.choice(running)
             req.all_token_ids.append(rng.randrange(32000))
             t0 = clock()
-            blocks = mgr.allocate_slots(req, 1)
+            blocks = mgr.allocate(req, 1)
             if blocks is not None:
-                mgr.cache_blocks(req, blocks.num_tokens)
+                mgr.cache(req, blocks.num_tokens)
             t1 = clock()
             if blocks is None:
                 req.all_token_ids.pop()
@@ -95,7 +96,7 @@ def run(num_ops: int, num_blocks: int, block_size: int, seed: int, caching: bool
         elif r < 0.90:
             req = new_request()
             t0 = clock()
-            mgr.match_prefix(req)
+            mgr.match(req)
             t1 = clock()
             op = "match"
         else:
@@ -109,8 +110,9 @@ def run(num_ops: int, num_blocks: int, block_size: int, seed: int, caching: bool
         done += 1
     for req in running:
         mgr.free(req)
-    assert mgr.num_in_use_blocks == 0
-    assert mgr.num_free_blocks + mgr.num_evictable_blocks == num_blocks
+    st = mgr.stats()
+    assert st.num_in_use == 0
+    assert st.num_free + st.num_evictable == num_blocks
     timing["_stats"] = mgr.stats()  # type: ignore[assignment]
     return timing
 
@@ -126,7 +128,7 @@ def main() -> None:
 
     modes = [False] if args.no_caching else [True, False]
     print(
-        f"KVCacheManager bookkeeping, {args.ops:,} operations, {args.blocks} blocks x {args.block_size} tokens, "
+        f"KVCache bookkeeping, {args.ops:,} operations, {args.blocks} blocks x {args.block_size} tokens, "
         f"Python {sys.version.split()[0]}"
     )
     print(f"{'caching':<8} {'op':<9} {'count':>8} {'total s':>9} {'ops/s':>11} {'us/op':>9}")

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from kvpage.cache.groups import FullAttentionManager, SealedGroupManager
-from kvpage.cache.tail import TailPool
 from kvpage.engine.group_attention import GroupAttention, SealedGroupAttention
 from kvpage.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvpage.engine.model_runner import ModelRunner
 from kvpage.errors import OutOfBlocksError, StaticScalesError, UnknownKVFormatError
-from kvpage.spec import CacheSpec
+from kvpage.spec import CacheSpec, Sealed
 
 
 @pytest.mark.parametrize("field,value", [
@@ -72,21 +71,28 @@ def test_build_picks_group_managers_and_backends_from_the_spec(smollm2, fmt, man
     llm = LLM(smollm2, kv_cache_dtype=fmt, kv_cache_memory_bytes=256 * 2**20, max_num_seqs=4)
     built = llm._built
     (group,) = built.groups
-    assert type(group) is manager_cls and built.kv.manager.groups == (group,)
+    assert type(group) is manager_cls and built.kv.groups == (group,)
     (backend,) = built.runner.backends
     assert type(backend) is backend_cls and backend.caches is built.caches
     if fmt == "int4":
-        assert backend.table is group.table  # the backend plans over the group manager's own table
+        # the backend keeps no bookkeeping of its own: it applies the seal operations the group manager's table
+        # plans, over the tail tensors built for that same table's sizes
+        tail = built.tails["main"]
+        assert not hasattr(backend, "table") and backend.tail is tail
+        t = group.table
+        assert (tail.layout.num_slots, tail.layout.num_sink_slots, tail.layout.window_blocks) == (
+            t.num_slots, t.num_sink_slots, t.window_blocks)
         # carved side space: the 16-bit rows and first-block codes are views of the pool's code tensors; what
         # the tail allocates beside the pool (the first-block copies' scales) is what the engine and report count
-        tail = built.tails["main"]
         assert group.table.side is not None and tail.layers[0]["key"].untyped_storage().data_ptr() == (
             built.caches[0]["key"].untyped_storage().data_ptr())
         pool_storages = {t.untyped_storage().data_ptr() for c in built.caches.values() for t in c.values()}
         beside = sum(t.numel() * t.element_size() for layer in tail.layers.values() for t in layer.values()
                      if t.untyped_storage().data_ptr() not in pool_storages)
         assert llm.side_pool_bytes == beside == llm.capacity.side_pool_bytes > 0
-        assert beside == TailPool.scale_bytes_for(llm.spec, group.table.num_sink_slots, group.layers)
+        (gspec,) = llm.spec.groups
+        assert tuple(group.layers) == tuple(gspec.layer_indices)
+        assert beside == Sealed.sink_scale_bytes(gspec, group.table.num_sink_slots)
         # the budget pays for the tail pool: blocks + tail fit in it
         assert llm.num_blocks * llm.spec.bytes_per_block + llm.side_pool_bytes <= 256 * 2**20
     else:

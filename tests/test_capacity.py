@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _tiny import tiny_loaded
-from kvpage.engine.capacity import SMOLLM2_SHAPE, BudgetTooSmallError, kv_capacity
+from kvpage.engine.sizing import SMOLLM2_SHAPE, BudgetTooSmallError, kv_capacity
 from kvpage.engine.format_table import format_rows, markdown_table
 from kvpage.engine.config import EngineConfig
 from kvpage.formats import StaticScaleFormat, available_formats, get_format
@@ -70,7 +70,7 @@ def _real(llm) -> tuple[int, int, int, dict[str, int]]:
     for name, counts in blocks.items():
         assert len(counts) == 1, f"group {name}: layers disagree on the block count {counts}"
     per_group = {name: counts.pop() for name, counts in blocks.items()}
-    return pool, side, llm.engine.kv.manager.num_blocks, per_group
+    return pool, side, llm.engine.kv.num_blocks, per_group
 
 
 @pytest.mark.parametrize("budget", [3 * MiB, 7 * MiB + 12_345])
@@ -128,7 +128,7 @@ def test_c26_cli_ratio_for_int4_is_within_1pct_of_the_real_one(tiny, capsys, mon
     printed = float(re.search(r"\(([\d.]+)x more tokens per byte", out.out).group(1))
     real = LLM(tiny, kv_cache_dtype="int4", kv_cache_memory_bytes=budget, num_threads=1, progress=False)
     ref = LLM(tiny, kv_cache_memory_bytes=budget, num_threads=1, progress=False)
-    real_ratio = real.engine.kv.manager.num_blocks * 32 / (ref.engine.kv.manager.num_blocks * 16)
+    real_ratio = real.engine.kv.num_blocks * 32 / (ref.engine.kv.num_blocks * 16)
     assert abs(printed - real_ratio) <= 0.01 * real_ratio
     assert f"{real.max_cache_tokens:,} vs {ref.max_cache_tokens:,} tokens" in out.out
     assert re.search(r"\[kvpage\] engine: 1 torch thread \(set\); int4 KV cache: [\d,]+ blocks", out.err)

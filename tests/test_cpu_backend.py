@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from kvpage.cache.controller import CacheController
-from kvpage.cache.tail import TailPool, TailTable
+from kvpage.cache.tail import TailTable
+from kvpage.cache.tail.pool import TailPool
 from kvpage.formats import get_format
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.ops.backends import BACKEND_NAMES, CpuBackend, ReferenceBackend, select_backend
@@ -35,7 +36,7 @@ from kvpage.ops.backends import cpu as cpu_module
 from kvpage.ops.cpu import build as cpu_build
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.scales import StaticScales
-from kvpage.spec import CacheSpec
+from kvpage.spec import CacheSpec, TailLayout
 
 TOKEN_FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
                  "int8_static", "fp8_static"]
@@ -91,8 +92,10 @@ class Pair:
                        for _ in range(2)]
         self.backends = [ReferenceBackend(), select_backend("cpu", self.layer, "cpu")]
         if self.sealed:
-            self.tables = [TailTable(block_size, num_slots=24, num_sink_slots=8, window_blocks=1) for _ in range(2)]
-            self.pools = [TailPool(self.spec, t, torch.float32) for t in self.tables]
+            layout = TailLayout(num_slots=24, num_sink_slots=8, window_blocks=1)
+            self.tables = [TailTable(block_size, num_slots=layout.num_slots, num_sink_slots=layout.num_sink_slots,
+                                     window_blocks=layout.window_blocks) for _ in range(2)]
+            self.pools = [TailPool(self.spec, layout, torch.float32) for _ in self.tables]
 
     def step(self, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
              q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: LayerAttention = PLAIN) -> list[torch.Tensor]:

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpage.cache.controller import CacheController
-from kvpage.cache.tail import TailPool, TailTable
+from kvpage.cache.tail import TailTable
+from kvpage.cache.tail.pool import TailPool
 from kvpage.errors import KVCacheLayoutError, KVPageError, OutOfBlocksError
 from kvpage.formats import get_format
 from kvpage.formats.kivi import (
@@ -28,9 +29,10 @@ from kvpage.formats.kivi import (
 )
 from kvpage.ops.attention import AttentionMetadata, paged_attention
 from kvpage.ops.sealed_attention import SealContext, sealed_attention
-from kvpage.spec import CacheSpec
+from kvpage.spec import CacheSpec, TailLayout
 
 from _forced import divergence, teacher_forced_logits
+from _kv_kinds import OfferingConnector
 
 SEALED = ["int4", "int2"]
 
@@ -295,7 +297,7 @@ def test_attention_matches_float64_reference(name: str, residual: int, bs: int, 
     caches = CacheController(spec).initialize_kv_cache(16)
     w = math.ceil(residual / bs)
     table = TailTable(bs, num_slots=8, num_sink_slots=2, window_blocks=w)
-    pool = TailPool(spec, table, torch.float32)
+    pool = TailPool(spec, TailLayout(8, 2, w), torch.float32)
     total = sum(steps)
     k, v, q = torch.randn(total, kvh, head_dim), torch.randn(total, kvh, head_dim), torch.randn(total, heads, head_dim)
     k[:, :, 3] *= 30  # an outlier key channel
@@ -335,7 +337,7 @@ def test_c22_sealed_blocks_identical_whatever_the_path(name: str) -> None:
     for steps in ([40], [3, 17, 20], [1] * 40):
         caches = CacheController(spec).initialize_kv_cache(5)
         table = TailTable(bs, 4, 1, 0)
-        pool = TailPool(spec, table, torch.float32)
+        pool = TailPool(spec, TailLayout(4, 1, 0), torch.float32)
         pos = 0
         for n in steps:
             s = pos + n
@@ -361,7 +363,7 @@ def test_each_attention_op_refuses_the_other_kind_of_format() -> None:
     assert not hasattr(get_format("int4"), "quantize")  # block-wise formats have no token interface at all
     # sealed_attention: a context without this layer's tail, or a plan for another batch, is refused before writing
     table = TailTable(4, num_slots=2, num_sink_slots=1, window_blocks=0)
-    pool = TailPool(spec, table, torch.float32)
+    pool = TailPool(spec, TailLayout(2, 1, 0), torch.float32)
     ctx = pool.context(table.plan([[0]], [1], [1]))
     with pytest.raises(KVCacheLayoutError, match="layer 0: .*SealContext has none for it"):
         sealed_attention(x, x, x, caches[0], spec.layer(0), meta, SealContext(ctx.plan, {}, ctx.sink_format),
@@ -512,7 +514,7 @@ def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -
 def test_int4_prefix_from_a_tier_never_reads_the_first_block_without_its_8bit_copy(smollm2, tmp_path) -> None:
     """Regression (new-user run): after a restart, an int4 prefix found in the disk store was read with its
     first block at 4 bits (its 8-bit copy lives beside the pool and does not travel) and the greedy answer
-    changed. The manager now matches tiers only behind a device-resident first block with its copy."""
+    changed. The KV cache now matches tiers only behind a device-resident first block with its copy."""
     from kvpage.engine.llm import LLM
     from kvpage.engine.sampling import SamplingParams
 
@@ -532,30 +534,37 @@ def test_int4_prefix_from_a_tier_never_reads_the_first_block_without_its_8bit_co
 
 
 def test_sealed_group_uses_a_match_only_behind_a_first_block_with_its_copy() -> None:
-    """The quantize-on-seal group manager's prefix policy, through the KV-cache manager: a device match is
-    used only while its first block holds an 8-bit copy; tiers serve a prefix only after such a hit; only
-    prompt blocks are indexed."""
+    """The quantize-on-seal group manager's prefix policy, through the KV cache: a device match is used only
+    while its first block holds an 8-bit copy; tiers serve a prefix only after such a hit (``KVCache.match``
+    asks the connector only then); only prompt blocks are indexed."""
     from kvpage.cache.groups import SealedGroupManager, manager_for
-    from kvpage.cache.manager import KVCacheManager, KVRequest
+    from kvpage.cache.kv_cache import KVCache
+    from kvpage.cache.requests import KVRequest
+    from kvpage.cache.step_plan import PassRequest
+    from kvpage.spec import CacheSizing
 
     spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int4")
-    group = manager_for(spec.main, max_num_seqs=2, residual_tokens=0)
+    group = manager_for(spec.main, CacheSizing(max_num_seqs=2, residual_tokens=0))
     assert isinstance(group, SealedGroupManager)
-    m = KVCacheManager(8, 4, groups=[group])
+    tiers = OfferingConnector(4, max_blocks=1)
+    m = KVCache(8, 4, groups=[group], connector=tiers)
     a = KVRequest("a", list(range(10)))
-    blocks = m.allocate_slots(a, 10, m.match_prefix(a))
+    blocks = m.allocate(a, 10, m.match(a))
     assert blocks is not None
-    m.cache_blocks(a, 10)
-    b = KVRequest("b", list(range(10)))
-    assert m.match_prefix(b).block_ids == () and not m.allows_external_prefix(m.match_prefix(b))  # no copy yet
-    group.table.plan([blocks.block_ids], [10], [10])  # the step that wrote a's blocks made the first block's copy
-    group.table.finish()
-    assert len(m.match_prefix(b).block_ids) == 2 and m.allows_external_prefix(m.match_prefix(b))
-    group.on_blocks_allocated([blocks.block_ids[0]])  # handed out anew: the copy is gone with the content
-    assert m.match_prefix(b).block_ids == ()
+    m.cache(a, 10)
+    b = KVRequest("b", list(range(14)))  # a's two cached blocks, then one more full block a tier could load
+    match = m.match(b)
+    assert match.block_ids == () and match.loads == () and not tiers.asked  # no copy yet: no tier asked either
+    # the pass that wrote a's blocks made the first block's copy
+    m.commit(m.plan_pass([PassRequest("a", 0, 10, blocks.block_ids)]))
+    match = m.match(b)
+    assert len(match.block_ids) == 2 and tiers.asked == [("b", 8)] and match.num_loaded_tokens == 4
+    group.on_blocks_dead([blocks.block_ids[0]])  # handed out anew: the copy is gone with the content
+    match = m.match(b)
+    assert match.block_ids == () and match.loads == () and len(tiers.asked) == 1
     c = KVRequest("c", list(range(100, 110)), num_prompt_tokens=5)
-    m.allocate_slots(c, 10)
-    assert m.cache_blocks(c, 10) == 1  # one full prompt block; block 2 holds generated tokens
+    m.allocate(c, 10)
+    assert m.cache(c, 10) == 1  # one full prompt block; block 2 holds generated tokens
 
 
 def test_a_first_block_read_this_step_keeps_its_8bit_copy() -> None:

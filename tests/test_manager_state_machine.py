@@ -1,4 +1,4 @@
-"""Random operation sequences against KVCacheManager, checked against simulated KV memory.
+"""Random operation sequences against KVCache, checked against simulated KV memory.
 
 The machine plays a scheduler on a small pool (7 blocks, block_size 2, a
 3-token vocabulary so prefixes are shared and collide often): add requests,
@@ -14,7 +14,8 @@ leaves-first order, ...); each block's ref count equals the references the
 requests hold; every running request's computed slots still hold its own KV
 (nobody overwrote a block it uses); every cached block holds the KV its index
 key claims. Every match is checked slot by slot against the request's tokens,
-and every write goes to a block that is neither cached nor shared. Speculative steps write draft KV, keep
+and every write goes to a block that is neither cached nor shared; copy-on-write copies are applied from each
+step's plan (``KVCache.step_plan().copies``), after which none is pending. Speculative steps write draft KV, keep
 an accepted prefix and roll the rest back (issue 14): the blocks freed are exactly those holding only
 rejected drafts. After all requests finish or abort, no block is in use. At least 10,000 steps run with
 SHA-256, and 5,000 more with a hash that collides all the time.
@@ -30,8 +31,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvpage.cache.hashing import hash_block_tokens
-from kvpage.cache.manager import BlockRemoved, BlockStored, KVCacheManager, KVRequest
-from kvpage.cache.prefix_cache import ROOT
+from kvpage.cache.kv_cache import KVCache, PrefixMatch
+from kvpage.cache.prefix_cache import ROOT, BlockRemoved, BlockStored
+from kvpage.cache.requests import KVRequest
 
 NUM_BLOCKS = 7
 BS = 2
@@ -61,7 +63,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn)
+        self.m = KVCache(NUM_BLOCKS, BS, hash_fn=self.hash_fn)
         self.m.subscribe(self._on_event)
         self.kv: dict[int, tuple] = {}  # slot -> identity of the KV written there
         self.waiting: dict[str, KVRequest] = {}
@@ -95,8 +97,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 key = pool.block_key(b)
                 assert key is None or key[0] != e.block_id, f"evicted {e.block_id} before its child {b}"
 
-    def _check_match(self, req: KVRequest) -> tuple:
-        match = self.m.match_prefix(req)
+    def _check_match(self, req: KVRequest) -> PrefixMatch:
+        match = self.m.match(req)
+        assert not match.loads and match.num_computed_tokens == match.num_cached_tokens  # no tiers: device only
         assert match.num_cached_tokens == len(match.block_ids) * BS
         assert match.num_cached_tokens <= max(len(req.all_token_ids) - 1, 0)
         for i, b in enumerate(match.block_ids):
@@ -108,7 +111,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _refs_expected(self) -> list[int]:
         exp = [0] * NUM_BLOCKS
         for rid in self.running:
-            st = self.m._reqs[rid]
+            st = self.m._tables[rid]
             for b in st.block_ids + st.anchors:
                 exp[b] += 1
         return exp
@@ -117,18 +120,19 @@ class ManagerMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(pool)))
 
     def _apply_copies(self) -> None:
-        """Copy-on-write booked by the last allocation: copy the blocks' KV, as the engine does before a forward."""
-        def copy(pairs) -> None:
-            for a, b in pairs:
-                OPS["copy-on-write"] += 1
-                assert self.m.pool.ref_count(b) == 1 and self.m.pool.block_hash(b) is None
-                for j in range(BS):
-                    if a * BS + j in self.kv:
-                        self.kv[b * BS + j] = self.kv[a * BS + j]
-                    else:
-                        self.kv.pop(b * BS + j, None)
-        self.m.apply_block_copies(copy)
-        assert self.m.num_pending_copies == 0
+        """Copy-on-write booked by the last allocation: the step plan's copies, applied to the simulated KV as the
+        worker does before a forward; afterwards none is pending (the next plan carries no copy)."""
+        plan = self.m.step_plan()
+        assert plan.window_copies == ()  # no window layers
+        for a, b in plan.copies:
+            OPS["copy-on-write"] += 1
+            assert self.m.pool.ref_count(b) == 1 and self.m.pool.block_hash(b) is None
+            for j in range(BS):
+                if a * BS + j in self.kv:
+                    self.kv[b * BS + j] = self.kv[a * BS + j]
+                else:
+                    self.kv.pop(b * BS + j, None)
+        assert self.m.step_plan().copies == ()
 
     # -- operations (each draws what it needs) ---------------------------------------------------
 
@@ -149,17 +153,17 @@ class ManagerMachine(RuleBasedStateMachine):
         match = self._check_match(req)
         remaining = len(req.all_token_ids) - match.num_cached_tokens
         n = remaining if data.draw(st.booleans(), label="whole prompt") else data.draw(st.integers(0, remaining))
-        before = (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks, self.m.stats())
+        before = self.m.stats()
         fits = self.m.can_allocate(req, n, match)
-        blocks = self.m.allocate_slots(req, n, match)
+        blocks = self.m.allocate(req, n, match)
         assert (blocks is not None) == fits
         OPS["admit refused" if blocks is None else "admit ok"] += 1
         if blocks is None:
-            after = (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks, self.m.stats())
+            after = self.m.stats()
             assert after == before and not self.m.has_request(rid)
             return
         assert blocks.block_ids[: len(match.block_ids)] == match.block_ids
-        assert blocks.num_tokens == match.num_cached_tokens + n
+        assert blocks.num_tokens == match.num_cached_tokens + n and blocks.num_new_tokens == n
         assert len(blocks.block_ids) == self.m.blocks_for(blocks.num_tokens)
         del self.waiting[rid]
         self.running[rid] = Running(req, blocks.num_tokens, match.num_cached_tokens)
@@ -171,12 +175,12 @@ class ManagerMachine(RuleBasedStateMachine):
         run = self.running[rid]
         todo = len(run.req.all_token_ids) - run.reserved
         n = todo if data.draw(st.booleans(), label="all known") else data.draw(st.integers(1, todo), label="tokens")
-        free_before = (self.m.num_free_blocks, self.m.num_evictable_blocks)
+        free_before = (self.m.stats().num_free, self.m.stats().num_evictable)
         fits = self.m.can_allocate(run.req, n)
-        blocks = self.m.allocate_slots(run.req, n)
+        blocks = self.m.allocate(run.req, n)
         assert (blocks is not None) == fits
         if blocks is None:
-            assert (self.m.num_free_blocks, self.m.num_evictable_blocks) == free_before
+            assert (self.m.stats().num_free, self.m.stats().num_evictable) == free_before
             assert self.m.block_table(rid).num_tokens == run.reserved
             return
         self._apply_copies()
@@ -197,9 +201,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.m.pool.block_hash(b) is None and self.m.pool.ref_count(b) == 1
             self.kv[b * BS + pos % BS] = self._ident(run.req, pos)
         run.computed += k
-        state = self.m._reqs[rid]
+        state = self.m._tables[rid]
         anchors, stopped = len(state.anchors), state.stop_caching
-        self.m.cache_blocks(run.req, run.computed)
+        self.m.cache(run.req, run.computed)
         OPS["duplicate block chained onto the indexed one"] += len(state.anchors) - anchors
         OPS["chain stopped by a hash collision"] += state.stop_caching and not stopped
         if run.computed == len(run.req.all_token_ids) and data.draw(st.booleans(), label="sample"):
@@ -223,7 +227,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not m.can_allocate(req, len(known) + k):
             OPS["speculate refused"] += 1
             return
-        blocks = m.allocate_slots(req, len(known) + k)
+        blocks = m.allocate(req, len(known) + k)
         assert blocks is not None
         self._apply_copies()
         drafts = data.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k), label="draft tokens")
@@ -232,26 +236,27 @@ class ManagerMachine(RuleBasedStateMachine):
             b = blocks.block_ids[pos // BS]
             assert self.m.pool.block_hash(b) is None and self.m.pool.ref_count(b) == 1
             self.kv[b * BS + pos % BS] = (req.cache_salt, req.extra_keys, tuple(tokens[: pos + 1]))
-        indexed = m._reqs[rid].num_cached_blocks * BS
+        indexed = m._tables[rid].num_cached_blocks * BS
         if indexed and data.draw(st.booleans(), label="into an indexed block"):
-            before = (m.block_ids(rid), m.num_tokens(rid), m.num_free_blocks, m.num_evictable_blocks)
+            before = (m.block_ids(rid), m.block_table(rid).num_tokens, m.stats().num_free, m.stats().num_evictable)
             try:
                 m.rollback(req, indexed - 1)
                 raise AssertionError("rolled back into an indexed block")
             except ValueError:
                 OPS["rollback into an indexed block refused"] += 1
-            assert (m.block_ids(rid), m.num_tokens(rid), m.num_free_blocks, m.num_evictable_blocks) == before
+            assert (m.block_ids(rid), m.block_table(rid).num_tokens, m.stats().num_free,
+                    m.stats().num_evictable) == before
         accepted = data.draw(st.integers(0, k), label="accepted")
         keep = run.computed + len(known) + accepted
-        free_before = m.num_free_blocks
+        free_before = m.stats().num_free
         freed = m.rollback(req, keep)
         assert freed == blocks.block_ids[m.blocks_for(keep):] and m.block_ids(rid) == blocks.block_ids[: len(
             blocks.block_ids) - len(freed)]
-        assert m.num_free_blocks == free_before + len(freed) and m.num_tokens(rid) == keep
+        assert m.stats().num_free == free_before + len(freed) and m.block_table(rid).num_tokens == keep
         OPS["blocks freed by rollback"] += len(freed)
         req.all_token_ids.extend(drafts[:accepted])
         run.reserved = run.computed = keep
-        m.cache_blocks(req, keep)
+        m.cache(req, keep)
         if data.draw(st.booleans(), label="bonus token"):
             req.all_token_ids.append(data.draw(st.integers(0, 2), label="bonus"))
 
@@ -267,19 +272,21 @@ class ManagerMachine(RuleBasedStateMachine):
         self.counter += 1
         child = KVRequest(cid, run.req.all_token_ids[:n] + tail, cache_salt=run.req.cache_salt,
                           extra_keys=run.req.extra_keys)
-        before = (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks)
+        st0 = self.m.stats()
+        before = (st0.num_free, st0.num_evictable, st0.num_in_use)
         # the parent holds slots past n in the shared partial block: the child takes its copy at once
         eager = n % BS != 0 and run.reserved > n
-        try:
-            blocks = self.m.fork(run.req, child, n)
-        except ValueError:
+        if not self.m.fork(run.req, child, n):  # refused: nothing changed
             assert eager and before[0] + before[1] == 0, "a fork refused without cause"
-            assert (self.m.num_free_blocks, self.m.num_evictable_blocks, self.m.num_in_use_blocks) == before
+            st1 = self.m.stats()
+            assert (st1.num_free, st1.num_evictable, st1.num_in_use) == before and not self.m.has_request(cid)
             OPS["fork refused: no block for the copy"] += 1
             return
         shared = self.m.block_ids(rid)[: self.m.blocks_for(n)]
-        assert blocks.num_tokens == n and blocks.block_ids[: len(shared) - eager] == shared[: len(shared) - eager]
-        assert self.m.num_free_blocks + self.m.num_evictable_blocks == before[0] + before[1] - eager
+        child_ids = self.m.block_ids(cid)
+        assert self.m.block_table(cid).num_tokens == n and len(child_ids) == len(shared)
+        assert child_ids[: len(shared) - eager] == shared[: len(shared) - eager]
+        assert self.m.stats().num_free + self.m.stats().num_evictable == before[0] + before[1] - eager
         self._apply_copies()
         OPS["fork"] += 1
         OPS["fork sharing a partial block"] += n % BS != 0 and not eager
@@ -290,9 +297,9 @@ class ManagerMachine(RuleBasedStateMachine):
         """Finish or abort a running request (mid-prefill included)."""
         self._step()
         rid = self._pick(data, self.running)
-        before = self.m.num_in_use_blocks
+        before = self.m.stats().num_in_use
         assert self.m.free(self.running.pop(rid).req)
-        assert self.m.num_in_use_blocks <= before
+        assert self.m.stats().num_in_use <= before
         assert not self.m.free(rid)  # a second free is a no-op
 
     def abort_waiting(self, data: st.DataObject) -> None:
@@ -318,16 +325,17 @@ class ManagerMachine(RuleBasedStateMachine):
     def evict(self, data: st.DataObject) -> None:
         self._step()
         n = data.draw(st.integers(0, 4), label="evict")
-        evictable = self.m.num_evictable_blocks
+        evictable = self.m.stats().num_evictable
         assert self.m.evict(n) == min(n, evictable)
-        assert self.m.num_evictable_blocks == evictable - min(n, evictable)
+        assert self.m.stats().num_evictable == evictable - min(n, evictable)
 
     def finish_all(self, data: st.DataObject) -> None:
         self._step()
         for run in self.running.values():
             self.m.free(run.req)
         self.running.clear()
-        assert self.m.num_in_use_blocks == 0 and self.m.usage == 0.0
+        st_ = self.m.stats()
+        assert st_.num_in_use == 0 and st_.usage == 0.0
 
     # -- the one rule: a weighted choice among the operations that apply now -----------------------
 
@@ -354,6 +362,7 @@ class ManagerMachine(RuleBasedStateMachine):
         choices = [name for name, w in self._applicable() for _ in range(w)]
         name = data.draw(st.sampled_from(choices), label="op")
         OPS[name] += 1
+        self.m.begin_step()  # each operation is a scheduling pass of its own (as Scheduler.schedule begins)
         getattr(self, name)(data)
 
     # -- invariants ------------------------------------------------------------------------------
@@ -361,7 +370,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self) -> None:
         m = self.m
-        assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == NUM_BLOCKS
+        counts = m.stats()
+        assert counts.num_free + counts.num_evictable + counts.num_in_use == NUM_BLOCKS
         m.pool.validate()
         assert [m.pool.ref_count(b) for b in range(NUM_BLOCKS)] == self._refs_expected()
 
@@ -394,9 +404,9 @@ class ManagerMachine(RuleBasedStateMachine):
         OPS["prefix-hit tokens"] += st.prefix_hits
         for run in self.running.values():
             self.m.free(run.req)
-        assert self.m.num_in_use_blocks == 0
+        assert self.m.stats().num_in_use == 0
         self.m.reset_prefix_cache()
-        assert self.m.num_free_blocks == NUM_BLOCKS
+        assert self.m.stats().num_free == NUM_BLOCKS
         self.m.pool.validate()
 
 

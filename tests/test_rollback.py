@@ -1,4 +1,4 @@
-"""KV rollback of rejected speculative drafts (issue 14): the manager's block accounting, the quantize-on-seal
+"""KV rollback of rejected speculative drafts (issue 14): the KV cache's block accounting, the quantize-on-seal
 tail's provisional seals, and attention after a rollback reading exactly what a run without drafts reads.
 
 References: hand-counted blocks and slots; a second tail (or engine group) fed the same tokens without drafts.
@@ -15,59 +15,64 @@ from hypothesis import strategies as st
 
 from kvpage.cache.controller import CacheController
 from kvpage.cache.groups import GroupManager, SealedGroupManager, manager_for
-from kvpage.cache.manager import KVCacheManager, KVRequest
+from kvpage.cache.kv_cache import KVCache
 from kvpage.cache.prefix_cache import PrefixBlockPool
-from kvpage.cache.tail import TailPool, TailTable
+from kvpage.cache.requests import KVRequest
+from kvpage.cache.step_plan import PassRequest
+from kvpage.cache.tail import TailTable
+from kvpage.cache.tail.pool import TailPool
 from kvpage.cache.tail.side import SideGroups
-from kvpage.engine.group_attention import StepLayout, group_attention_for
-from kvpage.engine.kv_cache import SchedulerKVCache
+from kvpage.engine.group_attention import GroupAttention, group_attention_for
 from kvpage.errors import KVPageError
 from kvpage.ops.attention import AttentionMetadata
-from kvpage.spec import CacheSpec
+from kvpage.spec import CacheSizing, CacheSpec
 
-# -- 1. the manager: blocks holding only rejected tokens go back ------------------------------------
+# -- 1. the KV cache: blocks holding only rejected tokens go back ------------------------------------
 
 
 class _Recorder(GroupManager):
-    """A full-attention group that records what the manager tells it."""
+    """A full-attention group that records what the KV cache tells it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.freed: list[tuple[int, ...]] = []
+        self.dead: list[tuple[tuple[int, ...], bool]] = []
         self.rollbacks: list[tuple[tuple[int, ...], int]] = []
 
-    def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
-        self.freed.append(tuple(block_ids))
+    def on_blocks_dead(self, block_ids: Sequence[int], *, evicted: bool = False) -> None:
+        self.dead.append((tuple(block_ids), evicted))
 
     def on_rollback(self, block_ids: Sequence[int], num_tokens: int) -> None:
         self.rollbacks.append((tuple(block_ids), num_tokens))
 
 
-def _counts(m: KVCacheManager) -> tuple[int, int, int]:
-    assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == m.num_blocks
-    return m.num_free_blocks, m.num_evictable_blocks, m.num_in_use_blocks
+def _counts(m: KVCache) -> tuple[int, int, int]:
+    st = m.stats()
+    assert st.num_free + st.num_evictable + st.num_in_use == m.num_blocks
+    return st.num_free, st.num_evictable, st.num_in_use
 
 
 def test_rollback_frees_exactly_the_blocks_holding_only_rejected_tokens() -> None:
     g = _Recorder()
-    m = KVCacheManager(10, 4, groups=[g])
-    kv = SchedulerKVCache(m)
+    m = KVCache(10, 4, groups=[g])
     r = KVRequest("r", list(range(20)))
-    m.allocate_slots(r, 6, m.match_prefix(r))
-    assert m.cache_blocks(r, 6) == 1                      # block 0 indexed
-    blocks = m.allocate_slots(r, 6)                       # [last, d1..d5] at 6..11: 12 slots, 3 blocks
+    m.allocate(r, 6, m.match(r))
+    assert m.cache(r, 6) == 1                             # block 0 indexed
+    blocks = m.allocate(r, 1, num_lookahead=5)            # [last, d1..d5] at 6..11: 12 slots, 3 blocks
     assert blocks is not None and len(blocks.block_ids) == 3 and _counts(m) == (7, 0, 3)
     b0, b1, b2 = blocks.block_ids
 
-    assert kv.rollback(r, 12) == ()                       # the commit: nothing dropped, the groups told
-    assert g.rollbacks == [((b0, b1, b2), 12)] and g.freed == [] and _counts(m) == (7, 0, 3)
+    # every death is reported, also of blocks handed out anew: so far only those, nothing freed
+    assert g.dead == [((b0, b1), False), ((b2,), False)]
+    g.dead.clear()
+    assert m.rollback(r, 12) == ()                        # the commit: nothing dropped, the groups told
+    assert g.rollbacks == [((b0, b1, b2), 12)] and g.dead == [] and _counts(m) == (7, 0, 3)
     assert m.rollback(r, 7) == (b2,)                      # last and d1 kept: block 2 held only rejected d3..d5
-    assert g.freed == [(b2,)] and g.rollbacks[-1] == ((b0, b1), 7)
-    assert m.block_ids("r") == (b0, b1) and m.num_tokens("r") == 7 and _counts(m) == (8, 0, 2)
-    assert m.cache_blocks(r, 7) == 0                      # block 1 is not full of verified tokens
-    again = m.allocate_slots(r, 3)                        # the next step: 10 slots, a third block again
+    assert g.dead == [((b2,), False)] and g.rollbacks[-1] == ((b0, b1), 7)
+    assert m.block_ids("r") == (b0, b1) and m.block_table("r").num_tokens == 7 and _counts(m) == (8, 0, 2)
+    assert m.cache(r, 7) == 0                             # block 1 is not full of verified tokens
+    again = m.allocate(r, 3)                              # the next step: 10 slots, a third block again
     assert again is not None and again.num_tokens == 10 and _counts(m) == (7, 0, 3)
-    assert m.cache_blocks(r, 8) == 1                      # block 1 full and verified now
+    assert m.cache(r, 8) == 1                             # block 1 full and verified now
 
     with pytest.raises(ValueError, match="indexed 8"):
         m.rollback(r, 7)                                  # into an indexed block
@@ -75,14 +80,14 @@ def test_rollback_frees_exactly_the_blocks_holding_only_rejected_tokens() -> Non
         m.rollback(r, 11)
     with pytest.raises(KeyError):
         m.rollback("nobody", 0)
-    assert (m.block_ids("r"), m.num_tokens("r")) == (again.block_ids, 10)  # refused calls change nothing
+    assert (m.block_ids("r"), m.block_table("r").num_tokens) == (again.block_ids, 10)  # refused calls change nothing
 
     assert m.rollback(r, 8) == (again.block_ids[2],) and _counts(m) == (8, 0, 2)
     s = KVRequest("s", [1, 2, 3])
-    m.allocate_slots(s, 3)
+    m.allocate(s, 3)
     ids = m.block_ids("s")
     assert len(ids) == 1 and m.rollback(s, 0) == ids and m.rollback(s, 0) == ()  # nothing indexed: all of it
-    assert m.block_ids("s") == () and m.num_tokens("s") == 0 and _counts(m) == (8, 0, 2)
+    assert m.block_ids("s") == () and m.block_table("s").num_tokens == 0 and _counts(m) == (8, 0, 2)
     assert m.free(r) and m.free(s)
     assert _counts(m) == (8, 2, 0)                        # the indexed blocks stay cached, nothing in use
 
@@ -123,7 +128,7 @@ def test_slots_to_take_with_drafts_is_what_the_plan_takes_and_a_rollback_leaves_
         spec_t.finish()
         keep = data.draw(st.integers(s - d, s), label="kept")
         kept = math.ceil(keep / bs)
-        spec_t.release(table[kept:math.ceil(s / bs)])    # the manager frees the blocks past the kept ones
+        spec_t.release(table[kept:math.ceil(s / bs)])    # the KV cache frees the blocks past the kept ones
         spec_t.rollback(table[:kept], keep)
         assert not any(spec_t.is_provisional(b) for b in table)
         if keep > done:
@@ -166,17 +171,17 @@ def test_rollback_into_a_provisionally_sealed_block_reopens_it_with_its_slot() -
     slot = t.slot_of(11)
     assert slot is not None and t.slot_of(10) is None and t.sink_of(10) is not None
     plan = t.plan([table], [11], [6], owners=["r"], prompt_lens=[5], draft_lens=[5])
-    rows = dict(zip(plan.tail_dst.tolist(), plan.tail_src.tolist()))
-    assert [j for j, _, _ in plan.reads[0].sealed_now] == [1] and plan.seal_ids.tolist() == [11]
+    rows = dict(zip(plan.tail_dst, plan.tail_src))
+    assert [j for j, _, _ in plan.reads[0].sealed_now] == [1] and plan.seal_ids == (11,)
     assert all(rows[slot * 4 + p - 4] == p - 5 for p in range(5, 8))   # all its new rows kept in its slot
     t.finish()
     assert t.slot_of(11) == slot and t.is_provisional(11) and t.slot_of(12) is not None
-    t.release([12])                                        # the manager frees block 2 (only d3..d5)
+    t.release([12])                                        # the KV cache frees block 2 (only d3..d5)
     t.rollback(table[:2], 7)
     assert t.slot_of(11) == slot and not t.is_provisional(11) and t.num_used == 1
     plan = t.plan([table[:2]], [8], [1], owners=["r"], prompt_lens=[5])   # the true token at 7 fills it again
-    assert plan.seal_ids.tolist() == [11]
-    assert plan.seal_from_tail_src.tolist() == [slot * 4 + i for i in range(3)]  # positions 4..6 from the slot
+    assert plan.seal_ids == (11,)
+    assert plan.seal_from_tail_src == tuple(slot * 4 + i for i in range(3))  # positions 4..6 from the slot
     assert plan.reads[0].sealed_now == ((1, 0, slot),)
     t.finish()
     assert t.slot_of(11) is None and t.num_used == 0
@@ -211,7 +216,7 @@ def test_rolled_back_into_block_0_the_first_block_copy_goes_and_the_reseal_makes
     assert t.sink_of(5) is None and t.slot_of(5) is not None and t.num_sink_used == 0
     plan = t.plan([table], [5], [2], owners=["r"], prompt_lens=[2])
     t.finish()
-    assert plan.sink_pos.tolist() == [0] and t.sink_of(5) is not None and t.slot_of(5) is None
+    assert plan.sink_pos == (0,) and t.sink_of(5) is not None and t.slot_of(5) is None
 
 
 def test_a_drafters_pass_keeps_the_promise_and_the_slots_the_verification_pass_continues() -> None:
@@ -231,7 +236,7 @@ def test_a_drafters_pass_keeps_the_promise_and_the_slots_the_verification_pass_c
     t.finish(release_spare=False)
     assert t.side.num_spare == 1
     plan = t.plan([table], [6], [3], owners=["r"], draft_lens=[2])  # verification of [last, d1, d2] from 3
-    assert plan.seal_ids.tolist() == [table[0]] and plan.seal_from_tail_src.numel() == 3
+    assert plan.seal_ids == (table[0],) and len(plan.seal_from_tail_src) == 3
     t.finish()
     assert t.side.num_spare == 0 and t.slot_of(table[0]) is None and t.slot_of(table[1]) is not None
     t.rollback(table[:2], 5)
@@ -250,36 +255,44 @@ def test_a_drafters_pass_keeps_the_promise_and_the_slots_the_verification_pass_c
 
 
 def _engine_group(w: int, side: bool, num_blocks: int = 64):
-    """A KV-cache manager with one int4 group, its cache tensors and its group attention (reference path)."""
+    """A KV cache with one int4 group, its cache tensors and its group attention (reference path)."""
     bs = 4
     spec = CacheSpec.build(num_layers=1, num_kv_heads=2, head_dim=16, block_size=bs, kv_cache_dtype="int4")
     pool = PrefixBlockPool(num_blocks) if side else None
-    group = manager_for(spec.main, max_num_seqs=2, residual_tokens=w * bs, pool=pool, max_model_len=32)
+    group = manager_for(spec.main, CacheSizing(max_num_seqs=2, residual_tokens=w * bs, max_model_len=32), pool=pool)
     assert isinstance(group, SealedGroupManager) and (group.table.side is not None) == side
-    m = KVCacheManager(num_blocks, bs, groups=[group], pool=pool)
+    m = KVCache(num_blocks, bs, groups=[group], pool=pool)
     caches = CacheController(spec).initialize_kv_cache(num_blocks)
-    tail = TailPool(spec, group.table, torch.float32, layers=list(group.layers), caches=caches)
-    attn = group_attention_for(spec, group, caches, tail=tail, is_live=m.is_live, is_in_use=m.is_in_use)
+    tail = TailPool(spec, group.layout, torch.float32, layers=list(group.layers), caches=caches)
+    attn = group_attention_for(spec, spec.main, caches, tail=tail)
     return m, group, caches, attn
 
 
-def _pass(m: KVCacheManager, attn, req: KVRequest, pos: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          d: int = 0) -> torch.Tensor:
-    """One verification-style step of ``len(q)`` tokens at ``pos``, its last ``d`` unverified."""
+def _pass(m: KVCache, attn: GroupAttention, req: KVRequest, pos: int, q: torch.Tensor, k: torch.Tensor,
+          v: torch.Tensor, d: int = 0) -> torch.Tensor:
+    """One verification-style step of ``len(q)`` tokens at ``pos``, its last ``d`` unverified (lookahead slots):
+    allocate (blocks and the chunk's tail slots, all or none), plan the pass, run the layer, commit the plan."""
     n, bs = q.shape[0], m.block_size
-    m.side_release()                                    # (the scheduler, before each step)
-    assert m.side_reserve(req, pos, n, num_draft=d) is not None
-    blocks = m.allocate_slots(req, n) if m.has_request(req.request_id) else m.allocate_slots(req, n,
-                                                                                           m.match_prefix(req))
+    m.begin_step()                                      # (the scheduler, before each step)
+    if m.has_request(req.request_id):
+        blocks = m.allocate(req, n - d, num_lookahead=d, num_computed=pos)
+    else:
+        blocks = m.allocate(req, n - d, m.match(req), num_lookahead=d)
     assert blocks is not None
     table = blocks.block_ids
-    meta = AttentionMetadata.build(block_tables=[table], seq_lens=[pos + n], query_lens=[n],
-                                   slot_mapping=[table[p // bs] * bs + p % bs for p in range(pos, pos + n)],
-                                   block_size=bs)
-    attn.begin_step(StepLayout(meta, (table,), (req.request_id,), (req.num_prompt_tokens,), (d,)),
-                    torch.device("cpu"))
-    out = attn.attend(0, q, k, v)
-    attn.end_step()
+    plan = m.plan_pass([PassRequest(req.request_id, pos, n, table, req.num_prompt_tokens or 0, d)])
+    assert plan.slot_mapping == tuple(table[p // bs] * bs + p % bs for p in range(pos, pos + n))
+    meta = AttentionMetadata.build(block_tables=plan.block_tables, seq_lens=plan.seq_lens,
+                                   query_lens=plan.query_lens, slot_mapping=plan.slot_mapping, block_size=bs)
+    attn.prepare(plan, plan.group(attn.group.name), meta, torch.device("cpu"))
+    try:
+        out = attn.attend(0, q, k, v)
+    except BaseException:
+        m.abort(plan)
+        raise
+    finally:
+        attn.finish()
+    m.commit(plan)
     return out
 
 
@@ -301,7 +314,7 @@ def test_after_rolling_back_into_a_sealed_block_attention_equals_a_run_without_d
         req = KVRequest("r", list(range(total)), num_prompt_tokens=5)
         outs: dict[int, torch.Tensor] = {}
         o = _pass(m, attn, req, 0, q[:5], k[:5], v[:5])
-        m.cache_blocks(req, 5)
+        m.cache(req, 5)
         if spec_run:
             o = _pass(m, attn, req, 5, torch.cat([q[5:7], qd]), torch.cat([k[5:7], kd]), torch.cat([v[5:7], vd]),
                       d=5)
@@ -324,7 +337,7 @@ def test_after_rolling_back_into_a_sealed_block_attention_equals_a_run_without_d
         sealed = {name: t[list(table[: total // 4])].clone() for name, t in caches[0].items()}
         held = group.table.num_used
         m.free(req)
-        assert group.table.num_used == 0 and m.num_in_use_blocks == 0
+        assert group.table.num_used == 0 and m.stats().num_in_use == 0
         runs.append((outs, sealed, held))
     (spec_outs, spec_sealed, spec_held), (ref_outs, ref_sealed, ref_held) = runs
     assert sorted(spec_outs) == list(range(5, total))
@@ -341,9 +354,9 @@ def test_fixed_tails_get_room_for_the_provisional_blocks_of_the_lookahead() -> N
     spec = CacheSpec.build(num_layers=1, num_kv_heads=2, head_dim=16, block_size=4, kv_cache_dtype="int4")
     sizes = []
     for k in (0, 3, 4, 5):
-        g = manager_for(spec.main, max_num_seqs=3, residual_tokens=4, num_lookahead_tokens=k)
+        g = manager_for(spec.main, CacheSizing(max_num_seqs=3, residual_tokens=4, num_lookahead_tokens=k))
         assert isinstance(g, SealedGroupManager)
         sizes.append((g.table.num_slots, g.table.window_blocks))
     assert sizes == [(6, 1), (9, 1), (9, 1), (12, 1)]
     with pytest.raises(ValueError, match="num_lookahead_tokens"):
-        manager_for(spec.main, max_num_seqs=3, residual_tokens=4, num_lookahead_tokens=-1)
+        manager_for(spec.main, CacheSizing(max_num_seqs=3, residual_tokens=4, num_lookahead_tokens=-1))

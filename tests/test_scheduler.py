@@ -1,11 +1,11 @@
-"""Scheduler policy on the real KVCacheManager, without a model: budgets, order, chunking, preemption, accounting."""
+"""Scheduler policy on the real KVCache, without a model: budgets, order, chunking, preemption, accounting."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from kvpage.cache.manager import KVCacheManager
+from kvpage.cache.kv_cache import KVCache
 from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.engine.sequence import Request, RequestStatus
@@ -26,13 +26,14 @@ def run_step(s: Scheduler, out: SchedulerOutput) -> None:
                 s.finish(c.request, "length")
 
 
-def check_accounting(mgr: KVCacheManager) -> None:
-    assert mgr.num_free_blocks + mgr.num_evictable_blocks + mgr.num_in_use_blocks == mgr.num_blocks
+def check_accounting(kv: KVCache) -> None:
+    st = kv.stats()
+    assert st.num_free + st.num_evictable + st.num_in_use == kv.num_blocks
 
 
 def test_budget_chunks_a_long_prefill_and_decodes_go_first():
-    mgr = KVCacheManager(64, 4)
-    s = Scheduler(mgr, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10))
+    kv = KVCache(64, 4)
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10))
     a = make_request("a", 3, base=10)
     s.add_request(a)
     run_step(s, s.schedule())                      # a: whole prompt (3 tokens), samples 1 token
@@ -52,12 +53,12 @@ def test_budget_chunks_a_long_prefill_and_decodes_go_first():
     assert out.scheduled[1].completes_sequence
     run_step(s, out)
     assert b.num_output_tokens == 1
-    check_accounting(mgr)
+    check_accounting(kv)
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
-    mgr = KVCacheManager(64, 4)
-    s = Scheduler(mgr, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, enable_chunked_prefill=False))
+    kv = KVCache(64, 4)
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, enable_chunked_prefill=False))
     a, b = make_request("a", 6, base=10), make_request("b", 6, base=90)
     s.add_request(a)
     s.add_request(b)
@@ -68,14 +69,14 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     assert [(c.request.request_id, c.num_new_tokens) for c in out.scheduled] == [("a", 1), ("b", 6)]
     # a prompt longer than the whole budget still runs, alone, instead of waiting forever
     c = make_request("c", 30, base=300)
-    s2 = Scheduler(KVCacheManager(64, 4), SchedulerConfig(max_num_batched_tokens=10, enable_chunked_prefill=False))
+    s2 = Scheduler(KVCache(64, 4), SchedulerConfig(max_num_batched_tokens=10, enable_chunked_prefill=False))
     s2.add_request(c)
     assert [(x.request.request_id, x.num_new_tokens) for x in s2.schedule().scheduled] == [("c", 30)]
 
 
 def test_fcfs_and_max_num_seqs():
-    mgr = KVCacheManager(64, 4)
-    s = Scheduler(mgr, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100))
+    kv = KVCache(64, 4)
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100))
     reqs = [make_request(str(i), 4, base=100 * i) for i in range(4)]
     for r in reqs:
         s.add_request(r)
@@ -89,8 +90,8 @@ def test_fcfs_and_max_num_seqs():
 
 
 def test_preemption_by_recompute_frees_blocks_and_rehits_the_prefix():
-    mgr = KVCacheManager(6, 4)        # 24 slots
-    s = Scheduler(mgr, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    kv = KVCache(6, 4)        # 24 slots
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
     a, b = make_request("a", 8, max_tokens=12, base=10), make_request("b", 8, max_tokens=12, base=500)
     s.add_request(a)
     s.add_request(b)
@@ -102,15 +103,15 @@ def test_preemption_by_recompute_frees_blocks_and_rehits_the_prefix():
         # a request is never both scheduled and preempted in the same step
         assert not {c.request.request_id for c in out.scheduled} & {r.request_id for r in out.preempted}
         run_step(s, out)
-        check_accounting(mgr)
-        assert mgr.num_in_use_blocks <= mgr.num_blocks
+        check_accounting(kv)
+        assert kv.stats().num_in_use <= kv.num_blocks
         steps += 1
     assert not s.num_unfinished
     assert preempted and preempted[0] is b                 # the later arrival yields
     assert b.num_preemptions >= 1 and s.num_preemptions == len(preempted)
     assert a.num_output_tokens == b.num_output_tokens == 12
-    assert mgr.num_in_use_blocks == 0
-    stats = mgr.stats()
+    assert kv.stats().num_in_use == 0
+    stats = kv.stats()
     assert stats.preemptions == len(preempted)
     assert stats.prefix_hits > 0                           # b re-hit its own full blocks on readmission
 
@@ -118,8 +119,8 @@ def test_preemption_by_recompute_frees_blocks_and_rehits_the_prefix():
 def test_preempting_an_already_scheduled_decode_takes_its_chunk_back():
     """Regression: the victim (latest admitted) can be a decode already scheduled in this step, since
     decodes go first; its chunk must leave the step, or the engine would write into freed blocks."""
-    mgr = KVCacheManager(3, 4)                                # 12 slots
-    s = Scheduler(mgr, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4))
+    kv = KVCache(3, 4)                                # 12 slots
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4))
     a = make_request("a", 12, max_tokens=1, base=10)
     s.add_request(a)
     run_step(s, s.schedule())                                 # a: first 4-token chunk, 1 block
@@ -127,8 +128,8 @@ def test_preempting_an_already_scheduled_decode_takes_its_chunk_back():
     # b was admitted after a and is already decoding (white-box set-up of that state)
     b = make_request("b", 3, max_tokens=4, base=500)
     b.all_token_ids.append(7)
-    assert mgr.allocate_slots(b, 3) is not None
-    mgr.cache_blocks(b, 3)
+    assert kv.allocate(b, 3) is not None
+    kv.cache(b, 3)
     b.num_computed_tokens, b.status = 3, RequestStatus.RUNNING
     s.running.append(b)
     s.config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16)
@@ -137,29 +138,29 @@ def test_preempting_an_already_scheduled_decode_takes_its_chunk_back():
     assert out.preempted == [b]
     assert [(c.request.request_id, c.num_new_tokens) for c in out.scheduled] == [("a", 8)]
     assert b.status is RequestStatus.PREEMPTED and s.waiting[0] is b
-    run_step(s, out)                                          # no KeyError from cache_blocks on b
-    check_accounting(mgr)
+    run_step(s, out)                                          # no KeyError from cache on b
+    check_accounting(kv)
     while s.num_unfinished:
         run_step(s, s.schedule())
     assert a.num_output_tokens == 1 and b.num_output_tokens == 4
-    assert mgr.num_in_use_blocks == 0
+    assert kv.stats().num_in_use == 0
 
 
 def test_finish_and_abort_return_every_block():
-    mgr = KVCacheManager(32, 4)
-    s = Scheduler(mgr, SchedulerConfig())
+    kv = KVCache(32, 4)
+    s = Scheduler(kv, SchedulerConfig())
     reqs = [make_request(str(i), 5 + i, base=50 * i) for i in range(5)]
     for r in reqs:
         s.add_request(r)
     run_step(s, s.schedule())
-    assert mgr.num_in_use_blocks > 0
+    assert kv.stats().num_in_use > 0
     s.finish(reqs[0], "abort")
     s.finish(reqs[0], "abort")      # idempotent
     for r in reqs[1:]:
         s.finish(r, "stop")
     assert reqs[0].finish_reason == "abort" and reqs[0].status is RequestStatus.FINISHED
-    assert mgr.num_in_use_blocks == 0 and not s.num_unfinished
-    check_accounting(mgr)
+    assert kv.stats().num_in_use == 0 and not s.num_unfinished
+    check_accounting(kv)
 
 
 def test_config_rejects_nonsense():

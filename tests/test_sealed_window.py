@@ -1,13 +1,14 @@
 """Block-wise (quantize-on-seal) sliding-window layers keep their sealed codes in window slots (issue 15 item 2).
 
-An ``int4``/``int2`` windowed group has two managers (:func:`~kvpage.cache.groups.managers_for`): a
-:class:`~kvpage.cache.groups.SlidingWindowManager` whose slots hold the sealed codes, and a
-:class:`~kvpage.cache.groups.SealedGroupManager` whose fixed tail pool holds the 16-bit open blocks, window
-copies and first-block copies by block id. Checked here: the managers and the capacity arithmetic; through the
-engine, the group's tensors have window-slot rows and a long request pins at most its window; the same requests
-read exactly what the layout that keeps every block reads (a differential test: window slots move rows and
-never change a value), with chunked prefill, a prefix hit and concurrent requests sharing a prefix; speculative
-rollback gives every slot back (a pool short of slots: ``test_sliding_window.py``, for int4 too).
+An ``int4``/``int2`` windowed group is of kind :class:`~kvpage.spec.SealedWindow` and gets one manager,
+:class:`~kvpage.cache.groups.SealedWindowManager` (:func:`~kvpage.cache.groups.manager_for`), combining two
+bookkeepings: ``.window``, a :class:`~kvpage.cache.groups.SlidingWindowManager` whose slots hold the sealed codes,
+and ``.seals``, a :class:`~kvpage.cache.groups.SealedGroupManager` whose fixed tail pool holds the 16-bit open
+blocks, window copies and first-block copies by block id. Checked here: the managers and the capacity arithmetic;
+through the engine, the group's tensors have window-slot rows and a long request pins at most its window; the same
+requests read exactly what the layout that keeps every block reads (a differential test: window slots move rows
+and never change a value), with chunked prefill, a prefix hit and concurrent requests sharing a prefix;
+speculative rollback gives every slot back (a pool short of slots: ``test_sliding_window.py``, for int4 too).
 """
 from __future__ import annotations
 
@@ -17,10 +18,17 @@ from typing import Any
 import pytest
 import torch
 
-from kvpage.cache.groups import SealedGroupManager, SlidingWindowManager, manager_for, managers_for
+from kvpage.cache.groups import (
+    MANAGERS,
+    GroupManager,
+    SealedGroupManager,
+    SealedWindowManager,
+    SlidingWindowManager,
+    manager_for,
+)
 from kvpage.cache.prefix_cache import PrefixBlockPool
-from kvpage.formats import BlockFormat
-from kvpage.spec import CacheSpec, LayerGroupSpec
+from kvpage.engine.group_attention import ATTENTION, SealedGroupAttention
+from kvpage.spec import CacheSizing, CacheSpec, LayerGroupSpec, SealedWindow, kinds
 
 from test_families_engine import init_weights, save_family
 
@@ -33,20 +41,24 @@ def _spec(fmt: str) -> CacheSpec:
 def test_a_block_wise_window_group_gets_a_fixed_tail_and_window_slots() -> None:
     spec = _spec("int4")
     assert spec.sliding is not None
+    assert isinstance(spec.sliding.kind, SealedWindow) and not spec.sliding.kind.may_carve
     pool = PrefixBlockPool(64)
-    sealed, win = managers_for(spec.sliding, max_num_seqs=2, residual_tokens=16, pool=pool, max_model_len=32,
-                               num_window_slots=8)
+    sizing = CacheSizing(max_num_seqs=2, residual_tokens=16, max_model_len=32)
+    both = manager_for(spec.sliding, sizing, pool=pool, num_window_slots=8)
+    assert isinstance(both, SealedWindowManager)
+    sealed, win = both.seals, both.window
     assert isinstance(sealed, SealedGroupManager) and isinstance(win, SlidingWindowManager)
     assert sealed.table.side is None          # never carved: the group's tensors have no block-id rows
     assert sealed.table.window_blocks == 2    # 16-bit copies capped at the 6-token window: ceil(6 / 4)
     assert win.num_slots == 8 and sealed.layers == spec.sliding.layer_indices
     # the full-attention group still carves its tail from the pool, and keeps all 16 tokens of copies
-    main = manager_for(spec.main, max_num_seqs=2, residual_tokens=16, pool=pool, max_model_len=32)
+    main = manager_for(spec.main, sizing, pool=pool)
     assert isinstance(main, SealedGroupManager) and main.table.side is not None and main.table.window_blocks == 4
-    with pytest.raises(ValueError, match="managers_for"):
-        manager_for(spec.sliding, max_num_seqs=2, residual_tokens=0, num_window_slots=8)
-    (only,) = managers_for(_spec("int8").sliding, max_num_seqs=2, residual_tokens=0, num_window_slots=8)
-    assert isinstance(only, SlidingWindowManager)
+    # the window group's two bookkeepings always come together: one manager holds both, never either alone
+    alone = manager_for(spec.sliding, CacheSizing(max_num_seqs=2, residual_tokens=0), num_window_slots=8)
+    assert isinstance(alone, SealedWindowManager) and alone.seals.table.side is None and alone.window.num_slots == 8
+    only = manager_for(_spec("int8").sliding, CacheSizing(max_num_seqs=2, residual_tokens=0), num_window_slots=8)
+    assert type(only) is SlidingWindowManager
 
 
 # -- through the engine ---------------------------------------------------------------------------------------
@@ -58,13 +70,43 @@ def folders(tmp_path_factory: pytest.TempPathFactory, smollm2) -> dict[str, Path
                                 weight_seed=300 + i) for i, family in enumerate(["gemma3", "mistral", "qwen2_window"])}
 
 
-def _old_rule(group: LayerGroupSpec) -> bool:
-    """Window slots for token-wise formats only: a block-wise windowed group keeps its codes in every block."""
-    return group.name != "draft" and group.sliding_window is not None and not isinstance(group.layer.format, BlockFormat)
+class _SealedByBlockId(SealedWindow):
+    """The old rule, as a kind: window slots for token-wise formats only; a block-wise windowed group keeps its codes
+    in every block (rows by block id), over the same fixed tail as :class:`~kvpage.spec.SealedWindow` (never
+    carved)."""
+
+    name = "sealed_by_block_id"
+    window_rows = False
+
+
+_BY_BLOCK_ID = _SealedByBlockId()
+
+
+def _keep_every_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every block-wise windowed group of specs built from now on a :class:`_SealedByBlockId` (manager: the
+    tail's alone; worker: sealed attention over block ids)."""
+    real = kinds.kind_of
+
+    def kind_of(role: str, layer: Any, sliding_window: int | None) -> kinds.GroupKind:
+        kind = real(role, layer, sliding_window)
+        return _BY_BLOCK_ID if isinstance(kind, SealedWindow) else kind
+
+    def manager(group: LayerGroupSpec, sizing: CacheSizing, pool: PrefixBlockPool | None, num_blocks: int | None,
+                slots: int) -> GroupManager:
+        return SealedGroupManager(group, group.kind.tail(group, sizing), pool)
+
+    monkeypatch.setattr("kvpage.spec.cache_spec.kind_of", kind_of)
+    monkeypatch.setitem(MANAGERS, _SealedByBlockId, manager)
+    monkeypatch.setitem(ATTENTION, _SealedByBlockId, SealedGroupAttention)
+
+
+def _windowed(llm: Any) -> SealedWindowManager:
+    """The engine's block-wise windowed group's manager."""
+    return next(g for g in llm._built.groups if isinstance(g, SealedWindowManager))
 
 
 def _window(llm: Any) -> SlidingWindowManager:
-    return next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
+    return _windowed(llm).window
 
 
 class _Rows:
@@ -114,11 +156,13 @@ def test_window_slots_read_what_keeping_every_block_reads(folders: dict[str, Pat
     llm.close()
 
     # the reference: the builder allocates the windowed layers' codes by block id (no window slots) over the same
-    # fixed tail (a block-wise windowed group never carves: manager_for), so both runs schedule the same steps
-    for module in ("kvpage.engine.build", "kvpage.engine.capacity"):
-        monkeypatch.setattr(f"{module}.is_bounded_window", _old_rule)
+    # fixed tail (a block-wise windowed group never carves: its kind), so both runs schedule the same steps
+    _keep_every_block(monkeypatch)
     ref_llm, ref = _serve_all(folders[family], fmt, prompts, max_num_seqs=3)
-    assert not any(isinstance(g, SlidingWindowManager) for g in ref_llm._built.groups)
+    assert not any(g.kind.window_rows for g in ref_llm._built.groups)
+    assert not any(isinstance(g, (SlidingWindowManager, SealedWindowManager)) for g in ref_llm._built.groups)
+    assert any(g.kind is _BY_BLOCK_ID and isinstance(g, SealedGroupManager) and g.table.side is None
+               for g in ref_llm._built.groups)
     ref_llm.close()
     assert len(rows) == len(ref) and [r.shape for r in rows] == [r.shape for r in ref]
     worst = max((a - b).abs().max().item() for a, b in zip(rows, ref))
@@ -194,7 +238,8 @@ def test_c26_a_long_request_pins_only_its_window_and_capacity_is_what_is_allocat
     peak = _peak_pinned(llm, win, monkeypatch)
     assert peak <= -(-(32 - 1 + 64) // 16) + 1
     assert win.num_pinned_slots == 0 and llm.kv_cache_stats().num_in_use == 0
-    sealed = next(g for g in built.groups if isinstance(g, SealedGroupManager) and g.group is win.group)
+    sealed = _windowed(llm).seals
+    assert sealed.group is win.group
     assert sealed.table.num_used == 0  # open blocks and window copies died with their requests
     llm.close()
 
@@ -220,7 +265,8 @@ def test_speculative_rollback_over_window_slots_gives_everything_back(folders: d
     st = llm.engine.stats().spec_decoding
     assert st is not None and st.num_draft_tokens > st.num_accepted_tokens > 0   # some drafts rejected
     win = _window(llm)
-    sealed = next(g for g in llm._built.groups if isinstance(g, SealedGroupManager) and g.group is win.group)
+    sealed = _windowed(llm).seals
+    assert sealed.group is win.group
     assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
     assert sealed.table.num_used == 0 and llm.kv_cache_stats().num_in_use == 0
     llm.close()

@@ -18,12 +18,15 @@ import torch
 
 from kvpage.cache.controller import CacheController
 from kvpage.cache.groups import FullAttentionManager, SlidingWindowManager
-from kvpage.cache.manager import KVCacheManager, KVRequest, MatchResult
+from kvpage.cache.kv_cache import KVCache
 from kvpage.cache.prefix_cache import PrefixBlockPool
+from kvpage.cache.requests import KVRequest
 from kvpage.cache.tiers.stores.blocks import gather_blocks, scatter_blocks
 from kvpage.engine.llm import LLM
 from kvpage.engine.sampling import SamplingParams
 from kvpage.spec import CacheSpec
+
+from _kv_kinds import OfferingConnector, window_of
 
 BS, W = 4, 6  # a query at p reads positions > p - 6: blocks from (p - 5) // 4 on
 
@@ -33,12 +36,14 @@ def _spec(kv_cache_dtype: str = "float32") -> CacheSpec:
                            kv_cache_dtype=kv_cache_dtype)
 
 
-def _manager(num_blocks: int = 32, num_slots: int = 8) -> tuple[KVCacheManager, SlidingWindowManager]:
+def _manager(num_blocks: int = 32, num_slots: int = 8,
+             connector: OfferingConnector | None = None) -> tuple[KVCache, SlidingWindowManager]:
     spec = _spec()
     assert spec.sliding is not None
     pool = PrefixBlockPool(num_blocks)
-    win = SlidingWindowManager(spec.sliding, num_slots, lambda b: pool.block_hash(b) is not None)
-    return KVCacheManager(num_blocks, BS, groups=[FullAttentionManager(spec.main), win], pool=pool), win
+    win = SlidingWindowManager(spec.sliding, num_slots, pool)
+    groups = [FullAttentionManager(spec.main, pool), win]
+    return KVCache(num_blocks, BS, groups=groups, pool=pool, connector=connector), win
 
 
 # -- the rule ---------------------------------------------------------------------------------------------------
@@ -63,15 +68,20 @@ def test_usable_external_needs_window_rows_inside_the_window_of_the_end() -> Non
 
 
 def test_admission_after_loads_gives_slots_only_to_the_window_of_the_hit_end() -> None:
-    mgr, win = _manager(num_slots=6)
+    tiers = OfferingConnector(BS, max_blocks=8)
+    mgr, win = _manager(num_slots=6, connector=tiers)
     req = KVRequest("a", list(range(100, 141)))  # 41 tokens
     # 32 tokens loaded by a tier (8 blocks), then 5 computed: the first query (position 32) reads blocks 6, 7
-    need = mgr.side_slots_needed(req, 32, 5, MatchResult())
-    assert need == (0, 4)                        # blocks 6, 7 (loaded, in the window) and 8, 9 (new)
-    assert mgr.side_reserve(req, 32, 5, MatchResult()) == need
-    blocks = mgr.allocate_slots(req, 5, MatchResult(), num_external_tokens=32)
-    assert blocks is not None
+    m = mgr.match(req)
+    assert m.block_ids == () and m.num_loaded_tokens == 32 and m.num_computed_tokens == 32
+    need = [g.slots_needed(req, (), 32, 5) for g in mgr.groups]
+    assert need == [(), (4,)]                    # blocks 6, 7 (loaded, in the window) and 8, 9 (new)
+    assert mgr.can_allocate(req, 5, m)
+    mgr.begin_step()
+    blocks = mgr.allocate(req, 5, m)             # the promise of those 4 slots comes with the allocation
+    assert blocks is not None and blocks.num_computed_tokens == 32 and blocks.loading
     ids = blocks.block_ids
+    assert tiers.issued == [("a", ids[:8], 32)]  # the loads go into the first 8 new blocks
     assert [win.slot_of(b) is not None for b in ids] == [False] * 6 + [True] * 4
     assert win.num_pinned_slots == 4 and win.num_free_slots == 2
 
@@ -168,7 +178,7 @@ def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 def _win(llm: LLM) -> SlidingWindowManager:
-    return next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
+    return window_of(llm._built.groups)
 
 
 def _llm(folder: Path, **kw) -> LLM:
@@ -234,7 +244,7 @@ def test_a_store_record_missing_at_read_time_recomputes_the_whole_prefix(windowe
     prompt = _prompt(4)
     first = _check_against_transformers(windowed, writer, prompt)
     store = writer._built.connector.offload.stores[0][1]
-    hashes = writer.engine.kv.manager.block_hashes(KVRequest("x", prompt), (PROMPT_LEN - 1) // 16)
+    hashes = writer.engine.kv.index.block_hashes(KVRequest("x", prompt), (PROMPT_LEN - 1) // 16)
     path = store.path_for(store.key(hashes[2]))
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0x01                   # exists() still says yes; get() rejects it
@@ -252,13 +262,13 @@ def test_blocks_backed_up_without_window_rows_are_never_read_inside_a_window(win
     # with the other layers only: a hit may not end where its window needs their rows
     llm = _llm(windowed, swap_space=0.01, kv_offload_policy="write_back")
     win = _win(llm)
-    monkeypatch.setattr(win, "evicted_window_rows", lambda ids: [None] * len(ids))
+    monkeypatch.setattr(win, "evicted_rows_of", lambda ids: [None] * len(ids))  # what the tiers ask at eviction
     prompt = _prompt(3)
     first = _check_against_transformers(windowed, llm, prompt)   # 31: the end of the first 32-token chunk
     llm.reset_prefix_cache()
     offload = llm._built.connector.offload
     assert offload.stats().backups == (PROMPT_LEN + STEPS - 1) // 16   # every full block the request computed
-    loads = offload.lookup(llm.engine.kv.manager.block_hashes(KVRequest("x", prompt), (PROMPT_LEN - 1) // 16))
+    loads = offload.lookup(llm.engine.kv.index.block_hashes(KVRequest("x", prompt), (PROMPT_LEN - 1) // 16))
     assert len(loads) == (PROMPT_LEN - 1) // 16 and not any(ld.window for ld in loads)
     assert _check_against_transformers(windowed, llm, prompt) == first   # recomputed from the start, exact
     assert llm.kv_cache_stats().tier_hits.get("host", 0) == 0

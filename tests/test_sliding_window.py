@@ -16,50 +16,59 @@ import pytest
 import torch
 
 from kvpage.cache.groups import FullAttentionManager, SlidingWindowManager
-from kvpage.cache.groups.sliding import WindowSlotsExhaustedError, window_slots_for
-from kvpage.cache.manager import KVCacheManager, KVRequest
+from kvpage.cache.groups.sliding import WindowSlotsExhaustedError
+from kvpage.cache.kv_cache import KVCache
 from kvpage.cache.prefix_cache import PrefixBlockPool
-from kvpage.spec import CacheSpec
+from kvpage.cache.requests import KVRequest
+from kvpage.cache.step_plan import PassRequest
+from kvpage.spec import CacheSizing, CacheSpec
+
+from _kv_kinds import window_of
 
 BS, W = 4, 6  # a query reads its 6 last positions: blocks from (p - 5) // 4 on
 
 
-def _manager(num_blocks: int = 32, num_slots: int = 8) -> tuple[KVCacheManager, SlidingWindowManager]:
+def _manager(num_blocks: int = 32, num_slots: int = 8) -> tuple[KVCache, SlidingWindowManager]:
     spec = CacheSpec.build(num_layers=3, num_kv_heads=1, head_dim=8, block_size=BS, layer_windows=[W, None, W])
     assert spec.sliding is not None
     pool = PrefixBlockPool(num_blocks)
-    win = SlidingWindowManager(spec.sliding, num_slots, lambda b: pool.block_hash(b) is not None)
-    mgr = KVCacheManager(num_blocks, BS, groups=[FullAttentionManager(spec.main), win], pool=pool)
+    win = SlidingWindowManager(spec.sliding, num_slots, pool)
+    mgr = KVCache(num_blocks, BS, groups=[FullAttentionManager(spec.main, pool), win], pool=pool)
     return mgr, win
 
 
-def _check(win: SlidingWindowManager, mgr: KVCacheManager) -> None:
+def _check(win: SlidingWindowManager, mgr: KVCache) -> None:
     """Slot accounting is exact; every block a live request's window reaches holds a distinct slot."""
     assert win.num_free_slots + win.num_pinned_slots + win.num_cached_slots == win.num_slots
     slots = [win.slot_of(b) for b in range(mgr.num_blocks) if win.slot_of(b) is not None]
     assert len(slots) == len(set(slots)) == win.num_slots - win.num_free_slots
-    assert mgr.num_free_blocks + mgr.num_evictable_blocks + mgr.num_in_use_blocks == mgr.num_blocks
+    st = mgr.stats()
+    assert st.num_free + st.num_evictable + st.num_in_use == mgr.num_blocks
 
 
 def _req(rid: str, tokens: list[int]) -> KVRequest:
     return KVRequest(rid, list(tokens))
 
 
-def _run(mgr: KVCacheManager, win: SlidingWindowManager, req: KVRequest, upto: int) -> None:
+def _pass(mgr: KVCache, req: KVRequest, start: int, upto: int) -> None:
+    """The step's final pass over ``req``'s tokens ``[start, upto)`` (it releases the window slots that slid
+    out), committed, then its full blocks indexed."""
+    rid = req.request_id
+    mgr.commit(mgr.plan_pass([PassRequest(rid, start, upto - start, mgr.block_ids(rid))]))
+    mgr.cache(req, upto)
+
+
+def _run(mgr: KVCache, win: SlidingWindowManager, req: KVRequest, upto: int) -> None:
     """Admit (or extend) ``req`` to ``upto`` tokens as the scheduler and a final pass would, then index."""
-    held = mgr.num_tokens(req.request_id) if mgr.has_request(req.request_id) else None
-    if held is None:
-        m = mgr.match_prefix(req)
-        assert mgr.side_reserve(req, m.num_cached_tokens, upto - m.num_cached_tokens, m) is not None
-        assert mgr.allocate_slots(req, upto - m.num_cached_tokens, m) is not None
-        start = m.num_cached_tokens
+    mgr.begin_step()
+    if not mgr.has_request(req.request_id):
+        m = mgr.match(req)
+        start = m.num_computed_tokens
+        assert mgr.allocate(req, upto - start, m) is not None   # blocks and the window slots, promised
     else:
-        assert mgr.side_reserve(req, held, upto - held) is not None
-        assert mgr.allocate_slots(req, upto - held) is not None
-        start = held
-    win.advance(req.request_id, mgr.block_ids(req.request_id), start)  # the step's final pass
-    mgr.side_release()
-    mgr.cache_blocks(req, upto)
+        start = mgr.block_table(req.request_id).num_tokens
+        assert mgr.allocate(req, upto - start) is not None
+    _pass(mgr, req, start, upto)
     _check(win, mgr)
 
 
@@ -89,12 +98,12 @@ def test_prefix_hit_needs_the_window_of_its_end_and_shrinks_when_slots_were_evic
     mgr.free(a)
     # the window of a 28-token hit is blocks 5 and 6 ((28 - 5) // 4 = 5): held, so the whole hit is usable
     b = _req("b", tokens)
-    assert mgr.match_prefix(b).num_cached_tokens == 28
+    assert mgr.match(b).num_cached_tokens == 28
     # another request's new blocks take every free and cached slot: the hit loses its window, then shrinks
     c = _req("c", list(range(900, 932)))
     _run(mgr, win, c, 32)
     assert win.num_cached_slots == 0
-    m = mgr.match_prefix(b)
+    m = mgr.match(b)
     assert m.num_cached_tokens == 0       # no block of a's chain kept a slot
     mgr.free(c)
     _check(win, mgr)
@@ -115,9 +124,8 @@ def test_rollback_and_free_return_every_slot() -> None:
     mgr, win = _manager()
     a = _req("a", list(range(300, 340)))
     _run(mgr, win, a, 9)
-    assert mgr.side_reserve(a, 9, 8) is not None
-    mgr.allocate_slots(a, 8)              # 17 slots: 5 blocks, two of them for drafts
-    mgr.side_release()
+    mgr.begin_step()
+    assert mgr.allocate(a, 8) is not None  # 17 slots: 5 blocks, two of them for drafts (window slots promised)
     pinned = win.num_pinned_slots
     freed = mgr.rollback(a, 10)           # drafts rejected: blocks 3, 4 go back with their slots
     assert len(freed) == 2 and win.num_pinned_slots == pinned - 2
@@ -131,15 +139,24 @@ def test_rollback_and_free_return_every_slot() -> None:
 def test_promises_bound_what_a_step_may_take() -> None:
     mgr, win = _manager(num_slots=4)
     a, b = _req("a", list(range(40))), _req("b", list(range(500, 540)))
-    assert mgr.side_reserve(a, 0, 12) == (0, 3)   # 3 new blocks of the sliding group
-    assert mgr.side_reserve(b, 0, 8) is None      # 3 + 2 > 4 slots: nothing promised
-    assert mgr.side_reserve(b, 0, 4) == (0, 1)
-    mgr.side_release()
-    mgr.allocate_slots(a, 12)
-    mgr.allocate_slots(b, 4)
+    mgr.begin_step()
+    assert [g.slots_needed(a, (), 0, 12) for g in mgr.groups] == [(), (3,)]  # 3 new blocks of the sliding group
+    assert mgr.allocate(a, 12, mgr.match(a)) is not None
+    before = (mgr.stats(), win.num_free_slots, win.num_pinned_slots)
+    assert [g.slots_needed(b, (), 0, 8) for g in mgr.groups] == [(), (2,)]
+    assert not mgr.can_allocate(b, 8, mgr.match(b))
+    assert mgr.allocate(b, 8, mgr.match(b)) is None   # 3 + 2 > 4 slots: nothing promised, nothing allocated
+    assert not mgr.has_request("b") and (mgr.stats(), win.num_free_slots, win.num_pinned_slots) == before
+    assert [g.slots_needed(b, (), 0, 4) for g in mgr.groups] == [(), (1,)]
+    assert mgr.allocate(b, 4, mgr.match(b)) is not None
+    assert win.num_free_slots == 0 and win.num_pinned_slots == 4
     c = _req("c", list(range(700, 710)))
-    with pytest.raises(WindowSlotsExhaustedError, match="side_reserve"):
-        mgr.allocate_slots(c, 4)                   # allocated without a promise, and no slot left
+    mgr.begin_step()
+    assert mgr.allocate(c, 4, mgr.match(c)) is None    # its slot cannot be promised: no slot left
+    assert not mgr.has_request("c")
+    # and a table that grows without a promise (allocated past the cache's allocate) finds no slot
+    with pytest.raises(WindowSlotsExhaustedError, match=r"without promising its slots \(reserve\)"):
+        win.on_request_blocks("c", [30], 0)
 
 
 def test_random_operations_keep_exact_slot_accounting() -> None:
@@ -150,31 +167,25 @@ def test_random_operations_keep_exact_slot_accounting() -> None:
     prefixes = [list(range(1000 * k, 1000 * k + 40)) for k in range(3)]
     for step in range(400):
         op = rng.random()
+        mgr.begin_step()
         if op < 0.3 and len(live) < 3:
             rid = f"r{step}"
             base = rng.choice(prefixes)
             req = _req(rid, base[: rng.randint(5, 20)] + [rng.randint(5000, 6000) for _ in range(20)])
-            m = mgr.match_prefix(req)
+            m = mgr.match(req)
             n = min(len(req.all_token_ids), m.num_cached_tokens + rng.randint(1, 6)) - m.num_cached_tokens
-            if mgr.side_reserve(req, m.num_cached_tokens, n, m) is None or mgr.allocate_slots(req, n, m) is None:
-                mgr.side_release()
+            if mgr.allocate(req, n, m) is None:
                 continue
-            win.advance(rid, mgr.block_ids(rid), m.num_cached_tokens)
-            mgr.side_release()
-            mgr.cache_blocks(req, m.num_cached_tokens + n)
+            _pass(mgr, req, m.num_cached_tokens, m.num_cached_tokens + n)
             live[rid] = req
         elif op < 0.8 and live:
             rid = rng.choice(sorted(live))
-            req, held = live[rid], mgr.num_tokens(rid)
+            req, held = live[rid], mgr.block_table(rid).num_tokens
             if held >= len(req.all_token_ids):
                 mgr.free(req)
                 del live[rid]
-            elif mgr.side_reserve(req, held, 1) is not None and mgr.allocate_slots(req, 1) is not None:
-                win.advance(rid, mgr.block_ids(rid), held)
-                mgr.side_release()
-                mgr.cache_blocks(req, held + 1)
-            else:
-                mgr.side_release()
+            elif mgr.allocate(req, 1) is not None:
+                _pass(mgr, req, held, held + 1)
         elif op < 0.9 and live:
             rid = rng.choice(sorted(live))
             mgr.free(live.pop(rid))
@@ -182,7 +193,7 @@ def test_random_operations_keep_exact_slot_accounting() -> None:
             mgr.evict(rng.randint(1, 4))
         _check(win, mgr)
         for rid in live:                   # every block a live request's next query reads holds a slot
-            ids, t = mgr.block_ids(rid), mgr.num_tokens(rid)
+            ids, t = mgr.block_ids(rid), mgr.block_table(rid).num_tokens
             assert all(win.slot_of(b) is not None for b in ids[win.first_block(t):])
     for req in live.values():
         mgr.free(req)
@@ -193,11 +204,11 @@ def test_random_operations_keep_exact_slot_accounting() -> None:
 def test_window_slots_for_sizes_by_requests_that_fit() -> None:
     spec = CacheSpec.build(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, layer_windows=[1024, None])
     g = spec.sliding
-    assert g is not None
+    assert g is not None and g.kind.window_rows
     # 4096-token requests: 256 blocks each; a pool of 1,024 blocks holds 4 -> 4 windows of 65 blocks + one step
-    n = window_slots_for(g, num_blocks=1024, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048)
+    n = g.kind.window_slots(g, 1024, CacheSizing(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048))
     assert n == 4 * 65 + 128 + 5
-    assert window_slots_for(g, num_blocks=10, max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=16) == 10
+    assert g.kind.window_slots(g, 10, CacheSizing(max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=16)) == 10
 
 
 # -- through the engine ---------------------------------------------------------------------------------------
@@ -275,9 +286,9 @@ def test_a_pool_short_of_window_slots_defers_requests_and_every_one_finishes(gem
 
     llm = LLM(str(gemma), progress=False, kv_cache_dtype=fmt, block_size=16, max_num_seqs=6,
               max_num_batched_tokens=32, num_blocks=200)
-    win = next(g for g in llm._built.groups if isinstance(g, SlidingWindowManager))
+    win = window_of(llm._built.groups)
     refused = 0
-    reserve = win.side_reserve
+    reserve = win.reserve
 
     def counting(*a, **k) -> bool:
         nonlocal refused
@@ -285,7 +296,7 @@ def test_a_pool_short_of_window_slots_defers_requests_and_every_one_finishes(gem
         refused += not ok
         return ok
 
-    monkeypatch.setattr(win, "side_reserve", counting)
+    monkeypatch.setattr(win, "reserve", counting)
     gen = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=gen).tolist()}
                for n in torch.randint(20, 120, (10,), generator=gen)]
@@ -339,7 +350,7 @@ def test_all_windowed_model_allocates_window_slots_only(mistral: Path, monkeypat
 
 def test_all_windowed_budget_too_small_names_the_window(mistral: Path) -> None:
     from kvpage import LLM
-    from kvpage.engine.capacity import BudgetTooSmallError
+    from kvpage.cache.capacity import BudgetTooSmallError
 
     with pytest.raises(BudgetTooSmallError, match="32-token window"):
         LLM(str(mistral), progress=False, kv_cache_dtype="int8", block_size=16, kv_cache_memory_bytes=4096)

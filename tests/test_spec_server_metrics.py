@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpage.cache.manager import KVCacheManager
+from kvpage.cache.kv_cache import KVCache
 from kvpage.engine.speculative.metrics import SpecDecodingCounters, SpecDecodingStats
 from kvpage.server.metrics import ServerMetrics
 
@@ -16,7 +16,7 @@ def snapshot(spec: SpecDecodingStats | None, *, with_field: bool = True) -> Any:
     """An ``EngineStats``-shaped snapshot (duck-typed, hence ``Any``); ``with_field=False``: one from before
     ``spec_decoding`` existed."""
     snap = SimpleNamespace(num_running=0, num_waiting=0, kv_usage=0.0, num_preemptions=0, prompt_tokens=0,
-                           generation_tokens=0, kv=KVCacheManager(4, 4).stats())
+                           generation_tokens=0, kv=KVCache(4, 4).stats())
     if with_field:
         snap.spec_decoding = spec
     return snap

@@ -16,7 +16,8 @@ import pytest
 
 from kvpage import LLM, SamplingParams
 from kvpage.cache.controller import CacheAllocationError, CacheController
-from kvpage.cache.manager import KVCacheManager, KVRequest
+from kvpage.cache.kv_cache import KVCache
+from kvpage.cache.requests import KVRequest
 from kvpage.cli import build_parser
 from kvpage.server.metrics import ServerMetrics
 
@@ -141,7 +142,7 @@ def test_flipped_byte_in_a_disk_record_is_detected_recomputed_and_counted(smollm
     # flip one byte in the middle of the record of the prefix's third block
     store = writer.kv_connector.offload.stores[0][1]
     req = KVRequest("probe", _prompt(writer, QUESTIONS[0])["prompt_token_ids"])
-    KVCacheManager(1, writer.spec.block_size).match_prefix(req)  # computes req.block_hashes
+    KVCache(1, writer.spec.block_size).match(req)  # computes req.block_hashes
     path = store.path_for(store.key(req.block_hashes[2]))
     # The reference for "blocks 2.. recomputed" is the same store without that record: disk blocks 0-1,
     # the rest computed as one chunk. (The writer's cold prefill of the whole prompt is other arithmetic:
@@ -227,7 +228,7 @@ def test_bad_tier_arguments_fail_before_the_model_loads(kwargs: dict, match: str
 
 
 def test_tier_metrics_are_exported_from_engine_stats() -> None:
-    m = KVCacheManager(4, 4)
+    m = KVCache(4, 4)
     stats = m.stats()
     assert stats.tier_hits == {"device": 0} and stats.tiers is None
     from dataclasses import replace

@@ -1,8 +1,13 @@
-"""Host tier, in-flight copies and swap preemption (issue 5): cases C07-C11 through the KV-cache manager.
+"""Host tier, in-flight copies and swap preemption (issue 5): cases C07-C11 through the KV cache and both halves of
+the tier connector.
 
 Block contents are random bytes in every tensor (codes, scales, NaN payloads
-included), so every comparison is byte-exact. Copies that must stay in flight
-use an asynchronous :class:`TransferQueue`: the test completes them by hand.
+included), so every comparison is byte-exact. Every copy is a
+:class:`~kvpage.cache.step_plan.TransferOp` that the connector's worker half
+(:class:`TieredWorker`) performs and reports, driven through steps as the engine
+does (``tests/_tiers.py``). Copies that must stay in flight are issued and not
+yet reported: a worker built with ``load_delay`` performs loads that many reports
+late, and a save is in flight until its report is processed.
 Stores are real (a :class:`DiskStore` in a temp dir, a real ``redis-server``).
 """
 from __future__ import annotations
@@ -13,17 +18,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from _tiers import Tiers
 from kvpage.cache.controller import CacheAllocationError, CacheController
-from kvpage.cache.manager import KVCacheManager, KVRequest
+from kvpage.cache.kv_cache import KVCache
+from kvpage.cache.requests import KVRequest, KVUpdate
+from kvpage.cache.step_plan import TransferOp, TransferReport
 from kvpage.cache.tiers.connector import TieredConnector
-from kvpage.cache.tiers.host import HostTier, build_offload, host_blocks_for_swap_space
+from kvpage.cache.tiers.host import HostTier, TieredWorker, build_tiers, host_blocks_for_swap_space
 from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
 from kvpage.cache.tiers.offload import OffloadManager
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.cache.tiers.stores import DiskStore, open_store
-from kvpage.cache.tiers.transfer import TransferQueue, TransferState
+from kvpage.cache.tiers.transfer import Transfer, TransferQueue, TransferState
 from kvpage.errors import KVPageError, OutOfBlocksError
-from kvpage.engine.kv_cache import SchedulerKVCache
 from kvpage.formats import BlockFormat, TensorSpec, available_formats
 from kvpage.spec import CacheSpec
 
@@ -83,36 +90,34 @@ def assert_block_equal(a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int
         assert torch.equal(a[key], b[key]), f"layer {key[0]} tensor {key[1]} differs"
 
 
-def check(m: SchedulerKVCache) -> None:
-    """The manager's and the host pool's invariants."""
-    m.manager.pool.validate()
-    assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == m.num_blocks
-    if m.connector is not None and m.connector.offload.host is not None:
-        m.connector.offload.host.validate()
-
-
-def admit(m: SchedulerKVCache, req: KVRequest) -> tuple[tuple[int, ...], int]:
-    """Admit ``req`` for all its tokens; return its block table and the tokens served from the cache/tiers."""
-    match = m.match_prefix(req)
-    blocks = m.allocate_slots(req, len(req.all_token_ids) - match.num_computed_tokens, match)
-    assert blocks is not None
-    return blocks.block_ids, blocks.num_computed_tokens
+def check(t: Tiers) -> None:
+    """The cache's and the host pool's invariants."""
+    m = t.kv
+    m.pool.validate()
+    st = m.stats()
+    assert st.num_free + st.num_evictable + st.num_in_use == m.num_blocks
+    if t.offload.host is not None:
+        t.offload.host.validate()
 
 
 def tiered(spec: CacheSpec, num_blocks: int, host_blocks: int, *, policy: str = "write_through",
-           mode: str = "recompute", stores=(), queue: TransferQueue | None = None, clock=None,
-           threshold: int = 2) -> tuple[CacheController, OffloadManager, SchedulerKVCache]:
+           mode: str = "recompute", stores=(), load_delay: int = 0, clock=None,
+           threshold: int = 2) -> tuple[CacheController, OffloadManager, Tiers]:
+    """A device cache of ``num_blocks`` with a host tier of ``host_blocks`` and ``stores`` (``(name, store)`` pairs);
+    the worker performs loads ``load_delay`` reports late."""
     ctrl = make_controller(spec, num_blocks)
     ctrl.initialize_host_cache(host_blocks)
     kw = {} if clock is None else {"clock": clock}
-    off = OffloadManager(HostTier(ctrl), HostBlockPool(host_blocks), list(stores),
-                         OffloadConfig(policy, threshold, mode, load_deadline_s=5.0), queue, **kw)
-    return ctrl, off, with_tiers(num_blocks, off)
+    off = OffloadManager(spec.bytes_per_block, HostBlockPool(host_blocks), list(stores),
+                         OffloadConfig(policy, threshold, mode, load_deadline_s=5.0), **kw)
+    worker = TieredWorker(HostTier(ctrl), [s for _, s in stores], load_delay=load_delay)
+    return ctrl, off, with_tiers(ctrl, num_blocks, TieredConnector(off, BS), worker)
 
 
-def with_tiers(num_blocks: int, off: OffloadManager) -> SchedulerKVCache:
-    """The scheduler's KV cache: a device manager with the tier connector around it."""
-    return SchedulerKVCache(KVCacheManager(num_blocks, BS, record_block_changes=True), TieredConnector(off, BS))
+def with_tiers(ctrl: CacheController, num_blocks: int, connector: TieredConnector, worker: TieredWorker,
+               **kw) -> Tiers:
+    """The scheduler's KV cache with the connector's scheduler half, and its worker half over ``ctrl``."""
+    return Tiers(ctrl, KVCache(num_blocks, BS, connector=connector, **kw), connector, worker)
 
 
 def tokens(n: int, start: int = 100) -> list[int]:
@@ -120,27 +125,65 @@ def tokens(n: int, start: int = 100) -> list[int]:
 
 
 # -- the transfer queue and the host pool, on their own ----------------------------------------
+class _RecordingTier:
+    """Stands in for a :class:`HostTier` under a :class:`TieredWorker`: records each copy it performs."""
+
+    def __init__(self, ran: list[str]) -> None:
+        self.ran = ran
+
+    def device_to_host(self, device_ids, host_ids, window_rows=None, layers=None) -> None:  # noqa: ANN001
+        self.ran.append(f"d2h {list(device_ids)}->{list(host_ids)}")
+
+    def host_to_device(self, host_ids, device_ids, window_rows=None, layers=None) -> None:  # noqa: ANN001
+        self.ran.append(f"h2d {list(host_ids)}->{list(device_ids)}")
+
+
 def test_transfer_queue_states_and_late_completion() -> None:
+    """Transfers are data: the queue issues them (pending), the worker performs them, and only the worker's report,
+    once processed, acknowledges them (callbacks run once). A cancelled transfer's late report is ignored and the
+    worker, told to drop it, never performs it."""
     ran: list[str] = []
     acks: list[int] = []
-    q = TransferQueue(synchronous=False)
-    t1 = q.submit("device_to_host", [1], [2], 10, lambda: ran.append("t1"), lambda t: acks.append(t.transfer_id))
-    t2 = q.submit("host_to_device", [3], [4], 10, lambda: ran.append("t2"), lambda t: acks.append(t.transfer_id))
-    assert q.num_pending == 2 and not t1.done and ran == []
-    assert q.poll() == []  # nothing finished yet
-    assert t1.complete() and t1.state is TransferState.DONE and ran == ["t1"]
-    assert not t1.complete()  # idempotent: the copy ran once
-    assert acks == []  # done, not acknowledged
-    assert q.poll() == [t1] and t1.acknowledged and acks == [t1.transfer_id] and q.num_pending == 1
+    q = TransferQueue()
+    worker = TieredWorker(_RecordingTier(ran), load_delay=2)  # loads: performed and reported 2 reports late
+    def ack(t: Transfer) -> None:
+        acks.append(t.transfer_id)
+
+    t1 = q.submit(TransferOp(q.new_id(), "device_to_host", (1,), host_ids=(2,)), 10, ack)
+    t2 = q.submit(TransferOp(q.new_id(), "host_to_device", (3,), host_ids=(4,)), 10, ack)
+    assert q.num_pending == 2 and q.pending == (t1, t2) and t1.state is TransferState.PENDING and ran == []
+    assert q.acknowledge(TransferReport()) == []  # nothing finished yet
+    meta = q.take_metadata()
+    assert meta.ops == (t1.op, t2.op) and meta.cancelled == () and not q.take_metadata()  # handed out once, in order
+    worker.start_load_kv(meta)
+    assert ran == ["d2h [1]->[2]"] and worker.num_deferred == 1  # the save ran at once, the load waits
+    assert acks == [] and not t1.acknowledged  # done, not acknowledged
+    report = worker.get_finished()
+    assert report.done == (t1.transfer_id,) and ran == ["d2h [1]->[2]"]
+    assert q.acknowledge(report) == [t1] and t1.acknowledged and acks == [t1.transfer_id] and q.num_pending == 1
+    assert q.acknowledge(report) == [] and acks == [t1.transfer_id]  # idempotent: acknowledged once
     assert q.cancel(t2) and t2.cancelled and q.num_pending == 0
-    assert not t2.complete() and ran == ["t1"]  # a late completion is ignored: the copy never runs
-    assert not q.cancel(t2) and q.poll() == []
-    t3 = q.submit("store_to_device", [], [5], 10, lambda: ran.append("t3"))
-    q.wait()  # a blocking wait runs the deferred copy and acknowledges it
-    assert t3.acknowledged and ran == ["t1", "t3"]
-    sync = TransferQueue()
-    t4 = sync.submit("device_to_host", [0], [0], 1, lambda: ran.append("t4"), lambda t: acks.append(-1))
-    assert t4.acknowledged and ran[-1] == "t4" and acks[-1] == -1 and sync.num_pending == 0
+    meta = q.take_metadata()
+    assert meta.ops == () and meta.cancelled == (t2.transfer_id,)  # the worker is told to drop it ...
+    worker.start_load_kv(meta)
+    assert worker.num_deferred == 0 and worker.get_finished().done == () and worker.get_finished().done == ()
+    assert ran == ["d2h [1]->[2]"]  # ... so the copy never runs
+    assert q.acknowledge(TransferReport((t2.transfer_id,))) == [] and t2.cancelled  # a late completion is ignored
+    assert acks == [t1.transfer_id] and not q.cancel(t2) and q.acknowledge(TransferReport()) == []
+    t3 = q.submit(TransferOp(q.new_id(), "host_to_device", (5,), host_ids=(6,)), 10, lambda t: acks.append(-3))
+    assert q.cancel(t3) and not q.take_metadata()  # cancelled before it was handed out: the worker never hears of it
+    t4 = q.submit(TransferOp(q.new_id(), "host_to_device", (7,), host_ids=(8,)), 10, lambda t: acks.append(-4))
+    worker.start_load_kv(q.take_metadata())
+    assert worker.get_finished().done == () and ran == ["d2h [1]->[2]"]  # the deferred load has not run yet ...
+    report = worker.get_finished()  # ... its delay runs out: the worker performs it and reports it
+    assert report.done == (t4.transfer_id,) and ran[-1] == "h2d [8]->[7]" and not t4.acknowledged
+    assert q.acknowledge(report) == [t4] and t4.acknowledged and acks[-1] == -4
+    sync = TieredWorker(_RecordingTier(ran))  # load_delay=0: a load is performed as soon as it is handed out
+    t5 = q.submit(TransferOp(q.new_id(), "host_to_device", (0,), host_ids=(0,)), 1, lambda t: acks.append(-1))
+    sync.start_load_kv(q.take_metadata())
+    assert ran[-1] == "h2d [0]->[0]"
+    assert q.acknowledge(sync.get_finished()) == [t5] and t5.acknowledged and acks[-1] == -1 and q.num_pending == 0
+    assert -3 not in acks
 
 
 def _h(n: int) -> bytes:
@@ -187,13 +230,16 @@ def test_host_pool_states_lru_and_pins() -> None:
 def test_c07_scales_survive_host_tier_round_trip(fmt: str) -> None:
     """write_through backup to host, then a host hit loads into *different* device blocks; and the per-layer path."""
     spec = make_spec(fmt)
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4)
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=4)
+    m = t.kv
     req = KVRequest("a", tokens(3 * BS + 1))
-    table, hit = admit(m, req)
+    table, hit = t.admit(req)
     assert hit == 0 and len(table) == 4
     fill_random(ctrl.device_caches, list(table), seed=1)
     before = {b: block_bytes(ctrl.device_caches, b) for b in table[:3]}
-    m.cache_blocks(req, len(req.all_token_ids))  # write_through: three full blocks go to host
+    m.cache(req, len(req.all_token_ids))  # write_through: three full blocks go to host ...
+    assert off.host.num_writing == 3 and off.host.num_cached == 0  # ... issued, not written yet
+    t.settle()  # the worker copies them; the acknowledgement makes them readable
     host_ids = [off.host.lookup(h) for h in req.block_hashes[:3]]
     assert None not in host_ids and off.host.num_cached == 3
     for d, h in zip(table[:3], host_ids):  # device -> host: byte-identical
@@ -202,15 +248,15 @@ def test_c07_scales_survive_host_tier_round_trip(fmt: str) -> None:
     assert m.reset_prefix_cache() == 3  # device copies gone ...
     fill_random(ctrl.device_caches, list(range(8)), seed=2)  # ... and overwritten
     req2 = KVRequest("b", tokens(3 * BS + 2))
-    table2, hit2 = admit(m, req2)
+    table2, hit2 = t.admit(req2)
     assert hit2 == 3 * BS and m.stats().tier_hits == {"device": 0, "host": 3}
     assert set(table2[:3]).isdisjoint(table[:3]), "the blocks must come back into other device blocks"
     for d_old, d_new in zip(table[:3], table2[:3]):  # host -> device: byte-identical
         assert_block_equal(block_bytes(ctrl.device_caches, d_new), before[d_old], spec)
-    check(m)
+    check(t)
 
     # the per-layer path (layer-wise copies), draft layer first, in both directions
-    tier = off.mover
+    tier = t.worker.tier
     fill_random(ctrl.device_caches, [6], seed=3)
     src = block_bytes(ctrl.device_caches, 6)
     free_host = off.host.allocate(1)[0]  # a host block of our own for the manual copies
@@ -229,16 +275,21 @@ def test_c07_scales_survive_swap_preemption(fmt: str) -> None:
     spec = make_spec(fmt)
     ctrl = make_controller(spec, 8)
     sealed = any(isinstance(g.layer.format, BlockFormat) for g in spec.groups)
-    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, config=OffloadConfig(preemption_mode="swap"),
+    tiers = build_tiers(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, config=OffloadConfig(preemption_mode="swap"),
                         supports_swap=not sealed)
-    assert off is not None and off.host.num_blocks == 6
-    m = with_tiers(8, off)
+    assert tiers is not None
+    connector, worker = tiers
+    off = connector.offload
+    assert off.host.num_blocks == 6
+    t = with_tiers(ctrl, 8, connector, worker)
+    m = t.kv
     req = KVRequest("a", tokens(2 * BS + 2))  # two full blocks + a partial one
-    table, _ = admit(m, req)
+    table, _ = t.admit(req)
     fill_random(ctrl.device_caches, list(table), seed=4)
     before = [block_bytes(ctrl.device_caches, b) for b in table]
     computed = len(req.all_token_ids)
-    m.cache_blocks(req, computed)
+    m.cache(req, computed)
+    t.settle()  # the write_through backups of its two full blocks land
     m.reset_prefix_cache()  # nothing evictable yet: the request holds its blocks
     assert m.preempt(req, num_computed_tokens=computed)
     st = m.stats()
@@ -246,21 +297,24 @@ def test_c07_scales_survive_swap_preemption(fmt: str) -> None:
         assert st.tiers.swapped_out_blocks == 0 and off.config.preemption_mode == "recompute"
         return
     assert st.tiers.swapped_out_blocks == 3 and st.num_in_use == 0 and off.is_swapped("a")
+    t.settle()  # the worker performs the swap-out copy (before any pass can overwrite the freed blocks)
     m.reset_prefix_cache()  # evict its two cached full blocks from the device too
     fill_random(ctrl.device_caches, list(range(8)), seed=5)
     req.all_token_ids.append(7)  # it goes on where it stopped
-    match = m.match_prefix(req)
+    m.begin_step()
+    match = m.match(req)
     assert (match.num_cached_tokens, match.num_loaded_tokens, [ld.tier for ld in match.loads]) == \
         (0, computed, ["swap"] * 3)
-    blocks = m.allocate_slots(req, len(req.all_token_ids) - computed, match)
-    assert blocks is not None and blocks.num_computed_tokens == computed
+    blocks = m.allocate(req, len(req.all_token_ids) - computed, match)
+    assert blocks is not None and blocks.num_computed_tokens == computed and blocks.loading
+    assert t.settle().ready == ("a",) and not m.is_loading(req)  # the worker loads them back
     for old, new in zip(before, blocks.block_ids[:3]):
         assert_block_equal(block_bytes(ctrl.device_caches, new), old, spec)
     st = m.stats()
     # its swapped copies are free again; the write_through backups of its 2 full blocks stay cached
     assert (st.tiers.swapped_in_blocks, st.tiers.num_host_free, st.tiers.num_host_evictable, st.tiers.num_host_busy) == (3, 4, 2, 0)
     assert not off.is_swapped("a")
-    check(m)
+    check(t)
 
 
 # -- C08: host tier configured but a layer group cannot allocate host memory --------------------
@@ -283,7 +337,7 @@ def test_c08_host_tier_allocation_failure_stops_startup(fmt: str, monkeypatch: p
 
     monkeypatch.setattr(CacheController, "_allocate", failing)
     with pytest.raises(CacheAllocationError) as ei:
-        build_offload(ctrl, swap_space=5 * spec.bytes_per_block / 2**30)
+        build_tiers(ctrl, swap_space=5 * spec.bytes_per_block / 2**30)
     msg = str(ei.value)
     for part in ("host tier", f"layer {draft_layer}", "draft group", "5 blocks", "simulated"):
         assert part in msg, (part, msg)
@@ -302,38 +356,41 @@ def test_swap_space_sizing_and_bad_tier_arguments() -> None:
     with pytest.raises(ValueError, match="holds no block"):
         host_blocks_for_swap_space(ctrl, 1e-12)
     with pytest.raises(ValueError, match="kv_offload_policy must be one of"):
-        build_offload(ctrl, swap_space=0.001, config=OffloadConfig(write_policy="lazy"))
+        build_tiers(ctrl, swap_space=0.001, config=OffloadConfig(write_policy="lazy"))
     with pytest.raises(ValueError, match="preemption_mode must be one of"):
-        build_offload(ctrl, swap_space=0.001, config=OffloadConfig(preemption_mode="pause"))
+        build_tiers(ctrl, swap_space=0.001, config=OffloadConfig(preemption_mode="pause"))
     with pytest.raises(ValueError, match="needs a host tier"):
-        build_offload(ctrl, config=OffloadConfig(preemption_mode="swap"))
+        build_tiers(ctrl, config=OffloadConfig(preemption_mode="swap"))
     with pytest.raises(ValueError, match="write_through_threshold"):
         OffloadConfig(write_through_threshold=0)
-    assert build_offload(ctrl) is None  # no tier asked for: no offload manager at all
+    assert build_tiers(ctrl) is None  # no tier asked for: no connector at all
     assert ctrl.num_host_blocks == 0
 
 
 # -- C09: a host block with a device->host copy in flight is never reused -----------------------
 def test_c09_eviction_never_takes_a_host_block_with_a_copy_in_flight() -> None:
     spec = make_spec("int8")
-    q = TransferQueue(synchronous=False)
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, policy="write_back", queue=q)
-    host = off.host
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=4, policy="write_back")
+    m, q, host = t.kv, off.queue, off.host
     # request A: one full block; its backup to host is issued and stays in flight
     a = KVRequest("a", tokens(BS + 1, start=1000))
-    (a_dev, _), _ = admit(m, a)
+    (a_dev, _), _ = t.admit(a)
     fill_random(ctrl.device_caches, [a_dev], seed=6)
     a_bytes = block_bytes(ctrl.device_caches, a_dev)
-    m.cache_blocks(a, len(a.all_token_ids))
+    m.cache(a, len(a.all_token_ids))
     assert host.num_cached == 0 and q.num_pending == 0  # write_back: nothing before an eviction
     (a_host,) = off.backup([a_dev], [a.block_hashes[0]])
     (a_copy,) = q.pending
     assert host.state(a_host) is HostBlockState.WRITING
+    t.hand_out()  # the worker performs A's copy ...
+    a_report = t.worker.get_finished()  # ... and reports it; the report is not processed yet: still in flight
+    assert a_report.done == (a_copy.transfer_id,) and not a_copy.acknowledged
+    assert host.state(a_host) is HostBlockState.WRITING
     # request B: four full blocks, cached then released; evicting them needs 4 host blocks
     b = KVRequest("b", tokens(4 * BS + 1, start=2000))
-    b_table, _ = admit(m, b)
+    b_table, _ = t.admit(b)
     fill_random(ctrl.device_caches, list(b_table), seed=7)
-    m.cache_blocks(b, len(b.all_token_ids))
+    m.cache(b, len(b.all_token_ids))
     m.free(b)
     with pytest.raises(OutOfBlocksError):
         host.allocate(4)  # only 3 of the 4 host blocks can be taken
@@ -341,33 +398,33 @@ def test_c09_eviction_never_takes_a_host_block_with_a_copy_in_flight() -> None:
     st = off.stats()
     assert (st.backups, st.backups_dropped) == (1 + 3, 1)
     assert host.state(a_host) is HostBlockState.WRITING  # A's host block was not taken
-    assert all(a_host not in t.dst for t in q.pending if t is not a_copy)
+    assert all(a_host not in x.op.host_ids for x in q.pending if x is not a_copy)
     assert (host.num_free, host.num_evictable, host.num_busy) == (0, 0, 4)
-    # the copy of A completes (by hand) and is acknowledged: A is now readable in the host tier
-    assert a_copy.complete()
-    q.poll()
+    # the report of A's copy is processed: A is now readable in the host tier
+    t.poll(a_report)
+    assert a_copy.acknowledged
     assert host.lookup(a.block_hashes[0]) == a_host and host.state(a_host) is HostBlockState.CACHED
     assert_block_equal(block_bytes(ctrl.host_caches, a_host), a_bytes, spec)
-    q.wait()  # the other three land too
+    t.settle()  # the other three are performed and land too
     assert (host.num_free, host.num_evictable, host.num_busy) == (0, 4, 0)
-    check(m)
+    check(t)
 
 
 def test_c09_swapped_blocks_dropped_during_their_copy_wait_for_the_acknowledgement() -> None:
     spec = make_spec("fp8")
-    q = TransferQueue(synchronous=False)
-    ctrl, off, m = tiered(spec, num_blocks=6, host_blocks=3, mode="swap", queue=q)
+    ctrl, off, t = tiered(spec, num_blocks=6, host_blocks=3, mode="swap")
+    m = t.kv
     req = KVRequest("a", tokens(2 * BS + 1))
-    admit(m, req)
+    t.admit(req)
     assert m.preempt(req, num_computed_tokens=2 * BS + 1)
-    (copy,) = q.pending
+    (copy,) = off.queue.pending
     assert off.host.num_busy == 3
     m.free(req)  # aborted while waiting: its host blocks are still being written
     assert off.host.num_busy == 3 and off.host.num_free == 0
-    copy.complete()
-    q.poll()
+    t.settle()  # the worker performs the copy; its acknowledgement frees them
+    assert copy.acknowledged
     assert off.host.num_free == 3 and off.host.num_busy == 0
-    check(m)
+    check(t)
 
 
 # -- C10: blocks loading for an aborted request ----------------------------------------------------
@@ -381,11 +438,12 @@ class FakeClock:
 
 def _store_with_prefix(spec: CacheSpec, directory: Path, req: KVRequest, n_blocks: int) -> DiskStore:
     """A disk store holding the first ``n_blocks`` blocks of ``req`` (written by another engine)."""
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=1, stores=[("disk", DiskStore(directory, spec))])
-    table, _ = admit(m, req)
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=1, stores=[("disk", DiskStore(directory, spec))])
+    table, _ = t.admit(req)
     fill_random(ctrl.device_caches, list(table), seed=8)
-    m.cache_blocks(req, n_blocks * BS)
-    m.free(req)
+    t.kv.cache(req, n_blocks * BS)
+    t.settle()  # the worker writes them through to the store
+    t.kv.free(req)
     store = off.stores[0][1]
     assert store.stats.puts == n_blocks
     return DiskStore(directory, spec)
@@ -397,86 +455,97 @@ def test_c10_aborted_request_blocks_wait_for_their_load(ending: str, tmp_path: P
     prompt = tokens(4 * BS + 1, start=500)
     store = _store_with_prefix(spec, tmp_path, KVRequest("writer", list(prompt)), 4)
     clock = FakeClock()
-    q = TransferQueue(synchronous=False)
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=2, stores=[("disk", store)], queue=q, clock=clock)
+    # the worker reports the load at its 3rd report after it was handed it; a slower one never before the deadline
+    delay = 3 if ending == "load_completes" else 10
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=2, stores=[("disk", store)], load_delay=delay, clock=clock)
+    m = t.kv
     sentinel = {b: block_bytes(ctrl.device_caches, b) for b in range(8)}
     req = KVRequest("r", list(prompt))
-    match = m.match_prefix(req)
+    m.begin_step()
+    match = m.match(req)
     assert [ld.tier for ld in match.loads] == ["disk"] * 4
-    blocks = m.allocate_slots(req, 1, match)
-    assert blocks is not None and blocks.num_computed_tokens == 4 * BS
+    blocks = m.allocate(req, 1, match)
+    assert blocks is not None and blocks.num_computed_tokens == 4 * BS and blocks.loading
     loading = list(blocks.block_ids[:4])
-    (load,) = q.pending
-    assert m.is_loading(req) and m.manager.pool.num_cached == 0  # C18: not indexed before the KV is there
+    (load,) = off.queue.pending
+    assert t.step() == KVUpdate()  # handed to the worker (its 1st report): in flight
+    assert m.is_loading(req) and m.pool.num_cached == 0  # C18: not indexed before the KV is there
     m.free(req)  # aborted while its 4 blocks load
     st = m.stats()
     assert (st.num_in_use, st.tiers.num_held_blocks, st.num_free) == (4, 4, 4)
-    taken = m.manager.pool.allocate(4)  # every other block can be handed out; the loading ones cannot
-    assert not set(loading) & set(taken) and m.manager.pool.num_free == 0
-    m.manager.pool.release(taken)
+    taken = m.pool.allocate(4)  # every other block can be handed out; the loading ones cannot
+    assert not set(loading) & set(taken) and m.pool.num_free == 0
+    m.pool.release(taken)
     clock.now += 4.9
-    m.poll()
+    t.poll()  # 2nd report
     assert m.stats().tiers.num_held_blocks == 4  # neither completed nor past the deadline
     if ending == "load_completes":
-        load.complete()
-        m.poll()
+        t.poll()  # 3rd report: the worker performs the load and reports it
         assert load.acknowledged
     else:
         clock.now += 0.2  # past the 5 s deadline
-        m.poll()
+        t.poll()  # 3rd report: the worker has not performed it
         assert load.cancelled
-        assert not load.complete()  # the late completion is ignored, no error ...
-        m.poll()
+        plan = t.hand_out()
+        assert plan.connector.cancelled == (load.transfer_id,) and t.worker.num_deferred == 0  # told to drop it
+        for _ in range(delay):
+            t.poll()
+        t.poll(TransferReport((load.transfer_id,)))  # a late completion is ignored, no error ...
+        assert load.cancelled
         for b in loading:  # ... and never writes into blocks that went back to the pool
             assert_block_equal(block_bytes(ctrl.device_caches, b), sentinel[b], spec)
     st = m.stats()
     assert (st.num_in_use, st.tiers.num_held_blocks, st.num_free, st.num_evictable) == (0, 0, 8, 0)
-    assert m.manager.pool.num_cached == 0
-    check(m)
+    assert m.pool.num_cached == 0
+    check(t)
 
 
 def test_c10_host_loads_release_their_pins_on_completion_or_deadline() -> None:
     spec = make_spec("bfloat16")
     clock = FakeClock()
-    q = TransferQueue(synchronous=False)
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, queue=q, clock=clock)
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=4, clock=clock, load_delay=10)  # slower than the deadline
+    m = t.kv
     first = KVRequest("a", tokens(2 * BS + 1))
-    admit(m, first)
-    m.cache_blocks(first, 2 * BS)
-    q.wait()  # its backups land
+    t.admit(first)
+    m.cache(first, 2 * BS)
+    t.settle()  # its backups land
     m.free(first)
     m.reset_prefix_cache()
     req = KVRequest("b", tokens(2 * BS + 1))
-    blocks = m.allocate_slots(req, 1, m.match_prefix(req))
+    m.begin_step()
+    blocks = m.allocate(req, 1, m.match(req))
     assert blocks is not None and blocks.num_computed_tokens == 2 * BS
     assert off.host.num_busy == 2  # both host sources pinned by the load
+    t.step()  # handed to the worker, not performed
     m.free(req)
     clock.now += 10
-    m.poll()
-    assert off.host.num_busy == 0 and off.host.num_evictable == 2 and m.num_in_use_blocks == 0
-    check(m)
+    t.poll()
+    assert off.host.num_busy == 0 and off.host.num_evictable == 2 and m.stats().num_in_use == 0
+    check(t)
 
 
 def test_load_finishing_indexes_the_loaded_blocks_only_then() -> None:
     spec = make_spec("int8")
-    q = TransferQueue(synchronous=False)
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, queue=q)
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=4, load_delay=2)
+    m = t.kv
     a = KVRequest("a", tokens(2 * BS + 1))
-    admit(m, a)
-    m.cache_blocks(a, 2 * BS + 1)
-    q.wait()
+    t.admit(a)
+    m.cache(a, 2 * BS + 1)
+    t.settle()
     m.free(a)
     m.reset_prefix_cache()
     b = KVRequest("b", tokens(3 * BS))
-    blocks = m.allocate_slots(b, BS, m.match_prefix(b))
-    assert blocks.num_computed_tokens == 2 * BS
-    assert m.cache_blocks(b, 2 * BS) == 0 and m.manager.pool.num_cached == 0  # loads in flight: nothing indexed
+    m.begin_step()
+    blocks = m.allocate(b, BS, m.match(b))
+    assert blocks.num_computed_tokens == 2 * BS and blocks.loading
+    assert t.step() == KVUpdate() and m.is_loading(b)  # handed to the worker, not reported yet
+    assert m.cache(b, 2 * BS) == 0 and m.pool.num_cached == 0  # loads in flight: nothing indexed
     other = KVRequest("c", tokens(2 * BS + 1))
-    assert m.match_prefix(other).block_ids == ()  # no device hit on blocks still loading
-    m.wait_for_loads([b])
-    assert not m.is_loading(b) and m.manager.pool.num_cached == 2
-    assert m.match_prefix(other).block_ids == blocks.block_ids[:2]
-    check(m)
+    assert m.match(other).block_ids == ()  # no device hit on blocks still loading
+    assert t.poll().ready == ("b",)  # the worker's next report: the loads landed
+    assert not m.is_loading(b) and m.pool.num_cached == 2
+    assert m.match(other).block_ids == blocks.block_ids[:2]
+    check(t)
 
 
 # -- write policies --------------------------------------------------------------------------------
@@ -485,66 +554,77 @@ def test_load_finishing_indexes_the_loaded_blocks_only_then() -> None:
 def test_write_policies_back_up_at_the_right_moment(policy: str, after_cache: int, after_hit: int,
                                                     after_evict: int) -> None:
     spec = make_spec("fp8")
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, policy=policy)
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=4, policy=policy)
+    m = t.kv
     a = KVRequest("a", tokens(2 * BS + 1))
-    admit(m, a)
-    m.cache_blocks(a, 2 * BS + 1)
+    t.admit(a)
+    m.cache(a, 2 * BS + 1)
+    t.settle()  # the worker performs what the policy issued
     m.free(a)
     assert off.host.num_cached == after_cache
     b = KVRequest("b", tokens(2 * BS + 3))
-    _, hit = admit(m, b)  # a device hit: the blocks' second use
+    _, hit = t.admit(b)  # a device hit: the blocks' second use
     assert hit == 2 * BS and m.stats().tier_hits["device"] == 2
     assert off.host.num_cached == after_hit
     m.free(b)
     m.reset_prefix_cache()
+    t.settle()
     assert off.host.num_cached == after_evict
     assert m.stats().tiers.tier_bytes["device_to_host"] == 2 * spec.bytes_per_block
-    check(m)
+    check(t)
 
 
 def test_selective_threshold_is_configurable() -> None:
     spec = make_spec("int8")
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=4, policy="write_through_selective", threshold=3)
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=4, policy="write_through_selective", threshold=3)
     for i in range(3):
         r = KVRequest(f"r{i}", tokens(BS + 1))
-        admit(m, r)
-        m.cache_blocks(r, BS + 1)
-        m.free(r)
+        t.admit(r)
+        t.kv.cache(r, BS + 1)
+        t.settle()
+        t.kv.free(r)
         assert off.host.num_cached == (1 if i == 2 else 0)
 
 
 def test_host_tier_full_of_pinned_blocks_drops_backups_and_counts_them() -> None:
     spec = make_spec("int8")
-    q = TransferQueue(synchronous=False)
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=2, queue=q)
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=2)
     r = KVRequest("a", tokens(3 * BS + 1))
-    admit(m, r)
-    m.cache_blocks(r, 3 * BS + 1)
+    t.admit(r)
+    t.kv.cache(r, 3 * BS + 1)
     st = off.stats()
     assert (st.backups, st.backups_dropped, st.num_host_busy) == (2, 1, 2)
-    q.wait()
+    t.settle()
     assert off.host.num_cached == 2
 
 
 # -- stores behind the host tier -------------------------------------------------------------------
 def test_store_miss_at_read_time_cuts_the_loaded_run(tmp_path: Path) -> None:
+    """A store record gone between the probe and the read: the worker writes the blocks before it and reports
+    how many; the poll returns the request as cut short, and it computes the rest from there in the next step."""
     spec = make_spec("int8")
     prompt = tokens(4 * BS + 1, start=900)
     store = _store_with_prefix(spec, tmp_path, KVRequest("w", list(prompt)), 4)
-    ctrl, off, m = tiered(spec, num_blocks=8, host_blocks=2, stores=[("disk", store)])
+    ctrl, off, t = tiered(spec, num_blocks=8, host_blocks=2, stores=[("disk", store)])
+    m = t.kv
     req = KVRequest("r", list(prompt))
-    match = m.match_prefix(req)
+    m.begin_step()
+    match = m.match(req)
     assert match.num_computed_tokens == 4 * BS
     victim = store.path_for(store.key(req.block_hashes[2]))
     victim.unlink()  # gone between the probe and the read (another process, the LRU cap)
-    blocks = m.allocate_slots(req, 1, match)
-    assert blocks.num_computed_tokens == 2 * BS  # blocks 0-1 loaded, 2-3 are recomputed
-    assert len(blocks.block_ids) == 5 and m.manager.pool.num_cached == 2
-    assert blocks.num_tokens == 2 * BS + 1  # slots from what arrived; the blocks for the rest are its already
-    more = m.allocate_slots(req, 2 * BS)  # the scheduler widens the chunk by the shortfall: no new block
-    assert more.new_block_ids == () and more.num_tokens == 4 * BS + 1
+    blocks = m.allocate(req, 1, match)
+    assert blocks.num_computed_tokens == 4 * BS and blocks.loading  # the miss is found when the worker reads
+    assert len(blocks.block_ids) == 5
+    update = t.step()
+    assert update.cut_short == {"r": 2 * BS} and update.ready == ()  # blocks 0-1 loaded, 2-3 are recomputed
+    assert not m.is_loading(req) and m.pool.num_cached == 2
+    assert m.block_table("r").num_tokens == 2 * BS  # slots down to what arrived; the blocks for the rest stay its
+    m.begin_step()  # the next step computes from where its KV ends: the chunk widens by the shortfall, no new block
+    more = m.allocate(req, len(req.all_token_ids) - 2 * BS, num_computed=2 * BS)
+    assert more.new_block_ids == () and more.num_tokens == 4 * BS + 1 and more.block_ids == blocks.block_ids
     assert m.stats().tier_hits["disk"] == 2 and m.stats().prefix_hits == 2 * BS
-    check(m)
+    check(t)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -554,12 +634,14 @@ def test_c11_block_round_trips_every_tier_through_the_manager(fmt: str, tmp_path
     spec = make_spec(fmt, kv_heads=2, head_dim=128)
     disk, redis = DiskStore(tmp_path, spec), open_store(redis_url, spec)
     try:
-        ctrl, off, m = tiered(spec, num_blocks=6, host_blocks=2, stores=[("disk", disk), ("redis", redis)])
+        ctrl, off, t = tiered(spec, num_blocks=6, host_blocks=2, stores=[("disk", disk), ("redis", redis)])
+        m = t.kv
         req = KVRequest("w", tokens(BS + 1))
-        (blk, _), _ = admit(m, req)
+        (blk, _), _ = t.admit(req)
         fill_random(ctrl.device_caches, [blk], seed=9)
         want = block_bytes(ctrl.device_caches, blk)
-        m.cache_blocks(req, BS + 1)
+        m.cache(req, BS + 1)
+        t.settle()  # the worker writes it to the host tier and both stores
         m.free(req)
         assert disk.stats.puts == redis.stats.puts == 1
         for tier in ("host", "disk", "redis"):
@@ -571,14 +653,14 @@ def test_c11_block_round_trips_every_tier_through_the_manager(fmt: str, tmp_path
             if tier == "redis":
                 disk.clear()
             r = KVRequest(f"r-{tier}", tokens(BS + 1))
-            match = m.match_prefix(r)
+            match = m.match(r)
             assert [ld.tier for ld in match.loads] == [tier]
-            (got, _), computed = admit(m, r)
+            (got, _), computed = t.admit(r)
             assert computed == BS and m.stats().tier_hits[tier] >= 1
             assert_block_equal(block_bytes(ctrl.device_caches, got), want, spec)
             m.free(r)
         assert disk.stats.rejected == redis.stats.rejected == 0
-        check(m)
+        check(t)
     finally:
         redis.close()
 
@@ -594,9 +676,10 @@ def _slot_value(tokens_: list[int], t: int) -> float:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Path) -> None:
-    """Admit / compute / decode / finish / abort / preempt (swap) / evict / complete copies in random order with
-    an asynchronous queue: every slot a request gets from the device, the host tier, the disk or its swapped copy
-    holds exactly the value its prefix computes, and the block counts always add up."""
+    """Admit / compute / decode / finish / abort / preempt (swap) / evict / hand the worker the step's transfers /
+    poll its report / tick in random order, with a worker that performs loads two reports late: every slot a
+    request gets from the device, the host tier, the disk or its swapped copy holds exactly the value its prefix
+    computes, and the block counts always add up."""
     import random
 
     rng = random.Random(seed)
@@ -604,10 +687,10 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
                            num_draft_layers=1, model_name="random-ops")
     policy = ["write_through", "write_through_selective", "write_back"][seed % 3]
     clock = FakeClock()
-    q = TransferQueue(synchronous=False)
     stores = [("disk", DiskStore(tmp_path, spec))] if seed % 2 else []
-    ctrl, off, m = tiered(spec, num_blocks=10, host_blocks=6, policy=policy, mode="swap", queue=q, clock=clock,
+    ctrl, off, t = tiered(spec, num_blocks=10, host_blocks=6, policy=policy, mode="swap", load_delay=2, clock=clock,
                           stores=stores)
+    m = t.kv
     waiting: list[KVRequest] = []
     running: dict[str, KVRequest] = {}
     computed: dict[str, int] = {}
@@ -628,7 +711,6 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
         return n
 
     def compute(req: KVRequest) -> None:
-        m.fence()  # as the engine does before a forward pass
         nonlocal checked
         checked += verify(req)
         lo, hi = computed[req.request_id], len(req.all_token_ids)
@@ -637,7 +719,17 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
             for name in ("key", "value"):
                 layer[name].view(-1, 1, 2)[slots(req, lo, hi)] = vals.view(-1, 1, 1).expand(-1, 1, 2)
         computed[req.request_id] = hi
-        m.cache_blocks(req, hi)
+        m.cache(req, hi)
+
+    def poll() -> None:
+        t.hand_out()  # the step's transfers and cancellations reach the worker before it reports again
+        update = t.poll()
+        assert update.recompute == ()
+        for rid, n in update.cut_short.items():  # a store record missed at read time: compute from where it ends
+            req = running[rid]
+            computed[rid] = n
+            more = m.allocate(req, len(req.all_token_ids) - n, num_computed=n)
+            assert more is not None and more.new_block_ids == ()
 
     for _ in range(800):
         op = rng.choice(["new", "admit", "admit", "compute", "compute", "decode", "finish", "abort", "preempt",
@@ -648,25 +740,23 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
             n_req += 1
         elif op == "admit" and waiting:
             req = waiting[0]
-            match = m.match_prefix(req)
-            blocks = m.allocate_slots(req, len(req.all_token_ids) - match.num_computed_tokens, match)
+            match = m.match(req)
+            blocks = m.allocate(req, len(req.all_token_ids) - match.num_computed_tokens, match)
             if blocks is None:
                 continue
             waiting.pop(0)
             computed[req.request_id] = blocks.num_computed_tokens
-            short = match.num_computed_tokens - blocks.num_computed_tokens
-            if short:
-                assert m.allocate_slots(req, short).new_block_ids == ()
             running[req.request_id] = req
         elif op == "compute" and running:
             req = running[rng.choice(sorted(running))]
-            if computed[req.request_id] < len(req.all_token_ids):
+            poll()  # as the engine does before a forward pass: the worker performs the step's transfers, then reports
+            if computed[req.request_id] < len(req.all_token_ids) and not m.is_loading(req):  # its KV has arrived
                 compute(req)
         elif op == "decode" and running:
             req = running[rng.choice(sorted(running))]
-            if computed[req.request_id] == len(req.all_token_ids):
+            if computed[req.request_id] == len(req.all_token_ids) and not m.is_loading(req):
                 req.all_token_ids.append(rng.randrange(4))
-                if m.allocate_slots(req, 1) is None:
+                if m.allocate(req, 1) is None:
                     req.all_token_ids.pop()
         elif op in ("finish", "abort") and running:
             rid = rng.choice(sorted(running))
@@ -678,13 +768,13 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
             waiting.insert(0, req)
         elif op == "evict":
             m.evict(rng.randrange(1, 4))
-        elif op == "complete" and q.pending:
-            q.pending[0].complete()  # one copy stream: the oldest copy finishes first
+        elif op == "complete":
+            t.hand_out()  # the worker performs the saves issued so far; the loads start their delay
         elif op == "poll":
-            m.poll()
+            poll()
         elif op == "tick":
             clock.now += rng.choice([0.5, 3.0])
-        check(m)
+        check(t)
         st = m.stats()
         assert st.num_free + st.num_evictable + st.num_in_use == 10
     # drain: everything finishes, every copy lands or expires, nothing leaks
@@ -693,14 +783,13 @@ def test_random_operations_keep_kv_and_accounting_exact(seed: int, tmp_path: Pat
     for req in waiting:
         m.free(req)
     clock.now += 10
-    m.fence()
-    m.poll()
+    t.settle()
     st = m.stats()
     assert (st.num_in_use, st.tiers.num_held_blocks, st.tiers.pending_transfers, st.tiers.num_host_busy) == (0, 0, 0, 0)
     assert checked > 50  # the checks really ran, on KV from the device, the host tier, swap-ins (and the disk)
     assert st.tier_hits["device"] > 0 and st.tier_hits["host"] > 0 and st.tiers.swapped_in_blocks > 0
     assert st.tier_hits.get("disk", 0) > 0 or not stores
-    check(m)
+    check(t)
 
 
 def test_swap_preemption_comes_back_with_prefix_caching_off() -> None:
@@ -709,24 +798,29 @@ def test_swap_preemption_comes_back_with_prefix_caching_off() -> None:
     refactored match gated the whole connector on caching and recomputed such requests instead."""
     spec = make_spec("bfloat16")
     ctrl = make_controller(spec, 8)
-    off = build_offload(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, config=OffloadConfig(preemption_mode="swap"))
-    assert off is not None
-    m = SchedulerKVCache(KVCacheManager(8, BS, enable_caching=False, record_block_changes=True),
-                         TieredConnector(off, BS))
+    tiers = build_tiers(ctrl, swap_space=6 * spec.bytes_per_block / 2**30, config=OffloadConfig(preemption_mode="swap"))
+    assert tiers is not None
+    connector, worker = tiers
+    off = connector.offload
+    t = with_tiers(ctrl, 8, connector, worker, enable_caching=False)
+    m = t.kv
     req = KVRequest("a", tokens(2 * BS + 2))
-    table, _ = admit(m, req)
+    table, _ = t.admit(req)
     fill_random(ctrl.device_caches, list(table), seed=6)
     before = [block_bytes(ctrl.device_caches, b) for b in table]
     computed = len(req.all_token_ids)
     assert m.preempt(req, num_computed_tokens=computed) and off.is_swapped("a")
+    t.settle()  # the worker performs the swap-out copy before anything overwrites the freed blocks
     fill_random(ctrl.device_caches, list(range(8)), seed=7)
     req.all_token_ids.append(7)
-    match = m.match_prefix(req)
+    m.begin_step()
+    match = m.match(req)
     assert (match.num_cached_tokens, match.num_loaded_tokens, [ld.tier for ld in match.loads]) == \
         (0, computed, ["swap"] * 3)
-    blocks = m.allocate_slots(req, len(req.all_token_ids) - computed, match)
+    blocks = m.allocate(req, len(req.all_token_ids) - computed, match)
     assert blocks is not None and blocks.num_computed_tokens == computed
+    assert t.settle().ready == ("a",)
     for old, new in zip(before, blocks.block_ids[:3]):
         assert_block_equal(block_bytes(ctrl.device_caches, new), old, spec)
-    assert m.stats().tiers.swapped_in_blocks == 3 and m.manager.pool.num_cached == 0  # nothing indexed
-    check(m)
+    assert m.stats().tiers.swapped_in_blocks == 3 and m.pool.num_cached == 0  # nothing indexed
+    check(t)

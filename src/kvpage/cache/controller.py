@@ -13,7 +13,7 @@ tensor (see :mod:`kvpage.formats.base` for the per-block layout).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +89,7 @@ class CacheController:
         self.num_device_blocks = 0
         self.num_host_blocks = 0
         self.window_layers: frozenset[int] = frozenset()
+        self._plan: tuple[int, dict[str, int]] | None = None  # (blocks, group rows) of allocate_device
 
     # -- sizing ------------------------------------------------------------------------------
     def num_blocks_for_budget(self, budget_bytes: int, groups: Iterable[str] | None = None) -> BlockBudget:
@@ -152,7 +153,7 @@ class CacheController:
         Args:
             num_blocks: blocks per layer (``num_gpu_blocks``).
             group_blocks: group name -> rows of its layers' tensors when not ``num_blocks`` (the window slots of
-                a bounded sliding-window group, :func:`~kvpage.cache.groups.window_slots_for`).
+                a group whose kind keeps them, :meth:`~kvpage.spec.GroupKind.window_slots`).
 
         Returns:
             global layer index -> tensors, for the model's groups.
@@ -174,6 +175,43 @@ class CacheController:
         self.window_layers = frozenset(i for g in self.spec.model_groups if g.name in rows for i in g.layer_indices)
         self.num_device_blocks = num_blocks
         return caches
+
+    def allocate_device(self, num_blocks: int, rows: Mapping[str, int] | None = None) -> dict[int, LayerCache]:
+        """Allocate every layer group's device tensors, the model's groups then draft layers (:meth:`initialize_kv_cache`,
+        :meth:`initialize_draft_kv_cache`), and remember the plan so :meth:`reallocate_device` allocates the same.
+
+        Args:
+            num_blocks: device blocks.
+            rows: group name -> rows of its layers' tensors when they are not ``num_blocks`` (the window slots of a
+                group whose kind keeps them, :meth:`~kvpage.spec.GroupKind.rows`).
+
+        Returns:
+            :attr:`device_caches`: global layer index -> that layer's tensors (this dict is updated in place by a
+            re-allocation, so holders of it see the new tensors).
+
+        Raises:
+            CacheAllocationError: a tensor could not be allocated (names the layer and group).
+        """
+        self._plan = (num_blocks, dict(rows or {}))
+        self.initialize_kv_cache(num_blocks, rows)
+        if self.spec.draft is not None:
+            self.initialize_draft_kv_cache(num_blocks)
+        return self.device_caches
+
+    def reallocate_device(self) -> dict[int, LayerCache]:
+        """Free the device tensors and allocate them afresh from the same plan as :meth:`allocate_device` (same
+        blocks, same window slots: the bytes the build allocated, the layers the tiers address by window slot).
+
+        Raises:
+            RuntimeError: nothing was allocated with :meth:`allocate_device` yet.
+            CacheAllocationError: as :meth:`allocate_device`.
+        """
+        if self._plan is None:
+            raise RuntimeError("reallocate_device() before allocate_device()")
+        num_blocks, rows = self._plan
+        for cache in self.device_caches.values():
+            cache.clear()  # drop the old tensors before the new ones take their memory
+        return self.allocate_device(num_blocks, rows)
 
     def initialize_draft_kv_cache(
         self, num_blocks: int, num_draft_layers: int | None = None, layer_offset: int | None = None
@@ -287,28 +325,20 @@ class CacheController:
             torch.cuda.synchronize(self.device)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]],
-                    window_rows: Callable[[Sequence[int]], list[int | None]] | None = None) -> None:
+                    window_pairs: Sequence[tuple[int, int]] | None = None) -> None:
         """Copy whole device blocks ``source -> destination`` in every allocated layer: K, V and every scale, main,
-        sliding and draft layers (copy-on-write of a forked block).
+        sliding and draft layers (copy-on-write of a forked block, as a step plan names it).
 
         Args:
-            pairs: ``(source, destination)`` block ids.
-            window_rows: block ids -> their window slots in the :attr:`window_layers` (a bounded sliding-window
-                group's :meth:`~kvpage.cache.groups.SlidingWindowManager.window_rows`); a pair either side of
-                which holds no slot is skipped there. Required when there are window layers.
+            pairs: ``(source, destination)`` block ids, for every layer whose rows are block ids.
+            window_pairs: the same copies in the :attr:`window_layers`' rows (window slots), for the pairs both of
+                whose blocks hold one (:attr:`~kvpage.cache.step_plan.KVStepPlan.window_copies`).
 
         Raises:
-            ValueError / IndexError: a destination repeated, ids out of range, no ``window_rows`` for window layers.
+            ValueError / IndexError: a destination repeated, ids out of range.
         """
-        slotted: list[tuple[int | None, int | None]] = []
-        if self.window_layers:
-            if window_rows is None:
-                raise ValueError(f"layers {sorted(self.window_layers)} keep their rows in window slots: pass "
-                                 "window_rows")
-            slotted = list(zip(window_rows([a for a, _ in pairs]), window_rows([b for _, b in pairs])))
         for i, cache in self.device_caches.items():
-            todo = slotted if i in self.window_layers else pairs
-            todo = [(a, b) for a, b in todo if a is not None and b is not None]
+            todo = list(window_pairs or ()) if i in self.window_layers else list(pairs)
             if not todo:
                 continue
             n = next(iter(cache.values())).shape[0]

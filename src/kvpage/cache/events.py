@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 from kvpage.cache.prefix_cache import BlockRemoved, BlockStored, KVCacheEvent, PrefixBlockPool
 
-__all__ = ["BlockRemoved", "BlockStored", "EventSource", "KVCacheEvent", "KVEventBus"]
+__all__ = ["BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventBus"]
 
 
 class KVEventBus:
@@ -71,22 +71,3 @@ class KVEventBus:
         stored, removed = self._stored, self._removed
         self._stored, self._removed = [], []
         return stored, removed
-
-
-class EventSource:
-    """The event verbs of a class that owns a :class:`KVEventBus` as ``self.events`` (the KV-cache manager)."""
-
-    events: KVEventBus
-
-    def take_block_changes(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
-        """``(stored, evicted)`` ``(block id, hash)`` pairs since the last call (needs ``record_block_changes``); an
-        evicted block's KV is intact until the next forward pass, so a tier may still copy it."""
-        return self.events.take_changes()
-
-    def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` with every future :class:`BlockStored` / :class:`BlockRemoved`; returns an unsubscriber."""
-        return self.events.subscribe(callback)
-
-    def drain_events(self) -> Iterator[KVCacheEvent]:
-        """Buffered events since the last drain, oldest first (empty unless ``enable_events=True``)."""
-        return self.events.drain()

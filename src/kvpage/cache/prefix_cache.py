@@ -114,9 +114,6 @@ class PrefixBlockPool:
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, ref 0 (evictable), least recent first
         self._side: set[int] = set()  # claimed as side space (tail slots of quantize-on-seal formats)
         self.num_evictions = 0
-        #: Called with the ids :meth:`allocate` hands out (their old content is gone); the tail pool of
-        #: quantize-on-seal formats drops its entries for them (:meth:`kvpage.cache.tail.TailTable.invalidate`).
-        self.on_allocate: Callable[[list[int]], None] | None = None
 
     # -- counts ----------------------------------------------------------------------------------
 
@@ -157,6 +154,14 @@ class PrefixBlockPool:
             ValueError: ``block_id`` out of range.
         """
         return self._ids.ref_count(block_id)
+
+    def is_in_use(self, block_id: int) -> bool:
+        """Whether some request references the block (ref count > 0)."""
+        return self._ids.ref_count(block_id) > 0
+
+    def is_live(self, block_id: int) -> bool:
+        """Whether the block's content is still held: referenced, or cached and not evicted."""
+        return self._ids.ref_count(block_id) > 0 or self._hash[block_id] is not None
 
     def block_hash(self, block_id: int) -> bytes | None:
         """The hash ``block_id`` is indexed under, or ``None`` if it is not cached.
@@ -265,8 +270,6 @@ class PrefixBlockPool:
             evicted = self._evict_leaves(n - free)
             self._ids.incref(evicted)
             out.extend(evicted)
-        if self.on_allocate is not None and out:
-            self.on_allocate(out)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from kvpage.cache.tiers.types import OffloadStats
 
-__all__ = ["KVCacheBlocks", "KVCacheStats", "KVRequest", "MatchResult", "SupportsKVCache"]
+__all__ = ["KVCacheBlocks", "KVCacheStats", "KVRequest", "KVUpdate", "MatchResult", "SupportsKVCache"]
 
 
 @runtime_checkable
@@ -55,7 +55,8 @@ class KVRequest:
 
 @dataclass(frozen=True, slots=True)
 class MatchResult:
-    """The longest cached prefix of a request on the device (from :meth:`KVCacheManager.match_prefix`).
+    """The longest cached prefix of a request on the device (the device part of :meth:`KVCache.match
+    <kvpage.cache.kv_cache.KVCache.match>`).
 
     Attributes:
         block_ids: cached device blocks holding the prefix, in order.
@@ -68,27 +69,45 @@ class MatchResult:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
-    """A request's blocks after :meth:`KVCacheManager.allocate_slots`.
+    """A request's blocks after :meth:`KVCache.allocate <kvpage.cache.kv_cache.KVCache.allocate>`.
 
     Attributes:
-        block_ids: the request's whole block table, in order (token ``t`` lives
-            in ``block_ids[t // block_size]``).
-        new_block_ids: blocks this call took from the pool (already-cached
-            prefix blocks it referenced are not included). On the admitting call
-            the first ``ceil(num_external_tokens / block_size)`` of them are the
-            blocks a tier connector loads into.
+        block_ids: the request's whole block table, in order (token ``t`` lives in ``block_ids[t // block_size]``).
+        new_block_ids: blocks this call took from the pool (already-cached prefix blocks it referenced are not
+            included). On the admitting call the first ``len(match.loads)`` of them are the blocks a tier loads into.
         num_tokens: slots reserved for the request, in tokens.
-        num_computed_tokens: on the admitting call through the scheduler's KV cache
-            (:class:`~kvpage.engine.kv_cache.SchedulerKVCache`), tokens whose KV is in the
-            cache: device hits plus the tier loads that succeeded; ``None`` otherwise.
-            Not part of equality.
+        num_computed_tokens: on the admitting call, tokens whose KV is (or will be, once its loads land) in the
+            cache: device hits plus the tokens the loads bring; ``None`` otherwise. Not part of equality.
+        num_new_tokens: tokens of the chunk granted (fewer than asked when a ``chunkable`` chunk was cut to fit its
+            side slots); ``None`` from a bare table view. Not part of equality.
+        loading: the admitting call issued tier loads still in flight (compute the chunk only once they are
+            reported). Not part of equality.
     """
 
     block_ids: tuple[int, ...]
     new_block_ids: tuple[int, ...]
     num_tokens: int
     num_computed_tokens: int | None = field(default=None, compare=False)
+    num_new_tokens: int | None = field(default=None, compare=False)
+    loading: bool = field(default=False, compare=False)
 
+
+@dataclass(frozen=True, slots=True)
+class KVUpdate:
+    """What :meth:`KVCache.poll <kvpage.cache.kv_cache.KVCache.poll>` settled from the worker's report of finished
+    transfers.
+
+    Attributes:
+        ready: requests whose loads all landed: they compute from where their KV ends, as admitted.
+        cut_short: request -> tokens whose KV is in the cache after a load stopped short at read time (device hits
+            plus the blocks that arrived); it computes the rest (its reserved slots were given back down to that).
+        recompute: requests freed because a load stopped short where a group cannot compute on from there (a
+            sliding window's rows); readmit them without tier hits.
+    """
+
+    ready: tuple[str, ...] = ()
+    cut_short: dict[str, int] = field(default_factory=dict)
+    recompute: tuple[str, ...] = ()
 
 @dataclass(frozen=True, slots=True)
 class KVCacheStats:

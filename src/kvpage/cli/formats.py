@@ -32,7 +32,7 @@ def add_formats_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run_formats(args: argparse.Namespace) -> int:
     """``kvpage formats``: every format's aliases, bits per value, and tokens that fit at ``--budget-bytes``."""
-    from kvpage.engine.capacity import SMOLLM2_SHAPE, Shape, model_shape
+    from kvpage.engine.sizing import SMOLLM2_SHAPE, Shape, model_shape
     from kvpage.engine.format_table import format_rows
     from kvpage.formats import format_aliases, get_format
     from kvpage.spec import CacheSpec

@@ -142,7 +142,7 @@ def tier_line(llm: LLM) -> str | None:
     kv = llm.kv_cache_stats()
     t = kv.tiers
     parts = [f"device {kv.tier_hits.get('device', 0)} block hits"]
-    bpb = max(1, conn.offload.block_bytes)
+    bpb = max(1, conn.offload.bytes_per_block)
     if t is not None and t.num_host_blocks:
         parts.append(f"host {kv.tier_hits.get('host', 0)} hits, {t.tier_bytes['host_to_device'] // bpb} blocks "
                      f"loaded, {t.tier_bytes['device_to_host'] // bpb} stored ({t.backups} backups, "

@@ -1,44 +1,44 @@
 """``build_engine``: assemble a serving engine from a model and an :class:`~kvpage.engine.config.EngineConfig`.
 
-One downward pass, each part handed its collaborators in its constructor and
-never patched afterwards::
+One downward pass, each part handed its collaborators in its constructor and never patched afterwards::
 
-    spec ─► controller ─► group managers ─► tiers (connector) ─► KV-cache manager ─► runner ─► engine
+    spec (groups with kinds) ─► capacity ─► controller (tensors) ─► group managers ─► tiers (both halves)
+        ─► KV cache (scheduler side) ─► group attention + runner + worker (worker side) ─► engine
 
-Every size a user sees comes from one computation, :func:`~kvpage.engine.capacity.kv_capacity`:
-the block count is the largest that fits the budget after the side pools of
-block-wise formats (tail, window and first-block copies) are paid for.
+Every size a user sees comes from one computation, :func:`~kvpage.engine.sizing.kv_capacity`: the block count is
+the largest that fits the budget after the side pools of block-wise formats (tail, window and first-block copies)
+and the window slots are paid for. Each group's kind picks its manager (:data:`kvpage.cache.groups.MANAGERS`) and
+its worker-side attention (:data:`kvpage.engine.group_attention.ATTENTION`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvpage.cache.capacity import CapacityReport
 from kvpage.cache.controller import CacheController, LayerCache
-from kvpage.cache.groups import GroupManager, SealedGroupManager, SlidingWindowManager, is_bounded_window, managers_for
-from kvpage.cache.manager import KVCacheManager
+from kvpage.cache.groups import GroupManager, manager_for
+from kvpage.cache.kv_cache import KVCache
 from kvpage.cache.prefix_cache import PrefixBlockPool
-from kvpage.cache.tail import TailPool
-from kvpage.engine.capacity import CapacityReport, build_spec, kv_capacity
-from kvpage.engine.memory import KVBudget, resolve_kv_budget
+from kvpage.cache.tail.pool import TailPool
 from kvpage.cache.tiers.connector import TieredConnector
-from kvpage.cache.tiers.host import build_offload
+from kvpage.cache.tiers.host import TieredWorker, build_tiers
+from kvpage.engine.config import EngineConfig
+from kvpage.engine.engine import LLMEngine
 from kvpage.engine.group_attention import GroupAttention, group_attention_for
+from kvpage.engine.memory import KVBudget, resolve_kv_budget
+from kvpage.engine.model_runner import ModelRunner
+from kvpage.engine.scheduler import SchedulerConfig
+from kvpage.engine.sizing import build_spec, kv_capacity
 from kvpage.engine.speculative.model_drafter import DraftModelDrafter, LayerSkipDrafter
 from kvpage.engine.speculative.ngram import NgramProposer
 from kvpage.engine.speculative.proposer import Drafter, NgramDrafter
-from kvpage.model.attention_fn import early_exit, layer_attention
+from kvpage.engine.worker import Worker
+from kvpage.model.attention_fn import CausalLM, early_exit, layer_attention
 from kvpage.ops.backends import select_backend
-from kvpage.engine.config import EngineConfig
-from kvpage.engine.engine import LLMEngine
-from kvpage.engine.kv_cache import SchedulerKVCache
-from kvpage.engine.model_runner import ModelRunner
-from kvpage.engine.scheduler import SchedulerConfig
-from kvpage.model.attention_fn import CausalLM
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -53,17 +53,19 @@ class BuiltEngine:
     Attributes:
         spec: the cache layout.
         controller: the device (and host) cache tensors.
-        caches: global layer index -> that layer's device tensors (updated in place by a re-allocation).
-        groups: the group managers of every layer group, in spec order (a block-wise sliding-window group has two:
-            its sealed tail, then its window slots; :func:`~kvpage.cache.groups.managers_for`).
-        tails: layer group name -> its tail tensors (block-wise groups only).
-        connector: the tiers, or ``None``.
-        kv: the scheduler's KV interface (device manager + connector).
+        caches: global layer index -> that layer's device tensors (the controller's dict, updated in place by a
+            re-allocation).
+        groups: the group managers of every layer group, in spec order (one per group, chosen by its kind).
+        tails: layer group name -> its tail tensors (quantize-on-seal groups only).
+        connector: the tiers' scheduler half, or ``None``.
+        tier_worker: the tiers' worker half, or ``None``.
+        kv: the scheduler's KV cache.
         runner: the model runner.
+        worker: the worker side (runner, controller, tiers' worker half).
         engine: the continuous-batching engine.
         num_blocks: device blocks.
         max_model_len: longest sequence, in tokens.
-        capacity: what the KV cache allocates and holds (:func:`~kvpage.engine.capacity.kv_capacity`).
+        capacity: what the KV cache allocates and holds (:func:`~kvpage.engine.sizing.kv_capacity`).
         budget: the KV budget and where it came from (``kv_cache_memory_fraction`` resolved).
         drafter: the speculation method (``speculative_config``), or ``None``.
     """
@@ -74,8 +76,10 @@ class BuiltEngine:
     groups: tuple[GroupManager, ...]
     tails: dict[str, TailPool]
     connector: TieredConnector | None
-    kv: SchedulerKVCache
+    tier_worker: TieredWorker | None
+    kv: KVCache
     runner: ModelRunner
+    worker: Worker
     engine: LLMEngine
     num_blocks: int
     max_model_len: int
@@ -116,50 +120,42 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                       layer_windows=windows)
     budget = resolve_kv_budget(config, model, device, context)
     capacity = kv_capacity(config, mc, budget.bytes, seq_len=max_model_len, spec=spec)
-    num_blocks = capacity.num_blocks
-    controller = CacheController(spec, device)
-    pool = PrefixBlockPool(num_blocks)  # side space of quantize-on-seal groups is carved from it on demand
-    window_slots = {g.name: capacity.window_slots for g in spec.groups if is_bounded_window(g)}
-    per_group = [managers_for(g, max_num_seqs=config.max_num_seqs, residual_tokens=config.residual_tokens,
-                              num_lookahead_tokens=config.num_lookahead_tokens,
-                              pool=pool, max_model_len=max_model_len,
-                              num_window_slots=window_slots.get(g.name)) for g in spec.groups]
-    groups = tuple(m for ms in per_group for m in ms)  # a block-wise window group has two (managers_for)
-    caches = allocate_device_caches(controller, num_blocks, window_slots)
-    window = next((g for g in groups if isinstance(g, SlidingWindowManager)), None)  # at most one bounded group
-    offload = build_offload(  # host tier (C08: a failed host allocation stops here), stores
-        controller, swap_space=config.swap_space, config=config.offload,
-        kv_disk_dir=None if config.kv_disk_dir is None else str(config.kv_disk_dir),
-        kv_disk_max_bytes=config.kv_disk_max_bytes, kv_store=config.kv_store,
-        supports_swap=all(g.supports_swap for g in groups), window_slots=window,
-    )
-    connector = None if offload is None else TieredConnector(offload, spec.block_size)
-    manager = KVCacheManager(num_blocks, spec.block_size, groups=groups,
-                             enable_caching=config.enable_prefix_caching,
-                             record_block_changes=connector is not None, pool=pool)
-    def copy_blocks(pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write of forked blocks: every layer's tensors (main, sliding, draft)."""
-        controller.copy_blocks(pairs, None if window is None else window.window_rows)
+    num_blocks, sizing = capacity.num_blocks, config.sizing(max_model_len)
+    slots = capacity.window_slots or None
 
-    kv = SchedulerKVCache(manager, connector, copy_blocks)
+    # worker side: the tensors every group's kind asks for
+    controller = CacheController(spec, device)
+    caches = controller.allocate_device(num_blocks, {g.name: g.kind.rows(g, num_blocks, sizing, slots)
+                                                     for g in spec.groups if g.kind.window_rows})
+    # scheduler side: one manager per group, over one pool (side space of quantize-on-seal groups is carved from it)
+    pool = PrefixBlockPool(num_blocks)
+    groups = tuple(manager_for(g, sizing, pool=pool, num_window_slots=slots) for g in spec.groups)
+    window = next((m for g, m in zip(spec.groups, groups) if g.kind.window_rows), None)  # at most one such group
+    tiers = build_tiers(  # host tier (C08: a failed host allocation stops here), stores
+        controller, swap_space=config.swap_space, config=config.offload, stores=config.kv_stores,
+        supports_swap=all(g.kind.supports_swap for g in spec.groups), window_slots=window,
+    )
+    connector, tier_worker = (None, None) if tiers is None else tiers
+    kv = KVCache(num_blocks, spec.block_size, groups=groups, pool=pool, enable_caching=config.enable_prefix_caching,
+                 connector=connector)
 
     tails: dict[str, TailPool] = {}
     backends: dict[str, GroupAttention] = {}
-    for ms, group_spec in zip(per_group, spec.groups):
-        g, tail = ms[0], None
-        slots = next((m for m in ms if isinstance(m, SlidingWindowManager)), None)
-        if isinstance(g, SealedGroupManager):
-            tail = TailPool(spec, g.table, config.torch_dtype, device, layers=g.layers, caches=caches)
-            tails[g.name] = tail
-        ops = select_backend(config.attention_backend, spec.layer(group_spec.layer_indices[0]), device)
-        backends[group_spec.name] = group_attention_for(spec, g, caches, tail=tail, is_live=manager.is_live,
-                                                        is_in_use=manager.is_in_use, ops=ops,
-                                                        window=slots if slots is not g else None)
+    for g in spec.groups:
+        tail = None
+        layout = g.kind.tail(g, sizing, num_blocks)
+        if layout is not None:
+            tail = tails[g.name] = TailPool(spec, layout, config.torch_dtype, device, layers=g.layer_indices,
+                                            caches=caches)
+        ops = select_backend(config.attention_backend, spec.layer(g.layer_indices[0]), device)
+        backends[g.name] = group_attention_for(spec, g, caches, ops=ops, tail=tail)
     model_groups = tuple(g.name for g in spec.model_groups)
-    runner = ModelRunner(model, spec, [backends[n] for n in model_groups], device, groups=model_groups)
-    drafter = _drafter(config, mc, runner, spec, backends, draft, device)
+    runner = ModelRunner(model, spec, [backends[n] for n in model_groups], device, groups=model_groups,
+                         connector=tier_worker)
+    worker = Worker(runner, controller, tier_worker)
+    drafter = _drafter(config, mc, runner, kv, spec, backends, draft, device)
     engine = LLMEngine(
-        runner, loaded.tokenizer, kv,
+        worker, loaded.tokenizer, kv,
         eos_token_ids=set(mc.eos_token_ids), max_model_len=max_model_len, vocab_size=mc.vocab_size,
         scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                          config.enable_chunked_prefill,
@@ -167,25 +163,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                                          None if sc is None else sc.disable_by_batch_size),
         drafter=drafter,
     )
-    return BuiltEngine(spec, controller, caches, groups, tails, connector, kv, runner, engine, int(num_blocks),
-                       max_model_len, capacity, budget, drafter)
-
-
-def allocate_device_caches(controller: CacheController, num_blocks: int,
-                           group_blocks: dict[str, int] | None = None) -> dict[int, LayerCache]:
-    """Allocate every layer group's device tensors (the model's groups, then draft layers when the spec has them);
-    ``group_blocks``: rows of a group's tensors when not ``num_blocks`` (window slots).
-
-    Returns:
-        global layer index -> that layer's tensors.
-
-    Raises:
-        CacheAllocationError: a tensor could not be allocated (names the layer and group).
-    """
-    caches = dict(controller.initialize_kv_cache(num_blocks, group_blocks))
-    if controller.spec.draft is not None:
-        caches.update(controller.initialize_draft_kv_cache(num_blocks))
-    return caches
+    return BuiltEngine(spec, controller, caches, groups, tails, connector, tier_worker, kv, runner, worker, engine,
+                       int(num_blocks), max_model_len, capacity, budget, drafter)
 
 
 def _load_draft(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> LoadedModel:
@@ -217,9 +196,9 @@ def _load_draft(config: EngineConfig, loaded: LoadedModel, device: torch.device)
     return draft
 
 
-def _drafter(config: EngineConfig, mc: ModelConfig, runner: ModelRunner, spec: CacheSpec,
+def _drafter(config: EngineConfig, mc: ModelConfig, runner: ModelRunner, kv: KVCache, spec: CacheSpec,
              backends: dict[str, GroupAttention], draft: LoadedModel | None, device: torch.device) -> Drafter | None:
-    """The speculation method of ``config`` over the built runner and backends, or ``None``.
+    """The speculation method of ``config`` over the built runner, cache and backends, or ``None``.
 
     Raises:
         ValueError: ``layer_skip``'s ``num_layers`` not below the target's layer count.
@@ -233,8 +212,8 @@ def _drafter(config: EngineConfig, mc: ModelConfig, runner: ModelRunner, spec: C
         return NgramDrafter(NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max))
     if sc.method == "layer_skip":
         early_exit(runner.model)  # a clear error now, not at the first step
-        return LayerSkipDrafter(runner, sc.draft_layers(mc.num_layers))
+        return LayerSkipDrafter(runner, kv, sc.draft_layers(mc.num_layers))
     assert draft is not None and spec.draft is not None
     draft_runner = ModelRunner(draft.model, spec, [backends["draft"]], device, groups=("draft",),
                                layer_offset=spec.draft.first_layer)
-    return DraftModelDrafter(draft_runner)
+    return DraftModelDrafter(draft_runner, kv)

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from kvpage.cache.tiers.policy import OffloadConfig
+from kvpage.cache.tiers.stores import StoreURL, parse_store_url
 from kvpage.engine.speculative.config import SpeculativeConfig
 from kvpage.errors import UnknownKVFormatError
-from kvpage.formats import BlockFormat, KVFormat, StaticScaleFormat, canonical_format_name, get_format
+from kvpage.formats import KVFormat, canonical_format_name, get_format, needs_static_scales
 from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
-from kvpage.spec import missing_scales_error
+from kvpage.spec import CacheSizing, missing_scales_error
 
 #: KV budget when none of ``kv_cache_memory_bytes``, ``kv_cache_memory_fraction``, ``num_blocks`` is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
@@ -81,7 +82,7 @@ class EngineConfig:
             at least :data:`MIN_SEALED_BLOCK_SIZE` tokens).
         kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
             the block count is the largest that fits, scales and the side pools of
-            ``int4``/``int2`` included (see :mod:`kvpage.engine.capacity`). Default 512 MiB.
+            ``int4``/``int2`` included (see :mod:`kvpage.cache.capacity`). Default 512 MiB.
         kv_cache_memory_fraction: KV budget as a fraction in ``(0, 1]`` of the memory left
             for it: on CUDA, of the device's free memory after the weights are loaded and a
             forward pass of ``max_num_batched_tokens`` tokens has been profiled
@@ -116,7 +117,9 @@ class EngineConfig:
             formats fall back to recompute).
         kv_disk_dir: directory of a persistent, checksummed disk store of blocks (survives restarts).
         kv_disk_max_bytes: size cap of the disk store in bytes (LRU); ``None`` = unbounded.
-        kv_store: ``redis://host:port/db`` of a Redis store shared between instances (LMCache's remote backend).
+        kv_store: URL of a store shared between instances (LMCache's remote backend): ``redis://host:port/db``
+            (also ``rediss://``, ``unix://``), or ``disk:///dir`` (any scheme of
+            :data:`~kvpage.cache.tiers.stores.STORES`).
         speculative_config: speculative decoding (vLLM's ``speculative_config``): a
             :class:`~kvpage.engine.speculative.config.SpeculativeConfig`, a dict of its fields
             (``{"method": "ngram", "num_speculative_tokens": 4}``) or that dict as JSON; ``None`` = off.
@@ -164,6 +167,13 @@ class EngineConfig:
     offload: OffloadConfig = field(init=False, repr=False)
     #: Derived: the speculative decoding settings (``None`` = off).
     speculative: SpeculativeConfig | None = field(init=False, repr=False)
+    #: Derived: the draft model's layers' KV format (``speculative_config`` method ``draft_model``; else ``None``):
+    #: ``draft_kv_cache_dtype``, default the main format when it is token-wise, else ``int8`` (draft layers are
+    #: token-wise). Resolved here once; the spec's draft group takes it.
+    draft_kv_format: KVFormat | None = field(init=False, repr=False)
+    #: Derived: the stores below the host tier, parsed once, in lookup order: ``kv_disk_dir`` (with
+    #: ``kv_disk_max_bytes``), then ``kv_store``.
+    kv_stores: tuple[StoreURL, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -172,7 +182,7 @@ class EngineConfig:
         put("kv_format", fmt)
         self._check_positive_int("block_size", self.block_size, allow_none=True)
         put("block_size_resolved", fmt.preferred_block_size if self.block_size is None else self.block_size)
-        if isinstance(fmt, BlockFormat) and self.block_size_resolved < MIN_SEALED_BLOCK_SIZE:
+        if fmt.block_wise and self.block_size_resolved < MIN_SEALED_BLOCK_SIZE:
             raise ValueError(
                 f"block_size={self.block_size} is too small for kv_cache_dtype={fmt.name!r}: its key scale and "
                 f"zero point are per channel per block (the block is the key quantization group), so "
@@ -205,32 +215,49 @@ class EngineConfig:
                              f"got {type(self.kv_cache_scales).__name__} {self.kv_cache_scales!r}")
         scales = None if self.kv_cache_scales is None else StaticScales.coerce(self.kv_cache_scales)
         put("static_scales", scales)
-        if scales is None and isinstance(fmt, StaticScaleFormat):  # fails here, before any model loads
+        if scales is None and needs_static_scales(fmt):  # fails here, before any model loads
             raise missing_scales_error(fmt.name)
         self._check_speculative()
 
     def _check_speculative(self) -> None:
         sc = None if self.speculative_config is None else SpeculativeConfig.coerce(self.speculative_config)
         object.__setattr__(self, "speculative", sc)
+        object.__setattr__(self, "draft_kv_format", None)
         if sc is None:
             return
-        if sc.draft_kv_cache_dtype is not None:
+        if sc.method == "draft_model":
+            if sc.draft_kv_cache_dtype is not None:
+                draft = self._check_draft_format(sc.draft_kv_cache_dtype)
+            elif self.kv_format.block_wise:
+                draft = get_format("int8", self.torch_dtype)
+            else:
+                draft = self.kv_format
+            object.__setattr__(self, "draft_kv_format", draft)
+        elif sc.draft_kv_cache_dtype is not None:
             self._check_draft_format(sc.draft_kv_cache_dtype)
         if isinstance(sc.model, str) and not Path(sc.model).expanduser().exists():
             raise ValueError(f"speculative_config.model={sc.model!r}: no such file or folder (give the draft model's "
                              f".gguf file or Hugging Face folder)")
 
-    def _check_draft_format(self, name: str) -> None:
+    def _check_draft_format(self, name: str) -> KVFormat:
         try:
             draft = get_format(canonical_format_name(name, self.torch_dtype), self.torch_dtype)
         except UnknownKVFormatError as e:
             raise UnknownKVFormatError(f"speculative_config.draft_kv_cache_dtype: {e}") from None
-        if isinstance(draft, BlockFormat):
+        if draft.block_wise:
             raise ValueError(f"speculative_config.draft_kv_cache_dtype={name!r} quantizes on seal; "
                              f"draft layers take a token-wise format (auto, bfloat16, fp8, int8, ...)")
-        if isinstance(draft, StaticScaleFormat):
+        if needs_static_scales(draft):
             raise ValueError(f"speculative_config.draft_kv_cache_dtype={name!r} needs calibrated "
                              f"scales of the draft layers; give the draft a dynamic format (fp8, int8, ...)")
+        return draft
+
+    def sizing(self, max_model_len: int) -> CacheSizing:
+        """The settings the cache's side pools and window slots depend on, for requests of at most
+        ``max_model_len`` tokens (``max_model_len`` resolved against the model's context)."""
+        return CacheSizing(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                           max_model_len=max_model_len, residual_tokens=self.residual_tokens,
+                           num_lookahead_tokens=self.num_lookahead_tokens, model_dtype=self.torch_dtype)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -265,14 +292,28 @@ class EngineConfig:
         if d is not None and (not isinstance(d, (str, Path)) or not str(d).strip()):
             raise ValueError(f"kv_disk_dir must be a directory path (str or Path), got {d!r}")
         if self.kv_store is not None and not isinstance(self.kv_store, str):
-            raise ValueError(f"kv_store must be a redis://host:port/db URL string, got {self.kv_store!r}")
+            raise ValueError(f"kv_store must be a store URL string (redis://host:port/db), got {self.kv_store!r}")
         if self.kv_disk_max_bytes is not None:
             if not _is_int(self.kv_disk_max_bytes) or self.kv_disk_max_bytes <= 0:
                 raise ValueError(f"kv_disk_max_bytes must be a positive number of bytes, got {self.kv_disk_max_bytes!r}")
             if self.kv_disk_dir is None:
                 raise ValueError("kv_disk_max_bytes needs kv_disk_dir")
-        if self.kv_store is not None and not str(self.kv_store).lower().startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kv_store must be a redis://host:port/db URL, got {self.kv_store!r}")
+        stores: list[StoreURL] = []
+        if d is not None:
+            opts = {} if self.kv_disk_max_bytes is None else {"max_bytes": self.kv_disk_max_bytes}
+            stores.append(StoreURL("disk", "disk", str(d), tuple(opts.items())))
+        if self.kv_store is not None:
+            if "://" not in self.kv_store:
+                raise ValueError(f"kv_store must be a store URL (redis://host:port/db, disk:///dir), got "
+                                 f"{self.kv_store!r}; for a local directory use kv_disk_dir")
+            try:
+                stores.append(parse_store_url(self.kv_store))
+            except ValueError as e:
+                raise ValueError(f"kv_store: {e}") from None
+        tiers = [u.tier for u in stores]
+        if len(set(tiers)) != len(tiers):
+            raise ValueError(f"kv_disk_dir and kv_store={self.kv_store!r} are both {tiers[0]} stores; give one")
+        object.__setattr__(self, "kv_stores", tuple(stores))
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

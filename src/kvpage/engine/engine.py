@@ -1,10 +1,11 @@
 """``LLMEngine``: requests in, one scheduled forward pass per :meth:`LLMEngine.step`, incremental outputs out.
 
 The loop of vLLM's engine core, on one process: the
-:class:`~kvpage.engine.scheduler.Scheduler` picks the step's tokens, the
-:class:`~kvpage.engine.model_runner.ModelRunner` runs them over the paged cache,
-the sampler picks each finished sequence's next token, and the detokenizer and
-stop checks turn tokens into text. ``LLM.generate`` and the HTTP server both
+:class:`~kvpage.engine.scheduler.Scheduler` picks the step's tokens and the cache
+(:class:`~kvpage.cache.kv_cache.KVCache`) plans what the step does to it; the
+:class:`~kvpage.engine.worker.Worker` executes the plans (tier transfers, copies, then the
+model over the paged cache); the scheduler commits them; the sampler picks each finished
+sequence's next token, and the detokenizer and stop checks turn tokens into text. ``LLM.generate`` and the HTTP server both
 drive this class. With a drafter (``speculative_config``) a decoding request's step
 also proposes draft tokens before the forward pass, which verifies them
 (:mod:`kvpage.engine.speculative`); a step may then emit several tokens per request.
@@ -18,10 +19,10 @@ from typing import Any
 
 import torch
 
+from kvpage.cache.kv_cache import KVCache
 from kvpage.engine.detokenize import REPLACEMENT, ends_with_split_character
 from kvpage.engine.forced import ForcedSequence
-from kvpage.engine.kv_cache import SchedulerKVCache
-from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
+from kvpage.engine.model_runner import ScheduledRequest, pass_requests
 from kvpage.engine.parallel import ParallelSampling, ParentRequest, child_request_id
 from kvpage.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, child_params, sample
@@ -31,6 +32,7 @@ from kvpage.engine.speculative.acceptance import verify
 from kvpage.engine.speculative.metrics import SpecDecodingCounters
 from kvpage.engine.speculative.proposer import Drafter, Proposal
 from kvpage.engine.validate import check_text, check_token_ids
+from kvpage.engine.worker import Worker
 from kvpage.errors import PromptTooLongError
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,9 @@ class LLMEngine:
     """Continuous-batching generation over a paged, prefix-cached KV cache.
 
     Args:
-        runner: runs forward passes over the cache tensors.
+        worker: executes the plans: tier transfers, copies and forward passes over the cache tensors.
         tokenizer: a transformers tokenizer (encode/decode).
-        kv: the KV cache as the scheduler sees it (device manager and tier connector).
+        kv: the KV cache as the scheduler sees it (device bookkeeping and the tier connector's scheduler half).
         eos_token_ids: tokens that end a sequence (unless ``ignore_eos``).
         max_model_len: longest prompt + output, in tokens.
         vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips the check.
@@ -71,9 +73,9 @@ class LLMEngine:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        worker: Worker,
         tokenizer: Any,
-        kv: SchedulerKVCache,
+        kv: KVCache,
         *,
         eos_token_ids: set[int],
         max_model_len: int,
@@ -81,7 +83,8 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         drafter: Drafter | None = None,
     ) -> None:
-        self.runner = runner
+        self.worker = worker
+        self.runner = worker.runner
         self.tokenizer = tokenizer
         self.kv = kv
         self.num_blocks = kv.num_blocks
@@ -247,19 +250,37 @@ class LLMEngine:
         self.scheduler.add_running(child)
         return True
 
+    def _poll_kv(self, sched: SchedulerOutput | None = None) -> None:
+        """Hand the worker's finished transfers to the cache and what they came to to the scheduler (a request whose
+        KV has not arrived leaves ``sched``)."""
+        update = self.kv.poll(self.worker.get_finished())
+        self.scheduler.update_from_kv(update, sched)
+
+    def _run_pass(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """Plan one final pass over ``batch`` in the model's groups, run it and commit it (abort it if it raises)."""
+        plan = self.kv.plan_pass(pass_requests(batch), groups=self.worker.runner.groups)
+        try:
+            logits = self.runner.execute(batch, plan=plan)              # [sum(num_logits), vocab] float32
+        except BaseException:
+            self.kv.abort(plan)
+            raise
+        self.kv.commit(plan)
+        return logits
+
     def _step(self) -> list[RequestOutput]:
         """:meth:`step` before children's outputs are merged per parent."""
-        self.kv.poll()  # acknowledge finished tier copies (no-op without tiers)
+        self._poll_kv()  # transfers the worker finished since the last step (no-op without tiers)
         sched = self.scheduler.schedule()
+        planned = not sched.is_empty
+        self.worker.begin_step(sched.kv)  # the step's transfers and copy-on-write copies
+        self._poll_kv(sched)  # loads the worker finished at once; a request whose KV has not arrived waits
         if sched.is_empty:
-            if self.scheduler.num_unfinished:
+            if not planned and self.scheduler.num_unfinished and not self.scheduler.num_waiting_for_kv:
                 raise RuntimeError(
                     f"{len(self.scheduler.waiting)} waiting requests cannot be scheduled with "
-                    f"{self.kv.num_free_blocks} free blocks"
+                    f"{self.kv.stats().num_free} free blocks"
                 )
             return []
-        self.kv.fence()  # tier copies issued so far have landed (no-op with synchronous copies)
-        self.kv.apply_block_copies()  # copy-on-write of forked blocks the step writes into
         proposals = self._propose(sched.scheduled)
         batch = [
             ScheduledRequest(c.token_ids + list(p.tokens), c.num_computed, c.block_ids, c.request.request_id,
@@ -268,10 +289,10 @@ class LLMEngine:
         ]
         outputs: list[RequestOutput] = []
         try:
-            logits = self.runner.execute(batch)                       # [sum(num_logits), vocab] float32
+            logits = self._run_pass(batch)                                # [sum(num_logits), vocab] float32
         except Exception as exc:
             kept, logits, outputs = self._isolate_forward(sched, batch, exc)
-            sched = SchedulerOutput([sched.scheduled[i] for i in kept], sched.preempted)
+            sched = SchedulerOutput([sched.scheduled[i] for i in kept], sched.preempted, sched.kv)
             proposals = [proposals[i] for i in kept]
             if not sched.scheduled:
                 return outputs
@@ -382,7 +403,7 @@ class LLMEngine:
                 error: Exception = exc
             else:
                 try:
-                    rows.append(self.runner.execute([one]))
+                    rows.append(self._run_pass([one]))
                     kept.append(i)
                     continue
                 except Exception as e:
@@ -462,23 +483,51 @@ class LLMEngine:
             metrics=metrics,
         )
 
+    def flush_kv(self) -> None:
+        """Hand the worker the KV work issued outside a step (a ``write_back`` save of the blocks an eviction took,
+        say) and settle what it finished, so the next step's matches see it."""
+        self.worker.begin_step(self.kv.step_plan())
+        self._poll_kv()
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached, unreferenced device block (vLLM's ``reset_prefix_cache``); returns how many. A
+        ``write_back`` host tier receives the evicted blocks first."""
+        n = self.kv.reset_prefix_cache()
+        self.flush_kv()
+        return n
+
+    def reset_kv_cache(self) -> None:
+        """Free the whole KV pool and allocate it afresh from the same plan as the build (same blocks, same window
+        slots): the prefix cache is emptied (its tier saves run first), every group's bookkeeping reset, then every
+        layer's tensors re-allocated (vLLM's ``sleep()`` + ``wake_up()`` of the KV cache).
+
+        Raises:
+            RuntimeError: requests are still running or waiting.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset_kv_cache() needs an idle engine; finish or abort the running requests first")
+        self.reset_prefix_cache()  # write-back saves read the blocks before they go
+        self.kv.reset()
+        self.worker.controller.reallocate_device()
+
     def open_sequence(self, *, prompt_len: int = 0) -> ForcedSequence:
         """A teacher-forced sequence over this engine's cache (see :class:`~kvpage.engine.forced.ForcedSequence`).
 
         Its blocks come from the same pool as the running requests'; don't call :meth:`step` while it is open.
         It holds at most :attr:`max_model_len` tokens (a longer feed is a ``ValueError``).
         """
-        return ForcedSequence(self.kv, self.runner, prompt_len=prompt_len, vocab_size=self.vocab_size,
+        return ForcedSequence(self.kv, self.worker, prompt_len=prompt_len, vocab_size=self.vocab_size,
                               max_model_len=self.max_model_len)
 
     # -- metrics -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Counters and gauges for metrics and benchmarks."""
+        kv = self.kv.stats()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.kv.usage,
-            kv=self.kv.stats(),
+            kv_usage=kv.usage,
+            kv=kv,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,

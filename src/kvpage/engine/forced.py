@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.cache.requests import KVRequest
-from kvpage.engine.model_runner import ScheduledRequest
+from kvpage.engine.model_runner import ScheduledRequest, pass_requests
 from kvpage.engine.validate import as_int, check_token_ids
 from kvpage.errors import OutOfBlocksError
 
 if TYPE_CHECKING:
-    from kvpage.engine.kv_cache import SchedulerKVCache
-    from kvpage.engine.model_runner import ModelRunner
+    from kvpage.cache.kv_cache import KVCache
+    from kvpage.engine.worker import Worker
 
 
 class ForcedSequence:
@@ -35,8 +35,8 @@ class ForcedSequence:
     earlier :meth:`feed` calls; a call writes ``[n, n + len(token_ids))``.
 
     Args:
-        kv: the engine's KV cache (blocks are taken from it; never matched nor indexed).
-        runner: the engine's model runner.
+        kv: the engine's KV cache (blocks are taken from it; never matched nor indexed; it plans each feed).
+        worker: the engine's worker (executes the plans).
         prompt_len: tokens at the start that count as the prompt for quantize-on-seal formats'
             window copies (:mod:`kvpage.cache.tail`); 0 (default) treats every token as generated,
             as decoding does.
@@ -50,7 +50,7 @@ class ForcedSequence:
     """
 
     def __init__(
-        self, kv: SchedulerKVCache, runner: ModelRunner, *, prompt_len: int = 0, request_id: str | None = None,
+        self, kv: KVCache, worker: Worker, *, prompt_len: int = 0, request_id: str | None = None,
         vocab_size: int | None = None, max_model_len: int | None = None,
     ) -> None:
         prompt_len_ = as_int(prompt_len)
@@ -62,7 +62,7 @@ class ForcedSequence:
         self._vocab_size = vocab_size
         self._max_model_len = limit
         self._kv = kv
-        self._runner = runner
+        self._worker = worker
         self._prompt_len = prompt_len_
         self._req = KVRequest(request_id or f"kvpage-forced-{uuid.uuid4().hex}", [])
         self._closed = False
@@ -106,15 +106,25 @@ class ForcedSequence:
             raise ValueError(
                 f"token_ids: {len(ids)} tokens after {start} would make {start + len(ids)}, beyond the model's "
                 f"context (max_model_len) of {self._max_model_len} tokens")
-        blocks = self._kv.allocate_slots(self._req, len(ids))
+        self._kv.begin_step()
+        blocks = self._kv.allocate(self._req, len(ids))
         if blocks is None:
+            stats = self._kv.stats()
             raise OutOfBlocksError(
                 f"no KV blocks left for tokens {start}..{start + len(ids) - 1} of a forced sequence "
-                f"({self._kv.num_free_blocks} free, {self._kv.num_evictable_blocks} evictable)"
+                f"({stats.num_free} free, {stats.num_evictable} evictable)"
             )
+        self._worker.begin_step(self._kv.step_plan())
         self._req.all_token_ids.extend(ids)
         batch = [ScheduledRequest(ids, start, blocks.block_ids, self.request_id, self._prompt_len)]
-        return self._runner.execute(batch, all_logits=all_logits)
+        plan = self._kv.plan_pass(pass_requests(batch), groups=self._worker.runner.groups)
+        try:
+            logits = self._worker.execute(batch, plan, all_logits=all_logits)
+        except BaseException:
+            self._kv.abort(plan)
+            raise
+        self._kv.commit(plan)
+        return logits
 
     def close(self) -> None:
         """Free the sequence's blocks (idempotent); :meth:`feed` fails afterwards."""

@@ -1,13 +1,13 @@
 """The capacity table of every KV format at one budget: ``kvpage formats``, the README table, ``python -m kvpage.engine.format_table``.
 
-Each row is :func:`~kvpage.engine.capacity.kv_capacity` of one format against the float32 and bfloat16 caches.
+Each row is :func:`~kvpage.engine.sizing.kv_capacity` of one format against the float32 and bfloat16 caches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from kvpage.engine.capacity import MiB, SMOLLM2_SHAPE, CapacityReport, ModelShape, kv_capacity
+from kvpage.engine.sizing import MiB, SMOLLM2_SHAPE, CapacityReport, ModelShape, kv_capacity
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def format_rows(model: ModelShape = SMOLLM2_SHAPE, budget_bytes: int = 512 * MiB
         UnknownKVFormatError: a name in ``formats`` is no format.
     """
     from kvpage.engine.config import EngineConfig
-    from kvpage.formats import StaticScaleFormat, available_formats, get_format
+    from kvpage.formats import available_formats, get_format, needs_static_scales
     from kvpage.scales import StaticScales
 
     names = [n for n in (formats or available_formats()) if n != "auto"]
@@ -48,7 +48,7 @@ def format_rows(model: ModelShape = SMOLLM2_SHAPE, budget_bytes: int = 512 * MiB
     unit = StaticScales({i: 1.0 for i in range(model.num_layers)}, {i: 1.0 for i in range(model.num_layers)})
 
     def report(name: str) -> CapacityReport | None:
-        scales = unit if isinstance(get_format(name), StaticScaleFormat) else None
+        scales = unit if needs_static_scales(get_format(name)) else None
         try:
             return kv_capacity(EngineConfig(kv_cache_dtype=name, kv_cache_scales=scales, block_size=block_size,
                                             kv_cache_memory_bytes=budget_bytes, **extra), model)

@@ -21,13 +21,14 @@ import torch
 from kvpage.cache.controller import LayerCache
 from kvpage.cache.requests import KVCacheStats
 from kvpage.cache.tiers.connector import TieredConnector
-from kvpage.engine.build import BuiltEngine, allocate_device_caches, build_engine
-from kvpage.engine.capacity import CapacityReport, startup_line
+from kvpage.cache.capacity import CapacityReport
+from kvpage.engine.build import BuiltEngine, build_engine
 from kvpage.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, resolve_dtype
 from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.output_router import OutputRouter
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sampling import SamplingParams
+from kvpage.engine.sizing import startup_line
 from kvpage.engine.threads import apply_num_threads
 from kvpage.engine.validate import check_messages, check_prompt
 from kvpage.spec import CacheSpec
@@ -51,7 +52,7 @@ class LLM:
             engines can share one set of weights; its dtype must match ``dtype``).
         progress: show a progress bar while loading the model, and print the start-up line to stderr
             (torch threads and the rule that chose them, KV format, blocks, tokens, bytes, side pools;
-            see :func:`~kvpage.engine.capacity.startup_line`).
+            see :func:`~kvpage.engine.sizing.startup_line`).
         config: a ready :class:`~kvpage.engine.config.EngineConfig`, or none and its fields as keywords
             (vLLM's names: ``kv_cache_dtype``, ``block_size``, ``kv_cache_memory_bytes``, ``num_blocks``,
             ``dtype``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``swap_space``,
@@ -152,7 +153,8 @@ class LLM:
 
     @property
     def kv_connector(self) -> TieredConnector | None:
-        """The tiers below the device (host tier, disk and Redis stores), or ``None`` without tiers."""
+        """The tiers below the device (host tier, disk and Redis stores; their scheduler half), or ``None`` without
+        tiers."""
         return self._built.connector
 
     def kv_cache_stats(self) -> KVCacheStats:
@@ -179,7 +181,7 @@ class LLM:
 
         Tiers keep their copies (a ``write_back`` host tier receives the evicted blocks first).
         """
-        return self.engine.kv.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     def reset_kv_cache(self) -> None:
         """Free the whole KV pool and allocate it afresh (vLLM's ``sleep()`` + ``wake_up()`` of the KV cache).
@@ -191,11 +193,7 @@ class LLM:
         Raises:
             RuntimeError: requests are still running or waiting.
         """
-        if self.engine.has_unfinished_requests():
-            raise RuntimeError("reset_kv_cache() needs an idle engine; finish or abort the running requests first")
-        self.engine.kv.reset_prefix_cache()
-        self.engine.kv.manager.reset()
-        self._built.caches.update(allocate_device_caches(self.controller, self.num_blocks))
+        self.engine.reset_kv_cache()
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -2,7 +2,7 @@
 
 A request with ``SamplingParams(n=k)`` becomes a *parent* of ``k`` child requests (vLLM's ``ParentRequest``):
 the first child computes the prompt; the others wait until it has, then *fork* from it
-(:meth:`~kvpage.cache.manager.KVCacheManager.fork`): they share its blocks by reference up to the last prompt
+(:meth:`~kvpage.cache.kv_cache.KVCache.fork`): they share its blocks by reference up to the last prompt
 token (whose logits each computes itself, so each samples its own first token), the partial block copied on
 write; the prompt is computed once and held once. (int4/int2 groups share whole blocks; a child that cannot
 fork is admitted as a new request and hits the prompt's cached blocks.) Greedy completions are identical by

@@ -1,40 +1,32 @@
 """Continuous-batching scheduler: per-step token budget, chunked prefill, decodes first, FCFS, preemption by recompute.
 
-Each :meth:`Scheduler.schedule` call builds one forward pass (vLLM v1's
-scheduler, reduced to one KV-cache group):
+Each :meth:`Scheduler.schedule` call builds one step (vLLM v1's scheduler):
 
-1. **Running requests**, decodes first, then unfinished (chunked) prefills:
-   each gets the tokens it still needs, capped by the step's
-   ``max_num_batched_tokens`` budget. When the cache cannot supply a block,
-   the most recently admitted running request is **preempted by recompute**:
-   its blocks are freed (full blocks stay in the prefix cache), its progress
-   reset, and it goes back to the front of the queue; on readmission it
-   re-hits its own cached prefix.
-2. **Waiting requests**, first come first served, while the budget, the
-   ``max_num_seqs`` limit and the free blocks allow (none when this step
-   preempted someone). Each is first matched against the prefix cache; only
-   the uncached tokens are computed. With chunked prefill a long prompt is
-   split across steps. A tier load that raises at admission falls back to
-   recomputing that request's prefix (it is matched against the device only
-   from then on): a failing tier never fails a request.
+1. **Running requests**, decodes first, then unfinished (chunked) prefills: each gets the tokens it still needs,
+   capped by the step's ``max_num_batched_tokens`` budget. When the cache cannot supply its blocks (or its side
+   slots: tail slots of quantize-on-seal groups, window slots), a chunk is first cut back to a block boundary
+   whose side slots fit, and when even that does not fit, the most recently admitted running request is
+   **preempted by recompute** (or swapped): its blocks are freed (full blocks stay in the prefix cache), its
+   progress reset, and it goes back to the front of the queue; on readmission it re-hits its own cached prefix.
+2. **Waiting requests**, first come first served, while the budget, the ``max_num_seqs`` limit and the free
+   blocks allow (none when this step preempted someone). Each is first matched against the prefix cache and the
+   tiers; only the uncached tokens are computed. With chunked prefill a long prompt is split across steps. A tier
+   load that raises at admission falls back to recomputing that request's prefix (it is matched against the device
+   only from then on): a failing tier never fails a request.
 
-Speculative decoding (``num_lookahead_tokens = k``): a decoding request's chunk is its last sampled
-token plus ``k`` **lookahead slots** for draft tokens (capped by the budget and by the tokens it may still
-emit), allocated with it and counted like any slot; when they do not fit the request decodes without
-drafts this step before anyone is preempted. After verification :meth:`Scheduler.update_after_step`
-gives back the rejected drafts' slots (:meth:`~kvpage.engine.kv_cache.SchedulerKVCache.rollback`).
+The step's KV work goes out as data: :meth:`~kvpage.cache.kv_cache.KVCache.step_plan` at the end of the pass
+(tier transfers, copy-on-write copies). A request admitted with tier loads computes only once the worker reports
+them landed (:meth:`Scheduler.update_from_kv`): in the same step when the worker loads synchronously, steps later
+otherwise; a load cut short at read time leaves it to compute from where its KV ends.
 
-Quantize-on-seal formats (``int4``, ``int2``) also need 16-bit tail slots in each
-step (open blocks, window copies, first-block copies; :mod:`kvpage.cache.tail`),
-carved out of the block pool: each chunk's slots are promised (their blocks claimed)
-before its blocks are allocated. A chunk whose slots cannot be promised is first cut
-back to a block boundary (a block that fills is sealed and needs no new slot), and
-when even that does not fit, a running request is preempted (a waiting one waits),
-so the forward pass never runs out of tail slots.
+Speculative decoding (``num_lookahead_tokens = k``): a decoding request's chunk is its last sampled token plus
+``k`` **lookahead slots** for draft tokens (capped by the budget and by the tokens it may still emit), allocated
+with it, all or nothing; when they do not fit the request decodes without drafts this step before anyone is
+preempted. After verification :meth:`Scheduler.update_after_step` gives back the rejected drafts' slots
+(:meth:`~kvpage.cache.kv_cache.KVCache.rollback`).
 
-Tensor-free: the scheduler sees requests and block ids through the
-:class:`~kvpage.engine.kv_cache.SchedulerKVCache` (the device manager, and the
-tier connector called around it), never tensors.
+Tensor-free: the scheduler sees requests and block ids through the :class:`~kvpage.cache.kv_cache.KVCache`, never
+tensors.
 """
 from __future__ import annotations
 
@@ -43,8 +35,9 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvpage.cache.manager import KVCacheManager
-from kvpage.engine.kv_cache import SchedulerKVCache, TieredMatch, TierLoadError
+from kvpage.cache.kv_cache import KVCache, TierLoadError
+from kvpage.cache.requests import KVUpdate
+from kvpage.cache.step_plan import KVStepPlan
 from kvpage.engine.sequence import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -122,10 +115,12 @@ class SchedulerOutput:
     Attributes:
         scheduled: the chunks of the forward pass, in batch order.
         preempted: requests preempted this step (back in the waiting queue).
+        kv: the step's KV work for the worker (tier transfers, copy-on-write copies), as data.
     """
 
     scheduled: list[ScheduledRequestChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv: KVStepPlan = KVStepPlan(0)
 
     @property
     def num_tokens(self) -> int:
@@ -138,80 +133,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class _SideSlots:
-    """One step's tail slots: each scheduled chunk's are promised (over side groups: claimed out of the block
-    pool) before its blocks are allocated, so the allocation sees what is left and the plan never runs short.
-
-    A chunk that leaves the step gives its promise back; promises the step's plan did not use are dropped
-    when it finishes (and before the next step is scheduled).
-    """
-
-    def __init__(self, kv: SchedulerKVCache) -> None:
-        self.kv = kv
-        kv.side_release()
-        self.booked: dict[str, tuple[int, ...]] = {}
-
-    def _try(self, req: Request, start: int, n: int, match: TieredMatch | None, num_draft: int = 0) -> bool:
-        need = self.kv.side_reserve(req, start, n, match, num_draft=num_draft)
-        if need is None:
-            return False
-        if any(need):
-            self.booked[req.request_id] = need
-        return True
-
-    def fit(self, req: Request, start: int, n: int, *, chunkable: bool, match: TieredMatch | None = None,
-            num_draft: int = 0) -> int:
-        """The most of ``n`` tokens whose tail slots can be promised, promising them: ``n``, else (``chunkable``)
-        the longest chunk ending on a block boundary, else 0 (nothing promised). With ``num_draft`` (the last
-        of the ``n`` tokens are drafts) it is all ``n`` or nothing."""
-        self.give_back(req)
-        if self._try(req, start, n, match, num_draft):
-            return n
-        if num_draft:
-            return 0
-        if not chunkable:
-            return 0
-        bs = self.kv.block_size
-        end = (start + n) // bs * bs
-        while end > start:
-            if self._try(req, start, end - start, match):
-                return end - start
-            end -= bs
-        return 0
-
-    def widen(self, req: Request, start: int, n: int, extra: int) -> int:
-        """Re-promise the request's chunk as ``[start, start + n + e)`` for the largest ``e <= extra`` that fits
-        (``e`` shrinks so the chunk's end keeps its offset in the block, then by blocks); returns ``e``."""
-        bs = self.kv.block_size
-        while extra > 0:
-            self.give_back(req)
-            if self._try(req, start, n + extra, None):
-                return extra
-            extra -= (extra % bs) or bs  # same end offset: same tail need
-        self.give_back(req)
-        if not self._try(req, start, n, None):  # (rare: a load fell short and the earlier start needs more slots)
-            logger.warning("tail slots of request %s could not be promised again; its plan takes free ones",
-                           req.request_id)
-        return 0
-
-    def give_back(self, req: Request) -> None:
-        """Take back the promise of a chunk that leaves the step (its request was preempted or must wait)."""
-        need = self.booked.pop(req.request_id, None)
-        if need is not None:
-            self.kv.side_unreserve(need)
-
-
 class Scheduler:
-    """FCFS continuous batching over a :class:`~kvpage.engine.kv_cache.SchedulerKVCache`.
+    """FCFS continuous batching over a :class:`~kvpage.cache.kv_cache.KVCache`.
 
     Args:
-        kv: the KV cache (the only way the scheduler touches it); a bare
-            :class:`~kvpage.cache.manager.KVCacheManager` is wrapped without tiers.
+        kv: the KV cache (the only way the scheduler touches it).
         config: batching limits.
     """
 
-    def __init__(self, kv: SchedulerKVCache | KVCacheManager, config: SchedulerConfig | None = None) -> None:
-        self.kv = kv if isinstance(kv, SchedulerKVCache) else SchedulerKVCache(kv)
+    def __init__(self, kv: KVCache, config: SchedulerConfig | None = None) -> None:
+        self.kv = kv
         self.config = config or SchedulerConfig()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -248,54 +179,61 @@ class Scheduler:
         """Requests waiting or running."""
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_waiting_for_kv(self) -> int:
+        """Running requests whose tier loads have not landed yet (they compute once :meth:`update_from_kv` says)."""
+        return sum(1 for r in self.running if self.kv.is_loading(r))
+
     # -- scheduling ----------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         # swap mode copies the blocks of its computed tokens to the host tier; recompute ignores the count
         self.kv.preempt(victim, num_computed_tokens=victim.num_computed_tokens)
+        self._requeue(victim)
+
+    def _requeue(self, victim: Request, *, preempted: bool = True) -> None:
+        """Back to the front of the queue, to be recomputed from its cached prefix (it holds no blocks); counted as
+        a preemption unless a tier load failed it."""
         victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        victim.status = RequestStatus.PREEMPTED
+        victim.status = RequestStatus.PREEMPTED if preempted else RequestStatus.WAITING
         self.waiting.appendleft(victim)
-        self.num_preemptions += 1
+        if preempted:
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
-        """Choose the next forward pass (see the module docstring for the policy)."""
+        """Choose the next step (see the module docstring for the policy); its KV work is ``output.kv``."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        side = _SideSlots(self.kv)
+        self.kv.begin_step()
         # 1. running: decodes first, then unfinished prefills, each in admission order.
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in order:
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop
+            if req not in self.running or self.kv.is_loading(req):  # preempted earlier in this loop; KV not here
                 continue
             want = min(req.num_tokens - req.num_computed_tokens, budget)
             look = self._lookahead(req, budget) if want == 1 else 0
             while True:
                 n = 0
                 if look:  # a speculating decode: its token and the drafts' slots, or no drafts this step
-                    if side.fit(req, req.num_computed_tokens, 1 + look, chunkable=False, num_draft=look):
-                        blocks = self.kv.allocate_slots(req, 1, num_lookahead_tokens=look)
-                        if blocks is not None:
-                            n = 1
-                            break
-                        side.give_back(req)
+                    blocks = self.kv.allocate(req, 1, num_lookahead=look, num_computed=req.num_computed_tokens)
+                    if blocks is not None:
+                        n = 1
+                        break
                     look = 0
-                n = side.fit(req, req.num_computed_tokens, want, chunkable=True)  # tail slots first, then blocks
-                blocks = self.kv.allocate_slots(req, n) if n else None
+                blocks = self.kv.allocate(req, want, num_computed=req.num_computed_tokens, chunkable=True)
                 if blocks is not None:
+                    n = want if blocks.num_new_tokens is None else blocks.num_new_tokens
                     break
-                side.give_back(req)
                 # Preempt the most recently admitted request; if it was already scheduled
                 # this step (a decode ahead of this prefill), take its chunk back too.
                 victim = self.running[-1]
                 for i, chunk in enumerate(out.scheduled):
                     if chunk.request is victim:
                         budget += chunk.num_new_tokens + chunk.num_lookahead
-                        side.give_back(victim)
                         del out.scheduled[i]
                         break
                 self._preempt(victim)
@@ -310,38 +248,24 @@ class Scheduler:
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # device hits, then host / store / swapped-out blocks (device only once a tier load failed for it)
-            match = self.kv.match_prefix(req, external=not req.tier_load_failed)
+            match = self.kv.match(req, external=not req.tier_load_failed)
             n = req.num_tokens - match.num_computed_tokens
             if n > budget:
                 if self.config.enable_chunked_prefill:
                     n = budget
                 elif out.scheduled:
                     break  # a whole prefill runs alone when it exceeds the budget
-            n = side.fit(req, match.num_computed_tokens, n, chunkable=self.config.enable_chunked_prefill, match=match)
-            if not n:
-                break  # the tail cannot take it this step: it waits, as for blocks
             try:
-                blocks = self.kv.allocate_slots(req, n, match)
+                blocks = self.kv.allocate(req, n, match, chunkable=self.config.enable_chunked_prefill)
             except TierLoadError as e:  # the tier is a cache: recompute what it failed to load
                 logger.warning("%s; recomputing it", e)
-                side.give_back(req)
                 req.tier_load_failed = True
                 continue
             if blocks is None:
-                side.give_back(req)
-                break
+                break  # no room for it this step (blocks or side slots): it waits
+            n = n if blocks.num_new_tokens is None else blocks.num_new_tokens
             self.waiting.popleft()
-            # what really arrived: a store record that misses at read time leaves more to compute; the
-            # request already owns the blocks for it, so widen the chunk (within the budget) at no block cost
             computed = blocks.num_computed_tokens if blocks.num_computed_tokens is not None else match.num_cached_tokens
-            short = match.num_computed_tokens - computed
-            extra = min(short, budget - n) if self.config.enable_chunked_prefill else short
-            if short:  # the chunk starts earlier than promised: promise its slots again
-                extra = side.widen(req, computed, n, extra)
-            if extra > 0:
-                blocks = self.kv.allocate_slots(req, extra)
-                assert blocks is not None and not blocks.new_block_ids
-                n += extra
             req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = computed
@@ -349,7 +273,33 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
             budget -= n
+        out.kv = self.kv.step_plan()
         return out
+
+    def update_from_kv(self, update: KVUpdate, output: SchedulerOutput | None = None) -> None:
+        """What the worker's transfers came to (:meth:`~kvpage.cache.kv_cache.KVCache.poll`), before a pass runs: a
+        request whose load was cut short computes from where its KV ends; one that must recompute whole (a sliding
+        window's rows missing) goes back to the front of the queue, device hits only; and the chunks of ``output``
+        whose request's KV has not arrived (still loading, cut short, freed) leave the step.
+        """
+        if update.cut_short or update.recompute:
+            by_id = {r.request_id: r for r in self.running}
+            for rid, computed in update.cut_short.items():
+                req = by_id.get(rid)
+                if req is not None:
+                    req.num_computed_tokens = computed
+                    req.num_cached_tokens = min(req.num_cached_tokens, computed)
+            for rid in update.recompute:
+                req = by_id.get(rid)
+                if req is not None:  # (the cache freed it already)
+                    self.running.remove(req)
+                    req.tier_load_failed = True
+                    req.num_cached_tokens = -1
+                    self._requeue(req, preempted=False)
+        if output is not None:
+            gone = set(update.cut_short) | set(update.recompute)
+            output.scheduled = [c for c in output.scheduled
+                                if c.request.request_id not in gone and not self.kv.is_loading(c.request)]
 
     def _lookahead(self, req: Request, budget: int) -> int:
         """Draft slots for a decoding request this step: ``k``, capped by the step's budget and by the tokens
@@ -382,4 +332,4 @@ class Scheduler:
             req.num_computed_tokens = chunk.num_computed + chunk.num_new_tokens + accepted.get(req.request_id, 0)
             if chunk.num_lookahead:
                 self.kv.rollback(req, req.num_computed_tokens)  # rejected drafts' slots (and blocks) go back
-            self.kv.cache_blocks(req, min(req.num_computed_tokens, limit.get(req.request_id, req.num_computed_tokens)))
+            self.kv.cache(req, min(req.num_computed_tokens, limit.get(req.request_id, req.num_computed_tokens)))

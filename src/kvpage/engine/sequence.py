@@ -2,7 +2,7 @@
 
 It implements :class:`~kvpage.cache.manager.SupportsKVCache` (``request_id``,
 ``all_token_ids``, ``cache_salt``, ``extra_keys``, ``block_hashes``), so the
-scheduler hands it straight to the :class:`~kvpage.cache.manager.KVCacheManager`.
+scheduler hands it straight to the :class:`~kvpage.cache.kv_cache.KVCache`.
 """
 from __future__ import annotations
 

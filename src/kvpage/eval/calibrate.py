@@ -98,8 +98,10 @@ def collect_kv_absmax(
     from tqdm.auto import tqdm
 
     from kvpage.cache.controller import CacheController
+    from kvpage.cache.kv_cache import KVCache
+    from kvpage.cache.requests import KVRequest
     from kvpage.engine.group_attention import GroupAttention
-    from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
+    from kvpage.engine.model_runner import ModelRunner, ScheduledRequest, pass_requests
     from kvpage.spec import CacheSpec
 
     cfg = loaded.config
@@ -115,17 +117,24 @@ def collect_kv_absmax(
                            has_value=cfg.kv_has_value, model_dtype=dtype, block_size=block_size,
                            kv_cache_dtype="auto")
     num_blocks = spec.blocks_for_tokens(len(ids))
-    caches = CacheController(spec, device).initialize_kv_cache(num_blocks)
+    caches = CacheController(spec, device).allocate_device(num_blocks)
     shape = (cfg.num_kv_heads, cfg.head_dim)
     k_max = [torch.zeros(shape, device=device) for _ in range(cfg.num_layers)]
     v_max = [torch.zeros(shape, device=device) for _ in range(cfg.num_layers)]
     backends = [GroupAttention(spec, g, caches) for g in spec.groups]  # the model dtype: token-wise
     runner = ModelRunner(_Recorder(loaded.model, k_max, v_max), spec, backends, torch.device(device))
-    blocks = list(range(num_blocks))
+    kv = KVCache.from_spec(spec, num_blocks, enable_caching=False)  # plans each chunk's pass
+    req = KVRequest("calibrate", [])
     with tqdm(total=len(ids), unit="tok", desc="calibrate", disable=not progress) as bar:
         for start in range(0, len(ids), chunk_size):
             chunk = ids[start:start + chunk_size]
-            runner.execute([ScheduledRequest(chunk, start, blocks)])
+            blocks = kv.allocate(req, len(chunk))
+            assert blocks is not None  # (the pool holds every token)
+            req.all_token_ids.extend(chunk)
+            batch = [ScheduledRequest(chunk, start, blocks.block_ids)]
+            plan = kv.plan_pass(pass_requests(batch))
+            runner.execute(batch, plan)
+            kv.commit(plan)
             bar.update(len(chunk))
     for i in range(cfg.num_layers):
         for which, t in (("k", k_max[i]), ("v", v_max[i])):

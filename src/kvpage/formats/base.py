@@ -100,6 +100,7 @@ class KVFormat(ABC):
     name: str
     aliases: ClassVar[tuple[str, ...]] = ()
     quantized: ClassVar[bool] = False
+    block_wise: ClassVar[bool] = False
     version: ClassVar[int] = 1
     preferred_block_size: ClassVar[int] = 16
     default_residual_tokens: ClassVar[int] = 0
@@ -226,7 +227,14 @@ class BlockFormat(KVFormat):
     fills its tokens live in a full-precision tail outside the pool
     (:mod:`kvpage.cache.tail`), and attention reads it through
     :func:`kvpage.ops.sealed_attention.sealed_attention`.
+
+    Attributes:
+        sink_bits: precision of the extra copy of a request's first block that attention reads instead of its
+            codes (attention sinks); 0 keeps none. The group kind sizes its first-block slots from it.
     """
+
+    block_wise = True
+    sink_bits: ClassVar[int] = 0
 
     @abstractmethod
     def names(self, kind: str) -> tuple[str, ...]:

@@ -4,61 +4,59 @@ It owns the :class:`~kvpage.cache.tail.TailTable` (open blocks, the
 full-precision window and first-block copies, :mod:`kvpage.cache.tail`) and the
 prefix policy those copies imply: a match is usable only behind a first block
 that still has its 8-bit copy, tiers serve a prefix only after such a device
-hit, and only prompt blocks are indexed. Tensor-free.
+hit, and only prompt blocks are indexed. Each pass's seals come from its table
+(:meth:`SealedGroupManager.plan`). Tensor-free.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvpage.cache.groups.base import GroupManager
+from kvpage.cache.groups.base import GroupManager, SideNeed
+from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.cache.requests import SupportsKVCache
+from kvpage.cache.step_plan import GroupPlan, PassRequest, SealOps
 from kvpage.cache.tail import TailTable
 from kvpage.cache.tail.side import SideGroups
-from kvpage.spec import LayerGroupSpec
+from kvpage.spec import LayerGroupSpec, TailLayout
 
 
 class SealedGroupManager(GroupManager):
     """Prefix policy and tail bookkeeping of a block-wise (quantize-on-seal) layer group.
 
     Args:
-        group: the layer group's spec (its format is a :class:`~kvpage.formats.BlockFormat`).
-        num_slots: 16-bit tail slots (open blocks + window copies), >= 1.
-        num_sink_slots: 8-bit first-block slots (0 disables first-block copies).
-        window_blocks: sealed blocks per request that keep a 16-bit copy (``ceil(residual_tokens / block_size)``).
-        side: take slots out of the device block pool on demand (:class:`~kvpage.cache.tail.side.SideGroups`).
+        group: the layer group's spec (its kind seals: :class:`~kvpage.spec.Sealed`).
+        layout: the tail's sizes (:meth:`~kvpage.spec.Sealed.tail`); a carved layout takes its slots out of
+            ``pool`` on demand (:class:`~kvpage.cache.tail.side.SideGroups`).
+        pool: the device block pool (ref counts and index: which blocks are live or in use); required to carve.
 
     Raises:
-        ValueError: bad tail sizes (see :class:`~kvpage.cache.tail.TailTable`).
+        ValueError: bad tail sizes (see :class:`~kvpage.cache.tail.TailTable`); a carved layout without a pool.
     """
 
-    def __init__(
-        self,
-        group: LayerGroupSpec,
-        *,
-        num_slots: int,
-        num_sink_slots: int,
-        window_blocks: int,
-        side: SideGroups | None = None,
-    ) -> None:
-        super().__init__(group)
+    def __init__(self, group: LayerGroupSpec, layout: TailLayout, pool: PrefixBlockPool | None = None) -> None:
+        super().__init__(group, pool)
+        side = None
+        if layout.carved:
+            if pool is None:
+                raise ValueError(f"group {group.name!r}: a tail carved from the block pool needs the pool")
+            side = SideGroups(pool, layout.blocks_per_slot)
         #: Global indices of the group's layers (whose tail tensors it books).
-        self.layers: range = group.layer_indices
-        self.table = TailTable(group.layer.block_size, num_slots, num_sink_slots, window_blocks, side)
+        self.layers = group.layer_indices
+        self.layout = layout
+        self.table = TailTable(group.layer.block_size, layout.num_slots, layout.num_sink_slots, layout.window_blocks,
+                               side)
         self._reserved = 0  # fixed pools: slots promised to the next plan
         self._heirs: dict[int, int] = {}  # a duplicate first block -> its indexed twin, heir of its 8-bit copy
+        self._final = False  # the last plan was a final pass (its slots retire at commit)
 
-    @property
-    def supports_swap(self) -> bool:
-        """No: the tail, window and first-block copies do not travel to the host tier, so preemption recomputes."""
-        return False
+    def _in_use(self, b: int) -> bool:
+        return True if self.pool is None else self.pool.is_in_use(b)
 
-    @property
-    def copies_partial_blocks(self) -> bool:
-        """No: a partial block's rows live in its 16-bit tail slot, keyed by block id; forks share whole blocks."""
-        return False
+    def _live(self, b: int) -> bool:
+        return True if self.pool is None else self.pool.is_live(b)
 
     def can_fork(self, block_ids: Sequence[int], num_tokens: int) -> bool:
-        """Only whole blocks (see :attr:`copies_partial_blocks`)."""
+        """Only whole blocks: a partial block's rows live in its 16-bit tail slot, keyed by block id."""
         return num_tokens % self.table.block_size == 0
 
     def usable_prefix(self, block_ids: Sequence[int]) -> int:
@@ -84,13 +82,9 @@ class SealedGroupManager(GroupManager):
         prompt = getattr(request, "num_prompt_tokens", None)
         return num_computed_tokens if prompt is None else min(num_computed_tokens, int(prompt))
 
-    def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
-        """Drop the tail entries of blocks handed out anew (they may never show another request's tokens)."""
-        self._forget_heirs(block_ids)
-        self.table.invalidate(block_ids)
-
-    def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
-        """Free at once the tail slots of a freed request's dead blocks (its open block and window copies).
+    def on_blocks_dead(self, block_ids: Sequence[int], *, evicted: bool = False) -> None:
+        """Free at once the tail entries of dead blocks (a freed request's open block and window copies, an evicted
+        first block's 8-bit copy; a block handed out anew may never show another request's tokens).
 
         A dead duplicate first block whose indexed twin is the heir of its 8-bit copy
         (:meth:`on_blocks_deduplicated`) hands the copy over instead of dropping it; an heir that died itself
@@ -124,64 +118,102 @@ class SealedGroupManager(GroupManager):
             if ref_count(orig) <= 1 and self.table.sink_of(dup) is not None and self.table.sink_of(orig) is None:
                 self._heirs[dup] = orig
 
-    def side_reserve(self, need: int, protected: Sequence[int], is_in_use: Callable[[int], bool],
-                     is_live: Callable[[int], bool]) -> bool:
+    def fits(self, need: SideNeed, protected: Sequence[int]) -> bool:
+        """Whether ``need`` tail slots can be promised now without giving up first-block copies (no side effects)."""
+        (k,) = need
+        if not k:
+            return True
+        side = self.table.side
+        if side is not None:
+            return side.can_reserve(k, protected)
+        return self._reserved + k <= self.table.num_takeable(self._in_use, self._live)
+
+    def reserve(self, need: SideNeed, protected: Sequence[int]) -> bool:
         """Promise ``need`` tail slots to the next plan, all or none; whether they were promised.
 
         Over side groups the groups are claimed out of the block pool now (evicting cached blocks no request
         uses, never ``protected`` ones), so the step's block allocations cannot take them; over fixed pools
         the promise is counted against :meth:`TailTable.num_takeable`.
         """
+        (k,) = need
+        if not k:
+            return True
         side = self.table.side
         if side is not None:
-            if side.reserve(need, protected):
+            if side.reserve(k, protected):
                 return True
             # first-block copies of idle cached prefixes hold groups too: give them up before the step waits
-            return bool(self.table.drop_idle_sinks(is_in_use, protected)) and side.reserve(need, protected)
-        if self._reserved + need > self.table.num_takeable(is_in_use, is_live):
+            return bool(self.table.drop_idle_sinks(self._in_use, protected)) and side.reserve(k, protected)
+        if self._reserved + k > self.table.num_takeable(self._in_use, self._live):
             return False
-        self._reserved += need
+        self._reserved += k
         return True
 
-    def side_unreserve(self, need: int) -> None:
+    def unreserve(self, need: SideNeed) -> None:
         """Take back a promise of ``need`` slots (its chunk left the step)."""
+        (k,) = need
         if self.table.side is not None:
-            self.table.side.unreserve(need)
+            self.table.side.unreserve(k)
         else:
-            self._reserved = max(0, self._reserved - need)
+            self._reserved = max(0, self._reserved - k)
 
-    def side_release(self) -> None:
-        """Forget every promise (before a step is scheduled; the plan's :meth:`TailTable.finish` does it too)."""
+    def release(self) -> None:
+        """Forget every promise (a new scheduling pass begins; a final pass's commit does it too)."""
         self._reserved = 0
         if self.table.side is not None:
             self.table.side.release_spare()
 
-    @property
-    def drops_on_eviction(self) -> bool:
-        """Over side groups: an evicted first block's 8-bit copy gives its blocks back at once."""
-        return self.table.side is not None
-
-    def side_shrink(self, is_in_use: Callable[[int], bool], keep: Sequence[int]) -> int:
+    def shrink(self, keep: Sequence[int]) -> int:
         """Give the pool back the groups of idle first-block copies (not ``keep``'s); returns how many copies."""
-        return self.table.drop_idle_sinks(is_in_use, keep) if self.table.side is not None else 0
+        return self.table.drop_idle_sinks(self._in_use, keep) if self.table.side is not None else 0
 
     def side_blocks(self) -> int:
         """Pool blocks the group's tail and first-block copies hold now (0 over fixed pools)."""
         side = self.table.side
         return 0 if side is None else side.num_held * side.r
 
-    def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
-                          num_new_tokens: int, *, num_draft: int = 0) -> int:
-        """Tail slots the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the engine's
-        plans; its last ``num_draft`` tokens unverified, as the plan's ``draft_lens``); over side groups also the
-        group of the first block's 8-bit copy when the chunk seals that block (provisionally or not)."""
+    def slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int, num_new: int, *,
+                     num_draft: int = 0, copy_on_write: bool = False) -> SideNeed:
+        """``(tail slots)`` the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the plans;
+        its last ``num_draft`` tokens unverified, as the plan's drafts); over side groups also the group of the
+        first block's 8-bit copy when the chunk seals that block (provisionally or not). (A block-wise group is
+        never copied on write: forks share whole blocks.)"""
         prompt = getattr(request, "num_prompt_tokens", None)
-        need = self.table.slots_to_take(block_ids, num_computed, num_new_tokens,
+        need = self.table.slots_to_take(block_ids, num_computed, num_new,
                                         0 if prompt is None else int(prompt), request.request_id, num_draft=num_draft)
         bs = self.table.block_size
-        if self.table.side is not None and self.table.num_sink_slots and num_computed < bs <= num_computed + num_new_tokens:
+        if self.table.side is not None and self.table.num_sink_slots and num_computed < bs <= num_computed + num_new:
             need += 1
-        return need
+        return (need,)
+
+    def seal_ops(self, requests: Sequence[PassRequest], final: bool) -> SealOps:
+        """Book a pass's seals over block ids (:meth:`TailTable.plan`); a pass that is not the step's final one over
+        the group retires nothing and keeps the step's promised slots (``finish(release_spare=False)``) at once, a
+        final one at :meth:`commit`."""
+        ops = self.table.plan([r.block_ids for r in requests], [r.seq_len for r in requests],
+                              [r.num_new for r in requests], owners=[r.request_id for r in requests],
+                              prompt_lens=[r.prompt_len for r in requests], is_live=self._live,
+                              is_in_use=self._in_use, draft_lens=[r.num_draft for r in requests])
+        self._final = final
+        if not final:
+            self.table.finish(release_spare=False)
+        return ops
+
+    def plan(self, requests: Sequence[PassRequest], final: bool) -> GroupPlan:
+        """The pass's seals, tail writes and reads (block ids: the group's rows are block ids)."""
+        return GroupPlan(self.name, seals=self.seal_ops(requests, final))
+
+    def commit(self) -> None:
+        """Free the tail slots the final pass retired (every layer has read them) and the promises it did not use."""
+        if self._final:
+            self._final = False
+            self.table.finish()
+            self._reserved = 0
+
+    def abort(self) -> None:
+        """The pass raised: keep the open slots of the blocks the plan sealed (:meth:`TailTable.abort`)."""
+        self._final = False
+        self.table.abort()
 
     def on_rollback(self, block_ids: Sequence[int], num_tokens: int) -> None:
         """Resolve the request's provisional seals (:meth:`TailTable.rollback`): verified ones give their 16-bit slot

@@ -8,70 +8,47 @@ never read by it again and their slots go back. A prefix hit of ``L`` blocks is 
 inside the window of its end still have slots (vLLM's ``SlidingWindowManager`` rule); blocks a tier loads count
 when their source holds the window rows (:meth:`SlidingWindowManager.usable_external`). Either the ``sliding``
 group beside full-attention layers (Gemma 2/3), or the ``main`` group of a model whose every layer is windowed
-(Mistral): then block ids carry no tensor at all. Tensor-free: the group attention and the tiers translate
-block ids to slots with :meth:`SlidingWindowManager.slot_of`.
+(Mistral): then block ids carry no tensor at all. Tensor-free: each pass's plan carries the block tables and
+slot mapping translated to window slots (:meth:`SlidingWindowManager.plan`), and the tiers' transfers the slots
+of their blocks (:meth:`SlidingWindowManager.window_rows`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from kvpage.cache.groups.base import GroupManager
+from kvpage.cache.groups.base import GroupManager, SideNeed
+from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.cache.requests import SupportsKVCache
+from kvpage.cache.step_plan import GroupPlan, PassRequest
 from kvpage.spec import LayerGroupSpec
 
 
-def is_bounded_window(group: LayerGroupSpec) -> bool:
-    """Whether the group keeps its KV in window slots (:class:`SlidingWindowManager`): a model group with a
-    sliding window (the ``sliding`` group beside full-attention layers, or the ``main`` group of an all-windowed
-    model such as Mistral), in any format. A block-wise (quantize-on-seal) group keeps its sealed codes in the
-    slots and its 16-bit tail in a fixed tail pool beside them (:func:`~kvpage.cache.groups.managers_for`);
-    draft layers keep theirs by block id."""
-    return group.name != "draft" and group.sliding_window is not None
-
-
-def window_slots_for(group: LayerGroupSpec, *, num_blocks: int, max_model_len: int, max_num_seqs: int,
-                     max_num_batched_tokens: int, num_lookahead_tokens: int = 0) -> int:
-    """Window slots of a bounded group over a pool of ``num_blocks`` blocks (what builder and capacity allocate).
-
-    A running request pins ``w = ceil((W - 1) / bs) + 1`` blocks of its window, ``ceil(k / bs)`` more for ``k``
-    lookahead tokens; a step's chunks add ``ceil(max_num_batched_tokens / bs)`` new blocks. The pool gets the
-    windows of as many requests as the block pool holds requests of ``max_model_len`` tokens (at least one, at
-    most ``max_num_seqs``) plus one step's chunks, and never more slots than blocks.
-    """
-    bs = group.layer.block_size
-    assert group.sliding_window is not None
-    per_request = -(-(group.sliding_window - 1) // bs) + 1 + -(-num_lookahead_tokens // bs)
-    requests = min(max_num_seqs, max(1, -(-num_blocks // max(1, -(-max_model_len // bs)))))
-    step = -(-max_num_batched_tokens // bs) + min(max_num_seqs, requests + 1)
-    return max(1, min(num_blocks, requests * per_request + step))
-
-
 class WindowSlotsExhaustedError(RuntimeError):
-    """A block needed a window slot and none was free or evictable (the promises of :meth:`side_reserve` were
-    bypassed: a caller allocated blocks without promising their slots first)."""
+    """A block needed a window slot and none was free or evictable (the promises of :meth:`~SlidingWindowManager.reserve`
+    were bypassed: a caller allocated blocks without promising their slots first)."""
 
 
 class SlidingWindowManager(GroupManager):
     """Window-slot bookkeeping and prefix policy of a sliding-window group.
 
     Slot life: a block gets a slot when a request takes it for new content (promised before by
-    :meth:`side_reserve`); it is *pinned* by every request whose window reaches it; unpinned, it stays as a
+    :meth:`reserve`); it is *pinned* by every request whose window reaches it; unpinned, it stays as a
     cached slot (LRU, evictable) while the block is in the prefix index, else it is freed at once; the block's
     death (freed, evicted, rolled back) frees it.
 
     Args:
-        group: the layer group's spec (``sliding_window`` set; a block-wise format's group also has a
-            :class:`~kvpage.cache.groups.SealedGroupManager` for its tail, see :func:`~kvpage.cache.groups.managers_for`).
+        group: the layer group's spec (``sliding_window`` set; a block-wise format's group is served by a
+            :class:`~kvpage.cache.groups.SealedWindowManager`, which holds one of these for its codes).
         num_slots: window slots (rows of the group's cache tensors), >= 1.
-        is_cached: ``block_id -> bool``, whether the block is in the prefix index (its slot is worth keeping).
+        pool: the device block pool, asked which blocks are cached (their slots are worth keeping); ``None``: none.
 
     Raises:
         ValueError: no window in ``group``, or ``num_slots < 1``.
     """
 
-    def __init__(self, group: LayerGroupSpec, num_slots: int, is_cached: Callable[[int], bool] | None = None) -> None:
-        super().__init__(group)
+    def __init__(self, group: LayerGroupSpec, num_slots: int, pool: PrefixBlockPool | None = None) -> None:
+        super().__init__(group, pool)
         if group.sliding_window is None:
             raise ValueError(f"group {group.name!r} has no sliding window")
         if num_slots < 1:
@@ -79,7 +56,6 @@ class SlidingWindowManager(GroupManager):
         self.window = group.sliding_window
         self.block_size = group.layer.block_size
         self.num_slots = num_slots
-        self.is_cached: Callable[[int], bool] = is_cached or (lambda b: False)
         self._slot: dict[int, int] = {}                   # block id -> slot
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._pins: dict[int, int] = {}                   # block id -> requests whose window reaches it
@@ -88,6 +64,10 @@ class SlidingWindowManager(GroupManager):
         self._start: dict[str, int] = {}                  # request -> table index its window starts at
         self._promised = 0
         self._evicted: dict[int, int] = {}                # block id -> slot it held when evicted, this pass
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block is in the prefix index (its slot is worth keeping once no window reaches it)."""
+        return self.pool is not None and self.pool.block_hash(block_id) is not None
 
     # -- the window -------------------------------------------------------------------------------------------
 
@@ -102,6 +82,14 @@ class SlidingWindowManager(GroupManager):
     def window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
         """:meth:`slot_of` of each block (the tiers' :class:`~kvpage.cache.tiers.types.WindowSlots`)."""
         return [self._slot.get(b) for b in block_ids]
+
+    def rows_of(self, block_ids: Sequence[int]) -> list[int | None]:
+        """The group's rows are window slots: :meth:`window_rows`."""
+        return self.window_rows(block_ids)
+
+    def evicted_rows_of(self, block_ids: Sequence[int]) -> list[int | None]:
+        """:meth:`evicted_window_rows`."""
+        return self.evicted_window_rows(block_ids)
 
     def evicted_window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
         """The slot each block held when the device evicted it in this scheduling pass (``None``: it held none,
@@ -148,54 +136,45 @@ class SlidingWindowManager(GroupManager):
                 return n
         return 0
 
-    @property
-    def loads_may_stop_short(self) -> bool:
-        """No: the blocks inside the window of an earlier end got no slots (nor rows) at admission."""
-        return False
+    def on_blocks_dead(self, block_ids: Sequence[int], *, evicted: bool = False) -> None:
+        """Dead blocks (freed uncached, evicted, rolled back, handed out anew): their slots go back and no request
+        pins them; an evicted block's slot is kept in mind until the next pass (:meth:`evicted_window_rows`)."""
+        for b in block_ids:
+            slot = self._slot.get(b)
+            self._drop([b])
+            if evicted and slot is not None:
+                self._evicted[b] = slot
 
-    def on_blocks_allocated(self, block_ids: Sequence[int]) -> None:
-        """Ids handed out anew hold no window KV (their old slots died with their old content)."""
-        self._drop(block_ids)
-
-    def on_blocks_freed(self, block_ids: Sequence[int]) -> None:
-        """Dead blocks (freed uncached, evicted, rolled back): their slots go back and no request pins them."""
-        self._drop(block_ids)
-
-    @property
-    def drops_on_eviction(self) -> bool:
-        """Yes: an evicted block's slot is window-pool space."""
-        return True
-
-    def on_block_evicted(self, block_id: int) -> None:
-        """The slot goes back at once; which one it was is kept until the next pass (:meth:`evicted_window_rows`)."""
-        slot = self._slot.get(block_id)
-        self._drop([block_id])
-        if slot is not None:
-            self._evicted[block_id] = slot
-
-    def side_slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int,
-                          num_new_tokens: int, *, num_draft: int = 0) -> int:
-        """New slots a chunk takes: one per block it adds to the table from the window of its first query on
-        (matched in-window blocks hold theirs; loaded blocks before that window get none)."""
+    def slots_needed(self, request: SupportsKVCache, block_ids: Sequence[int], num_computed: int, num_new: int, *,
+                     num_draft: int = 0, copy_on_write: bool = False) -> SideNeed:
+        """``(new slots)`` a chunk takes: one per block it adds to the table from the window of its first query on
+        (matched in-window blocks hold theirs; loaded blocks before that window get none), one more for a block
+        copied on write."""
         first_new = max(len(block_ids), self.first_block(num_computed))
-        return max(0, -(-(num_computed + num_new_tokens) // self.block_size) - first_new)
+        return (max(0, -(-(num_computed + num_new) // self.block_size) - first_new) + int(copy_on_write),)
 
-    def side_reserve(self, need: int, protected: Sequence[int], is_in_use: Callable[[int], bool],
-                     is_live: Callable[[int], bool]) -> bool:
-        """Promise ``need`` slots when free plus evictable ones (not ``protected``) cover every promise."""
+    def fits(self, need: SideNeed, protected: Sequence[int]) -> bool:
+        """Whether free plus evictable slots (not ``protected``' ones) cover every promise and ``need`` more."""
+        (k,) = need
+        if not k:
+            return True
         keep = set(protected)
         evictable = sum(1 for b in self._lru if b not in keep)
-        if self._promised + need > len(self._free) + evictable:
+        return self._promised + k <= len(self._free) + evictable
+
+    def reserve(self, need: SideNeed, protected: Sequence[int]) -> bool:
+        """Promise ``need`` slots when they :meth:`fits`."""
+        if not self.fits(need, protected):
             return False
-        self._promised += need
+        self._promised += need[0]
         return True
 
-    def side_unreserve(self, need: int) -> None:
+    def unreserve(self, need: SideNeed) -> None:
         """Take back a promise."""
-        self._promised = max(0, self._promised - need)
+        self._promised = max(0, self._promised - need[0])
 
-    def side_release(self) -> None:
-        """Forget every promise and the slots of blocks evicted in the last pass (before a step is scheduled)."""
+    def release(self) -> None:
+        """Forget every promise and the slots of blocks evicted in the last pass (a new scheduling pass begins)."""
         self._promised = 0
         self._evicted.clear()
 
@@ -220,11 +199,6 @@ class SlidingWindowManager(GroupManager):
             pinned[b] = None
             self._pins[b] = self._pins.get(b, 0) + 1
             self._lru.pop(b, None)
-
-    @property
-    def side_slots_per_copy(self) -> int:
-        """One: a copied block needs a slot of its own."""
-        return 1
 
     def can_fork(self, block_ids: Sequence[int], num_tokens: int) -> bool:
         """Whether every block the child's window reaches at ``num_tokens`` still holds a slot."""
@@ -255,6 +229,50 @@ class SlidingWindowManager(GroupManager):
         """The copies read their sources: drop the pins they held."""
         for old, _ in pairs:
             self._unpin(old)
+
+    def window_table(self, table: Sequence[int], start: int, seq_len: int) -> list[int]:
+        """A request's block table in window slots: the slot of each block from the window of its first query
+        (``start``) on, 0 before it (never read) and for blocks past ``seq_len`` without one (no side effects).
+
+        Raises:
+            RuntimeError: a block inside the window (before ``seq_len``) has no window slot.
+        """
+        bs = self.block_size
+        row = [0] * len(table)
+        for j in range(self.first_block(start), len(table)):
+            slot = self._slot.get(table[j])
+            if slot is None:
+                if j * bs < seq_len:
+                    raise RuntimeError(f"group {self.name!r}: block {table[j]} (index {j}) inside the window has "
+                                       f"no window slot")
+                continue
+            row[j] = slot
+        return row
+
+    def advance_all(self, requests: Sequence[PassRequest]) -> None:
+        """The step's final pass starts each owned request's queries at ``num_computed``: release the slots that
+        slid out of its window (:meth:`advance`; a drafter's earlier passes start later and must not)."""
+        for r in requests:
+            if r.request_id is not None:
+                self.advance(r.request_id, r.block_ids, r.num_computed)
+
+    def plan(self, requests: Sequence[PassRequest], final: bool) -> GroupPlan:
+        """The pass's block tables and slot mapping in window slots; on the step's final pass the slots that slid out
+        of every window go back first.
+
+        Raises:
+            RuntimeError: a block the pass writes or reads inside a window has no window slot.
+        """
+        if final:
+            self.advance_all(requests)
+        bs = self.block_size
+        tables: list[tuple[int, ...]] = []
+        slots: list[int] = []
+        for r in requests:
+            row = self.window_table(r.block_ids, r.num_computed, r.seq_len)
+            tables.append(tuple(row))
+            slots.extend(row[p // bs] * bs + p % bs for p in range(r.num_computed, r.seq_len))
+        return GroupPlan(self.name, block_tables=tuple(tables), slot_mapping=tuple(slots))
 
     def advance(self, request_id: str, block_ids: Sequence[int], position: int) -> None:
         """The request's next query is at ``position`` (its tokens before are computed): unpin the blocks before
@@ -297,7 +315,7 @@ class SlidingWindowManager(GroupManager):
             if not self._lru:
                 raise WindowSlotsExhaustedError(
                     f"group {self.name!r}: all {self.num_slots} window slots are pinned; a chunk was allocated "
-                    f"without promising its slots (side_reserve)")
+                    f"without promising its slots (reserve)")
             old, _ = self._lru.popitem(last=False)
             self._free.append(self._slot.pop(old))
         self._slot[block_id] = self._free.pop()

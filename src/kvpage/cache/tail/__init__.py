@@ -38,13 +38,13 @@ In the engine the slots are carved out of the device block pool on demand (:mod:
 blocks' codes hold one 16-bit slot, the tail tensors are views of the pool), so they cost blocks only
 while requests hold them; a standalone :class:`TailTable` keeps fixed pools of the sizes it is given.
 
-Modules: :mod:`.side` (groups of pool blocks), :mod:`.entries` (which slot each block holds, taking and dropping slots),
-:mod:`.table` (:class:`TailTable`: the per-step plan over them), :mod:`.pool` (:class:`TailPool`: the
-per-layer tensors). Both are driven once per forward pass by :meth:`TailTable.plan`,
-whose :class:`~kvpage.ops.seal_plan.SealPlan` every layer then applies.
+Modules, scheduler side (tensor-free): :mod:`.side` (groups of pool blocks), :mod:`.entries` (which slot each
+block holds, taking and dropping slots), :mod:`.table` (:class:`TailTable`: the per-pass plan over them, a
+:class:`~kvpage.cache.step_plan.SealOps`). Worker side: :mod:`.pool` (:class:`~kvpage.cache.tail.pool.TailPool`:
+the per-layer tensors, which turn each pass's operations into index tensors every layer applies). This package
+imports only the scheduler side.
 """
 from kvpage.cache.tail.entries import TailEntries
-from kvpage.cache.tail.pool import SINK_FORMAT, TailPool, tail_dtype
 from kvpage.cache.tail.table import TailTable
 
-__all__ = ["SINK_FORMAT", "TailEntries", "TailPool", "TailTable", "tail_dtype"]
+__all__ = ["TailEntries", "TailTable"]

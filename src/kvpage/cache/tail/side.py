@@ -13,45 +13,6 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kvpage.cache.prefix_cache import PrefixBlockPool
-from kvpage.formats import KEY, VALUE, BlockFormat
-from kvpage.spec import LayerSpec
-
-
-def blocks_per_slot(layer: LayerSpec) -> int | None:
-    """Pool blocks whose key codes hold one 16-bit tail slot of ``layer`` exactly, or ``None`` when none do.
-
-    ``r = 2 * head_dim / P`` for a block-wise format whose key (and value) codes are ``uint8 [block_size,
-    kv_heads, P]`` (int4: 4, int2: 8); ``None`` when ``P`` does not divide ``2 * head_dim`` or the layout differs
-    (the tail then keeps its own tensors). No side effects.
-    """
-    if not isinstance(layer.format, BlockFormat):
-        return None
-    specs = {t.name: t for t in layer.tensors}
-    bs, kv, d = layer.block_size, layer.kv_heads, layer.head_dim
-    for name in (KEY, VALUE) if layer.has_value else (KEY,):
-        t = specs.get(name)
-        if t is None or t.dtype.itemsize != 1 or len(t.shape) != 3 or tuple(t.shape[:2]) != (bs, kv):
-            return None
-    p = int(specs[KEY].shape[2])
-    if (VALUE in specs and layer.has_value and int(specs[VALUE].shape[2]) != p) or (2 * d) % p:
-        return None
-    return 2 * d // p
-
-
-def carved_blocks_per_slot(layer: LayerSpec, num_blocks: int, max_model_len: int | None,
-                           window_blocks: int) -> int | None:
-    """``r`` when a pool of ``num_blocks`` carves ``layer``'s tail (:func:`blocks_per_slot`), else ``None``.
-
-    Carving needs room for one request of ``max_model_len`` tokens (default: none) beside its peak side
-    space (open slot, window -- plus the provisional blocks of speculation when the caller counts them in
-    ``window_blocks`` --, the block it seals, its first-block copy: ``window_blocks + 3`` slots) and one
-    group of slack for alignment, so a lone request always fits; smaller pools keep fixed side pools.
-    """
-    r = blocks_per_slot(layer)
-    if r is None:
-        return None
-    request = -(-(max_model_len or 0) // layer.block_size)
-    return r if num_blocks >= request + (window_blocks + 4) * r else None
 
 
 class SideGroups:
@@ -59,7 +20,7 @@ class SideGroups:
 
     Args:
         pool: the device block pool the groups come out of.
-        blocks_per_group: ``r`` (:func:`blocks_per_slot`).
+        blocks_per_group: ``r`` (:func:`~kvpage.spec.blocks_per_slot`).
 
     Attributes:
         num_groups: groups the pool holds (``num_blocks // r``): the most slots there can be.
@@ -106,6 +67,10 @@ class SideGroups:
         self.pool.claim(self.blocks(found[0]))
         self.num_held += 1
         return found[0]
+
+    def can_reserve(self, k: int, protected: Collection[int] = ()) -> bool:
+        """Whether :meth:`reserve` of ``k`` groups would succeed now (no side effects)."""
+        return k <= 0 or len(self._find(k, protected, True)) >= k
 
     def reserve(self, k: int, protected: Collection[int] = ()) -> bool:
         """Claim ``k`` groups for the next plan's tail slots, all or none; whether they were claimed.

@@ -1,23 +1,17 @@
-"""``TailTable``: the per-step seal plan over the tail entries (what a forward pass writes, seals and reads).
+"""``TailTable``: the per-pass seal plan over the tail entries (what a forward pass writes, seals and reads).
 
-:meth:`TailTable.plan` books one step's open slots, seals, window and first-block copies and returns the
-:class:`~kvpage.ops.seal_plan.SealPlan` every layer applies; :meth:`TailTable.slots_to_take` is its dry
-run for the scheduler. Tensor-free apart from the plan's index tensors.
+:meth:`TailTable.plan` books one pass's open slots, seals, window and first-block copies and returns the
+:class:`~kvpage.cache.step_plan.SealOps` every layer of the group applies; :meth:`TailTable.slots_to_take` is its
+dry run for the scheduler. Tensor-free.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
 
-import torch
-
+from kvpage.cache.step_plan import SealOps, SealRead
 from kvpage.cache.tail.entries import TailEntries
 from kvpage.errors import KVPageError
-from kvpage.ops.seal_plan import RequestRead, SealPlan
-
-
-def _long(xs: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    return torch.as_tensor(list(xs), dtype=torch.long, device=device)
 
 
 class TailTable(TailEntries):
@@ -73,14 +67,13 @@ class TailTable(TailEntries):
         block_tables: Sequence[Sequence[int]],
         seq_lens: Sequence[int],
         query_lens: Sequence[int],
-        device: torch.device | str = "cpu",
         owners: Sequence[Hashable] | None = None,
         prompt_lens: Sequence[int] | None = None,
         *,
         is_live: Callable[[int], bool] | None = None,
         is_in_use: Callable[[int], bool] | None = None,
         draft_lens: Sequence[int] | None = None,
-    ) -> SealPlan:
+    ) -> SealOps:
         """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
 
         **Drafts** (speculative verification, issue 14): the last ``draft_lens[i]`` positions of request ``i``'s
@@ -97,7 +90,6 @@ class TailTable(TailEntries):
             block_tables: per request, its block ids (covering ``seq_lens[i]`` tokens).
             seq_lens: context length of each request after this step, in tokens.
             query_lens: new tokens of each request this step (its last ``query_lens[i]`` positions).
-            device: where the plan's index tensors go.
             owners: per request, who owns (and alone reads) the window copies it makes
                 (its request id); default ``None`` for all.
             prompt_lens: per request, its prompt length in tokens: blocks made of prompt
@@ -125,7 +117,7 @@ class TailTable(TailEntries):
         self._is_live, self._is_in_use = is_live, is_in_use
         self._planning = True
         try:
-            return self._plan(block_tables, seq_lens, query_lens, device, owners, prompt_lens, drafts)
+            return self._plan(block_tables, seq_lens, query_lens, owners, prompt_lens, drafts)
         except BaseException:
             self._sealed_after = []  # nothing was sealed: the open slots must stay for a re-run
             self._read_last = []
@@ -139,11 +131,10 @@ class TailTable(TailEntries):
         block_tables: Sequence[Sequence[int]],
         seq_lens: Sequence[int],
         query_lens: Sequence[int],
-        device: torch.device | str,
         owners: Sequence[Hashable] | None,
         prompt_lens: Sequence[int] | None,
         drafts: Sequence[int],
-    ) -> SealPlan:
+    ) -> SealOps:
         bs, w = self.block_size, self.window_blocks
         tail_dst: list[int] = []
         tail_src: list[int] = []
@@ -250,8 +241,8 @@ class TailTable(TailEntries):
             if sink is not None:
                 self._sink.move_to_end(int(table[0]))
             reads.append(
-                RequestRead(
-                    full_ids=_long(table[:nfull], device),
+                SealRead(
+                    full_ids=tuple(int(b) for b in table[:nfull]),
                     fp_blocks=fp_blocks,
                     sink_slot=sink,
                     open_slot=open_slot,
@@ -259,19 +250,18 @@ class TailTable(TailEntries):
                     sealed_now=tuple(mine),
                 )
             )
-        plan = SealPlan(
-            tail_dst=_long(tail_dst, device),
-            tail_src=_long(tail_src, device),
-            seal_ids=_long(seal_ids, device),
-            seal_from_new_dst=_long(new_dst, device),
-            seal_from_new_src=_long(new_src, device),
-            seal_from_tail_dst=_long(old_dst, device),
-            seal_from_tail_src=_long(old_src, device),
-            sink_pos=_long(sink_pos, device),
-            sink_slots=_long(sink_slots, device),
+        return SealOps(
+            tail_dst=tuple(tail_dst),
+            tail_src=tuple(tail_src),
+            seal_ids=tuple(seal_ids),
+            seal_from_new_dst=tuple(new_dst),
+            seal_from_new_src=tuple(new_src),
+            seal_from_tail_dst=tuple(old_dst),
+            seal_from_tail_src=tuple(old_src),
+            sink_pos=tuple(sink_pos),
+            sink_slots=tuple(sink_slots),
             reads=tuple(reads),
         )
-        return plan
 
     def finish(self, *, release_spare: bool = True) -> None:
         """After every layer applied the last plan: free the 16-bit slots it retired.

@@ -1,23 +1,32 @@
-"""``KVConnector``: the verbs the scheduler calls around the device KV-cache manager to use the tiers below it.
+"""The KV connector in two halves, vLLM v1's verbs: a scheduler half that decides, a worker half that moves bytes.
 
-Modelled on the scheduler side of vLLM's v1 KV connector
-(``kv_connector/v1/base.py``: ``get_num_new_matched_tokens``,
-``update_state_after_alloc``, ``request_finished``, ``get_finished``), so a
-third-party store can plug in by implementing :class:`KVConnector`.
-:class:`TieredConnector` is kvpage's own: the host tier, the disk and Redis
-stores and swap preemption of :class:`~kvpage.cache.tiers.offload.OffloadManager`.
-Tensor-free; it imports nothing above :mod:`kvpage.cache`.
+Modelled on vLLM's ``KVConnectorBase_V1`` (``kv_connector/v1/base.py``), so a third-party store plugs in the same
+way and kvpage plugs into vLLM:
 
-The scheduler's sequence (:class:`~kvpage.engine.kv_cache.SchedulerKVCache`)::
+* **scheduler half** (:class:`KVConnectorScheduler`, tensor-free): how many tokens after the device hits a tier
+  holds (``get_num_new_matched_tokens``), what to load once blocks are allocated (``update_state_after_alloc``),
+  the step's transfers as data (``build_connector_meta`` -> :class:`~kvpage.cache.step_plan.ConnectorMetadata`),
+  what the worker reported (``update_connector_output``), the blocks a finished request leaves held
+  (``request_finished``);
+* **worker half** (:class:`KVConnectorWorker`): ``start_load_kv`` performs a step's transfers,
+  ``wait_for_layer_load`` / ``save_kv_layer`` / ``wait_for_save`` frame a forward pass, ``get_finished`` reports what
+  is done (:class:`~kvpage.cache.step_plan.TransferReport`).
 
-    m = manager.match_prefix(req)                                   # device hits
-    ext = connector.get_num_new_matched_tokens(req_id, hashes_after_m, m.num_cached_tokens, max_tokens)
-    blocks = manager.allocate_slots(req, n, m, num_external_tokens=ext.num_tokens)
-    n_loaded = connector.update_state_after_alloc(req_id, blocks.new_block_ids[:len(ext.loads)], ext, ...)
-    ...                                                             # forward pass after connector.fence()
-    connector.on_blocks_stored(...) / on_blocks_evicted(...)        # write policies and stores
-    keep = connector.request_finished(req_id); manager.free(req, keep=keep)   # held blocks: C10
-    finished = connector.get_finished()                             # loads done, held blocks to release
+Nothing in the scheduler half assumes a transfer completes when it is issued: a request whose loads are in
+flight is not computed (:meth:`KVConnectorScheduler.loading_from`) until the worker reports them, whether that is
+within the step (kvpage's synchronous CPU tiers) or steps later. :class:`TieredConnector` is kvpage's own scheduler
+half (host tier, disk and Redis stores, swap preemption, over
+:class:`~kvpage.cache.tiers.offload.OffloadManager`); its worker half is
+:class:`~kvpage.cache.tiers.host.TieredWorker`.
+
+The cache's sequence (:class:`~kvpage.cache.kv_cache.KVCache`)::
+
+    m = device hits;  ext = c.get_num_new_matched_tokens(req_id, hashes_after_m, m.num_cached_tokens, max_tokens)
+    c.reserve_sources(ext); blocks = allocate(...); c.update_state_after_alloc(req_id, new_blocks, ext, ...)
+    meta = c.build_connector_meta()                       # -> the step plan -> worker.start_load_kv(meta)
+    up = c.update_connector_output(worker.get_finished())  # loads landed (or cut short), held blocks to release
+    c.on_block_changes(stored, evicted)                   # write policies and stores
+    keep = c.request_finished(req_id)                     # held blocks: case C10
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpage.cache.step_plan import ConnectorMetadata, TransferReport
 from kvpage.cache.tiers.offload import OffloadManager
 from kvpage.cache.tiers.transfer import Transfer
 from kvpage.cache.tiers.types import BlockLoad, OffloadStats
@@ -32,12 +42,12 @@ from kvpage.cache.tiers.types import BlockLoad, OffloadStats
 
 @dataclass(frozen=True, slots=True)
 class ExternalMatch:
-    """Blocks after a device match that a tier holds (from :meth:`KVConnector.get_num_new_matched_tokens`).
+    """Blocks after a device match that a tier holds (from :meth:`KVConnectorScheduler.get_num_new_matched_tokens`).
 
     Attributes:
         loads: where each block comes from, in order.
-        num_tokens: tokens they hold (``len(loads) * block_size``, except a swap-in's
-            last block, which may be partial).
+        num_tokens: tokens they hold (``len(loads) * block_size``, except a swap-in's last block, which may be
+            partial).
     """
 
     loads: tuple[BlockLoad, ...] = ()
@@ -45,30 +55,32 @@ class ExternalMatch:
 
 
 @dataclass(frozen=True, slots=True)
-class FinishedTransfers:
-    """What :meth:`KVConnector.get_finished` found done since the last call.
+class ConnectorUpdate:
+    """What :meth:`KVConnectorScheduler.update_connector_output` learnt from the worker's report.
 
     Attributes:
-        loaded: requests whose loads all landed (their loaded blocks may be indexed now).
-        released: device blocks held for loads of freed requests that completed or were
-            abandoned (give them back with ``KVCacheManager.release_held``).
+        loaded: request -> tokens its finished loads brought after its device hits: the whole run, or fewer when
+            a source missed at read time (the run is cut at the first block that did not arrive).
+        released: ``(request, device blocks)`` held for its loads after it was freed, whose loads completed or were
+            abandoned at their deadline (give them back to the pool); one entry per time the request was freed with
+            loads in flight (a request preempted twice while loading has two).
     """
 
-    loaded: tuple[str, ...] = ()
-    released: tuple[int, ...] = ()
+    loaded: dict[str, int] = field(default_factory=dict)
+    released: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
-class KVConnector(ABC):
-    """The scheduler-side interface of a KV tier below the device (host memory, disk, a shared store).
+class KVConnectorScheduler(ABC):
+    """The scheduler half of a KV connector: decides what moves; never touches a tensor.
 
-    Block ids are device block ids; hashes are the manager's chained block hashes.
+    Block ids are device block ids; hashes are the cache's chained block hashes.
     """
 
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int, max_tokens: int
     ) -> ExternalMatch:
-        """Tokens after the device hits that this tier can load (side-effect free, but may wait for a swap-out).
+        """Tokens after the device hits that this tier can load (no side effects).
 
         Args:
             request_id: the request.
@@ -78,22 +90,32 @@ class KVConnector(ABC):
         """
 
     @abstractmethod
-    def update_state_after_alloc(
-        self, request_id: str, device_ids: Sequence[int], match: ExternalMatch, device_hits: Sequence[int],
-        device_hit_hashes: Sequence[bytes],
-    ) -> int:
-        """Start loading ``match`` into the fresh device blocks ``device_ids``; return the tokens that will arrive.
+    def reserve_sources(self, match: ExternalMatch) -> None:
+        """Keep the sources of ``match`` from being reused until its loads are issued and acknowledged.
 
-        A source that misses at read time cuts the run there (the rest is computed).
+        Raises:
+            ValueError: a source is gone (a stale match); nothing is kept then.
         """
 
     @abstractmethod
-    def pin(self, match: ExternalMatch) -> None:
-        """Keep the sources of ``match`` from being reused until :meth:`update_state_after_alloc` loads them."""
+    def release_sources(self, match: ExternalMatch) -> None:
+        """Undo :meth:`reserve_sources` (the device blocks for ``match`` could not be allocated)."""
 
     @abstractmethod
-    def check(self, match: ExternalMatch) -> None:
-        """Raise ``ValueError`` if a source of ``match`` is gone (a stale match)."""
+    def update_state_after_alloc(
+        self, request_id: str, device_ids: Sequence[int], match: ExternalMatch, device_hits: Sequence[int],
+        device_hit_hashes: Sequence[bytes],
+    ) -> None:
+        """Issue the loads of ``match`` (sources reserved) into the fresh device blocks ``device_ids``; the request
+        is loading (:meth:`loading_from`) until the worker reports them."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """The transfers issued (and loads abandoned) since the last call, in order, for the worker half."""
+
+    @abstractmethod
+    def update_connector_output(self, report: TransferReport) -> ConnectorUpdate:
+        """Process the worker half's report; also abandons held loads past their deadline (case C10)."""
 
     @abstractmethod
     def loading_from(self, request_id: str) -> int | None:
@@ -105,29 +127,13 @@ class KVConnector(ABC):
         until their loads end. A finished request's swapped-out copy is dropped; a preempted one's is kept."""
 
     @abstractmethod
-    def get_finished(self) -> FinishedTransfers:
-        """Acknowledge finished copies; report loaded requests and held blocks to release."""
-
-    @abstractmethod
-    def on_blocks_stored(self, blocks: Sequence[tuple[int, bytes]]) -> None:
-        """Blocks entered the device prefix index: the tier's write policy may save them."""
-
-    @abstractmethod
-    def on_blocks_evicted(self, blocks: Sequence[tuple[int, bytes]]) -> None:
-        """Cached device blocks were evicted (their KV is intact until the next forward pass)."""
+    def on_block_changes(self, stored: Sequence[tuple[int, bytes]], evicted: Sequence[tuple[int, bytes]]) -> None:
+        """``(block id, hash)`` pairs that entered and left the device prefix index (evicted ones first; their KV is
+        intact until the worker's next forward pass): the tier's write policy may save them."""
 
     @abstractmethod
     def swap_out(self, request_id: str, device_ids: Sequence[int], num_tokens: int) -> bool:
         """Copy a preempted request's blocks out to resume it later; ``False``: recompute instead."""
-
-    @abstractmethod
-    def wait(self, request_ids: Sequence[str] | None = None) -> None:
-        """Block until the loads of ``request_ids`` (default every pending copy) are done."""
-
-    @property
-    @abstractmethod
-    def num_pending(self) -> int:
-        """Copies issued and not yet acknowledged."""
 
     @abstractmethod
     def stats(self) -> OffloadStats:
@@ -138,30 +144,71 @@ class KVConnector(ABC):
         """Release connections and handles; no call may follow."""
 
 
+class KVConnectorWorker(ABC):
+    """The worker half of a KV connector: performs the transfers the scheduler half issued; decides nothing."""
+
+    @abstractmethod
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Begin a step's transfers, in order (saves that read device blocks run before anything overwrites them);
+        drop the abandoned loads of ``meta.cancelled`` that have not run."""
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        """Block until the loads a forward pass reads in layer ``layer_index`` are done (only loads of requests the
+        pass computes; default: they are done when :meth:`start_load_kv` returns)."""
+
+    def save_kv_layer(self, layer_index: int) -> None:
+        """Layer ``layer_index`` of a forward pass wrote its KV (kvpage's tiers save whole cached blocks through
+        :meth:`start_load_kv` instead; default nothing)."""
+
+    def wait_for_save(self) -> None:
+        """Block until the saves a later pass could overwrite have read their blocks (default: done already)."""
+
+    @abstractmethod
+    def get_finished(self) -> TransferReport:
+        """Transfers finished since the last call."""
+
+    def close(self) -> None:
+        """Release connections and handles (default nothing)."""
+
+
 @dataclass(slots=True)
 class _Loading:
-    """Copies into a request's blocks ``[start, start + len(device_ids))`` in flight."""
+    """Loads into a request's blocks ``[start, start + len(device_ids))`` in flight."""
 
     start: int
     device_ids: list[int]
-    transfers: list[Transfer]
+    transfers: list[tuple[Transfer, tuple[int, ...]]]
+    num_blocks: int
+    num_tokens: int
+
+    def done(self) -> bool:
+        return all(t.acknowledged or t.cancelled for t, _ in self.transfers)
+
+    def arrived(self, block_size: int) -> int:
+        """Tokens that arrived: the run up to its first block a transfer did not write."""
+        cut = self.num_blocks
+        for t, idxs in self.transfers:
+            n = t.num_done if t.acknowledged else 0
+            if n < len(idxs):
+                cut = min(cut, idxs[n])
+        return self.num_tokens if cut == self.num_blocks else cut * block_size
 
 
 @dataclass(slots=True)
 class _Held:
     """Device blocks of a freed request still receiving loads (case C10)."""
 
+    request_id: str
     device_ids: list[int]
     transfers: list[Transfer]
     deadline: float
-    done: bool = field(default=False)
 
 
-class TieredConnector(KVConnector):
-    """kvpage's host tier, stores and swap preemption behind the connector verbs.
+class TieredConnector(KVConnectorScheduler):
+    """kvpage's host tier, stores and swap preemption behind the scheduler half's verbs.
 
     Args:
-        offload: the tier mechanics (host pool, stores, transfer queue, write policies).
+        offload: the tier policy (host pool, store probes, transfer bookkeeping, write policies).
         block_size: tokens per device block.
 
     Raises:
@@ -185,11 +232,10 @@ class TieredConnector(KVConnector):
     def get_num_new_matched_tokens(
         self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int, max_tokens: int
     ) -> ExternalMatch:
-        """Host, store or swapped-out blocks after the device hits (see :class:`KVConnector`).
+        """Host, store or swapped-out blocks after the device hits (see :class:`KVConnectorScheduler`).
 
-        A request swapped out by :meth:`swap_out` gets its own host blocks back
-        (its whole computed prefix, partial last block included); otherwise the
-        next block hashes are looked up in the host tier, then each store.
+        A request swapped out by :meth:`swap_out` gets its own host blocks back (its whole computed prefix, partial
+        last block included); otherwise the next block hashes are looked up in the host tier, then each store.
         """
         block_size = self.block_size
         d = num_computed_tokens // block_size
@@ -200,38 +246,66 @@ class TieredConnector(KVConnector):
         loads = self.offload.lookup(block_hashes)
         return ExternalMatch(tuple(loads), len(loads) * block_size)
 
-    def check(self, match: ExternalMatch) -> None:
-        """Raise ``ValueError`` on a stale host source."""
+    def reserve_sources(self, match: ExternalMatch) -> None:
+        """Refuse a stale host source, then pin the host blocks ``match`` reads (a write-back must not take them)."""
         self.offload.check_loads(match.loads)
-
-    def pin(self, match: ExternalMatch) -> None:
-        """Pin the host blocks ``match`` reads (a write-back eviction must not take them)."""
         self.offload.pin_sources(match.loads)
+
+    def release_sources(self, match: ExternalMatch) -> None:
+        """Unpin what :meth:`reserve_sources` pinned."""
+        ids = [ld.host_block for ld in match.loads if ld.host_block >= 0]
+        if ids:
+            assert self.offload.host is not None
+            self.offload.host.unpin(ids)
 
     def update_state_after_alloc(
         self, request_id: str, device_ids: Sequence[int], match: ExternalMatch, device_hits: Sequence[int],
         device_hit_hashes: Sequence[bytes],
-    ) -> int:
-        """Begin the loads (pinned by :meth:`pin`) and count the device hits for the write policy."""
-        n = 0
+    ) -> None:
+        """Issue the loads and count the device hits for the write policy."""
         if match.loads:
-            res = self.offload.begin_loads(request_id, match.loads, device_ids)
-            # cut short at a store miss: only whole blocks arrived (a swap-in's partial block is always last)
-            n = match.num_tokens if res.num_loaded == len(match.loads) else res.num_loaded * self.block_size
-            pending = [t for t in res.transfers if not t.acknowledged]
-            if pending:
-                self._loading[request_id] = _Loading(len(device_hits), list(device_ids[: res.num_loaded]), pending)
-        self.offload.drop_swapped(request_id)  # swapped out, but the device still held all of it
+            transfers = self.offload.begin_loads(request_id, match.loads, device_ids)
+            self._loading[request_id] = _Loading(len(device_hits), list(device_ids), transfers, len(match.loads),
+                                                 match.num_tokens)
+        self.offload.drop_swapped(request_id)  # swapped out, but the device still held all of it (or it recomputes)
         if device_hits:
             self.offload.on_device_hits(device_hits, device_hit_hashes)
-        return n
 
     def loading_from(self, request_id: str) -> int | None:
         """First block index of the request still receiving a load, or ``None``."""
         ld = self._loading.get(request_id)
         return None if ld is None else ld.start
 
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """The ops issued since the last call (loads, backups, store writes, swap-outs) and the cancelled loads."""
+        return self.offload.take_metadata()
+
     # -- completion ------------------------------------------------------------------------------
+    def update_connector_output(self, report: TransferReport) -> ConnectorUpdate:
+        """Acknowledge what the worker finished; report requests whose loads all landed (with the tokens that
+        arrived) and held blocks that may go back. A held load past its deadline is cancelled (a late completion is
+        then ignored, C10)."""
+        o = self.offload
+        o.acknowledge(report)
+        loaded = {rid: ld.arrived(self.block_size) for rid, ld in self._loading.items() if ld.done()}
+        for rid in loaded:
+            del self._loading[rid]
+        released: list[tuple[str, tuple[int, ...]]] = []
+        if self._held:
+            now = o.clock()
+            keep: list[_Held] = []
+            for h in self._held:
+                if all(t.acknowledged or t.cancelled for t in h.transfers):
+                    released.append((h.request_id, tuple(h.device_ids)))
+                elif now >= h.deadline:
+                    for t in h.transfers:
+                        o.cancel(t)
+                    released.append((h.request_id, tuple(h.device_ids)))
+                else:
+                    keep.append(h)
+            self._held = keep
+        return ConnectorUpdate(loaded, tuple(released))
+
     def request_finished(self, request_id: str, *, preempted: bool = False) -> tuple[int, ...]:
         """Drop the request's swapped-out copy (unless ``preempted``); hold its blocks still receiving loads until
         they land or their deadline passes."""
@@ -240,64 +314,20 @@ class TieredConnector(KVConnector):
         ld = self._loading.pop(request_id, None)
         if ld is None:
             return ()
-        pending = [t for t in ld.transfers if not t.acknowledged]
+        pending = [t for t, _ in ld.transfers if not (t.acknowledged or t.cancelled)]
         if not pending:
             return ()
         deadline = self.offload.clock() + self.offload.config.load_deadline_s
-        self._held.append(_Held(ld.device_ids, pending, deadline))
+        self._held.append(_Held(request_id, ld.device_ids, pending, deadline))
         return tuple(ld.device_ids)
 
-    def get_finished(self) -> FinishedTransfers:
-        """Poll the copy queue; report requests whose loads all landed and held blocks that may go back.
-
-        A held load past its deadline is cancelled (a late completion is then ignored, C10).
-        """
-        o = self.offload
-        o.poll()
-        loaded = tuple(rid for rid, ld in self._loading.items() if all(t.acknowledged for t in ld.transfers))
-        for rid in loaded:
-            del self._loading[rid]
-        released: list[int] = []
-        if self._held:
-            now = o.clock()
-            keep: list[_Held] = []
-            for h in self._held:
-                if all(t.acknowledged or t.cancelled for t in h.transfers):
-                    released.extend(h.device_ids)
-                elif now >= h.deadline:
-                    for t in h.transfers:
-                        o.cancel(t)
-                    released.extend(h.device_ids)
-                else:
-                    keep.append(h)
-            self._held = keep
-        return FinishedTransfers(loaded, tuple(released))
-
-    def wait(self, request_ids: Sequence[str] | None = None) -> None:
-        """Block until the loads of ``request_ids`` (default: every pending copy) are done (one copy stream:
-        every copy issued before them finishes first)."""
-        if request_ids is None:
-            self.offload.wait()
-            return
-        todo = [t for rid in request_ids if rid in self._loading for t in self._loading[rid].transfers]
-        if todo:
-            self.offload.wait(todo)
-
-    @property
-    def num_pending(self) -> int:
-        """Copies issued and not yet acknowledged."""
-        return self.offload.queue.num_pending
-
     # -- saving ----------------------------------------------------------------------------------
-    def on_blocks_stored(self, blocks: Sequence[tuple[int, bytes]]) -> None:
-        """Apply the host write policy and write the blocks through to the stores."""
-        if blocks:
-            self.offload.on_cached([b for b, _ in blocks], [h for _, h in blocks])
-
-    def on_blocks_evicted(self, blocks: Sequence[tuple[int, bytes]]) -> None:
-        """``write_back`` copies evicted blocks to the host tier."""
-        for b, h in blocks:
+    def on_block_changes(self, stored: Sequence[tuple[int, bytes]], evicted: Sequence[tuple[int, bytes]]) -> None:
+        """``write_back`` saves evicted blocks to the host tier; the write policy and the stores take stored ones."""
+        for b, h in evicted:
             self.offload.on_device_evicted(b, h)
+        if stored:
+            self.offload.on_cached([b for b, _ in stored], [h for _, h in stored])
 
     def swap_out(self, request_id: str, device_ids: Sequence[int], num_tokens: int) -> bool:
         """Copy a preempted request's blocks to host blocks it owns (``swap`` mode only)."""
@@ -316,6 +346,6 @@ class TieredConnector(KVConnector):
         return self.offload.stats(num_held_blocks=self.num_held_blocks)
 
     def close(self) -> None:
-        """Close every store."""
+        """Close every store (the worker half shares them in one process)."""
         for _, store in self.offload.stores:
             store.close()

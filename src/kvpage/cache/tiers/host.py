@@ -1,41 +1,36 @@
-"""The host (CPU) tier's tensor side, and the factory that wires every tier of an engine together.
+"""The worker half of kvpage's tiers, and the factory that wires both halves of an engine's tiers together.
 
-:class:`HostTier` moves whole blocks -- every layer (main and draft/MTP) and
-every tensor of the layer's format: K, V and all scales (case C07) -- between
-the device caches and the host blocks that
-:meth:`~kvpage.cache.controller.CacheController.initialize_host_cache`
-allocated (pinned when the device is CUDA), and between the device caches and
-store records (:func:`~kvpage.cache.tiers.stores.blocks.gather_blocks` /
-:func:`~kvpage.cache.tiers.stores.blocks.scatter_blocks`). It is the
-:class:`~kvpage.cache.tiers.connector.BlockMover` of the tensor-free
-:class:`~kvpage.cache.tiers.connector.OffloadManager`, which decides what moves when.
+:class:`HostTier` moves whole blocks -- every layer (main and draft/MTP) and every tensor of the layer's format:
+K, V and all scales (case C07) -- between the device caches and the host blocks that
+:meth:`~kvpage.cache.controller.CacheController.initialize_host_cache` allocated (pinned when the device is
+CUDA), and between the device caches and store records (:func:`~kvpage.cache.tiers.stores.blocks.gather_blocks` /
+:func:`~kvpage.cache.tiers.stores.blocks.scatter_blocks`). :class:`TieredWorker` is the connector's worker half
+over it: it performs the :class:`~kvpage.cache.step_plan.TransferOp` s the scheduler half
+(:class:`~kvpage.cache.tiers.connector.TieredConnector`) issued and reports what is done.
 
-Copies are synchronous here (``CacheController`` synchronizes after a CUDA
-copy), so every :class:`~kvpage.cache.tiers.transfer.Transfer` completes at issue;
-the transfer bookkeeping around them is what keeps in-flight blocks safe when
-copies are deferred (tests, and an asynchronous copy engine later).
+Copies are synchronous here (``CacheController`` synchronizes after a CUDA copy): a transfer is done when
+:meth:`TieredWorker.start_load_kv` returns, unless the worker defers its loads (``load_delay``, to test in-flight
+states; an asynchronous copy engine reports when its stream finishes).
 
-:func:`build_offload` is what ``LLM(swap_space=..., kv_offload_policy=...,
-preemption_mode=..., kv_disk_dir=..., kv_store=...)`` calls: vLLM's
-``swap_space`` (GiB of host blocks) and ``preemption_mode``, SGLang HiCache's
-write policies, LMCache's local-disk and remote (Redis) backends.
+:func:`build_tiers` is what ``LLM(swap_space=..., kv_offload_policy=..., preemption_mode=..., kv_disk_dir=...,
+kv_store=...)`` calls: vLLM's ``swap_space`` (GiB of host blocks) and ``preemption_mode``, SGLang HiCache's write
+policies, LMCache's local-disk and remote (Redis) backends.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from kvpage.cache.controller import CacheController
-from kvpage.cache.tiers.offload import OffloadManager
+from kvpage.cache.step_plan import ConnectorMetadata, TransferOp, TransferReport
+from kvpage.cache.tiers.connector import KVConnectorWorker, TieredConnector
 from kvpage.cache.tiers.host_pool import HostBlockPool
+from kvpage.cache.tiers.offload import OffloadManager
 from kvpage.cache.tiers.policy import OffloadConfig
-from kvpage.cache.tiers.stores import BlockData, KVStore, open_store
+from kvpage.cache.tiers.stores import BlockData, KVStore, StoreURL, open_store, parse_store_url
 from kvpage.cache.tiers.stores.blocks import gather_blocks, scatter_blocks
-from kvpage.cache.tiers.transfer import TransferQueue
 from kvpage.cache.tiers.types import WindowSlots
-from kvpage.formats import BlockFormat
 
 #: Bytes in one GiB (``swap_space`` is in GiB, as in vLLM).
 GIB = 1 << 30
@@ -149,46 +144,129 @@ def host_blocks_for_swap_space(controller: CacheController, swap_space_gib: floa
     return n
 
 
-def store_tier_name(url: str) -> str:
-    """The tier name a store URL gets in metrics: ``redis`` for ``redis://``/``rediss://``/``unix://``, else ``disk``."""
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    return "redis" if scheme in ("redis", "rediss", "unix") else "disk"
+class TieredWorker(KVConnectorWorker):
+    """The worker half of kvpage's tiers: performs each step's transfers over a :class:`HostTier` and the stores.
+
+    Ops run in issue order, one copy stream (a save that reads a device block runs before a later load that
+    writes it). A ``store_to_device`` load writes the leading blocks whose records arrive and stops at the first
+    one that does not (missing, rejected, unreachable), reporting how many it wrote; a transfer that raises is
+    reported as having written nothing.
+
+    Args:
+        tier: moves blocks between the controller's device and host tensors and records.
+        stores: the stores, in the scheduler half's order (its ops name them by index).
+        load_delay: report loads done only this many :meth:`get_finished` calls after :meth:`start_load_kv`, and
+            perform them then (0: at once). Saves always run at once (a later pass may overwrite what they read).
+            For tests of loads that land steps later, as a remote or asynchronous worker's do.
+
+    Raises:
+        ValueError: a negative ``load_delay``.
+    """
+
+    def __init__(self, tier: HostTier, stores: Sequence[KVStore] = (), *, load_delay: int = 0) -> None:
+        if load_delay < 0:
+            raise ValueError(f"load_delay must be >= 0, got {load_delay}")
+        self.tier = tier
+        self.stores = list(stores)
+        self.load_delay = load_delay
+        self._done: list[int] = []
+        self._written: dict[int, int] = {}
+        self._deferred: list[list[TransferOp]] = []  # loads waiting, one list per get_finished call to come
+
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Drop cancelled deferred loads, then run ``meta``'s ops in order (deferring loads by ``load_delay``)."""
+        if meta.cancelled:
+            gone = set(meta.cancelled)
+            self._deferred = [[op for op in batch if op.op_id not in gone] for batch in self._deferred]
+        for op in meta.ops:
+            if op.is_load and self.load_delay:
+                while len(self._deferred) < self.load_delay:
+                    self._deferred.append([])
+                self._deferred[self.load_delay - 1].append(op)
+            else:
+                self._run(op)
+
+    def _run(self, op: TransferOp) -> None:
+        """Perform ``op`` and record it done; a transfer that raises wrote nothing (the scheduler half treats its
+        blocks as not arrived or not saved: a failing tier never fails a request)."""
+        try:
+            n = self._perform(op)
+        except Exception as exc:  # noqa: BLE001 -- the tier is a cache: report the failure, never raise it
+            logger.warning("tier transfer %d (%s of %d blocks) failed: %s: %s", op.op_id, op.kind,
+                           len(op.device_ids), type(exc).__name__, exc)
+            n = 0
+        if n < len(op.device_ids):
+            self._written[op.op_id] = n
+        self._done.append(op.op_id)
+
+    def _perform(self, op: TransferOp) -> int:
+        """Do the copy of ``op``; returns the leading blocks written."""
+        rows = None if op.window_rows is None else list(op.window_rows)
+        if op.kind == "device_to_host":
+            self.tier.device_to_host(op.device_ids, op.host_ids, rows)
+        elif op.kind == "host_to_device":
+            self.tier.host_to_device(op.host_ids, op.device_ids, rows)
+        elif op.kind == "device_to_store":
+            datas = self.tier.gather(op.device_ids, rows)
+            for k, store in enumerate(self.stores):
+                items = [(store.key(h), d) for h, d, t in zip(op.block_hashes, datas, op.targets) if k in t]
+                if items:
+                    store.put(items)
+        elif op.kind == "store_to_device":
+            store = self.stores[op.store]
+            got = store.get([store.key(h) for h in op.block_hashes])
+            n = next((i for i, d in enumerate(got) if d is None), len(got))
+            if n:
+                blocks = [d for d in got[:n] if d is not None]
+                self.tier.scatter(op.device_ids[:n], blocks, None if rows is None else rows[:n])
+            return n
+        else:
+            raise ValueError(f"unknown transfer kind {op.kind!r}")
+        return len(op.device_ids)
+
+    def get_finished(self) -> TransferReport:
+        """What finished since the last call (deferred loads whose delay ran out are performed now)."""
+        if self._deferred:
+            for op in self._deferred.pop(0):
+                self._run(op)
+        report = TransferReport(tuple(self._done), dict(self._written))
+        self._done, self._written = [], {}
+        return report
+
+    @property
+    def num_deferred(self) -> int:
+        """Loads waiting for their delay to run out."""
+        return sum(len(b) for b in self._deferred)
 
 
-def build_offload(
+def build_tiers(
     controller: CacheController,
     *,
     swap_space: float = 0.0,
     config: OffloadConfig | None = None,
-    kv_disk_dir: str | None = None,
-    kv_disk_max_bytes: int | None = None,
-    kv_store: str | None = None,
-    store_options: dict[str, Any] | None = None,
-    queue: TransferQueue | None = None,
+    stores: Sequence[StoreURL | str] = (),
     supports_swap: bool = True,
     window_slots: WindowSlots | None = None,
-) -> OffloadManager | None:
-    """Allocate the host tier, open the stores and return the :class:`OffloadManager` (``None`` when no tier is asked for).
+    load_delay: int = 0,
+) -> tuple[TieredConnector, TieredWorker] | None:
+    """Allocate the host tier, open the stores and return both halves of the connector (``None`` when no tier is
+    asked for).
 
     Args:
         controller: the engine's controller (device caches already allocated).
         swap_space: host tier size in GiB (vLLM's ``swap_space``); 0 = no host tier.
-        config: the write policy, preemption mode (``swap`` needs ``swap_space > 0``; with a layer
-            group that cannot swap, ``supports_swap=False``, it falls back to recompute), threshold and
-            load deadline, validated already (``EngineConfig.offload``); default ``OffloadConfig()``.
-        kv_disk_dir: directory of a :class:`~kvpage.cache.tiers.stores.disk.DiskStore`, or ``None``.
-        kv_disk_max_bytes: size cap of the disk store in bytes (LRU), ``None`` = unbounded.
-        kv_store: ``redis://host:port/db`` of a shared :class:`~kvpage.cache.tiers.stores.redis.RedisStore`, or ``None``.
-        store_options: extra keyword options for the Redis store (``ttl_seconds``, ``timeout_s``, ...).
-        queue: the transfer queue (default synchronous).
-        supports_swap: whether every layer group's blocks can be swapped out and back
-            (``KVCacheManager.supports_swap``; block-wise formats keep a tail pool outside them).
+        config: the write policy, preemption mode (``swap`` needs ``swap_space > 0``; with a layer group that cannot
+            swap, ``supports_swap=False``, it falls back to recompute), threshold and load deadline, validated
+            already (``EngineConfig.offload``); default ``OffloadConfig()``.
+        stores: the stores, probed in this order (``EngineConfig.kv_stores``: the disk store, then ``kv_store``).
+        supports_swap: whether every layer group's blocks can be swapped out and back (the groups' kinds:
+            block-wise formats keep a tail pool outside them).
         window_slots: where the window layers keep each block's rows, when the controller has window layers
-            (the bounded sliding-window group's :class:`~kvpage.cache.groups.SlidingWindowManager`);
-            ``ValueError`` when it has them and this is missing.
+            (the bounded sliding-window group's manager); ``ValueError`` when it has them and this is missing.
+        load_delay: the worker half's (see :class:`TieredWorker`).
 
     Raises:
-        ValueError: bad sizes; ``swap`` without a host tier; a disk cap without a disk store.
+        ValueError: bad sizes; ``swap`` without a host tier; two stores of one tier name.
         CacheAllocationError: the host tier could not be allocated for some layer group (case C08).
     """
     config = config or OffloadConfig()
@@ -198,27 +276,24 @@ def build_offload(
     n_host = host_blocks_for_swap_space(controller, swap_space)
     if config.preemption_mode == "swap" and n_host == 0:
         raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
-    if kv_disk_max_bytes is not None and kv_disk_dir is None:
-        raise ValueError("kv_disk_max_bytes needs kv_disk_dir")
-    if n_host == 0 and kv_disk_dir is None and not kv_store:
+    if n_host == 0 and not stores:
         return None
     if config.preemption_mode == "swap" and not supports_swap:
         logger.warning("preemption_mode='swap' falls back to 'recompute' for quantize-on-seal KV formats "
                        "(%s): a request's partial last block lives in the tail pool, outside the swappable blocks",
                        ", ".join(sorted({g.layer.kv_format for g in controller.spec.groups})))
         config = replace(config, preemption_mode="recompute")
-    stores: list[tuple[str, KVStore]] = []
+    opened: list[tuple[str, KVStore]] = []
     try:
-        if kv_disk_dir is not None:
-            stores.append(("disk", open_store(str(kv_disk_dir), controller.spec, max_bytes=kv_disk_max_bytes)))
-        if kv_store:
-            if store_tier_name(kv_store) != "redis":
-                raise ValueError(f"kv_store must be a redis:// URL (use kv_disk_dir for a directory), got {kv_store!r}")
-            stores.append(("redis", open_store(kv_store, controller.spec, **(store_options or {}))))
+        for url in stores:
+            where = parse_store_url(url)
+            opened.append((where.tier, open_store(where, controller.spec)))
         controller.initialize_host_cache(n_host)  # CacheAllocationError names the layer group (C08)
     except BaseException:
-        for _, s in stores:
+        for _, s in opened:
             s.close()
         raise
     host = HostBlockPool(controller.num_host_blocks) if n_host else None
-    return OffloadManager(HostTier(controller), host, stores, config, queue, window_slots=window_slots)
+    offload = OffloadManager(controller.spec.bytes_per_block, host, opened, config, window_slots=window_slots)
+    worker = TieredWorker(HostTier(controller), [s for _, s in opened], load_delay=load_delay)
+    return TieredConnector(offload, controller.spec.block_size), worker

@@ -1,60 +1,55 @@
 """``OffloadManager``: the tensor-free policy of the tiers below the device — host tier, stores, swap.
 
-The :class:`~kvpage.cache.manager.KVCacheManager` calls it at four points of a
-block's life; the data moves through a :class:`BlockMover` (the tensor side,
-:class:`kvpage.cache.tiers.host.HostTier`) as :class:`~kvpage.cache.tiers.transfer.Transfer`
-operations, so this module never touches a tensor:
+The scheduler half of the tier connector (:class:`~kvpage.cache.tiers.connector.TieredConnector`) calls it at
+five points of a block's life; every copy it decides on is issued as a
+:class:`~kvpage.cache.step_plan.TransferOp` (plain data) that the connector's worker half performs
+(:class:`~kvpage.cache.tiers.host.TieredWorker`), and its effects on the bookkeeping wait for the worker's
+report (:mod:`kvpage.cache.tiers.transfer`):
 
-* **lookup** (``match_prefix``): when a request's prefix runs past the device
-  hits, the next block hashes are looked up in the host tier, then in each
-  store in order (disk, Redis); per block the first tier that has it serves it,
-  and the run stops at the first block no tier has (vLLM's
+* **lookup** (``match``): when a request's prefix runs past the device hits, the next block hashes are looked
+  up in the host tier, then probed in each store in order (disk, Redis; one batched ``exists`` each); per block
+  the first tier that has it serves it, and the run stops at the first block no tier has (vLLM's
   ``get_num_new_matched_tokens`` of its offloading / LMCache connectors).
-* **load** (``allocate_slots``): host hits are copied into freshly allocated
-  device blocks ("swap in"), store hits are read (one batched ``get`` per
-  store) and scattered into them. A store miss at load time (a record that was
-  rejected, expired, or a Redis that went away) truncates the run there; the
-  rest is recomputed.
-* **cached** (``cache_blocks``): the write policy backs blocks up to the host
-  tier (SGLang HiCache's ``--hicache-write-policy``):
+* **load** (``allocate``): host hits are copied into freshly allocated device blocks ("swap in"), store hits
+  are read by the worker and scattered into them. A record that misses at read time (rejected, expired, a Redis
+  that went away) cuts the run there: the worker reports how many blocks it wrote, and the rest is computed.
+* **cached** (``cache``): the write policy backs blocks up to the host tier (SGLang HiCache's
+  ``--hicache-write-policy``):
 
   - ``write_through``: every block, as soon as it is cached (hashed, written);
-  - ``write_through_selective``: once a block has been used ``write_through_threshold``
-    times (the request that computed it counts once, each later prefix hit once;
-    default 2, SGLang's threshold for this policy);
-  - ``write_back``: only when the device evicts it.
+  - ``write_through_selective``: once a block has been used ``write_through_threshold`` times (the request that
+    computed it counts once, each later prefix hit once; default 2, SGLang's threshold for this policy);
+  - ``write_back``: only when the device evicts it (the save is issued before the id is reused, and the worker
+    performs it before the pass that could overwrite the block).
 
-  Every newly cached block is also ``put`` to every store (write-through to
-  stores, LMCache's default), keyed ``StoreKey(spec.fingerprint, block_hash)``,
-  except to the store it was just loaded from (and blocks loaded from the host
-  tier, which were put when first cached).
-* **preempt** (:mod:`kvpage.cache.tiers.swap`; ``preemption_mode="swap"``, vLLM's ``swap_space`` /
-  ``preemption_mode``): a preempted request's written blocks are copied to host
-  blocks it owns and its device blocks are freed; on readmission they are
-  loaded back into fresh device blocks (after any of its full blocks still
-  cached on the device). When the host tier has no room, the request is
-  recomputed instead.
+  Every newly cached block is also written to every store (write-through to stores, LMCache's default), keyed
+  ``StoreKey(spec.fingerprint, block_hash)``, except to the store it was just loaded from (and blocks loaded
+  from the host tier, which were written when first cached).
+* **preempt** (``preemption_mode="swap"``, vLLM's ``swap_space`` / ``preemption_mode``): a preempted request's
+  written blocks are copied to host blocks it owns and its device blocks are freed; on readmission they are
+  loaded back into fresh device blocks (after any of its full blocks still cached on the device). When the host
+  tier has no room, or its copy is not acknowledged yet, the request is recomputed instead.
+* **acknowledge** (:meth:`OffloadManager.acknowledge`): the worker's report; host blocks become readable or
+  free, pins drop, hits are counted.
 
-In-flight rules (cases C09, C10): a host block targeted by a device->host copy
-is never handed out until the copy is acknowledged (:class:`~kvpage.cache.tiers.host_pool.HostBlockPool`);
-host blocks a load reads are pinned until the load is acknowledged; loads into
-device blocks of an aborted request are held by the manager until they
-complete or ``load_deadline_s`` passes (:meth:`OffloadManager.cancel` then
-drops a late completion).
+In-flight rules (cases C09, C10): a host block targeted by a device->host copy is never handed out until the
+copy is acknowledged (:class:`~kvpage.cache.tiers.host_pool.HostBlockPool`); host blocks a load reads are pinned
+until the load is acknowledged; loads into device blocks of an aborted request are held by the connector until
+they complete or ``load_deadline_s`` passes (:meth:`OffloadManager.cancel` then drops a late completion and tells
+the worker to drop the load).
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpage.cache.step_plan import ConnectorMetadata, TransferOp, TransferReport
 from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
 from kvpage.cache.tiers.policy import DIRECTIONS, OffloadConfig
-from kvpage.cache.tiers.swap import SwapPreemption
 from kvpage.cache.tiers.transfer import Transfer, TransferQueue
-from kvpage.cache.tiers.types import BlockLoad, BlockMover, LoadResult, OffloadStats, StoreLike, SwapRecord, WindowSlots
+from kvpage.cache.tiers.types import BlockLoad, OffloadStats, StoreLike, SwapRecord, WindowSlots
 
 
 def _hash_of(load: BlockLoad) -> bytes:
@@ -63,21 +58,21 @@ def _hash_of(load: BlockLoad) -> bytes:
     return load.block_hash
 
 
-class OffloadManager(SwapPreemption):
-    """Host tier, stores and swap preemption for one :class:`~kvpage.cache.manager.KVCacheManager`.
+class OffloadManager:
+    """Host tier, stores and swap preemption for one device cache (scheduler side).
 
     Args:
-        mover: copies block data (the tensor side).
+        bytes_per_block: bytes of one block across every layer (``CacheSpec.bytes_per_block``), for the counters.
         host: host block bookkeeping, or ``None`` for no host tier (stores only).
-        stores: ``(tier name, store)`` pairs, looked up in this order (e.g. disk before Redis).
+        stores: ``(tier name, store)`` pairs, probed in this order (e.g. disk before Redis); only their ``key`` and
+            ``exists`` are used here (the worker reads and writes them).
         config: policies.
-        queue: the transfer queue (default a synchronous one).
+        queue: the transfer bookkeeping (default a new one).
         clock: monotonic seconds, for load deadlines (tests pass a fake clock).
         window_slots: where the bounded sliding-window layers keep each block's device rows, for a model that has
-            them (:class:`~kvpage.cache.tiers.types.WindowSlots`); resolved when a copy is issued (the forward
-            pass that could reuse a slot waits for every copy: ``fence``), from the slot a block held at eviction
-            for a ``write_back`` copy. Host blocks remember whether they got window rows
-            (:attr:`BlockLoad.window`); a block without them is not put to a store, so a store record is whole.
+            them (:class:`~kvpage.cache.tiers.types.WindowSlots`); resolved when a copy is issued, from the slot a
+            block held at eviction for a ``write_back`` copy. Host blocks remember whether they got window rows
+            (:attr:`BlockLoad.window`); a block without them is not written to a store, so a store record is whole.
 
     Raises:
         ValueError: ``preemption_mode="swap"`` without a host tier, or repeated tier names.
@@ -85,7 +80,7 @@ class OffloadManager(SwapPreemption):
 
     def __init__(
         self,
-        mover: BlockMover,
+        bytes_per_block: int,
         host: HostBlockPool | None = None,
         stores: Sequence[tuple[str, StoreLike]] = (),
         config: OffloadConfig | None = None,
@@ -93,7 +88,7 @@ class OffloadManager(SwapPreemption):
         clock: Callable[[], float] = time.monotonic,
         window_slots: WindowSlots | None = None,
     ) -> None:
-        self.mover = mover
+        self.bytes_per_block = int(bytes_per_block)
         self.host = host if host is not None and host.num_blocks > 0 else None
         self.stores = list(stores)
         self.config = config or OffloadConfig()
@@ -114,57 +109,51 @@ class OffloadManager(SwapPreemption):
         self._on_cancel: dict[int, Callable[[], None]] = {}
         self._backups = self._dropped = self._swap_out = self._swap_in = self._swap_fallbacks = 0
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block (all layers, scales included)."""
-        return int(self.mover.bytes_per_block)
-
-    def _rows(self, device_ids: Sequence[int], *, evicted: bool = False) -> dict[str, list[int | None]]:
-        """The mover's ``window_rows`` argument for these device blocks (none without window layers); ``evicted``:
-        the slots they held when the device evicted them."""
+    def _rows(self, device_ids: Sequence[int], *, evicted: bool = False) -> tuple[int | None, ...] | None:
+        """The window rows of these device blocks (``None`` without window layers); ``evicted``: the slots they held
+        when the device evicted them."""
         w = self.window_slots
         if w is None:
-            return {}
-        return {"window_rows": list(w.evicted_window_rows(device_ids) if evicted else w.window_rows(device_ids))}
+            return None
+        return tuple(w.evicted_rows_of(device_ids) if evicted else w.rows_of(device_ids))
 
-    def _mark_window(self, host_ids: Sequence[int], rows: dict[str, list[int | None]]) -> None:
+    def _mark_window(self, host_ids: Sequence[int], rows: Sequence[int | None] | None) -> None:
         """Remember which host blocks got their window rows (``rows`` from :meth:`_rows`)."""
-        for h, r in zip(host_ids, rows.get("window_rows", [0] * len(host_ids))):
+        for h, r in zip(host_ids, rows if rows is not None else [0] * len(host_ids)):
             if r is None:
                 self._no_window.add(h)
             else:
                 self._no_window.discard(h)
 
     # -- transfers -------------------------------------------------------------------------------
-    def _submit(
-        self,
-        kind: str,
-        direction: str,
-        src: Sequence[int],
-        dst: Sequence[int],
-        run: Callable[[], None] | None,
-        on_ack: Callable[[], None],
-        on_cancel: Callable[[], None] | None = None,
-    ) -> Transfer:
-        nbytes = len(dst) * self.block_bytes
+    def _op(self, kind: str, device_ids: Sequence[int], **fields: Any) -> TransferOp:
+        """A new op of ``kind`` over ``device_ids`` (the other :class:`~kvpage.cache.step_plan.TransferOp` fields as
+        keywords)."""
+        return TransferOp(self.queue.new_id(), kind, tuple(int(d) for d in device_ids), **fields)
+
+    def _submit(self, op: TransferOp, direction: str, *, on_ack: Callable[[Transfer], None] | None = None,
+                on_cancel: Callable[[], None] | None = None, blocks: int | None = None) -> Transfer:
+        """Issue ``op``; once acknowledged its bytes are counted in ``direction`` (``blocks`` blocks, default the ones
+        it wrote) and ``on_ack`` runs; ``on_cancel`` runs if it is cancelled instead."""
 
         def acked(t: Transfer) -> None:
             self._on_cancel.pop(t.transfer_id, None)
-            self._bytes[direction] += nbytes
-            on_ack()
+            self._bytes[direction] += (t.num_done if blocks is None else blocks) * self.bytes_per_block
+            if on_ack is not None:
+                on_ack(t)
 
-        t = self.queue.submit(kind, src, dst, nbytes, run, acked)
-        if on_cancel is not None and not t.acknowledged:
-            self._on_cancel[t.transfer_id] = on_cancel
+        t = self.queue.submit(op, len(op.device_ids) * self.bytes_per_block, acked)
+        if on_cancel is not None:
+            self._on_cancel[op.op_id] = on_cancel
         return t
 
-    def poll(self) -> list[Transfer]:
-        """Acknowledge finished transfers (host blocks become readable or free, pins drop)."""
-        return self.queue.poll()
+    def take_metadata(self) -> ConnectorMetadata:
+        """The ops issued (and loads cancelled) since the last call, for the worker half."""
+        return self.queue.take_metadata()
 
-    def wait(self, transfers: Sequence[Transfer] | None = None) -> None:
-        """Block until the transfers (default all pending) are done, and acknowledge them."""
-        self.queue.wait(transfers)
+    def acknowledge(self, report: TransferReport) -> list[Transfer]:
+        """Process the worker's report (host blocks become readable or free, pins drop, hits are counted)."""
+        return self.queue.acknowledge(report)
 
     def cancel(self, transfer: Transfer) -> bool:
         """Abandon a pending load (its deadline passed): release what it pinned; a late completion is ignored.
@@ -183,9 +172,8 @@ class OffloadManager(SwapPreemption):
     def lookup(self, block_hashes: Sequence[bytes]) -> list[BlockLoad]:
         """Sources for the longest run of ``block_hashes`` held below the device (side-effect free).
 
-        Per block the host tier wins, then the stores in order; the run stops
-        at the first block no tier has. Stores are probed with one batched
-        ``exists`` each, only when the host tier does not cover the run.
+        Per block the host tier wins, then the stores in order; the run stops at the first block no tier has.
+        Stores are probed with one batched ``exists`` each, only when the host tier does not cover the run.
         """
         if not block_hashes:
             return []
@@ -215,8 +203,8 @@ class OffloadManager(SwapPreemption):
                 assert self.host is not None
                 if ld.block_hash is None or self.host.lookup(ld.block_hash) != ld.host_block:
                     raise ValueError(
-                        f"stale match: host block {ld.host_block} no longer holds its block; call match_prefix "
-                        "again right before allocate_slots"
+                        f"stale match: host block {ld.host_block} no longer holds its block; call match "
+                        "again right before allocate"
                     )
             elif ld.tier == "swap":
                 assert self.host is not None
@@ -230,81 +218,70 @@ class OffloadManager(SwapPreemption):
             assert self.host is not None
             self.host.pin(ids)
 
-    def unpin_sources(self, loads: Sequence[BlockLoad]) -> None:
-        """Undo :meth:`pin_sources` (the allocation did not happen, or the loads were dropped)."""
-        ids = [ld.host_block for ld in loads if ld.host_block >= 0]
-        if ids:
-            assert self.host is not None
-            self.host.unpin(ids)
+    def begin_loads(self, request_id: str, loads: Sequence[BlockLoad],
+                    device_ids: Sequence[int]) -> list[tuple[Transfer, tuple[int, ...]]]:
+        """Issue the loads of ``loads`` (pinned by :meth:`pin_sources`) into fresh device blocks ``device_ids``.
 
-    def begin_loads(self, request_id: str, loads: Sequence[BlockLoad], device_ids: Sequence[int]) -> LoadResult:
-        """Load ``loads`` (pinned by :meth:`pin_sources`) into fresh device blocks ``device_ids``.
-
-        Store records are read now, one batched ``get`` per store; the run is
-        cut at the first record that misses (the caller recomputes from
-        there). Host and swap sources are copied by a host->device transfer;
-        store data by a scatter transfer. A swapped request's swap record is
-        consumed: host blocks not loaded are freed now, loaded ones once their
-        copy is acknowledged.
+        Host and swap sources go by one host->device op, each store's by one store->device op the worker reads
+        and scatters (a record missing at read time cuts that op short; the caller computes the request's loaded
+        run from the reports). A swapped request's swap record is consumed: its host blocks outside the loads are
+        freed now, the loaded ones once their copy is acknowledged.
 
         Returns:
-            How many leading loads are copied, and the transfers.
+            Each transfer with the positions in ``loads`` it covers, in order.
 
         Raises:
             ValueError: ``len(device_ids) != len(loads)``.
         """
         if len(device_ids) != len(loads):
             raise ValueError(f"{len(device_ids)} device blocks for {len(loads)} loads")
-        datas: dict[int, Any] = {}
-        by_store: dict[int, list[int]] = defaultdict(list)
-        for i, ld in enumerate(loads):
-            if ld.store >= 0:
-                by_store[ld.store].append(i)
-        for k, idxs in by_store.items():
-            store = self.stores[k][1]
-            for i, d in zip(idxs, store.get([store.key(_hash_of(loads[i])) for i in idxs])):
-                datas[i] = d
-        ok = next((i for i, ld in enumerate(loads) if ld.store >= 0 and datas[i] is None), len(loads))
-        self.unpin_sources(loads[ok:])
         swap = self._swapped.pop(request_id, None) if any(ld.tier == "swap" for ld in loads) else None
         if swap is not None:
             assert self.host is not None  # (a swap record exists only with a host tier)
-            loading = {ld.host_block for ld in loads[:ok]}
+            loading = {ld.host_block for ld in loads}
             self.host.free_owned([b for b in swap.host_ids if b not in loading])
             self._swap_in += len(loading)
-        transfers: list[Transfer] = []
-        host_idx = [i for i in range(ok) if loads[i].host_block >= 0]
+        out: list[tuple[Transfer, tuple[int, ...]]] = []
+        host_idx = tuple(i for i, ld in enumerate(loads) if ld.host_block >= 0)
         if host_idx:
             assert self.host is not None  # (host and swap loads come only from a host tier)
             hids = [loads[i].host_block for i in host_idx]
             dids = [int(device_ids[i]) for i in host_idx]
             owned = [loads[i].host_block for i in host_idx if loads[i].tier == "swap"]
+            counted = [loads[i] for i in host_idx if loads[i].tier != "swap"]
 
             def release_host(host: HostBlockPool = self.host, hids: list[int] = hids, owned: list[int] = owned) -> None:
                 host.unpin(hids)
                 if owned:
                     host.free_owned(owned)
 
-            transfers.append(self._submit(
-                "host_to_device", "host_to_device", hids, dids,
-                functools.partial(self.mover.host_to_device, hids, dids, **self._rows(dids)), release_host,
-                release_host,
-            ))
+            def host_loaded(t: Transfer, counted: list[BlockLoad] = counted) -> None:
+                release_host()
+                for ld in counted[: t.num_done]:
+                    self._tier_hits[ld.tier] += 1
+                    self._remember_source(_hash_of(ld), ld.store)
+
+            op = self._op("host_to_device", dids, host_ids=tuple(hids), window_rows=self._rows(dids))
+            t = self._submit(op, "host_to_device", on_ack=host_loaded, on_cancel=release_host)
+            out.append((t, host_idx))
+        by_store: dict[int, list[int]] = defaultdict(list)
+        for i, ld in enumerate(loads):
+            if ld.store >= 0:
+                by_store[ld.store].append(i)
         for k, idxs in by_store.items():
-            idxs = [i for i in idxs if i < ok]
-            if not idxs:
-                continue
             dids = [int(device_ids[i]) for i in idxs]
-            blocks = [datas[i] for i in idxs]
-            transfers.append(self._submit(
-                "store_to_device", "store_read", (), dids,
-                functools.partial(self.mover.scatter, dids, blocks, **self._rows(dids)), lambda: None,
-            ))
-        for ld in loads[:ok]:
-            if ld.tier != "swap":
-                self._tier_hits[ld.tier] += 1
-                self._remember_source(_hash_of(ld), ld.store)
-        return LoadResult(ok, tuple(transfers))
+            store_loads = [loads[i] for i in idxs]
+
+            def store_loaded(t: Transfer, store_loads: list[BlockLoad] = store_loads) -> None:
+                for ld in store_loads[: t.num_done]:
+                    self._tier_hits[ld.tier] += 1
+                    self._remember_source(_hash_of(ld), ld.store)
+
+            op = self._op("store_to_device", dids, window_rows=self._rows(dids),
+                          block_hashes=tuple(_hash_of(ld) for ld in store_loads), store=k)
+            t = self._submit(op, "store_read", on_ack=store_loaded)
+            out.append((t, tuple(idxs)))
+        return out
 
     def _remember_source(self, block_hash: bytes, store: int) -> None:
         self._loaded_from[block_hash] = store
@@ -316,11 +293,10 @@ class OffloadManager(SwapPreemption):
     def backup(self, device_ids: Sequence[int], block_hashes: Sequence[bytes], *, evicted: bool = False) -> list[int]:
         """Copy device blocks to the host tier and index them there once the copy is acknowledged.
 
-        Blocks the host tier already holds (or is writing) are skipped; when
-        fewer host blocks are free or evictable than needed, the rest are
-        dropped (counted in ``backups_dropped``). Never takes a host block
-        with a copy in flight or a pinned one (C09). ``evicted``: the device just
-        evicted the blocks (window rows come from the slots they held then).
+        Blocks the host tier already holds (or is writing) are skipped; when fewer host blocks are free or
+        evictable than needed, the rest are dropped (counted in ``backups_dropped``). Never takes a host block
+        with a copy in flight or a pinned one (C09). ``evicted``: the device just evicted the blocks (window rows
+        come from the slots they held then).
 
         Returns:
             The host blocks written (in ``device_ids`` order of the blocks backed up).
@@ -350,14 +326,29 @@ class OffloadManager(SwapPreemption):
         self._backups += len(pairs)
         rows = self._rows(dids, evicted=evicted)
         self._mark_window(hids, rows)
-
-        def written(host: HostBlockPool = self.host, hids: list[int] = hids) -> None:
-            for b in hids:
-                host.finish_write(b)
-
-        self._submit("device_to_host", "device_to_host", dids, hids,
-                     lambda: self.mover.device_to_host(dids, hids, **rows), written)
+        self._submit(self._op("device_to_host", dids, host_ids=tuple(hids), window_rows=rows), "device_to_host",
+                     on_ack=self._written(hids))
         return hids
+
+    def _written(self, hids: list[int], request_id: str | None = None) -> Callable[[Transfer], None]:
+        """The acknowledgement of a copy into host blocks ``hids``: the blocks it wrote become cached (or owned), the
+        others go back to the free list (the copy failed); a swap-out (``request_id``) that did not write every
+        block is dropped (the request is recomputed)."""
+        host = self.host
+        assert host is not None
+
+        def written(t: Transfer) -> None:
+            for i, b in enumerate(hids):
+                if i < t.num_done:
+                    host.finish_write(b)
+                else:
+                    host.abort_write(b)
+            if request_id is not None and t.num_done < len(hids):
+                rec = self._swapped.pop(request_id, None)
+                if rec is not None:
+                    host.free_owned(rec.host_ids[: t.num_done])
+
+        return written
 
     def on_cached(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
         """Blocks entered the device prefix index: apply the host write policy and write them through to the stores."""
@@ -372,18 +363,17 @@ class OffloadManager(SwapPreemption):
         if not self.stores:
             return
         rows = self._rows(device_ids)
-        whole = rows.get("window_rows", [0] * len(device_ids))  # a record is a whole block
-        todo = [[i for i, src in enumerate(sources) if (src is None or (src >= 0 and src != k)) and whole[i] is not None]
-                for k in range(len(self.stores))]
-        need = sorted({i for t in todo for i in t})
+        whole = rows if rows is not None else (0,) * len(device_ids)  # a record is a whole block
+        targets = [tuple(k for k in range(len(self.stores)) if src is None or (src >= 0 and src != k))
+                   if whole[i] is not None else () for i, src in enumerate(sources)]
+        need = [i for i, t in enumerate(targets) if t]
         if not need:
             return
-        picked = {"window_rows": [whole[i] for i in need]} if rows else {}
-        gathered = dict(zip(need, self.mover.gather([device_ids[i] for i in need], **picked)))
-        for k, (_, store) in enumerate(self.stores):
-            if todo[k]:
-                store.put([(store.key(block_hashes[i]), gathered[i]) for i in todo[k]])
-                self._bytes["store_write"] += len(todo[k]) * self.block_bytes
+        op = self._op("device_to_store", [device_ids[i] for i in need],
+                      window_rows=None if rows is None else tuple(rows[i] for i in need),
+                      block_hashes=tuple(block_hashes[i] for i in need), targets=tuple(targets[i] for i in need))
+        written = sum(len(targets[i]) for i in need)
+        self._submit(op, "store_write", blocks=written)
 
     def on_device_hits(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
         """A request reused cached device blocks (counts a use for ``write_through_selective``)."""
@@ -407,6 +397,76 @@ class OffloadManager(SwapPreemption):
         self._use_counts.pop(block_hash, None)
         if self.config.write_policy == "write_back":
             self.backup([device_id], [block_hash], evicted=True)
+
+    # -- swap preemption ---------------------------------------------------------------------------
+    def swap_loads(
+        self, request_id: str, first_block: int, max_tokens: int, block_size: int
+    ) -> tuple[list[BlockLoad], int] | None:
+        """The loads that swap a preempted request back in, from its block ``first_block`` on.
+
+        Args:
+            request_id: the request.
+            first_block: blocks before it are served otherwise (device hits).
+            max_tokens: at most this many tokens come back (``len(tokens) - 1``: the last token is always computed,
+                so the step yields logits).
+            block_size: tokens per block.
+
+        Returns:
+            ``(loads, tokens they restore)``, or ``None`` when the request is not swapped out or its swap-out copy
+            is not acknowledged yet (it is recomputed then; its record goes when it is admitted).
+        """
+        rec = self._swapped.get(request_id)
+        if rec is None or not rec.transfer.acknowledged:
+            return None
+        num_tokens = max(min(rec.num_tokens, max_tokens), 0)
+        last = -(-num_tokens // block_size)
+        return [BlockLoad("swap", None, host_block=b, window=b not in self._no_window)
+                for b in rec.host_ids[first_block:last]], num_tokens
+
+    def is_swapped(self, request_id: str) -> bool:
+        """Whether the request's blocks are in the host tier waiting for a swap-in."""
+        return request_id in self._swapped
+
+    def swap_out(self, request_id: str, device_ids: Sequence[int], num_tokens: int) -> bool:
+        """Copy a preempted request's blocks (holding ``num_tokens`` tokens) to host blocks it owns.
+
+        Returns:
+            ``False`` (nothing done; recompute instead) without a host tier, with no blocks, or when fewer host
+            blocks are free or evictable than needed.
+
+        Raises:
+            ValueError: the request is already swapped out.
+        """
+        if request_id in self._swapped:
+            raise ValueError(f"request {request_id!r} is already swapped out")
+        n = len(device_ids)
+        if self.host is None or n == 0 or not self.host.can_allocate(n):
+            if n:
+                self._swap_fallbacks += 1
+            return False
+        dids = [int(d) for d in device_ids]
+        hids = self.host.allocate(n)
+        rows = self._rows(dids)
+        self._mark_window(hids, rows)
+        t = self._submit(self._op("device_to_host", dids, host_ids=tuple(hids), window_rows=rows), "device_to_host",
+                         on_ack=self._written(hids, request_id))
+        self._swapped[request_id] = SwapRecord(tuple(hids), int(num_tokens), t)
+        self._swap_out += n
+        return True
+
+    def drop_swapped(self, request_id: str) -> bool:
+        """Free a swapped-out request's host blocks (it finished or was aborted while waiting, or was admitted
+        without them). Blocks whose swap-out copy is still in flight are freed when it is acknowledged.
+
+        Returns:
+            Whether the request was swapped out.
+        """
+        rec = self._swapped.pop(request_id, None)
+        if rec is None:
+            return False
+        assert self.host is not None  # (a swap record exists only with a host tier)
+        self.host.free_owned(rec.host_ids)
+        return True
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self, *, num_held_blocks: int = 0) -> OffloadStats:

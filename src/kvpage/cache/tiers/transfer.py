@@ -1,26 +1,18 @@
-"""Block copies between tiers as operations with a completion: :class:`Transfer` handles and a :class:`TransferQueue`.
+"""Block transfers on the scheduler side: each issued :class:`~kvpage.cache.step_plan.TransferOp` and its completion.
 
-A copy between the device, the host tier and a store is asynchronous in a
-real serving engine (CUDA copy streams, network I/O): it is *issued*, later it
-is *done*, and only when the owner *acknowledges* the completion
-(:meth:`TransferQueue.poll`) may the blocks it touches change hands. kvpage
-keeps that bookkeeping explicit even where the copy itself is synchronous
-(CPU tensors): every copy is a :class:`Transfer` in a pending set, so the rules
-that depend on it are real and testable:
+A copy between the device, the host tier and a store is asynchronous in a real serving engine (CUDA copy
+streams, network I/O, another process): the scheduler side *issues* it as data (the op goes out in the next step
+plan's :class:`~kvpage.cache.step_plan.ConnectorMetadata`), the connector's worker half performs it, and only
+when the worker reports it done (:class:`~kvpage.cache.step_plan.TransferReport`) is it *acknowledged*, and may
+the blocks it touches change hands. So the rules that depend on it are real whatever the worker's speed:
 
-* a host block that is the target of a device->host copy is never reused
-  until that copy is acknowledged (case C09; SGLang issue 28468, where an
-  eviction recycled host pages a backup was still writing);
-* device blocks being loaded for a request that is aborted go back to the pool
-  only once the load completes or a deadline passes; a completion that arrives
-  after the deadline is ignored without an error (case C10; vLLM issues 32255
-  and 46283).
+* a host block that is the target of a device->host copy is never reused until that copy is acknowledged
+  (case C09; SGLang issue 28468, where an eviction recycled host pages a backup was still writing);
+* device blocks being loaded for a request that is aborted go back to the pool only once the load completes
+  or a deadline passes; a completion that arrives after the deadline is ignored without an error (case C10;
+  vLLM issues 32255 and 46283), and the worker is told to drop the load if it has not run it.
 
-A synchronous queue (the default) runs each copy and acknowledges it inside
-:meth:`TransferQueue.submit`. An asynchronous queue (``synchronous=False``)
-leaves transfers pending until something completes them: a test by hand
-(:meth:`Transfer.complete`), or :meth:`TransferQueue.wait`, which runs the copy
-then (a blocking wait). Tensor-free: a transfer holds the copy as a callable.
+Tensor-free: a transfer holds its op (plain data) and the callbacks of its acknowledgement.
 """
 from __future__ import annotations
 
@@ -29,49 +21,48 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvpage.cache.step_plan import ConnectorMetadata, TransferOp, TransferReport
+
 
 class TransferState(enum.Enum):
     """Where a :class:`Transfer` is in its life."""
 
-    PENDING = "pending"  # issued, the copy has not finished
-    DONE = "done"  # the copy finished; not yet acknowledged by the queue's owner
-    ACKNOWLEDGED = "acknowledged"  # the owner processed the completion (blocks may change hands)
-    CANCELLED = "cancelled"  # abandoned (deadline passed); a later completion is ignored
-
-
-_ids = itertools.count()
+    PENDING = "pending"  # issued; the worker has not reported it done
+    ACKNOWLEDGED = "acknowledged"  # reported done and processed (blocks may change hands)
+    CANCELLED = "cancelled"  # abandoned (deadline passed); a later report is ignored
 
 
 @dataclass(eq=False)
 class Transfer:
-    """One issued block copy (vLLM's ``TransferSpec`` + job id; SGLang's ``CacheOperation``).
+    """One issued block transfer (vLLM's ``TransferSpec`` + job id; SGLang's ``CacheOperation``).
 
     Attributes:
-        kind: what moves: ``"device_to_host"``, ``"host_to_device"``, ``"store_to_device"``.
-        src: source block ids (device or host ids; empty for a store read).
-        dst: destination block ids.
-        nbytes: payload bytes moved (``len(dst) * bytes per block``).
-        transfer_id: unique, increasing.
+        op: what the worker does (kind, block ids, window rows, hashes).
+        nbytes: payload bytes moved (blocks x bytes per block).
         state: :class:`TransferState`.
+        num_done: leading blocks the worker wrote (fewer than the op names when a store record was missing at read
+            time or the transfer failed; set on acknowledgement).
     """
 
-    kind: str
-    src: tuple[int, ...]
-    dst: tuple[int, ...]
+    op: TransferOp
     nbytes: int
-    _run: Callable[[], None] | None = field(default=None, repr=False)
     _on_ack: list[Callable[[Transfer], None]] = field(default_factory=list, repr=False)
-    transfer_id: int = field(default_factory=lambda: next(_ids))
     state: TransferState = TransferState.PENDING
+    num_done: int = 0
 
     @property
-    def done(self) -> bool:
-        """Whether the copy finished (done or already acknowledged); ``False`` when cancelled."""
-        return self.state in (TransferState.DONE, TransferState.ACKNOWLEDGED)
+    def transfer_id(self) -> int:
+        """The op's id."""
+        return self.op.op_id
+
+    @property
+    def kind(self) -> str:
+        """The op's kind."""
+        return self.op.kind
 
     @property
     def acknowledged(self) -> bool:
-        """Whether the queue's owner processed the completion."""
+        """Whether the worker reported it done and the completion was processed."""
         return self.state is TransferState.ACKNOWLEDGED
 
     @property
@@ -79,27 +70,8 @@ class Transfer:
         """Whether the transfer was abandoned (its completion will be ignored)."""
         return self.state is TransferState.CANCELLED
 
-    def complete(self) -> bool:
-        """Signal that the copy finished, running it first if it has not run yet.
-
-        Idempotent. A completion for a cancelled transfer is ignored without an
-        error (case C10): the copy is not run, so blocks that went back to the
-        pool at the deadline are never written.
-
-        Returns:
-            Whether this call completed the transfer (``False`` when it was
-            already done, acknowledged or cancelled).
-        """
-        if self.state is not TransferState.PENDING:
-            return False
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
-        self.state = TransferState.DONE
-        return True
-
     def on_acknowledge(self, callback: Callable[[Transfer], None]) -> None:
-        """Call ``callback(self)`` when the queue acknowledges the completion (at once if it already did)."""
+        """Call ``callback(self)`` when the completion is acknowledged (at once if it already was)."""
         if self.state is TransferState.ACKNOWLEDGED:
             callback(self)
         else:
@@ -107,21 +79,17 @@ class Transfer:
 
 
 class TransferQueue:
-    """The pending set of issued transfers; :meth:`poll` acknowledges finished ones.
+    """The pending set of issued transfers and the outbox of ops not yet handed to the worker.
 
-    Args:
-        synchronous: run and acknowledge every copy inside :meth:`submit` (CPU
-            tensors; the default). ``False`` leaves transfers pending until they
-            are completed by hand or waited for (tests of in-flight states).
-
-    Invariant: a transfer's acknowledgement callbacks run exactly once, in
-    :meth:`poll` (or :meth:`submit` when synchronous), never for a cancelled
-    transfer.
+    Invariant: a transfer's acknowledgement callbacks run exactly once, in :meth:`acknowledge`, never for a
+    cancelled transfer; ops leave the outbox in issue order.
     """
 
-    def __init__(self, *, synchronous: bool = True) -> None:
-        self.synchronous = synchronous
+    def __init__(self) -> None:
+        self._ids = itertools.count()
         self._pending: dict[int, Transfer] = {}
+        self._outbox: list[TransferOp] = []
+        self._cancelled: list[int] = []
         self.num_submitted = 0
         self.num_acknowledged = 0
         self.num_cancelled = 0
@@ -136,83 +104,73 @@ class TransferQueue:
         """``len(pending)``."""
         return len(self._pending)
 
-    def submit(
-        self,
-        kind: str,
-        src: Iterable[int],
-        dst: Iterable[int],
-        nbytes: int,
-        run: Callable[[], None] | None,
-        on_ack: Callable[[Transfer], None] | None = None,
-    ) -> Transfer:
-        """Issue a copy.
+    def new_id(self) -> int:
+        """A fresh op id (increasing)."""
+        return next(self._ids)
+
+    def submit(self, op: TransferOp, nbytes: int, on_ack: Callable[[Transfer], None] | None = None) -> Transfer:
+        """Issue ``op`` (its id from :meth:`new_id`): pending until the worker reports it done.
 
         Args:
-            kind, src, dst, nbytes: see :class:`Transfer`.
-            run: performs the copy (``None``: nothing to copy, e.g. already done).
+            op: the transfer as data; it goes out in the next :meth:`take_metadata`.
+            nbytes: payload bytes.
             on_ack: called with the transfer once its completion is acknowledged.
-
-        Returns:
-            The transfer: acknowledged already when the queue is synchronous, pending otherwise.
         """
-        t = Transfer(kind, tuple(src), tuple(dst), int(nbytes), run)
+        t = Transfer(op, int(nbytes))
         if on_ack is not None:
             t._on_ack.append(on_ack)
-        self._pending[t.transfer_id] = t
+        self._pending[op.op_id] = t
+        self._outbox.append(op)
         self.num_submitted += 1
-        if self.synchronous:
-            t.complete()
-            self._acknowledge(t)
         return t
 
-    def _acknowledge(self, t: Transfer) -> None:
-        del self._pending[t.transfer_id]
-        t.state = TransferState.ACKNOWLEDGED
-        self.num_acknowledged += 1
-        callbacks, t._on_ack = t._on_ack, []
-        for cb in callbacks:
-            cb(t)
+    def take_metadata(self) -> ConnectorMetadata:
+        """The ops issued and the cancellations made since the last call, in order (for the worker half)."""
+        meta = ConnectorMetadata(tuple(self._outbox), tuple(self._cancelled))
+        self._outbox, self._cancelled = [], []
+        return meta
 
-    def poll(self) -> list[Transfer]:
-        """Acknowledge every finished transfer (in issue order) and run its callbacks.
+    def acknowledge(self, report: TransferReport) -> list[Transfer]:
+        """Process the worker's report: every pending transfer it names is acknowledged (in issue order) and its
+        callbacks run; reports of cancelled or unknown transfers are ignored (case C10).
 
         Returns:
             The transfers acknowledged by this call.
         """
-        done = [t for t in self._pending.values() if t.state is TransferState.DONE]
-        for t in done:
-            self._acknowledge(t)
+        done: list[Transfer] = []
+        for op_id in sorted(report.done):
+            t = self._pending.pop(op_id, None)
+            if t is None:
+                continue
+            t.num_done = report.written.get(op_id, len(t.op.device_ids))
+            t.state = TransferState.ACKNOWLEDGED
+            self.num_acknowledged += 1
+            callbacks, t._on_ack = t._on_ack, []
+            for cb in callbacks:
+                cb(t)
+            done.append(t)
         return done
 
-    def wait(self, transfers: Iterable[Transfer] | None = None) -> None:
-        """Block until the given transfers (default: all pending) are done, then acknowledge them.
-
-        The queue is one copy stream: waiting for a transfer also finishes every
-        transfer issued before it, in issue order (so a backup that reads a
-        device block always runs before a later load that overwrites that block).
-        Deferred copies run now; cancelled and acknowledged transfers are skipped.
-        """
-        if transfers is None:
-            todo = list(self._pending.values())
-        else:
-            wanted = [t.transfer_id for t in transfers if t.transfer_id in self._pending]
-            last = max(wanted, default=-1)
-            todo = [t for t in self._pending.values() if t.transfer_id <= last]
-        for t in todo:  # _pending keeps issue order
-            t.complete()
-        self.poll()
-
     def cancel(self, t: Transfer) -> bool:
-        """Abandon a pending transfer: its callbacks never run and a later :meth:`Transfer.complete` is ignored.
+        """Abandon a pending transfer: its callbacks never run, a later report is ignored and the worker is told to
+        drop it if it has not run it (the op id goes out with the next metadata).
 
         Returns:
-            Whether it was pending (not yet acknowledged).
+            Whether it was pending.
         """
         if t.transfer_id not in self._pending:
             return False
         del self._pending[t.transfer_id]
+        if t.op in self._outbox:  # never handed out: the worker need not hear of it
+            self._outbox.remove(t.op)
+        else:
+            self._cancelled.append(t.transfer_id)
         t.state = TransferState.CANCELLED
-        t._run = None
         t._on_ack = []
         self.num_cancelled += 1
         return True
+
+
+def ops_of(transfers: Iterable[Transfer]) -> list[TransferOp]:
+    """The ops of ``transfers`` (for tests and logs)."""
+    return [t.op for t in transfers]

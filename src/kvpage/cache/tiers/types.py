@@ -1,7 +1,6 @@
-"""Small types the tiers exchange: load sources, results, counters, and the protocols of block movers and stores.
-
-Tensor-free and import-free (standard library only), so the connector, the
-offload policy, the scheduler side and the tests share them without cycles.
+"""Small types the tiers' scheduler side exchanges: load sources, swap records, counters, the protocols of window
+slots and stores. Tensor-free (imports only the transfer bookkeeping), so the connector, the offload policy and the
+tests share them without cycles.
 """
 from __future__ import annotations
 
@@ -12,50 +11,22 @@ from typing import Any, Protocol
 from kvpage.cache.tiers.transfer import Transfer
 
 
-class BlockMover(Protocol):
-    """The tensor side of the tiers (implemented by :class:`kvpage.cache.tiers.host.HostTier`).
-
-    Every method copies whole blocks: all layers (main and draft) and every
-    tensor of the format (K, V, scales). Ids are device or host block ids.
-
-    Attributes:
-        bytes_per_block: bytes of one block across all layers (``CacheSpec.bytes_per_block``).
-    """
-
-    bytes_per_block: int
-
-    def device_to_host(self, device_ids: Sequence[int], host_ids: Sequence[int],
-                       window_rows: Sequence[int | None] | None = None) -> None:
-        """Copy device blocks into host blocks (``window_rows``: each device block's window slot, given when the
-        model has bounded sliding-window layers; ``None`` skips a block in them)."""
-
-    def host_to_device(self, host_ids: Sequence[int], device_ids: Sequence[int],
-                       window_rows: Sequence[int | None] | None = None) -> None:
-        """Copy host blocks into device blocks (``window_rows`` as :meth:`device_to_host`)."""
-
-    def gather(self, device_ids: Sequence[int], window_rows: Sequence[int | None] | None = None) -> list[Any]:
-        """One ``BlockData`` (CPU tensors) per device block (``window_rows`` as :meth:`device_to_host`, all held)."""
-
-    def scatter(self, device_ids: Sequence[int], datas: Sequence[Any],
-                window_rows: Sequence[int | None] | None = None) -> None:
-        """Write ``BlockData`` into device blocks, validated against the spec first (``window_rows`` as
-        :meth:`device_to_host`)."""
-
-
 class WindowSlots(Protocol):
-    """Where a bounded sliding-window group keeps each block's window rows (implemented by
-    :class:`kvpage.cache.groups.SlidingWindowManager`); block ids are device block ids, ``None`` = no row."""
+    """Where a layer group whose rows are window slots keeps each block's rows (any
+    :class:`~kvpage.cache.groups.GroupManager`: a bounded sliding-window group's answers slots); block ids are device
+    block ids, ``None`` = no row."""
 
-    def window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
-        """Each block's window slot now."""
+    def rows_of(self, block_ids: Sequence[int]) -> list[int | None]:
+        """Each block's row now."""
 
-    def evicted_window_rows(self, block_ids: Sequence[int]) -> list[int | None]:
-        """The slot each block held when the device evicted it in this scheduling pass (the slot's content is
-        intact until the next forward pass, though the slot and the id may be handed out again)."""
+    def evicted_rows_of(self, block_ids: Sequence[int]) -> list[int | None]:
+        """The row each block held when the device evicted it in this scheduling pass (the row's content is intact
+        until the next forward pass, though the row and the id may be handed out again)."""
 
 
 class StoreLike(Protocol):
-    """What the offload manager uses of a :class:`kvpage.cache.tiers.stores.base.KVStore`."""
+    """What the scheduler side of the tiers uses of a :class:`kvpage.cache.tiers.stores.base.KVStore` (the worker
+    half reads and writes it)."""
 
     stats: Any
 
@@ -64,12 +35,6 @@ class StoreLike(Protocol):
 
     def exists(self, keys: Sequence[Any]) -> list[bool]:
         """Batched probe."""
-
-    def get(self, keys: Sequence[Any]) -> list[Any | None]:
-        """Batched read; ``None`` = miss, rejected or I/O failure."""
-
-    def put(self, items: Sequence[tuple[Any, Any]]) -> None:
-        """Batched write."""
 
     def close(self) -> None:
         """Release connections and handles."""
@@ -94,24 +59,6 @@ class BlockLoad:
     host_block: int = -1
     store: int = -1
     window: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """What :meth:`OffloadManager.begin_loads` started.
-
-    Attributes:
-        num_loaded: leading loads that are copied (the rest missed at read time and must be recomputed).
-        transfers: the copies, one per source kind; acknowledged already with a synchronous queue.
-    """
-
-    num_loaded: int
-    transfers: tuple[Transfer, ...]
-
-    @property
-    def done(self) -> bool:
-        """Whether every copy is acknowledged."""
-        return all(t.acknowledged for t in self.transfers)
 
 
 @dataclass(frozen=True, slots=True)

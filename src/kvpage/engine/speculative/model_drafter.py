@@ -4,7 +4,9 @@ Both propose autoregressively inside the step, before verification: pass 1 feeds
 request's last sampled token (the draft model also catches up on every token the target computes this
 step), each later pass feeds the previous draft token; pass ``i`` writes the draft layers' K/V at
 position ``num_computed + i - 1``, inside the request's lookahead slots. Every pass is one batched
-forward over the requests still drafting (SpecInfer/vLLM's draft loop, without tree drafts).
+forward over the requests still drafting (SpecInfer/vLLM's draft loop, without tree drafts), planned by the
+cache (:meth:`~kvpage.cache.kv_cache.KVCache.plan_pass`, not the step's final pass over its layers) and run
+by the drafter's runner.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpage.engine.model_runner import ModelRunner, ScheduledRequest
+from kvpage.cache.kv_cache import KVCache
+from kvpage.engine.model_runner import ModelRunner, ScheduledRequest, pass_requests
 from kvpage.engine.scheduler import ScheduledRequestChunk
 from kvpage.engine.speculative.proposer import Drafter, Proposal, draw
 
@@ -23,11 +26,13 @@ class ModelDrafter(Drafter):
 
     Args:
         runner: runs the draft model over its layers of the paged cache.
+        kv: the cache, which plans each draft pass.
         num_layers: run only the runner's model's first this many layers (an early exit), or ``None``.
     """
 
-    def __init__(self, runner: ModelRunner, num_layers: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, kv: KVCache, num_layers: int | None = None) -> None:
         self.runner = runner
+        self.kv = kv
         self.num_layers = num_layers
 
     @abstractmethod
@@ -38,7 +43,15 @@ class ModelDrafter(Drafter):
         """
 
     def _run(self, batch: list[ScheduledRequest]) -> torch.Tensor:
-        return self.runner.execute(batch, num_layers=self.num_layers, final=False)           # [B, vocab]
+        """One draft pass: planned (not the step's final pass over these layers), run, settled."""
+        plan = self.kv.plan_pass(pass_requests(batch), groups=self.runner.groups, final=False)
+        try:
+            logits = self.runner.execute(batch, plan=plan, num_layers=self.num_layers)            # [B, vocab]
+        except BaseException:
+            self.kv.abort(plan)
+            raise
+        self.kv.commit(plan)
+        return logits
 
     def propose(self, chunks: Sequence[ScheduledRequestChunk]) -> list[Proposal]:
         """Up to ``num_lookahead`` drafts per speculating chunk, each drawn from the draft's distribution."""
@@ -80,10 +93,11 @@ class DraftModelDrafter(ModelDrafter):
 
     Args:
         runner: the draft model's runner over the ``draft`` group (``layer_offset`` = the group's first layer).
+        kv: the cache, which plans each draft pass.
     """
 
-    def __init__(self, runner: ModelRunner) -> None:
-        super().__init__(runner)
+    def __init__(self, runner: ModelRunner, kv: KVCache) -> None:
+        super().__init__(runner, kv)
         self._done: dict[str, int] = {}  # request id -> tokens whose draft KV is written
 
     def first_pass(self, chunks: Sequence[ScheduledRequestChunk]) -> tuple[list[ScheduledRequest], list[int]]:
@@ -126,16 +140,17 @@ class LayerSkipDrafter(ModelDrafter):
     The self-draft's K/V for a token are the target's K/V of those layers for the same token, so it
     reads the target's cache: pass 1 feeds only the last sampled token, and the verification pass
     rewrites the draft positions of those layers with the same values (accepted) or they are dropped
-    with the rejected slots. Its passes are not the step's final pass over the main layers
-    (``final=False``): the step's promised tail slots stay for verification.
+    with the rejected slots. Its passes are not the step's final pass over the main layers: the step's
+    promised tail slots stay for verification.
 
     Args:
         runner: the target's runner (over the main group).
+        kv: the cache, which plans each draft pass.
         num_layers: layers of the self-draft (fewer than the target's).
     """
 
-    def __init__(self, runner: ModelRunner, num_layers: int) -> None:
-        super().__init__(runner, num_layers)
+    def __init__(self, runner: ModelRunner, kv: KVCache, num_layers: int) -> None:
+        super().__init__(runner, kv, num_layers)
 
     def first_pass(self, chunks: Sequence[ScheduledRequestChunk]) -> tuple[list[ScheduledRequest], list[int]]:
         """The speculating chunks' last sampled tokens (verified tokens; the verification pass rewrites their

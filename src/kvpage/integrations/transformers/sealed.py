@@ -3,7 +3,7 @@
 Block-wise formats quantize a whole block once, when it fills (:meth:`BlockFormat.seal
 <kvpage.formats.BlockFormat.seal>`: KIVI's per-channel keys need the block's tokens together). As in kvpage's
 engine (:mod:`kvpage.cache.tail`, :mod:`kvpage.ops.sealed_attention`), a layer keeps beside its pool, per batch
-row and in the 16-bit :func:`tail dtype <kvpage.cache.tail.pool.tail_dtype>`:
+row and in the 16-bit :func:`tail dtype <kvpage.spec.tail_dtype>`:
 
 * the **open block**: the rows of its last, partial block (its pool block is reserved, as the engine's is);
 * the **window**: 16-bit copies of the ``ceil(residual_tokens / block_size)`` sealed blocks before the next
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from kvpage.cache.tail.pool import SINK_FORMAT, tail_dtype
+from kvpage.cache.tail.pool import SINK_FORMAT
+from kvpage.spec import tail_dtype
 from kvpage.errors import KVCacheLayoutError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat
 from kvpage.integrations.transformers.layer import KVPageLayer

@@ -8,8 +8,9 @@ model's bfloat16 and the attention op crashing on a dtype mismatch)
 impossible here: there is no second place that picks a dtype.
 
 A spec is a list of *layer groups* (``main``, then optionally ``sliding`` and
-``draft``); all layers in a group share one :class:`LayerSpec` and one kind of
-attention (full, or a sliding window: vLLM's ``SlidingWindowSpec``). Groups may
+``draft``); all layers in a group share one :class:`LayerSpec` and one *kind*
+(:mod:`kvpage.spec.kinds`: full attention, sliding window, quantize-on-seal,
+sealed-in-window), which owns the group's memory arithmetic. Groups may
 differ: draft layers in bfloat16 beside fp8 main layers (vLLM
 ``speculative_config.kv_cache_dtype``), or a key-only layer (MLA latent cache)
 with no value tensor. All groups share one block table and ``block_size``.
@@ -23,14 +24,14 @@ layer a :class:`LayerSpec` whose format object is bound to its own scales
 it), they outlive any (re-)allocation of the pool, and the fingerprint covers
 their SHA-256.
 
-Imports only :mod:`kvpage.formats`, :mod:`kvpage.scales` and :mod:`kvpage.errors`.
+Imports only :mod:`kvpage.formats`, :mod:`kvpage.scales`, :mod:`kvpage.errors` and the rest of :mod:`kvpage.spec`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -38,153 +39,14 @@ from typing import Any
 
 import torch
 
-from kvpage.errors import KVCacheLayoutError, StaticScalesError
-from kvpage.formats import KVFormat, LayerScales, StaticScaleFormat, TensorSpec, get_format
+from kvpage.errors import StaticScalesError
+from kvpage.formats import KVFormat, StaticScaleFormat, get_format
 from kvpage.scales import StaticScales
+from kvpage.spec.kinds import GroupKind, kind_of
+from kvpage.spec.layer import LayerSpec
 
 #: Bumped when the meaning of a spec field changes; part of every fingerprint.
 SPEC_VERSION = 1
-
-
-@dataclass(frozen=True, init=False)
-class LayerSpec:
-    """Layout of one attention layer's cache, per block, and the format object that writes and reads it.
-
-    Args:
-        kv_heads: key/value heads (GQA: fewer than query heads).
-        head_dim: channels per head.
-        block_size: tokens per block.
-        format: the :class:`~kvpage.formats.KVFormat`, or a name/alias resolved by
-            :func:`~kvpage.formats.get_format` (``auto`` means float32 here; resolve it
-            against the model dtype first, as :meth:`CacheSpec.build` does).
-        has_value: ``False`` for a key-only (latent) layer.
-
-    Attributes:
-        format: the format instance. For static-scale formats (``int8_static``,
-            ``fp8_static``) it is bound to this layer's calibrated scales in the
-            :class:`LayerSpec` of :meth:`CacheSpec.layer`; a group's shared one is unbound.
-
-    Raises:
-        ValueError: a non-positive size.
-        UnknownKVFormatError: an unknown format name.
-        StaticScalesError: bound static scales whose shapes do not fit ``kv_heads``/``head_dim``.
-    """
-
-    kv_heads: int
-    head_dim: int
-    block_size: int
-    format: KVFormat
-    has_value: bool = True
-
-    def __init__(
-        self, kv_heads: int, head_dim: int, block_size: int, format: KVFormat | str, has_value: bool = True
-    ) -> None:
-        for name, v in (("kv_heads", kv_heads), ("head_dim", head_dim), ("block_size", block_size)):
-            if int(v) <= 0:
-                raise ValueError(f"LayerSpec.{name} must be positive, got {v}")
-        fmt = get_format(format) if isinstance(format, str) else format
-        object.__setattr__(self, "kv_heads", kv_heads)
-        object.__setattr__(self, "head_dim", head_dim)
-        object.__setattr__(self, "block_size", block_size)
-        object.__setattr__(self, "format", fmt)
-        object.__setattr__(self, "has_value", has_value)
-        if isinstance(fmt, StaticScaleFormat) and fmt.scales is not None:
-            want = fmt.static_scale_shape(kv_heads, head_dim)
-            got = [fmt.scales.key] + ([fmt.scales.value] if has_value else [])
-            if any(t is None or tuple(t.shape) != want for t in got):
-                raise StaticScalesError(
-                    f"static scales of shape {[None if t is None else list(t.shape) for t in got]} do not fit "
-                    f"{fmt.name} with kv_heads {kv_heads}, head_dim {head_dim} (expected {list(want)})"
-                )
-
-    @property
-    def kv_format(self) -> str:
-        """Canonical format name (``format.name``), as written in specs and fingerprints."""
-        return self.format.name
-
-    @property
-    def needs_static_scales(self) -> bool:
-        """Whether the format quantizes with per-layer calibrated scales (``int8_static``, ``fp8_static``)."""
-        return isinstance(self.format, StaticScaleFormat)
-
-    @property
-    def static_scales(self) -> LayerScales | None:
-        """The calibrated K/V scales bound to this layer's static-scale format; ``None`` for other formats or unbound."""
-        return self.format.scales if isinstance(self.format, StaticScaleFormat) else None
-
-    @cached_property
-    def tensors(self) -> tuple[TensorSpec, ...]:
-        """Per-block tensors of this layer (``key``, ``value``, scales ...), in allocation order."""
-        return self.format.tensor_specs(
-            block_size=self.block_size, kv_heads=self.kv_heads, head_dim=self.head_dim, has_value=self.has_value
-        )
-
-    @cached_property
-    def tensor_by_name(self) -> dict[str, TensorSpec]:
-        """The same tensors keyed by name."""
-        return {t.name: t for t in self.tensors}
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one block of this layer, scales and zero points included."""
-        return sum(t.nbytes for t in self.tensors)
-
-    @property
-    def bits_per_value(self) -> float:
-        """Stored bits per cached key or value element, everything counted."""
-        values = (2 if self.has_value else 1) * self.block_size * self.kv_heads * self.head_dim
-        return 8 * self.bytes_per_block / values
-
-    def validate(self, tensors: Mapping[str, torch.Tensor], *, layer_index: int, num_blocks: int | None = None) -> None:
-        """Check a layer's cache tensors against this spec before any data is touched.
-
-        Args:
-            tensors: name -> ``[num_blocks, *per_block_shape]`` tensor.
-            layer_index: global layer index, for the message.
-            num_blocks: if given, the leading dim every tensor must have.
-
-        Raises:
-            KVCacheLayoutError: a tensor is missing, unexpected, or has another
-                dtype or per-block shape; the message names the layer, the
-                tensor, the expected and the actual dtype/shape.
-        """
-        expected = self.tensor_by_name
-        missing = [n for n in expected if n not in tensors]
-        extra = [n for n in tensors if n not in expected]
-        if missing or extra:
-            raise KVCacheLayoutError(
-                f"layer {layer_index}: cache tensors {sorted(tensors)} do not match the spec "
-                f"({self.kv_format}: expected {list(expected)}; missing {missing}, unexpected {extra})"
-            )
-        lead = None
-        for name, t in expected.items():
-            actual = tensors[name]
-            if actual.dtype != t.dtype or tuple(actual.shape[1:]) != t.shape or actual.dim() != len(t.shape) + 1:
-                raise KVCacheLayoutError(
-                    f"layer {layer_index}: cache tensor {name!r} expected dtype {t.dtype} shape "
-                    f"[num_blocks, {', '.join(map(str, t.shape))}] (format {self.kv_format}), "
-                    f"got dtype {actual.dtype} shape {list(actual.shape)}"
-                )
-            n = actual.shape[0]
-            if (num_blocks is not None and n != num_blocks) or (lead is not None and n != lead):
-                raise KVCacheLayoutError(
-                    f"layer {layer_index}: cache tensor {name!r} has {n} blocks, expected "
-                    f"{num_blocks if num_blocks is not None else lead}"
-                )
-            lead = n
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-able description (used by the fingerprint and by stored-record metadata)."""
-        return {
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "block_size": self.block_size,
-            "format": self.kv_format,
-            "format_version": self.format.version,
-            "has_value": self.has_value,
-            "tensors": [[t.name, list(t.shape), str(t.dtype).removeprefix("torch.")] for t in self.tensors],
-            **({"static_scales_sha256": self.static_scales.sha256} if self.static_scales is not None else {}),
-        }
 
 
 @dataclass(frozen=True)
@@ -202,6 +64,8 @@ class LayerGroupSpec:
             ``None`` = full attention. A windowed group's manager may drop blocks that slid out.
         layers: the group's global layer indices when they are not consecutive (Gemma 3 interleaves
             five local layers with each global one); ``None`` = ``first_layer .. first_layer + num_layers - 1``.
+        kind: derived from the name, the format and the window (:func:`~kvpage.spec.kinds.kind_of`): what kind of
+            cache the group keeps and its memory arithmetic. Not part of equality (it follows from the rest).
 
     Raises:
         ValueError: ``layers`` not strictly increasing, or disagreeing with ``first_layer``/``num_layers``;
@@ -214,8 +78,10 @@ class LayerGroupSpec:
     layer: LayerSpec
     sliding_window: int | None = None
     layers: tuple[int, ...] | None = None
+    kind: GroupKind = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", kind_of(self.name, self.layer, self.sliding_window))
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"group {self.name!r}: sliding_window must be positive, got {self.sliding_window}")
         if self.layers is not None:
