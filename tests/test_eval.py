@@ -81,7 +81,7 @@ def test_blocks_all_freed_after_eval(decode_auto):
     llm, _ = decode_auto
     s = llm.kv_cache_stats()
     assert s.num_in_use == 0 and s.num_free == s.num_blocks == llm.num_blocks
-    assert s.requests == 1  # the eval's one request was admitted through the manager
+    assert s.requests == 1  # the eval's one request was admitted through the KV cache
 
 
 @pytest.mark.slow

@@ -21,10 +21,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from _engine_kv import tail_tables
 from _tiny import tiny_loaded
 from kvpage import LLM, SamplingParams
+from kvpage.cache.groups import FullAttentionManager
+from kvpage.cache.kv_cache import KVCache
+from kvpage.cache.step_plan import PassPlan
 from kvpage.engine.engine import EngineStepError
-from kvpage.engine.model_runner import ScheduledRequest
+from kvpage.engine.model_runner import ScheduledRequest, pass_requests
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(n)]} for i, n in enumerate([21, 30, 9, 40])]
@@ -44,25 +48,45 @@ def _pool_ok(llm: LLM) -> None:
     # side space: int4's 8-bit copies of cached first blocks live in carved pool blocks while those are cached
     assert st.num_free + st.num_evictable + st.num_in_use + st.num_side == llm.num_blocks
     assert st.num_in_use == 0 and not llm.engine.has_unfinished_requests()
-    for tail in llm._built.tails.values():
-        assert tail.table.num_used == 0  # no open slot or window copy outlives its request
+    for table in tail_tables(llm):
+        assert table.num_used == 0  # no open slot or window copy outlives its request
 
 
 class Flaky:
     """Wraps a ModelRunner: computes each request alone; raises when a marked request is in the batch.
 
     ``after``: the marked request fails only once it has this many tokens computed (so it first makes progress).
+
+    The engine hands ``execute`` the plan of the whole batch (``kv.plan_pass``), which cannot be split: each
+    request's own pass is planned by the cache (``kv``), run and committed here, and the engine then commits the
+    batch's plan, which no request ran. That is only bookkeeping-free where no group books anything per pass:
+    token-wise formats, whose groups are all full attention (``FullAttentionManager``: plan, commit and abort
+    book nothing), which is what Flaky is used with here (float32); the constructor checks it.
     """
 
-    def __init__(self, runner, marked: Sequence[str] = (), after: int = 0) -> None:
-        self.runner, self.marked, self.after = runner, set(marked), after
+    def __init__(self, runner, kv: KVCache, marked: Sequence[str] = (), after: int = 0) -> None:
+        assert all(type(g) is FullAttentionManager for g in kv.groups), (
+            f"Flaky re-plans each request's pass on its own: only over groups that book nothing per pass, "
+            f"not {kv.groups}")
+        self.runner, self.kv, self.marked, self.after = runner, kv, set(marked), after
         self.fired = 0
 
-    def execute(self, batch: Sequence[ScheduledRequest], **kw) -> torch.Tensor:
+    def execute(self, batch: Sequence[ScheduledRequest], *, plan: PassPlan, **kw) -> torch.Tensor:
         if any(r.request_id in self.marked and r.num_computed >= self.after for r in batch):
             self.fired += 1
             raise RuntimeError("injected forward failure")
-        return torch.cat([self.runner.execute([r], **kw) for r in batch])
+        return torch.cat([self._alone(r, plan.final, **kw) for r in batch])
+
+    def _alone(self, r: ScheduledRequest, final: bool, **kw) -> torch.Tensor:
+        """``r``'s own pass: planned over the runner's groups, run, committed (aborted if it raised)."""
+        p = self.kv.plan_pass(pass_requests([r]), groups=self.runner.groups, final=final)
+        try:
+            out = self.runner.execute([r], plan=p, **kw)
+        except BaseException:
+            self.kv.abort(p)
+            raise
+        self.kv.commit(p)
+        return out
 
 
 def _run(llm: LLM, prompts, ids: Sequence[str]) -> dict[str, object]:
@@ -83,11 +107,11 @@ IDS = ["a", "b", "c", "d"]
 @pytest.mark.parametrize("after", [0, 30])
 def test_a_forward_failing_for_one_request_finishes_only_it(tiny, after: int) -> None:
     clean_llm = _llm(tiny)
-    clean_llm.engine.runner = Flaky(clean_llm.engine.runner)
+    clean_llm.engine.runner = Flaky(clean_llm.engine.runner, clean_llm.engine.kv)
     clean = _run(clean_llm, PROMPTS, IDS)
 
     llm = _llm(tiny)
-    flaky = Flaky(llm.engine.runner, marked=["b"], after=after)
+    flaky = Flaky(llm.engine.runner, llm.engine.kv, marked=["b"], after=after)
     llm.engine.runner = flaky
     got = _run(llm, PROMPTS, IDS)
     assert flaky.fired >= 1
@@ -109,7 +133,7 @@ def test_a_forward_failing_for_one_request_finishes_only_it(tiny, after: int) ->
 def test_a_broken_model_fails_every_request_then_raises_and_the_engine_recovers(tiny) -> None:
     llm = _llm(tiny)
     real = llm.engine.runner
-    llm.engine.runner = Flaky(real, marked=IDS)  # every request fails, alone too
+    llm.engine.runner = Flaky(real, llm.engine.kv, marked=IDS)  # every request fails, alone too
     with pytest.raises(EngineStepError, match="every request") as e:
         _run(llm, PROMPTS, IDS)
     assert isinstance(e.value.__cause__, RuntimeError)
@@ -174,8 +198,7 @@ def test_a_failure_in_the_middle_of_the_forward_leaves_the_others_exact(tiny, fm
         assert got[rid].outputs[0].finish_reason == "length"
         assert got[rid].outputs[0].token_ids == clean[rid].outputs[0].token_ids, (fmt, rid)
     _pool_ok(llm)
-    for tail in llm._built.tails.values():  # no tail or sink slot lost: each is free or held by one block
-        tab = tail.table
+    for tab in tail_tables(llm):  # no tail or sink slot lost: each is free or held by one block
         if tab.side is None:  # fixed side pools
             assert tab._slots.num_free + tab.num_used == tab.num_slots
             assert tab._sink_slots.num_free + tab.num_sink_used == tab.num_sink_slots
@@ -189,7 +212,7 @@ def test_a_sampler_error_finishes_only_that_request(tiny, monkeypatch) -> None:
     import kvpage.engine.engine as engine_mod
 
     llm = _llm(tiny)
-    llm.engine.runner = Flaky(llm.engine.runner)
+    llm.engine.runner = Flaky(llm.engine.runner, llm.engine.kv)
     clean = _run(llm, PROMPTS[:2], ["a", "b"])
     real = engine_mod.sample
 
@@ -227,13 +250,13 @@ class FailingDecode:
 
 def test_a_tokenizer_error_finishes_only_that_request(tiny) -> None:
     llm = _llm(tiny)
-    llm.engine.runner = Flaky(llm.engine.runner)
+    llm.engine.runner = Flaky(llm.engine.runner, llm.engine.kv)
     clean = _run(llm, PROMPTS, IDS)
     poison = clean["d"].outputs[0].token_ids[:4]
     assert [rid for rid, o in clean.items() if o.outputs[0].token_ids[:4] == poison] == ["d"]
 
     llm2 = _llm(tiny)
-    llm2.engine.runner = Flaky(llm2.engine.runner)
+    llm2.engine.runner = Flaky(llm2.engine.runner, llm2.engine.kv)
     llm2.engine.tokenizer = FailingDecode(llm2.tokenizer, poison)
     got = _run(llm2, PROMPTS, IDS)
     d = got["d"].outputs[0]
@@ -247,7 +270,8 @@ def test_a_tokenizer_error_finishes_only_that_request(tiny) -> None:
 def test_a_tier_load_that_raises_falls_back_to_recompute(tiny) -> None:
     """A host-tier hit whose copy raises is recomputed instead (the tier is a cache): same tokens, nothing leaks."""
     llm = _llm(tiny, num_blocks=12, swap_space=0.01, enable_prefix_caching=True)
-    offload = llm.kv_connector.offload
+    offload = llm.kv_connector.offload  # the scheduler half's bookkeeping (host blocks, transfer queue)
+    tier = llm._built.tier_worker.tier  # the worker half's copier: a transfer that raises there wrote nothing
     prompt = PROMPTS[3]  # 40 tokens: 2 full blocks
     first = llm.generate([prompt], PARAMS)[0].outputs[0].token_ids
     llm.reset_prefix_cache()  # the device forgets; the host tier kept the blocks (write-through)
@@ -257,7 +281,7 @@ def test_a_tier_load_that_raises_falls_back_to_recompute(tiny) -> None:
         calls.append(a)
         raise OSError("injected host->device copy failure")
 
-    offload.mover.host_to_device = broken
+    tier.host_to_device = broken
     out = llm.generate([prompt], PARAMS)[0]
     assert calls, "the host tier was never asked to load"
     assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == first

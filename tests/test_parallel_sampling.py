@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -218,15 +219,27 @@ def test_completions_fork_from_the_first_and_copy_its_partial_block(fmt: str, mo
     is copied on write, and every completion reads exactly the prompt's KV (equal to greedy at temperature 1e-3)."""
     llm = LLM(_peaked(), progress=False, num_blocks=200, block_size=16, enable_prefix_caching=False,
               kv_cache_dtype=fmt)
-    manager = llm._built.kv.manager
+    kv, controller = llm._built.kv, llm._built.controller
     greedy = llm.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0))[0].outputs[0].token_ids
-    forks, copies = [], []
-    fork, apply = manager.fork, manager.apply_block_copies
-    monkeypatch.setattr(manager, "fork", lambda p, c, n: forks.append(n) or fork(p, c, n))
-    monkeypatch.setattr(manager, "apply_block_copies", lambda f: copies.append(apply(f)) or copies[-1])
+    forks: list[tuple[int, bool]] = []
+    copies: list[int] = []
+    fork, copy_blocks = kv.fork, controller.copy_blocks
+
+    def forked(p: Any, c: Any, n: int) -> bool:
+        ok = fork(p, c, n)  # KVCache.fork says False when a group refuses (the old manager raised)
+        forks.append((n, ok))
+        return ok
+
+    def copied(pairs: Any, window_pairs: Any = None) -> None:
+        # the copy-on-write copies of a step plan, applied to the tensors by the worker (Worker.begin_step)
+        copies.append(len(pairs))
+        copy_blocks(pairs, window_pairs)
+
+    monkeypatch.setattr(kv, "fork", forked)
+    monkeypatch.setattr(controller, "copy_blocks", copied)
     out = llm.generate(PROMPT, SamplingParams(n=5, max_tokens=20, temperature=1e-3, seed=3))[0]
     assert all(c.token_ids == greedy for c in out.outputs)
-    assert forks == [59 if fmt != "int4" else 48] * 4      # all but the last prompt token (int4: whole blocks)
+    assert forks == [(59 if fmt != "int4" else 48, True)] * 4  # all but the last prompt token (int4: whole blocks)
     assert (sum(copies) > 0) == (fmt != "int4")             # 59 % 16 != 0: the shared partial block is copied
     assert llm.kv_cache_stats().num_in_use == 0
 

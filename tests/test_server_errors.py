@@ -436,10 +436,10 @@ def faulty_runner(server) -> Iterator[None]:
     runner = server.llm.engine.runner
     real_execute = runner.execute
 
-    def execute(batch):
+    def execute(batch, **kw):  # kw: the pass's plan (the engine passes plan=...)
         if any(POISON in r.token_ids for r in batch):
             raise RuntimeError("kernel fault for the test")
-        return real_execute(batch)
+        return real_execute(batch, **kw)
 
     runner.execute = execute
     try:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from _engine_kv import tail_tables
 from _tiny import tiny_loaded
 from kvpage import LLM, SamplingParams
 from kvpage.cache.prefix_cache import ROOT, BlockRemoved, PrefixBlockPool
@@ -86,7 +87,7 @@ def _record(llm: LLM, *, guard: bool = False) -> tuple[dict[str, dict[int, torch
     rows: dict[str, dict[int, torch.Tensor]] = {}
     failures: list[BaseException] = []
     execute = llm.engine.runner.execute
-    pool = llm.engine.kv.manager.pool
+    pool = llm.engine.kv.pool
     claimed: set[int] = set()
     claim = pool.claim
 
@@ -226,8 +227,9 @@ def test_a_slot_is_its_groups_code_bytes_keys_and_values_apart_and_nothing_else(
     llm = LLM(tiny_loaded(0), kv_cache_dtype=fmt, num_blocks=80, block_size=16, max_model_len=64, max_num_seqs=2,
               progress=False)
     (tail,) = _tails(llm)
-    side, bs = tail.table.side, tail.table.block_size
-    assert side is not None and side.r == (4 if fmt == "int4" else 8)
+    (table,) = tail_tables(llm)                # the scheduler-side bookkeeping of the same group's tail
+    side, bs = table.side, table.block_size
+    assert tail.layout.carved and side is not None and side.r == (4 if fmt == "int4" else 8)
     caches = llm.controller.device_caches
     gen = torch.Generator().manual_seed(1)
     for c in caches.values():
@@ -272,7 +274,7 @@ def test_a_slot_is_its_groups_code_bytes_keys_and_values_apart_and_nothing_else(
 
     # given back, the blocks are ordinary blocks again; what is written into them is what the slot shows
     side.put(g)
-    pool = llm.engine.kv.manager.pool
+    pool = llm.engine.kv.pool
     got = pool.allocate(pool.num_free)
     assert set(blocks) <= set(got)
     for i in caches:
@@ -304,7 +306,7 @@ def test_reused_groups_leave_no_stale_bytes_and_a_step_writes_only_its_own_block
     (ref,) = fresh.generate([{"prompt_token_ids": probe}], params)
 
     used = LLM(loaded, **cfg)
-    assert all(t.table.side is not None for t in _tails(used))
+    assert all(t.side is not None for t in tail_tables(used))
     _, failures = _record(used, guard=True)
     warm = [[rng.randrange(256) for _ in range(rng.randint(5, 70))] for _ in range(6)]
     outs = used.generate([{"prompt_token_ids": p} for p in warm],
@@ -340,19 +342,20 @@ def test_randomized_carved_schedule_under_side_pressure_answers_like_ample_space
     for num_blocks in (tight_blocks, 1024):
         llm = LLM(loaded, kv_cache_dtype=fmt, block_size=16, num_blocks=num_blocks, max_model_len=128,
                   max_num_seqs=6, max_num_batched_tokens=48, progress=False)
-        (tail,) = _tails(llm)
-        assert tail.table.side is not None     # carved, not fixed pools
+        (table,) = tail_tables(llm)
+        assert table.side is not None          # carved, not fixed pools
         rows, failures = _record(llm)
         refused: list[int] = []
-        reserve = llm.engine.kv.side_reserve
+        # a chunk's side slots are promised by KVCache.allocate through each group's reserve(), all or none: a
+        # promise fails (the old side_reserve's None) exactly when some group's reserve() says False
+        for group in llm.engine.kv.groups:
+            def counted(*a: Any, _reserve: Any = group.reserve, _refused: list[int] = refused, **k: Any) -> Any:
+                ok = _reserve(*a, **k)
+                if not ok:
+                    _refused.append(1)
+                return ok
 
-        def counted(*a: Any, _reserve: Any = reserve, _refused: list[int] = refused, **k: Any) -> Any:
-            need = _reserve(*a, **k)
-            if need is None:
-                _refused.append(1)
-            return need
-
-        setattr(llm.engine.kv, "side_reserve", counted)  # noqa: B010
+            setattr(group, "reserve", counted)  # noqa: B010 (an instance attribute shadows the method)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         runs.append((llm, outs, rows, failures, len(refused)))
     (tight, outs, rows, failures, refused), (_, ref_outs, ref_rows, ref_failures, _) = runs
@@ -363,15 +366,15 @@ def test_randomized_carved_schedule_under_side_pressure_answers_like_ample_space
     for out, ref in zip(outs, ref_outs):
         assert len(out.outputs[0].token_ids) == len(ref.outputs[0].token_ids)
         assert _max_diff(rows[out.request_id], ref_rows[ref.request_id]) <= 1e-4
-    m = tight.engine.kv.manager
+    kv = tight.engine.kv
     st = tight.kv_cache_stats()
     assert st.num_free + st.num_evictable + st.num_in_use + st.num_side == tight_blocks and st.num_in_use == 0
-    (tail,) = _tails(tight)
-    t, side = tail.table, tail.table.side
+    (t,) = tail_tables(tight)
+    side = t.side
     assert t.num_used == 0 and side.num_spare == 0
     assert side.num_held == t.num_used + t.num_sink_used
-    assert m.num_side_blocks == side.num_held * side.r
-    m.pool.validate()
+    assert kv.stats().num_side == side.num_held * side.r
+    kv.pool.validate()
 
 
 # -- 4. regressions ---------------------------------------------------------------------------------
@@ -396,13 +399,12 @@ def test_a_recomputed_first_block_keeps_its_8bit_copy_while_its_request_runs_the
     (ref,) = fresh.generate([{"prompt_token_ids": prompt}], params)
 
     llm = LLM(loaded, **cfg)
-    m = llm.engine.kv.manager
-    (tail,) = _tails(llm)
-    table = tail.table
+    m = llm.engine.kv
+    (table,) = tail_tables(llm)
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0))
     (orig,) = [b for b in range(m.num_blocks) if (k := m.pool.block_key(b)) is not None and k[0] == ROOT]
     assert table.sink_of(orig) is not None
-    assert table.drop_idle_sinks(m.is_in_use) == 1 and m.pool.block_hash(orig) is not None
+    assert table.drop_idle_sinks(m.pool.is_in_use) == 1 and m.pool.block_hash(orig) is not None
     hits = llm.kv_cache_stats().prefix_hits
     rows, failures = _record(llm)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
@@ -414,7 +416,7 @@ def test_a_recomputed_first_block_keeps_its_8bit_copy_while_its_request_runs_the
     assert llm.kv_cache_stats().prefix_hits > hits
     side = table.side
     assert side is not None and side.num_held == table.num_used + table.num_sink_used
-    assert m.num_side_blocks == side.num_held * side.r
+    assert m.stats().num_side == side.num_held * side.r
 
 
 def test_the_cli_capacity_line_says_carved_side_space_is_taken_from_the_blocks_and_fixed_pools_are_per_request() -> None:
@@ -429,5 +431,5 @@ def test_the_cli_capacity_line_says_carved_side_space_is_taken_from_the_blocks_a
            "these blocks while requests hold them, 4 blocks each)" in line and "requests)" not in line
     fixed = LLM(loaded, kv_cache_dtype="int4", block_size=16, num_blocks=12, max_model_len=64, max_num_seqs=3,
                 progress=False)
-    assert fixed.capacity.side_blocks_per_slot == 0 and all(t.table.side is None for t in _tails(fixed))
+    assert fixed.capacity.side_blocks_per_slot == 0 and all(t.side is None for t in tail_tables(fixed))
     assert "MiB side pools (16-bit tail slots, window and first-block copies for 3 requests)" in capacity_lines(fixed)[0]

@@ -17,6 +17,7 @@ import torch
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from _engine_kv import tail_tables
 from _tiny import ByteTokenizer, tiny_loaded
 from kvpage import LLM, SamplingParams
 from kvpage.cache.prefix_cache import BlockStored
@@ -97,8 +98,8 @@ def _pool_idle(llm: LLM) -> None:
     st = llm.kv_cache_stats()
     assert st.num_in_use == 0 and not llm.engine.has_unfinished_requests()
     assert st.num_free + st.num_evictable + st.num_in_use + st.num_side == llm.num_blocks
-    for tail in llm._built.tails.values():
-        assert tail.table.num_used == 0
+    for table in tail_tables(llm):  # the scheduler-side tail bookkeeping of each group with a tail pool
+        assert table.num_used == 0
 
 
 def _record_stored(llm: LLM) -> list[BlockStored]:

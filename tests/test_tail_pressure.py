@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from _engine_kv import tail_tables
 from _tiny import tiny_loaded
 from kvpage import LLM, SamplingParams
 from kvpage.cache.tail import TailTable
@@ -46,7 +47,7 @@ def _record(llm: LLM) -> tuple[dict[str, dict[int, torch.Tensor]], list[BaseExce
 
 
 def _tables(llm: LLM) -> list[TailTable]:
-    return [g.table for g in llm._built.groups if hasattr(g, "table")]
+    return tail_tables(llm)
 
 
 def _agree_up_to_near_ties(tokens: list[int], ref_tokens: list[int], ref_rows: dict[int, torch.Tensor],
@@ -87,8 +88,8 @@ def test_issue_repro_completes_like_a_run_with_ample_tail(fmt: str, max_num_seqs
     assert failures == [] and ref_failures == []
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * num_prompts
     assert all(t.side is not None for t in _tables(tight))
-    m = tight.engine.kv.manager
-    assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks + m.num_side_blocks == tight_blocks
+    st = tight.engine.kv.stats()
+    assert st.num_free + st.num_evictable + st.num_in_use + st.num_side == tight_blocks
     for out, ref in zip(outs, ref_outs):
         mine, theirs = rows[out.request_id], ref_rows[ref.request_id]
         common = sorted(set(mine) & set(theirs))
