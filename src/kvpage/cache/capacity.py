@@ -280,13 +280,14 @@ def cache_capacity(
     side = _sum(mems)
     window = None if bounded is None else mems[spec.groups.index(bounded)]
     ref = None if bounded is None else _reference_sizes(spec, sizing, budget)
+    ref_bpb = reference_spec(spec, sizing).bytes_per_block
     return CapacityReport(
         kv_format=spec.main.layer.kv_format, model_dtype=str(sizing.model_dtype).removeprefix("torch."),
         block_size=spec.block_size, num_blocks=int(n), bytes_per_block=bpb,
         group_bytes={g.name: m.tensor_bytes for g, m in zip(spec.groups, mems)},
         tail_open_bytes=side.tail_open_bytes, tail_window_bytes=side.tail_window_bytes, sink_bytes=side.sink_bytes,
-        budget_bytes=int(budget), reference_bytes_per_block=reference_spec(spec, sizing).bytes_per_block,
-        reference_tokens=((int(budget) // reference_spec(spec, sizing).bytes_per_block) * spec.block_size
+        budget_bytes=int(budget), reference_bytes_per_block=ref_bpb,
+        reference_tokens=((int(budget) // ref_bpb) * spec.block_size
                           if bounded is None else int(n) * spec.block_size if ref is None else ref[0]),
         seq_len=int(seq_len if seq_len is not None else sizing.max_model_len or 0), max_num_seqs=sizing.max_num_seqs,
         side_blocks_per_slot=r if carve else 0,
