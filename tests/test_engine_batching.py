@@ -124,3 +124,19 @@ def test_abort_reports_reason_and_frees(smollm2):
     assert len(out.outputs[0].token_ids) == 2
     assert llm.kv_cache_stats().num_in_use == 0
     assert llm.engine.abort_request(req.request_id) is None   # already finished: nothing to do
+
+
+def test_identical_requests_in_a_pool_their_twins_fill_finish_like_a_roomy_pool() -> None:
+    """Regression (fresh-user pass, issue 27): two identical requests in a pool that holds one of them whole. The
+    second's blocks duplicate the first's indexed ones and keep them referenced (its twins), so a running request
+    could only preempt itself; the step came out empty and the engine raised "waiting requests cannot be
+    scheduled". An empty step that preempted makes room for the next one: both finish, as in a roomy pool."""
+    from _tiny import tiny_loaded
+
+    prompt = {"prompt_token_ids": list(range(60, 76))}  # 16 tokens + 80 out = 6 blocks of 16: the whole pool
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    want = LLM(tiny_loaded(), progress=False, block_size=16).generate([prompt], params)[0].outputs[0].token_ids
+    tight = LLM(tiny_loaded(), progress=False, block_size=16, num_blocks=6)
+    outs = tight.generate([prompt, prompt], params)
+    assert [o.outputs[0].token_ids for o in outs] == [want, want]
+    assert tight.kv_cache_stats().preemptions > 0 and tight.kv_cache_stats().num_in_use == 0

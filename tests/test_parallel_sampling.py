@@ -262,3 +262,22 @@ def test_window_completions_fork_with_their_window_slots(tmp_path_factory: pytes
     assert all(c.token_ids == greedy for c in out.outputs)
     assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
     assert llm.kv_cache_stats().num_in_use == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_child_preempted_before_its_copy_ran_swaps_out_the_copied_kv(mode: str) -> None:
+    """Regression (fresh-user pass, issue 27): a completion forked in the step that preempts it, before the step
+    plan copied its partial block, swapped that block out uncopied (and the pending copy was then dropped), so it
+    resumed on garbage KV. Its completions (seeded) are those of a pool roomy enough for no preemption at all."""
+    prompts = [{"prompt_token_ids": list(range(40 + 9 * i, 58 + 9 * i))} for i in range(2)]  # 18 tokens: a partial block
+    params = SamplingParams(max_tokens=40, temperature=1e-3, seed=7, n=2, ignore_eos=True)
+    roomy = LLM(tiny_loaded(), progress=False, block_size=16)
+    want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params)]
+    assert roomy.kv_cache_stats().preemptions == 0
+    kw: dict[str, Any] = dict(swap_space=0.01) if mode == "swap" else {}
+    llm = LLM(tiny_loaded(), progress=False, block_size=16, num_blocks=6, preemption_mode=mode, **kw)
+    outs = llm.generate(prompts, params)
+    st = llm.kv_cache_stats()
+    assert st.preemptions > 0 and (mode == "recompute" or st.tiers.swapped_out_blocks > 0)  # type: ignore[union-attr]
+    assert [[c.token_ids for c in o.outputs] for o in outs] == want
+    assert st.num_in_use == 0

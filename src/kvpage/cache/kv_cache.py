@@ -888,7 +888,11 @@ class KVCache:
         if c is not None and num_computed_tokens and self.supports_swap and rid not in self._loading:
             if not 0 < num_computed_tokens <= st.num_tokens:
                 raise ValueError(f"num_computed_tokens={num_computed_tokens} must be in (0, {st.num_tokens}]")
-            c.swap_out(rid, st.block_ids[: self.blocks_for(num_computed_tokens)], num_computed_tokens)
+            # a block copied on write that no step plan has copied yet holds nothing: its source holds the KV
+            # (referenced until the copy is dropped below, and no pass runs before the swap-out reads it)
+            pending = {new: old for r, old, new in self._copies if r == rid}
+            blocks = [pending.get(b, b) for b in st.block_ids[: self.blocks_for(num_computed_tokens)]]
+            c.swap_out(rid, blocks, num_computed_tokens)
         self._free(request, preempted=True)
         self._preemptions += 1
         return True

@@ -230,8 +230,8 @@ class LLMEngine:
         Raises:
             EngineStepError: every request of the step failed alone too (a broken model, say); each was
                 finished with ``"error"`` first, so the engine stays usable.
-            RuntimeError: requests wait but none can be scheduled (cannot happen
-                for requests admitted by :meth:`add_request`; guards against a hang).
+            RuntimeError: requests wait but none can be scheduled, nothing was preempted to make room and no load is
+                in flight (cannot happen for requests admitted by :meth:`add_request`; guards against a hang).
         """
         for first, child in self.parallel.release():  # the first completion has computed the prompt
             if not self._fork(first, child):
@@ -274,8 +274,9 @@ class LLMEngine:
         planned = not sched.is_empty
         self.worker.begin_step(sched.kv)  # the step's transfers and copy-on-write copies
         self._poll_kv(sched)  # loads the worker finished at once; a request whose KV has not arrived waits
-        if sched.is_empty:
-            if not planned and self.scheduler.num_unfinished and not self.scheduler.num_waiting_for_kv:
+        if sched.is_empty:  # (a step that preempted or whose loads have not landed makes room for the next one)
+            if (not planned and not sched.preempted and self.scheduler.num_unfinished
+                    and not self.scheduler.num_waiting_for_kv):
                 raise RuntimeError(
                     f"{len(self.scheduler.waiting)} waiting requests cannot be scheduled with "
                     f"{self.kv.stats().num_free} free blocks"
