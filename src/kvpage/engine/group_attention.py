@@ -22,6 +22,7 @@ from kvpage.ops.backends import AttentionBackend, ReferenceBackend
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.sealed_attention import SealContext
 from kvpage.spec import CacheSpec, FullAttention, GroupKind, LayerGroupSpec, Sealed, SealedWindow, SlidingWindow
+from kvpage.spec.kinds import for_kind
 
 
 class GroupAttention:
@@ -138,9 +139,4 @@ def group_attention_for(spec: CacheSpec, group: LayerGroupSpec, caches: Mapping[
         KeyError: a kind without a worker-side attention.
         ValueError: a quantize-on-seal group without its tail.
     """
-    try:
-        factory = ATTENTION[type(group.kind)]
-    except KeyError:
-        raise KeyError(f"no group attention for kind {group.kind!r} of group {group.name!r}; register one in "
-                       f"kvpage.engine.group_attention.ATTENTION") from None
-    return factory(spec, group, caches, ops, tail)
+    return for_kind(ATTENTION, group, "kvpage.engine.group_attention.ATTENTION")(spec, group, caches, ops, tail)

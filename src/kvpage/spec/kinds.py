@@ -24,7 +24,8 @@ nothing beside the missing value tensor differs. Imports :mod:`kvpage.formats` a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from kvpage.spec.layer import LayerSpec
 
 __all__ = ["CacheSizing", "FullAttention", "GroupKind", "GroupMemory", "Sealed", "SealedWindow", "SlidingWindow",
-           "TailLayout", "blocks_per_slot", "kind_of", "tail_dtype"]
+           "TailLayout", "blocks_per_slot", "for_kind", "kind_of", "tail_dtype"]
 
 
 def tail_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -372,6 +373,23 @@ FULL_ATTENTION = FullAttention()
 SLIDING_WINDOW = SlidingWindow()
 SEALED = Sealed()
 SEALED_WINDOW = SealedWindow()
+
+
+_T = TypeVar("_T")
+
+
+def for_kind(registry: Mapping[type[GroupKind], _T], group: LayerGroupSpec, what: str) -> _T:
+    """The entry of a per-kind ``registry`` (the scheduler side's managers, the worker side's attention) for
+    ``group``'s kind; ``what`` names the registry in the error.
+
+    Raises:
+        KeyError: the kind has no entry (the message names the group, its kind and the registry).
+    """
+    try:
+        return registry[type(group.kind)]
+    except KeyError:
+        raise KeyError(f"no entry for kind {group.kind!r} of group {group.name!r} in {what}; register one there") \
+            from None
 
 
 def kind_of(role: str, layer: LayerSpec, sliding_window: int | None) -> GroupKind:

@@ -24,6 +24,7 @@ from kvpage.cache.groups.sliding import SlidingWindowManager, WindowSlotsExhaust
 from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.spec import (CacheSizing, FullAttention, GroupKind, LayerGroupSpec, Sealed, SealedWindow, SlidingWindow,
                          TailLayout)
+from kvpage.spec.kinds import for_kind
 
 __all__ = ["MANAGERS", "FullAttentionManager", "GroupManager", "SealedGroupManager", "SealedWindowManager", "SideNeed",
            "SlidingWindowManager", "WindowSlotsExhaustedError", "manager_for"]
@@ -80,9 +81,4 @@ def manager_for(group: LayerGroupSpec, sizing: CacheSizing | None = None, *, poo
     slots = num_window_slots
     if slots is None:
         slots = group.kind.window_slots(group, num_blocks or 1, sizing) if group.kind.window_rows else 0
-    try:
-        factory = MANAGERS[type(group.kind)]
-    except KeyError:
-        raise KeyError(f"no group manager for kind {group.kind!r} of group {group.name!r}; register one in "
-                       f"kvpage.cache.groups.MANAGERS") from None
-    return factory(group, sizing, pool, num_blocks, slots)
+    return for_kind(MANAGERS, group, "kvpage.cache.groups.MANAGERS")(group, sizing, pool, num_blocks, slots)
