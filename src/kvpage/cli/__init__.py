@@ -1,4 +1,4 @@
-"""The ``kvpage`` command line: ``kvpage generate``, ``serve``, ``eval``, ``calibrate`` and ``formats``.
+"""The ``kvpage`` command line: ``kvpage generate``, ``serve``, ``eval``, ``calibrate``, ``formats`` and ``build-kernels``.
 
 One module per sub-command, each with its ``add_*_parser`` and ``run_*`` (``kvpage eval``'s are
 :mod:`kvpage.eval.command`'s); :mod:`kvpage.cli.engine_flags` holds the flags ``generate`` and ``serve`` share.
@@ -15,6 +15,7 @@ from typing import NoReturn
 from kvpage.cli.calibrate import add_calibrate_parser
 from kvpage.cli.formats import add_formats_parser
 from kvpage.cli.generate import add_generate_parser
+from kvpage.cli.kernels import add_build_kernels_parser
 from kvpage.cli.serve import add_serve_parser
 from kvpage.errors import KVPageError
 
@@ -35,7 +36,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve``, ``eval``, ``calibrate`` and ``formats``).
+    """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve``, ``eval``, ``calibrate``, ``formats``,
+    ``build-kernels``).
 
     A bad flag exits with status 2 after one error line and a ``--help`` hint (:class:`_Parser`).
     """
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_calibrate_parser(sub)
     add_formats_parser(sub)
+    add_build_kernels_parser(sub)
     return parser
 
 
