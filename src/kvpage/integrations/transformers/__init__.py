@@ -5,7 +5,7 @@
     from kvpage.integrations.transformers import KVPageCache
 
     cache = KVPageCache(model.config, kv_cache_dtype="int4")
-    out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)
+    out = model.generate(**inputs, max_new_tokens=64, cache=cache)   # past_key_values=cache before transformers 5.2x
 
 Every kvpage format (:func:`kvpage.formats.available_formats`) works: float, per-token ``int8``/``fp8``
 (plain and rotated), the static-scale ``int8_static``/``fp8_static`` with calibrated scales

@@ -5,7 +5,7 @@
     from kvpage.integrations.transformers import KVPageCache
 
     cache = KVPageCache(model.config, kv_cache_dtype="int4")
-    out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)   # or cache=cache (5.2x+)
+    out = model.generate(**inputs, max_new_tokens=64, cache=cache)   # past_key_values=cache before transformers 5.2x
 
 One :class:`~kvpage.spec.CacheSpec` (:meth:`CacheSpec.build <kvpage.spec.CacheSpec.build>` from the model
 config's layer count, KV heads, head size and sliding-window layers) decides every layer's tensors, dtype and
