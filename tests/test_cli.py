@@ -233,3 +233,44 @@ def test_argparse_errors_are_one_line_and_a_help_hint(argv, words, capsys) -> No
     first, hint = captured.err.splitlines()  # exactly two lines
     assert first.startswith(f"{prog}: error: ") and words in first
     assert hint == f"run '{prog} --help' for the options" and "usage:" not in captured.err
+
+
+# -- rough edges of issue 28: Ctrl-C, the serve socket ------------------------------------------------
+
+def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback() -> None:
+    """A real SIGINT while ``kvpage generate`` works (here: while it builds the engine) ends the process with
+    status 130 and one ``kvpage: interrupted`` line on stderr, not Python's traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from kvpage import cli\n"
+            "from kvpage.cli import generate\n"
+            "def slow(args, **kw):\n"
+            "    print('building', flush=True)\n"
+            "    time.sleep(60)\n"
+            "generate.build_llm = slow\n"
+            "sys.exit(cli.main(['generate', 'hi', '--no-chat']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "building\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err == "kvpage: interrupted\n"
+
+
+def test_main_turns_keyboard_interrupt_into_status_130(monkeypatch, capsys) -> None:
+    from kvpage import cli
+    from kvpage.cli import generate
+
+    def interrupted(args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "build_llm", interrupted)
+    assert cli.main(["generate", "hi"]) == cli.EXIT_INTERRUPTED == 130
+    captured = capsys.readouterr()
+    assert captured.err == "kvpage: interrupted\n" and "Traceback" not in captured.err
