@@ -274,3 +274,59 @@ def test_main_turns_keyboard_interrupt_into_status_130(monkeypatch, capsys) -> N
     assert cli.main(["generate", "hi"]) == cli.EXIT_INTERRUPTED == 130
     captured = capsys.readouterr()
     assert captured.err == "kvpage: interrupted\n" and "Traceback" not in captured.err
+
+
+def test_serve_on_a_busy_port_is_one_error_before_the_model_loads(monkeypatch, capsys) -> None:
+    import socket
+
+    from kvpage import cli
+    from kvpage.cli import serve
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when the port is busy")
+
+    monkeypatch.setattr(serve, "build_llm", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"kvpage: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in line and "--port 0" in line
+
+
+def test_serve_port_0_prints_the_bound_port_and_serves_on_that_socket(tiny, monkeypatch, capsys) -> None:
+    """``--port 0``: the printed URL carries the port the system picked, and uvicorn serves on the socket
+    bound before the model loaded (a real ``GET /health`` at the printed URL answers 200)."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from kvpage import cli
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    seen: dict[str, object] = {}
+    real_run = uvicorn.Server.run
+
+    def run_and_probe(self, sockets=None):
+        url = re.search(r" on (http://\S+)/v1$", capsys.readouterr().out.strip()).group(1)
+        seen["url"], seen["port"] = url, sockets[0].getsockname()[1]
+        thread = threading.Thread(target=real_run, args=(self, sockets), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not self.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen["health"] = httpx.get(f"{url}/health", timeout=10).status_code
+        self.should_exit = True
+        thread.join(30)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run_and_probe)
+    assert cli.main(["serve", "--port", "0", "--num-blocks", "16", "--threads", "1", "--log-level", "warning"]) == 0
+    assert seen["port"] != 0 and seen["url"] == f"http://127.0.0.1:{seen['port']}"
+    assert seen["health"] == 200
