@@ -330,3 +330,21 @@ def test_serve_port_0_prints_the_bound_port_and_serves_on_that_socket(tiny, monk
     assert cli.main(["serve", "--port", "0", "--num-blocks", "16", "--threads", "1", "--log-level", "warning"]) == 0
     assert seen["port"] != 0 and seen["url"] == f"http://127.0.0.1:{seen['port']}"
     assert seen["health"] == 200
+
+
+def test_generate_refuses_max_tokens_beyond_the_context(tiny, monkeypatch, capsys) -> None:
+    """``kvpage generate`` follows the one max_tokens policy (the server's 400, ``LLM``'s PromptTooLongError):
+    prompt + --max-tokens beyond --max-model-len is one error line naming max_tokens and the room, status 2.
+    The regression: the CLI cut it silently and answered."""
+    from kvpage import cli
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    argv = ["generate", "abc", "--no-chat", "--max-model-len", "100", "--num-blocks", "16", "--threads", "1"]
+    assert cli.main([*argv, "--max-tokens", "1000"]) == 2
+    captured = capsys.readouterr()
+    (line,) = [x for x in captured.err.splitlines() if not x.startswith("[kvpage] engine:")]  # the start-up line
+    assert line.startswith("kvpage: error: prompt of 3 tokens + max_tokens 1000 = 1003 tokens exceed")
+    assert "max_model_len) of 100" in line and "at most 97" in line and captured.out == ""
+    assert cli.main([*argv, "--max-tokens", "97"]) == 0
+    assert "3 prompt tokens, 97 output tokens (length)" in capsys.readouterr().out
