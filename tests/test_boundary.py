@@ -91,6 +91,10 @@ def test_sampling_params_survive_dataclasses_replace() -> None:
         ((None, [1], GREEDY), {"cache_salt": b"t1"}, TypeError, "cache_salt"),
         ((None, [1], GREEDY), {"cache_salt": "\udfff"}, ValueError, "cache_salt"),
         ((None, [1] * 600, GREEDY), {}, PromptTooLongError, "max_model_len"),
+        # prompt + max_tokens beyond the context (512): refused naming max_tokens and the room (it was cut to 12)
+        ((None, [1] * 500, SamplingParams(max_tokens=20)), {}, PromptTooLongError,
+         r"prompt of 500 tokens \+ max_tokens 20 = 520 tokens exceed .*max_model_len\) of 512. Lower max_tokens "
+         r"to at most 12"),
     ],
 )
 def test_add_request_rejects_bad_fields_up_front(llm: LLM, args, kwargs, exc, field) -> None:
@@ -283,3 +287,15 @@ def test_bundled_model_output_cut_inside_a_cjk_character_does_not_end_in_fffd(sm
     assert ends_with_split_character(tok, ids[:2], tok.decode(ids[:2]))
     assert not ends_with_split_character(tok, ids[:3], tok.decode(ids[:3]))
     assert not ends_with_split_character(tok, ids, tok.decode(ids))
+
+
+def test_max_tokens_beyond_the_context_is_refused_not_cut(llm: LLM) -> None:
+    """One policy with the server's 400: ``LLM.generate`` refuses prompt + max_tokens beyond ``max_model_len``
+    (512 here) naming max_tokens and the room, and queues nothing; exactly filling the context runs to the end.
+    The regression: max_tokens was cut to the room silently (the server answered the same request with a 400)."""
+    prompt = {"prompt_token_ids": [1] * 500}
+    with pytest.raises(PromptTooLongError, match="max_tokens 13 = 513 tokens exceed .* at most 12"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, prompt], SamplingParams(max_tokens=13, ignore_eos=True))
+    _idle(llm)
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"

@@ -233,3 +233,118 @@ def test_argparse_errors_are_one_line_and_a_help_hint(argv, words, capsys) -> No
     first, hint = captured.err.splitlines()  # exactly two lines
     assert first.startswith(f"{prog}: error: ") and words in first
     assert hint == f"run '{prog} --help' for the options" and "usage:" not in captured.err
+
+
+# -- rough edges of issue 28: Ctrl-C, the serve socket ------------------------------------------------
+
+def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback() -> None:
+    """A real SIGINT while ``kvpage generate`` works (here: while it builds the engine) ends the process with
+    status 130 and one ``kvpage: interrupted`` line on stderr, not Python's traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from kvpage import cli\n"
+            "from kvpage.cli import generate\n"
+            "def slow(args, **kw):\n"
+            "    print('building', flush=True)\n"
+            "    time.sleep(60)\n"
+            "generate.build_llm = slow\n"
+            "sys.exit(cli.main(['generate', 'hi', '--no-chat']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "building\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err == "kvpage: interrupted\n"
+
+
+def test_main_turns_keyboard_interrupt_into_status_130(monkeypatch, capsys) -> None:
+    from kvpage import cli
+    from kvpage.cli import generate
+
+    def interrupted(args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "build_llm", interrupted)
+    assert cli.main(["generate", "hi"]) == cli.EXIT_INTERRUPTED == 130
+    captured = capsys.readouterr()
+    assert captured.err == "kvpage: interrupted\n" and "Traceback" not in captured.err
+
+
+def test_serve_on_a_busy_port_is_one_error_before_the_model_loads(monkeypatch, capsys) -> None:
+    import socket
+
+    from kvpage import cli
+    from kvpage.cli import serve
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when the port is busy")
+
+    monkeypatch.setattr(serve, "build_llm", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"kvpage: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in line and "--port 0" in line
+
+
+def test_serve_port_0_prints_the_bound_port_and_serves_on_that_socket(tiny, monkeypatch, capsys) -> None:
+    """``--port 0``: the printed URL carries the port the system picked, and uvicorn serves on the socket
+    bound before the model loaded (a real ``GET /health`` at the printed URL answers 200)."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from kvpage import cli
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    seen: dict[str, object] = {}
+    real_run = uvicorn.Server.run
+
+    def run_and_probe(self, sockets=None):
+        url = re.search(r" on (http://\S+)/v1$", capsys.readouterr().out.strip()).group(1)
+        seen["url"], seen["port"] = url, sockets[0].getsockname()[1]
+        thread = threading.Thread(target=real_run, args=(self, sockets), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not self.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen["health"] = httpx.get(f"{url}/health", timeout=10).status_code
+        self.should_exit = True
+        thread.join(30)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run_and_probe)
+    assert cli.main(["serve", "--port", "0", "--num-blocks", "16", "--threads", "1", "--log-level", "warning"]) == 0
+    assert seen["port"] != 0 and seen["url"] == f"http://127.0.0.1:{seen['port']}"
+    assert seen["health"] == 200
+
+
+def test_generate_refuses_max_tokens_beyond_the_context(tiny, monkeypatch, capsys) -> None:
+    """``kvpage generate`` follows the one max_tokens policy (the server's 400, ``LLM``'s PromptTooLongError):
+    prompt + --max-tokens beyond --max-model-len is one error line naming max_tokens and the room, status 2.
+    The regression: the CLI cut it silently and answered."""
+    from kvpage import cli
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    argv = ["generate", "abc", "--no-chat", "--max-model-len", "100", "--num-blocks", "16", "--threads", "1"]
+    assert cli.main([*argv, "--max-tokens", "1000"]) == 2
+    captured = capsys.readouterr()
+    (line,) = [x for x in captured.err.splitlines() if not x.startswith("[kvpage] engine:")]  # the start-up line
+    assert line.startswith("kvpage: error: prompt of 3 tokens + max_tokens 1000 = 1003 tokens exceed")
+    assert "max_model_len) of 100" in line and "at most 97" in line and captured.out == ""
+    assert cli.main([*argv, "--max-tokens", "97"]) == 0
+    assert "3 prompt tokens, 97 output tokens (length)" in capsys.readouterr().out

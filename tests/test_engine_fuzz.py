@@ -124,9 +124,11 @@ class EngineMachine(RuleBasedStateMachine):
         return f"r{self.counter}"
 
     def _fits(self, n: int, params: SamplingParams) -> bool:
-        if n >= MAX_MODEL_LEN:
+        """Whether the engine must take a prompt of ``n`` tokens: prompt + max_tokens within the context (a
+        larger max_tokens is refused, never cut) and within the whole pool."""
+        if n + params.max_tokens > MAX_MODEL_LEN:
             return False
-        return self.engine.kv.blocks_for(n + min(params.max_tokens, MAX_MODEL_LEN - n)) <= self.engine.num_blocks
+        return self.engine.kv.blocks_for(n + params.max_tokens) <= self.engine.num_blocks
 
     # -- rules -----------------------------------------------------------------------------------
     @rule(ids=token_ids, params=valid_params, salt=st.sampled_from([None, "t1", "t2", ""]),

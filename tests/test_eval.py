@@ -154,7 +154,7 @@ def test_report_files_have_the_fields(tmp_path):
     assert data["baseline"] == "auto" and data["model"] == "m" and data["num_tokens"] == 64
     fields = {"name", "kv_cache_dtype", "mode", "num_tokens", "num_predictions", "nll", "ppl", "bits_per_value",
               "kv_bytes_per_token", "seconds", "block_size", "residual_tokens", "chunk_size", "delta_ppl_percent",
-              "divergence"}
+              "divergence", "steady_bits_per_value", "full_precision_tokens"}
     assert [set(r) for r in data["results"]] == [fields] * 3
     assert [r["delta_ppl_percent"] for r in data["results"]] == pytest.approx([0.0, 0.1, 1.0])
     png = plot_ppl_vs_bits(tmp_path / "o" / "ppl_vs_bits.png", results)
@@ -163,6 +163,42 @@ def test_report_files_have_the_fields(tmp_path):
     plot_ppl_vs_bits(tmp_path / "c.png", [*results, _fake("int2", "int2", 2.5, 200.0)])
     table = format_table(results)
     assert "baseline" in table and "+0.10" in table and "+1.00" in table and "11,880" in table
+
+
+def test_table_says_why_int4_and_int2_cost_the_same_on_a_short_text():
+    """Over 256 tokens int4 and int2 cost the same bits/value (int2's 32-token 16-bit window weighs as much as the
+    2 bits it saves on 8 sealed blocks): the table says so under the rows, with the tokens held in 16 bits and
+    each format's codes-and-scales figure, which long texts approach. The regression: two identical rows, no word."""
+    from _tiny import tiny_loaded
+
+    loaded = tiny_loaded(0)
+    rows = []
+    for fmt in ("auto", "int8", "int4", "int2"):
+        llm = LLM(loaded, kv_cache_dtype=fmt, num_blocks=16, progress=False)
+        c = kv_cost(llm, 256)
+        rows.append(PerplexityResult(name=fmt, kv_cache_dtype=fmt, mode="decode", num_tokens=256, num_predictions=255,
+                                     nll=2.0, ppl=math.exp(2.0), bits_per_value=c.bits_per_value,
+                                     kv_bytes_per_token=c.kv_bytes_per_token, seconds=1.0,
+                                     block_size=llm.spec.block_size, steady_bits_per_value=c.steady_bits_per_value,
+                                     full_precision_tokens=c.full_precision_tokens))
+        if fmt in ("int4", "int2"):   # the steady figure is the spec's: codes, scales and zero points of a block
+            assert c.steady_bits_per_value == llm.spec.main.layer.bits_per_value < c.bits_per_value
+        long = kv_cost(llm, 32 * 4096)
+        assert long.bits_per_value == pytest.approx(c.steady_bits_per_value, rel=5e-3)  # what long texts approach
+    auto, int8, int4, int2 = rows
+    assert int4.bits_per_value == int2.bits_per_value and int4.steady_bits_per_value > int2.steady_bits_per_value
+    assert (int4.full_precision_tokens, int2.full_precision_tokens, int8.full_precision_tokens) == (0, 32, 0)
+    table = format_table(rows)
+    note = table.splitlines()[len(rows) + 2:]
+    assert note[0].startswith("bits/value counts all that the text's tokens hold")
+    assert note[1] == (f"  int4: 0 of 256 tokens also held in 16 bits; {int4.steady_bits_per_value:.3f} bits/value "
+                       f"for codes and scales alone (long texts)")
+    assert note[2].startswith("  int2: 32 of 256 tokens also held in 16 bits")
+    assert note[3] == (f"  int4 and int2 show the same {int4.bits_per_value:.3f} bits/value over these 256 tokens "
+                       f"only because of the side parts; their codes and scales alone cost "
+                       f"{int4.steady_bits_per_value:.3f} vs {int2.steady_bits_per_value:.3f}")
+    assert len(note) == 4   # auto and int8 hold nothing beside their codes: no line of theirs
+    assert len(format_table(rows[:2]).splitlines()) == 2 + 2   # header, rule, two rows: no side parts, no note
 
 
 def test_cli_unknown_format_exits_2_before_loading(tmp_path, capsys, monkeypatch):

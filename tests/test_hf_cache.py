@@ -95,9 +95,47 @@ def test_every_format_generates_and_holds_the_bytes_its_spec_says(fmt: str) -> N
         else:
             assert layer.kv_bytes() == rows * math.ceil(tokens / ls.block_size) * ls.bytes_per_block
     assert cache.kv_bytes() == sum(layer.kv_bytes() for layer in cache.layers)
-    assert cache.bits_per_value() == pytest.approx(8 * cache.kv_bytes() / (2 * rows * tokens * heads * dim * 2))
+    # the per-value rate is the codes' (the spec's); the fixed side costs are apart and make up the rest exactly
+    code_slots = rows * (tokens // 32 * 32 if isinstance(spec.main.layer.format, BlockFormat) else tokens)
+    assert cache.code_bytes() == 2 * code_slots * spec.main.layer.bytes_per_block // spec.block_size
+    assert cache.kv_bytes() == cache.code_bytes() + cache.side_bytes() and cache.side_bytes() >= 0
+    assert cache.bits_per_value() == pytest.approx(8 * cache.code_bytes() / (2 * code_slots * heads * dim * 2))
+    assert cache.bits_per_value() == pytest.approx(spec.main.layer.bits_per_value)
     if fmt in ("auto", "float32"):
         assert cache.kv_format.name == "float32"
+
+
+def test_a_short_sequence_reports_the_per_value_rate_and_the_side_costs_apart() -> None:
+    """At 59 tokens int4's and int2's totals are dominated by fixed side costs (16-bit open block and window,
+    8-bit first block): over all values they came to more bits than float16's (the regression: int4 24, int2
+    32.7, float16 17.5 reported as "bits per value"). ``bits_per_value`` is now the codes' rate, ordered as the
+    formats are, and the side costs are reported apart: ``kv_bytes == code_bytes + side_bytes``."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    report = {}
+    for fmt in ("float16", "int4", "int2"):
+        cache = KVPageCache(model.config, fmt)
+        generate(model, ids, cache, max_new_tokens=40, min_new_tokens=40)
+        assert cache.get_seq_length() == 59
+        report[fmt] = m = cache.memory()
+        heads, dim = cache.spec.main.layer.kv_heads, cache.spec.main.layer.head_dim
+        all_values = 2 * 2 * 59 * heads * dim                    # 2 layers x K and V x 59 tokens x 1 row
+        assert m.kv_bytes == cache.kv_bytes() == m.code_bytes + m.side_bytes
+        assert (m.tokens, m.rows, m.bits_per_value) == (59, 1, cache.bits_per_value())
+        assert m.bits_per_value == pytest.approx(cache.spec.main.layer.bits_per_value)
+        report[fmt + " total"] = 8 * m.kv_bytes / all_values   # the old figure, everything over every value
+        report[fmt + " block"] = cache.spec.main.layer.bytes_per_block
+        assert str(m).startswith(f"{fmt}: 59 tokens x 1 row(s) hold {m.kv_bytes:,} bytes = {m.code_bytes:,} of codes")
+        assert f"+ {m.side_bytes:,} of fixed side costs" in str(m)
+    f16, int4, int2 = report["float16"], report["int4"], report["int2"]
+    assert report["int4 total"] > report["float16 total"] and report["int2 total"] > report["int4 total"]  # the trap
+    assert int2.bits_per_value < int4.bits_per_value < f16.bits_per_value == 16
+    assert f16.side_bytes == 2 * 5 * f16.code_bytes // (2 * 59)   # float16: the 5 unfilled slots of its 4th block
+    # int4: one sealed block of 32 in codes; the open block's 27 tokens in 16 bits, its reserved pool block and
+    # the first block's 8-bit copy are side costs; int2 adds the 16-bit copy of its window's sealed block
+    for m in (int4, int2):
+        assert m.code_bytes == 2 * report[m.kv_format + " block"]          # 2 layers x 1 sealed block
+    assert int4.side_bytes > int4.code_bytes and int2.side_bytes > int4.side_bytes
 
 
 def test_static_formats_need_scales_and_name_the_fix() -> None:

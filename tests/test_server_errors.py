@@ -95,7 +95,14 @@ STRICT_CASES = [
     ("prompt-missing", "/v1/completions", {"model": MODEL}, "prompt", "required"),
     ("prompt-empty", "/v1/completions", cmpl(prompt=""), "prompt", "must not be empty"),
     ("prompt-mixed", "/v1/completions", cmpl(prompt=[1, "a"]), "prompt", "expected a string or an array of integers"),
-    ("prompt-two", "/v1/completions", cmpl(prompt=["a", "b"]), "prompt", "one prompt per request"),
+    ("prompt-array-empty", "/v1/completions", cmpl(prompt=[]), "prompt", "at least 1"),
+    ("prompt-array-mixed", "/v1/completions", cmpl(prompt=["a", [1, 2]]), "prompt", "expected a string or"),
+    ("prompt-array-empty-string", "/v1/completions", cmpl(prompt=["a", ""]), "prompt[1]", "must not be empty"),
+    ("prompt-array-empty-ids", "/v1/completions", cmpl(prompt=[[1], []]), "prompt[1]", "at least 1"),
+    ("prompt-array-129", "/v1/completions", cmpl(prompt=["a"] * 129), "prompt", "at most 128"),
+    ("prompt-array-x-n", "/v1/completions", cmpl(prompt=["a", "b", "c"], n=43), "prompt",
+     "3 prompts x n 43 = 129 choices; a request may ask for at most 128"),
+    ("prompt-array-out-of-vocab", "/v1/completions", cmpl(prompt=[[1, 2], [3, 10**9]]), "prompt[1]", "vocabulary"),
     ("prompt-negative-id", "/v1/completions", cmpl(prompt=[-1]), "prompt[0]", "must be >= 0"),
     ("prompt-out-of-vocab", "/v1/completions", cmpl(prompt=[1, 10**9]), "prompt", "vocabulary"),
     ("messages-empty", "/v1/chat/completions", chat(messages=[]), "messages", "at least 1"),
@@ -472,3 +479,66 @@ def test_forward_failure_of_one_request_is_its_500_only(server, faulty_runner) -
     assert events[-1] == "[DONE]" and "kernel fault for the test" in json.loads(events[-2])["error"]["message"]
     assert _kv_usage_when_idle(server.url) == 0.0
     assert server.http.post("/v1/completions", json=clean).json()["choices"][0]["text"] == expected
+
+
+# -- an array of prompts (OpenAI's /v1/completions takes one) ------------------------------------------
+
+ARRAYS = {
+    "strings": ["The cat sat on", "Rivers flow to the sea and", "One two"],
+    "token-arrays": [[11, 12, 13], [21, 22, 23, 24, 25], [31]],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ARRAYS))
+def test_an_array_of_prompts_gets_n_choices_each_in_openai_order(server, kind) -> None:
+    """Prompt i's choice j is ``index`` ``i * n + j`` and equals choice j of prompt i asked alone (same seed);
+    ``usage`` sums every prompt's tokens. The regression: an array of more than one prompt was a 400."""
+    prompts, n = ARRAYS[kind], 2
+    common = dict(max_tokens=6, temperature=1.0, seed=7, n=n, ignore_eos=True)
+    alone = []
+    for p in prompts:
+        r = server.http.post("/v1/completions", json=cmpl(prompt=p, **common))
+        assert r.status_code == 200, r.text
+        alone.append(r.json())
+    r = server.http.post("/v1/completions", json=cmpl(prompt=prompts, **common))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(len(prompts) * n))
+    for i, single in enumerate(alone):
+        for j in range(n):
+            choice = body["choices"][i * n + j]
+            assert choice["text"] == single["choices"][j]["text"] and choice["finish_reason"] == "length"
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert body["usage"][key] == sum(s["usage"][key] for s in alone), key
+    assert body["usage"]["completion_tokens"] == len(prompts) * n * 6
+
+
+def test_a_streamed_array_of_prompts_carries_each_choices_index_and_summed_usage(server) -> None:
+    prompts, n = ARRAYS["token-arrays"], 2
+    body = cmpl(prompt=prompts, max_tokens=5, temperature=1.0, seed=3, n=n, ignore_eos=True)
+    whole = server.http.post("/v1/completions", json=body).json()
+    with server.http.stream("POST", "/v1/completions",
+                            json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        assert s.status_code == 200
+        events = [line.removeprefix("data: ") for line in s.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    finished: list[int] = []
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            finished.append(choice["index"])
+    assert sorted(finished) == list(range(len(prompts) * n))
+    assert [texts[c["index"]] for c in whole["choices"]] == [c["text"] for c in whole["choices"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+def test_one_prompt_of_an_array_too_long_is_a_400_naming_it_and_nothing_runs(server) -> None:
+    r = server.http.post("/v1/completions", json=cmpl(prompt=[[1, 2, 3], list(range(100, 100 + CONTEXT))]))
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == "prompt[1]" and err["code"] == "context_length_exceeded", err
+    assert err["message"].startswith("prompt[1]: ") and f"max_model_len) is {CONTEXT}" in err["message"], err
+    assert _kv_usage_when_idle(server.url) == 0.0

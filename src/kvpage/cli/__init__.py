@@ -19,7 +19,7 @@ from kvpage.cli.kernels import add_build_kernels_parser
 from kvpage.cli.serve import add_serve_parser
 from kvpage.errors import KVPageError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_INTERRUPTED", "build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,13 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status after Ctrl-C (SIGINT): 128 + 2, as shells report a process that SIGINT ended.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvpage`` console script; returns the exit status (2 on a kvpage error)."""
+    """Entry point of the ``kvpage`` console script; returns the exit status.
+
+    2 on a kvpage error (one ``kvpage: error: ...`` line on stderr); :data:`EXIT_INTERRUPTED` (130) on
+    Ctrl-C, after one ``kvpage: interrupted`` line on stderr instead of a traceback.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except (KVPageError, FileNotFoundError, ValueError) as e:
         print(f"kvpage: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvpage: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

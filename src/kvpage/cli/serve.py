@@ -28,19 +28,30 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """``kvpage serve``: build the engine from the flags and serve it until interrupted."""
+    """``kvpage serve``: bind the port, build the engine from the flags and serve it until interrupted.
+
+    The socket is bound before the model loads (:func:`~kvpage.server.listen.bind_socket`), so a busy
+    ``--host:--port`` is one error line (status 2) and no load; the URL printed is the bound one
+    (``--port 0`` shows the port the system picked). uvicorn then serves on that socket.
+    """
     import uvicorn
 
     from kvpage.server.app import build_app
+    from kvpage.server.listen import bind_socket, bound_url
 
-    llm = build_llm(
-        args,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-    app = build_app(llm, args.served_model_name)
-    print(f"[kvpage] serving {app.state.served_model_name!r} ({llm.spec.main.layer.kv_format} KV cache, "
-          f"{llm.num_blocks} blocks x {llm.spec.block_size} tokens) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    sock = bind_socket(args.host, args.port)
+    try:
+        llm = build_llm(
+            args,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        app = build_app(llm, args.served_model_name)
+        print(f"[kvpage] serving {app.state.served_model_name!r} ({llm.spec.main.layer.kv_format} KV cache, "
+              f"{llm.num_blocks} blocks x {llm.spec.block_size} tokens) on {bound_url(sock)}/v1", flush=True)
+        config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

@@ -130,8 +130,10 @@ class LLMEngine:
             ValueError: empty prompt, a token id (prompt or ``stop_token_ids``) that is not an int or lies
                 outside the vocabulary, a lone surrogate in ``prompt`` or ``cache_salt``, an empty or duplicate
                 ``request_id``.
-            PromptTooLongError: the prompt reaches ``max_model_len``, or prompt + ``max_tokens``
-                cannot fit in the whole cache (it could never finish, even alone).
+            PromptTooLongError: the prompt reaches ``max_model_len``; prompt + ``max_tokens`` exceeds it (the one
+                policy of the CLI, ``LLM`` and the server: a limit that cannot be honoured is refused, naming
+                ``max_tokens`` and the most that fits, never cut silently); or prompt + ``max_tokens`` cannot fit
+                in the whole cache (it could never finish, even alone).
         """
         check_text(prompt, "prompt", optional=True)
         ids = check_token_ids(prompt_token_ids, "prompt_token_ids", self.vocab_size)
@@ -149,7 +151,14 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; the model's context (max_model_len) is {self.max_model_len}. "
                 f"Shorten the prompt."
             )
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        room = self.max_model_len - len(ids)
+        if params.max_tokens > room:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {len(ids) + params.max_tokens} "
+                f"tokens exceed the model's context (max_model_len) of {self.max_model_len}. Lower max_tokens to at "
+                f"most {room}, or shorten the prompt."
+            )
+        max_tokens = params.max_tokens
         need = self.kv.blocks_for(len(ids) + max_tokens)
         if need > self.num_blocks:
             raise PromptTooLongError(

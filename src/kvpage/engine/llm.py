@@ -327,7 +327,8 @@ class LLM:
 
         Raises:
             TypeError: ``prompts`` or ``sampling_params`` of the wrong type (``None``, a dict for params, ...).
-            PromptTooLongError: a prompt exceeds the context or cannot fit in the whole cache.
+            PromptTooLongError: a prompt reaches the context, prompt + ``max_tokens`` exceeds it (refused, not cut),
+                or they cannot fit in the whole cache.
             ValueError: empty prompt, a malformed token prompt, or a params list of the wrong length.
             RequestLostError: a request was finished behind this call's back (``llm.engine.abort_request``).
             Nothing is queued when a prompt or params check fails, whichever prompt of the list it is.

@@ -82,7 +82,8 @@ class SamplingParams:
     """How to pick output tokens for one request; every field is checked when it is built.
 
     Attributes:
-        max_tokens: output tokens to generate at most (an int >= 1; the engine caps it at the context).
+        max_tokens: output tokens to generate at most (an int >= 1); prompt + max_tokens beyond the context is
+            refused when the request is added (:class:`~kvpage.errors.PromptTooLongError`), never cut.
         temperature: softmax temperature, a finite number >= 0; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens (an int >= 1); -1 or 0 keeps all (vLLM).

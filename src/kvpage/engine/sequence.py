@@ -33,7 +33,7 @@ class Request:
         prompt_token_ids: the prompt's tokens.
         params: sampling parameters.
         arrival_time: ``time.perf_counter()`` at submission.
-        max_tokens: output tokens at most (``params.max_tokens`` capped by the context).
+        max_tokens: output tokens at most (``params.max_tokens``; prompt + it fit the context, checked on add).
         all_token_ids: prompt then output tokens (append-only).
         num_computed_tokens: tokens whose KV is in the cache (reset to 0 by preemption).
         num_cached_tokens: tokens served from the prefix cache at first admission (-1 before).

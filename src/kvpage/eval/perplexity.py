@@ -63,10 +63,17 @@ class KVCost:
             averaged over all layer groups (main and draft).
         kv_bytes_per_token: bytes per token over all layers, K and V:
             ``bits_per_value * 2 * kv_heads * head_dim * num_layers / 8`` (summed over groups).
+        steady_bits_per_value: bits per value of the codes, scales and zero points alone, what
+            ``bits_per_value`` approaches on long texts (the side parts' share shrinks); equal to it for
+            token-wise formats.
+        full_precision_tokens: tokens of the sequence the main group also holds in 16 bits (the open block
+            and the window of quantize-on-seal formats; 0 for the others).
     """
 
     bits_per_value: float
     kv_bytes_per_token: float
+    steady_bits_per_value: float
+    full_precision_tokens: int
 
 
 def kv_cost(llm: LLM, num_tokens: int) -> KVCost:
@@ -83,7 +90,7 @@ def kv_cost(llm: LLM, num_tokens: int) -> KVCost:
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     residual = int(getattr(llm, "kv_quant_residual_tokens", 0) or 0)
-    total_bits = 0.0
+    total_bits = steady_bits = 0.0
     total_values = 0
     for group in llm.spec.groups:
         layer = group.layer
@@ -96,8 +103,13 @@ def kv_cost(llm: LLM, num_tokens: int) -> KVCost:
         )
         values = 2 * layer.kv_heads * layer.head_dim * group.num_layers  # K and V values per token
         total_bits += bits * values
+        steady_bits += layer.bits_per_value * values
         total_values += values
-    return KVCost(bits_per_value=total_bits / total_values, kv_bytes_per_token=total_bits / 8)
+    main = llm.spec.main.layer
+    return KVCost(bits_per_value=total_bits / total_values, kv_bytes_per_token=total_bits / 8,
+                  steady_bits_per_value=steady_bits / total_values,
+                  full_precision_tokens=main.format.full_precision_tokens(
+                      num_tokens=num_tokens, block_size=main.block_size, residual_tokens=residual))
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,10 @@ class PerplexityResult:
         kv_bytes_per_token: KV bytes per token over all layers, K and V (:func:`kv_cost`).
         seconds: wall time of the forward passes and scoring (KL included), in seconds (model load excluded).
         block_size: tokens per KV block.
+        steady_bits_per_value: bits per value of the codes, scales and zero points alone, which
+            ``bits_per_value`` approaches on long texts (:func:`kv_cost`); ``None`` in rows written before it.
+        full_precision_tokens: of the ``num_tokens``, how many the format also held in 16 bits (open block and
+            window of quantize-on-seal formats, :func:`kv_cost`).
         residual_tokens: the full-precision window of quantize-on-seal formats, in tokens (0: none/unused).
         chunk_size: tokens per forward pass (1 in decode mode).
         divergence: KL divergence, top-1 agreement and the paired standard errors against the
@@ -139,6 +155,8 @@ class PerplexityResult:
     residual_tokens: int = 0
     chunk_size: int = 1
     divergence: Divergence | None = None
+    steady_bits_per_value: float | None = None
+    full_precision_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (``divergence`` a nested dict or ``None``)."""
@@ -300,6 +318,8 @@ def evaluate_perplexity(
         residual_tokens=int(getattr(llm, "kv_quant_residual_tokens", 0) or 0),
         chunk_size=step,
         divergence=divergence,
+        steady_bits_per_value=cost.steady_bits_per_value,
+        full_precision_tokens=cost.full_precision_tokens,
     )
 
 

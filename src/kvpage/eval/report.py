@@ -44,6 +44,7 @@ def format_table(results: Sequence[PerplexityResult]) -> str:
     Columns: format, effective bits/value, KV bytes/token, ppl, Δppl % and its standard error
     (percentage points), mean KLD and its standard error, 99th-percentile KLD (nats), same-top-token
     % and its standard error, seconds. Divergence columns read ``-`` for a result without one.
+    Under the rows, :func:`side_parts_note` when a format's figure includes side parts.
 
     Raises:
         ValueError: no results.
@@ -63,7 +64,39 @@ def format_table(results: Sequence[PerplexityResult]) -> str:
                else f"{'-':>5} {'-':>9} {'-':>9} {'-':>8} {'-':>7} {'-':>5}")
         lines.append(f"{r.name:<{width}} {r.bits_per_value:>10.3f} {r.kv_bytes_per_token:>11,.0f} "
                      f"{r.ppl:>9.3f} {d:>8} {div} {r.seconds:>8.1f}")
-    return "\n".join(lines)
+    return "\n".join(lines + side_parts_note(results))
+
+
+def side_parts_note(results: Sequence[PerplexityResult]) -> list[str]:
+    """Lines that say what the bits/value of the quantize-on-seal rows hold besides their codes, or ``[]``.
+
+    Over a short text the side parts (the open block and the window in 16 bits, the first block in 8 bits)
+    weigh much: int4 and int2 can show the same figure over 256 tokens although int2's codes are half
+    as large. For each row whose figure exceeds its ``steady_bits_per_value`` (codes, scales and zero
+    points alone): the tokens also held in 16 bits and the steady figure; then one line per set of rows
+    that show the same figure but differ in the steady one. Rows without a steady figure (older
+    ``results.json``) are left out.
+    """
+    rows = [r for r in results if r.steady_bits_per_value is not None
+            and r.bits_per_value > r.steady_bits_per_value * (1 + 1e-6)]
+    if not rows:
+        return []
+    out = [f"bits/value counts all that the text's tokens hold; quantize-on-seal formats add side parts (open "
+           f"block and window in 16 bits, first block in 8 bits) whose share shrinks as the text grows:"]
+    for r in rows:
+        out.append(f"  {r.name}: {r.full_precision_tokens:,} of {r.num_tokens:,} tokens also held in 16 bits; "
+                   f"{r.steady_bits_per_value:.3f} bits/value for codes and scales alone (long texts)")
+    same: dict[str, list[PerplexityResult]] = {}
+    for r in results:
+        same.setdefault(f"{r.bits_per_value:.3f}", []).append(r)
+    for bits, group in same.items():
+        steady = {f"{r.steady_bits_per_value:.3f}" for r in group if r.steady_bits_per_value is not None}
+        if len(group) > 1 and len(steady) > 1 and any(r in rows for r in group):
+            names = " and ".join(r.name for r in group)
+            out.append(f"  {names} show the same {bits} bits/value over these {group[0].num_tokens:,} tokens only "
+                       f"because of the side parts; their codes and scales alone cost "
+                       f"{' vs '.join(f'{r.steady_bits_per_value:.3f}' for r in group)}")
+    return out
 
 
 def format_depth_table(results: Sequence[PerplexityResult]) -> str | None:

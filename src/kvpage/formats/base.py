@@ -145,6 +145,14 @@ class KVFormat(ABC):
         """
         return self.bits_per_value(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
 
+    def full_precision_tokens(self, *, num_tokens: int, block_size: int, residual_tokens: int = 0) -> int:
+        """Tokens of a ``num_tokens``-token sequence that the format also keeps in 16 bits beside its pool.
+
+        0 for every format that stores each token in its block (all token-wise formats); block-wise
+        formats (:mod:`kvpage.formats.kivi`) override it: the open block's tokens and the window's.
+        """
+        return 0
+
     def _identity(self) -> tuple[object, ...]:
         """What equality and hashing compare: the class and the name (subclasses add bound state)."""
         return (type(self), self.name)

@@ -361,6 +361,19 @@ class SealedFormat(BlockFormat):
         total += sink_bytes if sealed and self.sink_bits else 0
         return 8 * total / (2 * num_tokens * kv_heads * head_dim)
 
+    def full_precision_tokens(self, *, num_tokens: int, block_size: int, residual_tokens: int = 0) -> int:
+        """Tokens of a ``num_tokens``-token sequence held in 16 bits too: those of the open (partial) block, in
+        its tail slot, and those of the sealed blocks in the window (the ``ceil(residual_tokens / block_size)``
+        blocks before the open one), as :meth:`effective_bits_per_value` counts them.
+
+        Raises:
+            ValueError: ``num_tokens <= 0``.
+        """
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        sealed, partial = divmod(num_tokens, block_size)
+        return partial + min(math.ceil(residual_tokens / block_size), sealed) * block_size
+
 
 class Int4Format(SealedFormat):
     """``int4`` (FastDeploy ``int4_zp``): 4-bit asymmetric KIVI codes, 2 per byte.

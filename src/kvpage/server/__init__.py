@@ -3,7 +3,8 @@
 * :mod:`kvpage.server.app`: ``build_app(llm, served_model_name)`` (FastAPI) and ``ServerThread``;
 * :mod:`kvpage.server.async_engine`: one thread steps the engine, asyncio handlers stream its outputs;
 * :mod:`kvpage.server.protocol`: the request/response models;
-* :mod:`kvpage.server.metrics`: the ``kvpage:`` Prometheus metrics.
+* :mod:`kvpage.server.metrics`: the ``kvpage:`` Prometheus metrics;
+* :mod:`kvpage.server.listen`: the socket ``kvpage serve`` binds before the model loads.
 
 Importing :mod:`kvpage.server` does not import FastAPI; the names below load lazily.
 """

@@ -35,18 +35,18 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpage.engine.outputs import RequestOutput
-from kvpage.engine.sampling import SamplingParams
+from kvpage.engine.sampling import MAX_N, SamplingParams
 from kvpage.errors import PromptTooLongError
 from kvpage.server.async_engine import AsyncEngine, EngineNotRunningError, EngineStepError, RequestStream
 from kvpage.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
@@ -94,29 +94,34 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _final_unless_disconnected(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The finished output, or ``None`` when the client went away first (the request is then aborted).
+async def _finals_unless_disconnected(streams: Sequence[RequestStream],
+                                      request: Request) -> list[RequestOutput] | None:
+    """The finished outputs of ``streams`` in order, or ``None`` when the client went away first (every
+    request is then aborted).
 
     Raises:
-        APIError: 500 when the engine failed while the request ran (its step raised,
+        APIError: 500 when the engine failed while a request ran (its step raised,
             or it finished the request with ``finish_reason="error"``).
     """
-    final = asyncio.ensure_future(stream.final())
+    finals = asyncio.ensure_future(asyncio.gather(*(s.final() for s in streams)))
+    finals.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled gather's error: seen, not logged
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        done, _ = await asyncio.wait({final, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({finals, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (final, gone):
+        for task in (finals, gone):
             task.cancel()
-        stream.abort()
-    if final not in done:
+        for s in streams:
+            s.abort()
+    if finals not in done:
         return None
     try:
-        out = final.result()
+        outs = finals.result()
     except EngineStepError as e:
         raise APIError(500, str(e), type="server_error", code="engine_error") from e
-    raise_if_failed(out)
-    return out
+    for out in outs:
+        raise_if_failed(out)
+    return list(outs)
 
 
 def _cap_integers(node: Any, maximum: int) -> None:
@@ -284,39 +289,65 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         return {200: {"model": model, "description": "The completion, or with stream: true its server-sent events",
                       "content": {"text/event-stream": {"schema": event}}}, **ERROR_RESPONSES}
 
+    def prompt_maker(prompt: str | list[int], field: str) -> Callable[[], tuple[str | None, list[int]]]:
+        """The engine-thread tokenizer of one completion prompt; token ids are checked here (400 naming ``field``)."""
+        if isinstance(prompt, str):
+            return lambda: llm.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                           param=field)
+        return lambda: (None, ids)
+
     @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        """OpenAI's text completion; ``stream: true`` answers with SSE chunks."""
+        """OpenAI's text completion of one prompt or an array of them; ``stream: true`` answers with SSE chunks.
+
+        Prompt ``i`` of an array is its own engine request (``<id>-<i>``); its ``n`` choices are the response's
+        ``index`` ``i * n`` to ``i * n + n - 1``, and ``usage`` sums every prompt's tokens. An error of one
+        prompt (``prompt[i]`` in ``param`` or the message) fails the whole request; nothing of it runs on.
+        """
         check_model(body.model)
         check_stop_token_ids(body)
         params = sampling(body, body.requested_max_tokens() or DEFAULT_COMPLETION_MAX_TOKENS)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            text = prompt
-
-            def make_prompt() -> tuple[str | None, list[int]]:
-                return llm.encode(text)
-        else:
-            ids = [int(t) for t in cast(list[int], prompt)]  # the validator made one prompt of a one-element list
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                               param="prompt")
-
-            def make_prompt() -> tuple[str | None, list[int]]:
-                return None, ids
-
+        prompts = body.prompts()
+        if len(prompts) * params.n > MAX_N:
+            raise APIError(400, f"prompt: {len(prompts)} prompts x n {params.n} = {len(prompts) * params.n} choices; "
+                                f"a request may ask for at most {MAX_N} in all (send fewer prompts per request, "
+                                f"or a smaller n)", param="prompt")
+        arrayed = isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list))  # an array of prompts
+        fields = [f"prompt[{i}]" if arrayed else "prompt" for i in range(len(prompts))]
+        makers = [prompt_maker(p, f) for p, f in zip(prompts, fields)]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await submit(rid, make_prompt, fitted(body, params, DEFAULT_COMPLETION_MAX_TOKENS), "prompt")
+        streams: list[RequestStream] = []
+        try:
+            for i, (make_prompt, field) in enumerate(zip(makers, fields)):
+                try:
+                    streams.append(await submit(rid if len(makers) == 1 else f"{rid}-{i}", make_prompt,
+                                                fitted(body, params, DEFAULT_COMPLETION_MAX_TOKENS), field))
+                except APIError as e:
+                    if arrayed and not e.info.message.startswith(field):
+                        e.info.message = f"{field}: {e.info.message}"
+                    raise
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
         created = int(time.time())
         if body.stream:
-            return SSEResponse(completion_events(stream, rid, created, name, body.include_usage), stream.abort)
-        out = await _final_unless_disconnected(stream, request)
-        if out is None:
+            def close() -> None:
+                for s in streams:
+                    s.abort()
+
+            return SSEResponse(completion_events(streams, rid, created, name, body.include_usage, params.n), close)
+        outs = await _finals_unless_disconnected(streams, request)
+        if outs is None:
             return Response(status_code=499)  # nobody is listening
         return SafeJSONResponse(CompletionResponse(
-            id=rid, created=created, model=name, usage=usage(out),
-            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in out.outputs],
+            id=rid, created=created, model=name, usage=usage(*outs),
+            choices=[CompletionChoice(index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason)
+                     for i, out in enumerate(outs) for c in sorted(out.outputs, key=lambda c: c.index)],
         ).model_dump())
 
     @app.post("/v1/chat/completions", response_model=None, responses=generation_responses(ChatCompletionResponse))
@@ -340,9 +371,10 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         created = int(time.time())
         if body.stream:
             return SSEResponse(chat_events(stream, rid, created, name, body.include_usage, params.n), stream.abort)
-        out = await _final_unless_disconnected(stream, request)
-        if out is None:
+        finals = await _finals_unless_disconnected([stream], request)
+        if finals is None:
             return Response(status_code=499)
+        (out,) = finals
         return SafeJSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=name, usage=usage(out),
             choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)

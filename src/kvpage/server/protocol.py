@@ -27,8 +27,9 @@ field                       accepted
 ``ignore_eos``, ``stream``  boolean
 ``n``                       integer in [1, 128]: choices per request
 ``stream_options``          object ``{"include_usage": boolean}``, only with ``stream: true``
-``prompt``                  non-empty string, non-empty array of token ids >= 0, or a
-                            one-element array of either
+``prompt``                  non-empty string, non-empty array of token ids >= 0, or an
+                            array of 1 to 128 of either (one prompt each; not mixed); prompts x
+                            ``n`` at most 128 choices (checked in :mod:`kvpage.server.app`)
 ``echo``                    false
 ``messages``                non-empty array of ``{"role", "content"}``; role ``system``,
                             ``developer``, ``user`` or ``assistant``; content a string or an
@@ -47,7 +48,7 @@ tokens served from the prefix cache), as OpenAI's API does.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -58,6 +59,8 @@ from kvpage.server.unsupported import OffChat, OffCommon, OffCompletion, integra
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: Most stop strings one request may give (OpenAI's limit).
 MAX_STOP_STRINGS = 4
+#: Most prompts one ``/v1/completions`` request may give as an array (each gets ``n`` choices).
+MAX_PROMPTS = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
@@ -147,28 +150,28 @@ class _Request(OffCommon):
 
 
 class CompletionRequest(_Request, OffCompletion):
-    """``POST /v1/completions``: a prompt as text or token ids (one prompt per request).
+    """``POST /v1/completions``: one prompt (text or token ids) or an array of prompts, as OpenAI takes them.
 
-    A one-element list (``["text"]`` or ``[[ids...]]``) is accepted as that prompt,
-    since the ``openai`` client may wrap it so.
+    An array of strings or of token-id arrays is that many prompts (:meth:`prompts`); the response
+    has ``n`` choices per prompt, prompt ``i``'s ``j``-th at ``index`` ``i * n + j``.
     """
 
     prompt: Union[
         Annotated[str, Field(min_length=1)],
         TokenIds,
-        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
-        Annotated[list[TokenIds], Field(min_length=1)],
-    ] = Field(description="Text, token ids, or a one-element array of either (one prompt per request).")
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)],
+    ] = Field(description=f"Text, token ids, or an array of 1 to {MAX_PROMPTS} prompts (all strings or all "
+                          f"token-id arrays); each prompt gets n choices, prompt i's j-th at index i * n + j; "
+                          f"prompts x n at most {MAX_N}.")
     echo: bool = Field(False, json_schema_extra={"const": False}, description="Only false (echo is not supported).")
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError(f"give one prompt per request (n choices of it with n), got an array of {len(v)} prompts")
-            v = v[0]
-        return v
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order: one for a string or a token-id array, one per item of an array of them."""
+        p = self.prompt
+        if isinstance(p, str) or not isinstance(p[0], (str, list)):
+            return [p]  # type: ignore[list-item]  # a str, or one prompt of token ids
+        return list(p)  # type: ignore[arg-type]
 
     @field_validator("echo")
     @classmethod

@@ -9,7 +9,8 @@ finish chunk; a non-streamed request gets a 500 with that body
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -85,10 +86,12 @@ def sse(payload: Any) -> str:
     return f"data: {dumps(payload)}\n\n"
 
 
-def usage(out: RequestOutput) -> UsageInfo:
-    """The usage block of a request's (latest) output: the prompt once, every completion's tokens (as OpenAI)."""
-    m = out.metrics
-    return UsageInfo.build(m.prompt_tokens, sum(len(c.token_ids) for c in out.outputs), m.cached_tokens)
+def usage(*outs: RequestOutput) -> UsageInfo:
+    """The usage block of one or more requests' (latest) outputs: each prompt once, every completion's tokens
+    (as OpenAI counts a request of several prompts and ``n`` choices each), summed."""
+    return UsageInfo.build(sum(o.metrics.prompt_tokens for o in outs),
+                           sum(len(c.token_ids) for o in outs for c in o.outputs),
+                           sum(o.metrics.cached_tokens for o in outs))
 
 
 def _failed(out: RequestOutput) -> CompletionOutput | None:
@@ -114,33 +117,78 @@ def _error_event(message: str) -> str:
     return sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error", code="engine_error")))
 
 
-async def completion_events(stream: RequestStream, rid: str, created: int, model: str,
-                            include_usage: bool) -> AsyncIterator[str]:
-    """SSE body of a streamed completion: text deltas and a finish chunk per choice (each with its ``index``),
-    optional usage, ``[DONE]``."""
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they come, each with its stream's position in ``streams``.
+
+    Ends when every stream has ended; raises the first stream error (an :class:`EngineStepError`).
+    Leaving the iteration early stops the readers and aborts every stream not yet finished.
+    """
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                q.put_nowait((i, out))
+        except Exception as e:  # EngineStepError: handed to the reader
+            q.put_nowait((i, e))
+        q.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        last: RequestOutput | None = None
-        announced: set[int] = set()  # completions whose finish chunk went out
-        async for out in stream:
-            last = out
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def completion_events(streams: Sequence[RequestStream], rid: str, created: int, model: str,
+                            include_usage: bool, n: int = 1) -> AsyncIterator[str]:
+    """SSE body of a streamed completion of one or more prompts: text deltas and a finish chunk per choice,
+    optional usage (all prompts summed), ``[DONE]``.
+
+    Choice ``j`` of prompt ``i`` (``streams[i]``) carries ``index`` ``i * n + j``, as in the non-streamed body.
+    """
+    try:
+        last: dict[int, RequestOutput] = {}
+        failed = False
+        announced: set[int] = set()  # choices whose finish chunk went out
+        async for i, out in merged(streams):
+            last[i] = out
             if out.finished and _failed(out) is not None:
                 yield _error_event(failure_message(out))
-                last = None
+                failed = True
                 continue
             for c in out.outputs:
+                index = i * n + c.index
                 if c.delta_text:
                     yield sse(CompletionResponse(id=rid, created=created, model=model,
-                                                 choices=[CompletionChoice(index=c.index, text=c.delta_text)]))
-                if c.finish_reason is not None and c.index not in announced:
-                    announced.add(c.index)
+                                                 choices=[CompletionChoice(index=index, text=c.delta_text)]))
+                if c.finish_reason is not None and index not in announced:
+                    announced.add(index)
                     yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[
-                        CompletionChoice(index=c.index, text="", finish_reason=c.finish_reason)]))
-        if include_usage and last is not None:
-            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage(last)))
+                        CompletionChoice(index=index, text="", finish_reason=c.finish_reason)]))
+        if include_usage and last and not failed:
+            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                         usage=usage(*(last[i] for i in sorted(last)))))
     except EngineStepError as e:
         yield _error_event(str(e))
     finally:
-        stream.abort()
+        for s in streams:
+            s.abort()
     yield "data: [DONE]\n\n"
 
 

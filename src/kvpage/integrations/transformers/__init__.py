@@ -33,7 +33,7 @@ from kvpage.integrations.transformers.layout import (
 
 check_transformers_version()
 
-from kvpage.integrations.transformers.cache import KVPageCache  # noqa: E402
+from kvpage.integrations.transformers.cache import KVMemory, KVPageCache  # noqa: E402
 from kvpage.integrations.transformers.calibrate import calibrate_static_scales  # noqa: E402
 from kvpage.integrations.transformers.layer import KVPageLayer  # noqa: E402
 from kvpage.integrations.transformers.sealed import SealedKVPageLayer  # noqa: E402
@@ -41,6 +41,7 @@ from kvpage.integrations.transformers.sealed import SealedKVPageLayer  # noqa: E
 __all__ = [
     "SUPPORTED_LAYER_TYPES",
     "SUPPORTED_TRANSFORMERS",
+    "KVMemory",
     "KVPageCache",
     "KVPageLayer",
     "ModelLayout",

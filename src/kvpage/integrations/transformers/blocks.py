@@ -64,6 +64,16 @@ class BlockTable:
         """Distinct pool blocks held by any row (a block shared by beams counts once)."""
         return sum(1 for r in self.refs if r > 0)
 
+    def filled_slots(self, num_tokens: int) -> int:
+        """Token slots of the distinct blocks in use that hold one of the first ``num_tokens`` tokens (a block
+        shared by beams counts once; the unfilled end of a partial block and blocks past ``num_tokens`` don't)."""
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for r in self.rows:
+            for j, b in enumerate(r):
+                filled[b] = max(0, min(bs, num_tokens - (self.first + j) * bs))
+        return sum(filled.values())
+
     def ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[num_rows, num_blocks]`` int64 block ids of blocks ``first ..`` of every row."""
         return torch.tensor(self.rows, dtype=torch.long, device=device).view(self.num_rows, self.num_blocks)

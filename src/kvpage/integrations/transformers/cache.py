@@ -16,6 +16,7 @@ cache saves memory per token, not attention time.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -175,16 +176,77 @@ class KVPageCache(Cache):
         """Bytes of every tensor the cache has allocated (whole pools, free blocks included)."""
         return sum(layer.allocated_bytes() for layer in self.layers)
 
+    def code_bytes(self) -> int:
+        """Bytes of the tokens' codes, scales and zero points in the pools, at the format's rate: every token
+        of a token-wise format, the sealed blocks' tokens of ``int4``/``int2`` (shared blocks once). What
+        each further token costs; :meth:`side_bytes` is the rest of :meth:`kv_bytes`."""
+        return sum(layer.code_bytes() for layer in self.layers)
+
+    def side_bytes(self) -> int:
+        """Bytes the cache holds beside its tokens' codes (``kv_bytes() - code_bytes()``): the unfilled end of
+        partial blocks and, for ``int4``/``int2``, the open block in 16 bits (and its reserved pool block),
+        the window's 16-bit copies and the first block's 8-bit copy. Fixed costs of a sequence, not of each
+        token: on a short sequence they can outweigh the codes."""
+        return self.kv_bytes() - self.code_bytes()
+
     def bits_per_value(self) -> float:
-        """Effective bits per cached key or value element: ``8 * kv_bytes()`` over every layer's
-        ``2 * batch * tokens * kv_heads * head_dim`` values (tokens written, sliding layers' dropped ones too).
+        """Bits per cached key or value element of the codes, scales and zero points: ``8 * code_bytes()`` over
+        the values they hold (``2 * kv_heads * head_dim`` per token slot of :meth:`code_bytes`), the spec's
+        per-value rate, which is what each further token costs (int4 ~4.4, float16 16). The fixed side costs of
+        a short sequence are not in it: :meth:`side_bytes` (see :meth:`memory` for both).
 
         Raises:
             ValueError: the cache holds no token.
         """
-        lay = self.layout
-        values = sum(2 * (layer.table.num_rows if layer.table else 0) * layer.num_tokens * lay.kv_heads * lay.head_dim
-                     for layer in self.layers)
-        if not values:
+        if not any(layer.num_tokens for layer in self.layers):
             raise ValueError("the cache holds no token")
-        return 8 * self.kv_bytes() / values
+        lay = self.layout
+        values = sum(2 * layer.code_tokens() * lay.kv_heads * lay.head_dim for layer in self.layers)
+        if not values:  # int4/int2 before their first block sealed: no codes yet, the rate is the spec's
+            spec_layers = [self.spec.layer(i) for i in range(len(self.layers))]
+            return sum(ls.bits_per_value for ls in spec_layers) / len(spec_layers)
+        return 8 * self.code_bytes() / values
+
+    def memory(self) -> KVMemory:
+        """What the cache holds now, the per-value rate and the fixed side costs apart (``str()`` of it is one line).
+
+        Raises:
+            ValueError: the cache holds no token.
+        """
+        rows = max((layer.table.num_rows for layer in self.layers if layer.table is not None), default=0)
+        return KVMemory(kv_format=self.kv_format.name, tokens=self.get_seq_length(), rows=rows,
+                        bits_per_value=self.bits_per_value(), code_bytes=self.code_bytes(),
+                        side_bytes=self.side_bytes())
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """A :class:`KVPageCache`'s memory, its per-token rate and its fixed side costs apart (:meth:`KVPageCache.memory`).
+
+    Attributes:
+        kv_format: the format's name.
+        tokens: tokens per batch row (``get_seq_length()``).
+        rows: batch rows (beams included).
+        bits_per_value: codes, scales and zero points per cached K or V value (the format's rate).
+        code_bytes: bytes of the tokens' codes at that rate, every layer.
+        side_bytes: bytes beside them: partial blocks' unfilled slots, ``int4``/``int2``'s 16-bit open block and
+            window, 8-bit first block.
+    """
+
+    kv_format: str
+    tokens: int
+    rows: int
+    bits_per_value: float
+    code_bytes: int
+    side_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        """All bytes held: ``code_bytes + side_bytes``."""
+        return self.code_bytes + self.side_bytes
+
+    def __str__(self) -> str:
+        return (f"{self.kv_format}: {self.tokens:,} tokens x {self.rows} row(s) hold {self.kv_bytes:,} bytes = "
+                f"{self.code_bytes:,} of codes and scales ({self.bits_per_value:.3g} bits/value) + "
+                f"{self.side_bytes:,} of fixed side costs (partial blocks; int4/int2: 16-bit open block and "
+                f"window, 8-bit first block)")

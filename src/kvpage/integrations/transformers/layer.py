@@ -343,6 +343,16 @@ class KVPageLayer(CacheLayerMixin):
         :attr:`~kvpage.spec.LayerSpec.bytes_per_block`."""
         return 0 if self.table is None else self.table.blocks_in_use() * self.spec.bytes_per_block
 
+    def code_tokens(self) -> int:
+        """Token slots whose codes (and scales) the pool holds: every written token, in distinct blocks (a block
+        shared by beams counts once). At the spec's rate they cost :meth:`code_bytes`."""
+        return 0 if self.table is None else self.table.filled_slots(self.num_tokens)
+
+    def code_bytes(self) -> int:
+        """Bytes of :meth:`code_tokens` at the spec's rate (``bytes_per_block / block_size`` a token); the rest of
+        :meth:`kv_bytes` is side cost (here: the unfilled end of partial blocks)."""
+        return self.code_tokens() * self.spec.bytes_per_block // self.spec.block_size
+
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the layer has allocated (the whole pool, free blocks included)."""
         return sum(t.numel() * t.element_size() for t in self.pool.values())

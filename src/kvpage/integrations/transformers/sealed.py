@@ -272,6 +272,14 @@ class SealedKVPageLayer(KVPageLayer):
             total += rows * sum(t[0].numel() * t.element_size() for t in self.sink.values())
         return total
 
+    def code_tokens(self) -> int:
+        """Token slots of the sealed blocks (distinct ones): the tokens whose 4-/2-bit codes the pool holds. The
+        open block's tokens are in 16 bits, its reserved pool block is side cost until it seals."""
+        if self.table is None:
+            return 0
+        bs = self.spec.block_size
+        return self.table.filled_slots(self.num_tokens // bs * bs)
+
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the layer has allocated: pool, open block, 16-bit copies and sink."""
         side = [*self.open_rows.values(), *self.sink.values()]
