@@ -518,11 +518,15 @@ def _llm_python(run: Run) -> None:
 
 @_check(r"KVPageCache\(model\.config")
 def _kvpage_cache_python(run: Run) -> None:
-    text, numbers = run.stdout.rstrip().rsplit("\n", 1)
+    text, memory = run.stdout.rstrip().rsplit("\n", 1)
     assert text.startswith("The capital of France is") and "Paris" in text, run.stdout
-    kv_bytes, bits = numbers.split()
-    # a short answer sits mostly in the open block, kept in the model's dtype (float32 here) until it seals
-    assert int(kv_bytes) > 0 and 4 < float(bits) <= 32, run.stdout
+    m = re.fullmatch(r"int4: ([\d,]+) tokens x 1 row\(s\) hold ([\d,]+) bytes = ([\d,]+) of codes and scales "
+                     r"\(([\d.]+) bits/value\) \+ ([\d,]+) of fixed side costs .*", memory)
+    assert m, run.stdout
+    tokens, held, codes, bits, side = (float(g.replace(",", "")) for g in m.groups())
+    # a short answer sits mostly in the open block (the model's dtype until it seals): the side parts are apart,
+    # and the codes alone cost int4's rate (4-bit codes plus their scales)
+    assert tokens > 0 and held == codes + side and codes > 0 and 4 < bits < 5, run.stdout
 
 
 @_check(r"kvpage generate .*--kv-store redis://")
