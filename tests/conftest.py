@@ -32,9 +32,11 @@ def smollm2():
 def smollm2_reference() -> SimpleNamespace:
     """transformers' own reading of the bundled GGUF (≈15 s), independent of kvpage's loader.
 
-    Attributes: ``config`` (``AutoConfig.from_pretrained(..., gguf_file=...)``) and
-    ``tensors`` (``{hf_name: float32 tensor}`` from ``load_gguf_checkpoint``: the
-    dequantization and Q/K un-permutation ``from_pretrained`` uses).
+    Attributes: ``config`` (``AutoConfig.from_pretrained(..., gguf_file=...)``; models built on it
+    share it) and ``config_dict`` (its ``to_dict()`` as read, before anything used it); ``tensors``
+    (``{hf_name: float32 tensor}`` from ``load_gguf_checkpoint``: the dequantization and Q/K
+    un-permutation ``from_pretrained`` uses) and ``gguf_config`` (the config dict that same
+    ``load_gguf_checkpoint`` call read from the file's metadata).
     """
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -43,10 +45,12 @@ def smollm2_reference() -> SimpleNamespace:
 
     path = default_model_path()
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    config_dict = config.to_dict()
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    return SimpleNamespace(config=config, tensors=tensors)
+    checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    return SimpleNamespace(config=config, config_dict=config_dict, tensors=checkpoint["tensors"],
+                           gguf_config=checkpoint["config"])
 
 
 @pytest.fixture
