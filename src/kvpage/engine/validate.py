@@ -21,6 +21,8 @@ def as_int(value: object) -> int | None:
     Integral: an int or anything ``operator.index`` takes (numpy integer scalars, a one-element
     integer tensor). Not integral: bools, floats (``5.0`` too), strings, float tensors.
     """
+    if type(value) is int:  # the common case first: a protocol isinstance costs ~4 us, per token of a prompt
+        return value
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         return None
     try:
