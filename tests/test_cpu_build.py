@@ -171,3 +171,27 @@ def test_switching_path_order_rebuilds_nothing(tmp_path) -> None:
     assert errs[1:] == ["", ""]
     assert logs[1:] == [logs[0]] * 2                              # ninja recorded no further command
     assert not log.exists()
+
+
+def test_build_kernels_says_its_result_on_stdout(tmp_path) -> None:
+    """``kvpage build-kernels`` prints its outcome on stdout (the README's Quickstart runs it and a script reads it);
+    the compile's progress lines stay on stderr. Regression: both went to stderr, so the command printed nothing."""
+    (tmp_path / "tiny.cpp").write_text(_TINY)
+    script = textwrap.dedent(f"""\
+        import sys
+        from pathlib import Path
+        import kvpage.ops.cpu.build as b
+        b.SOURCES, b.HEADERS = (Path({str(tmp_path / 'tiny.cpp')!r}),), ()
+        from kvpage.cli import main
+        sys.exit(main(["build-kernels"]))
+        """)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "KVPAGE_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+    (folder,) = (tmp_path / "ext").iterdir()
+    assert [r.stdout for r in runs] == [f"kvpage: CPU kernels ready in {folder}\n"] * 2
+    assert "compiling the CPU kernels" in runs[0].stderr and runs[1].stderr == ""
+    skipped = subprocess.run([sys.executable, "-m", "kvpage.cli", "build-kernels"], capture_output=True, text=True,
+                             env={**env, "KVPAGE_CPU_KERNELS": "0"}, timeout=120)
+    assert (skipped.returncode, skipped.stdout) == (0, "kvpage: CPU kernels skipped (KVPAGE_CPU_KERNELS=0)\n")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 
@@ -17,17 +16,18 @@ def add_build_kernels_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run_build_kernels(args: argparse.Namespace) -> int:
-    """``kvpage build-kernels``: build (or load the built) CPU kernels and say where they are.
+    """``kvpage build-kernels``: build (or load the built) CPU kernels and say where they are, on stdout (the
+    command's result; the compile's progress lines go to stderr).
 
     Returns 0 when they are ready or skipped (``KVPAGE_CPU_KERNELS=0``), 1 when they cannot be built (after the
     one warning of :func:`kvpage.ops.cpu.build.load_kernels`, which names the cause).
     """
     if os.environ.get("KVPAGE_CPU_KERNELS", "1") == "0":
-        print("kvpage: CPU kernels skipped (KVPAGE_CPU_KERNELS=0)", file=sys.stderr)
+        print("kvpage: CPU kernels skipped (KVPAGE_CPU_KERNELS=0)")
         return 0
     from kvpage.ops.cpu.build import build_dir, load_kernels
 
     if load_kernels() is None:
         return 1
-    print(f"kvpage: CPU kernels ready in {build_dir()}", file=sys.stderr)
+    print(f"kvpage: CPU kernels ready in {build_dir()}")
     return 0

@@ -155,9 +155,13 @@ class KVPageCache(Cache):
         keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
         return keys, values
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
         """Keep, until the next :meth:`crop`, what rolling back the coming steps needs (every layer's
-        ``activate_past_recording``; transformers' assisted generation calls it, and so may a user who will crop)."""
+        ``activate_past_recording``; transformers' assisted generation calls it, and so may a user who will crop).
+
+        ``recurrent_states_to_keep`` (passed by transformers 5.25+) and any further keyword are for recurrent
+        (linear-attention) layers, which keep a state per step; kvpage's layers hold attention KV only, so they
+        are accepted and unused."""
         for layer in self.layers:
             layer.activate_past_recording()
 
