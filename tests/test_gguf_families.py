@@ -209,3 +209,33 @@ def test_cli_generate_gemma3_gguf(gguf_dir: Path, capsys: pytest.CaptureFixture[
                 break
         else:
             pytest.fail(f"CLI output {text!r} matches neither transformers' greedy continuation")
+
+
+def test_deepseek2_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    """llama.cpp's DeepSeek-V2/V3 (MLA) files are not mapped yet: a clear error naming the architecture."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "ds.gguf"
+    w = GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"unsupported architecture 'deepseek2' in ds\.gguf.*Hugging Face folder"):
+        load_model(path, progress=False)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_reference_k_quantizer_round_trips(qtype: Q) -> None:
+    """The tests' own K-quant writer gives blocks that ``gguf.quants.dequantize`` reads back close to the input."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from _gguf_files import quantize_k
+
+    x = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    back = dequantize(quantize_k(x, qtype), qtype).reshape(x.shape)
+    bound = {Q.Q4_K: 0.25, Q.Q5_K: 0.12, Q.Q6_K: 0.08}[qtype]  # about one quantization step (inputs span ~7)
+    assert np.abs(back - x).max() < bound
+    assert np.corrcoef(back.ravel(), x.ravel())[0, 1] > 0.99
