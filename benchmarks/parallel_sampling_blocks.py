@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from _tiny import tiny_loaded  # noqa: E402
 
 from kvpage import LLM, SamplingParams  # noqa: E402
+from kvpage.scales import StaticScales  # noqa: E402
 
 
 def target(prompt_len: int, n: int, max_tokens: int, bs: int) -> tuple[int, int]:
@@ -89,8 +90,13 @@ def main() -> None:
     print("| format | prompt | n | peak blocks | target peak | copies | target copies | prompt tokens recomputed | ok |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats.split(","):
-        llm = LLM(tiny_loaded(), progress=False, num_blocks=600, block_size=bs, enable_prefix_caching=False,
-                  kv_cache_dtype=fmt, max_num_seqs=64)
+        loaded = tiny_loaded()
+        # static formats: any fixed scales will do, the accounting does not depend on them
+        kw = ({"kv_cache_scales": StaticScales({i: 0.05 for i in range(loaded.config.num_layers)},
+                                               {i: 0.05 for i in range(loaded.config.num_layers)})}
+              if fmt.endswith("_static") else {})
+        llm = LLM(loaded, progress=False, num_blocks=600, block_size=bs, enable_prefix_caching=False,
+                  kv_cache_dtype=fmt, max_num_seqs=64, **kw)
         for prompt_len in (bs - 1, bs, bs + 1):
             for n in (int(x) for x in args.ns.split(",")):
                 got = measure(llm, prompt_len, n, args.max_tokens)

@@ -1,8 +1,9 @@
 """Parallel sampling (issue 16): ``SamplingParams(n=...)``, the engine's parents and children, HTTP ``n``.
 
-The n completions of a request share its prompt's blocks: the first computes the prompt, the others are admitted
-once its blocks are indexed and hit them. Checked: greedy completions equal ``n=1``; seeded sampled ones are
-reproducible and not all equal; the peak blocks of ``n=8`` stay near one prompt (measured from the pool);
+The n completions of a request share its prompt's blocks: the first computes the prompt, all sample their first
+tokens from its logits, the others fork from it. Checked: greedy completions equal ``n=1``; seeded sampled ones are
+reproducible, not all equal, and each equals a lone request with its derived seed; exact peak blocks, copies and
+recomputed prompt tokens per format and prompt length (issue 29); the peak blocks of ``n=8`` stay near one prompt;
 aborting the parent ends every completion and frees every block; streams carry each completion's deltas
 under its index; the HTTP endpoints return ``n`` choices with usage counting each token once.
 """
@@ -363,3 +364,26 @@ def test_each_completion_samples_as_its_own_seeded_request() -> None:
                                                      ignore_eos=True))[0].outputs[0].token_ids for i in range(4)]
         assert got == alone
         assert len({tuple(t) for t in got}) > 1
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_window_model_completions_meet_the_block_target(fmt: str, tmp_path_factory: pytest.TempPathFactory,
+                                                       smollm2) -> None:
+    """A Gemma-3-style model (sliding-window groups: window slots; int4: sealed codes in window slots) meets the same
+    exact block accounting as a full-attention one for prompts of bs - 1, bs and bs + 1 tokens, and its window
+    slots are all given back."""
+    from test_sliding_window import _gemma_folder
+
+    folder = _gemma_folder(tmp_path_factory.mktemp(f"gemma_fork_{fmt}"), smollm2.tokenizer, window=32, context=300)
+    llm = LLM(str(folder), progress=False, num_blocks=120, block_size=16, enable_prefix_caching=False,
+              kv_cache_dtype=fmt, max_num_seqs=8)
+    from kvpage.cache.groups import SealedWindowManager, SlidingWindowManager
+
+    group = llm._built.groups[1]
+    win = group.window if isinstance(group, SealedWindowManager) else group
+    assert isinstance(win, SlidingWindowManager)
+    for prompt_len in (15, 16, 17):
+        got = _accounting(llm, prompt_len, 4, max_tokens=20)
+        want = _target(prompt_len, 4, 20, 16, fmt)
+        assert {k: got[k] for k in want} == want, prompt_len
+    assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots
