@@ -1,8 +1,9 @@
 """Parallel sampling (issue 16): ``SamplingParams(n=...)``, the engine's parents and children, HTTP ``n``.
 
-The n completions of a request share its prompt's blocks: the first computes the prompt, the others are admitted
-once its blocks are indexed and hit them. Checked: greedy completions equal ``n=1``; seeded sampled ones are
-reproducible and not all equal; the peak blocks of ``n=8`` stay near one prompt (measured from the pool);
+The n completions of a request share its prompt's blocks: the first computes the prompt, all sample their first
+tokens from its logits, the others fork from it. Checked: greedy completions equal ``n=1``; seeded sampled ones are
+reproducible, not all equal, and each equals a lone request with its derived seed; exact peak blocks, copies and
+recomputed prompt tokens per format and prompt length (issue 29); the peak blocks of ``n=8`` stay near one prompt;
 aborting the parent ends every completion and frees every block; streams carry each completion's deltas
 under its index; the HTTP endpoints return ``n`` choices with usage counting each token once.
 """
@@ -216,7 +217,8 @@ def _peaked(seed: int = 0):
 @pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
 def test_completions_fork_from_the_first_and_copy_its_partial_block(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefix caching off: the completions still share the prompt, by fork (int4: whole blocks); the partial block
-    is copied on write, and every completion reads exactly the prompt's KV (equal to greedy at temperature 1e-3)."""
+    is copied on write by every holder but the last writer, and every completion reads exactly the prompt's KV
+    (equal to greedy at temperature 1e-3)."""
     llm = LLM(_peaked(), progress=False, num_blocks=200, block_size=16, enable_prefix_caching=False,
               kv_cache_dtype=fmt)
     kv, controller = llm._built.kv, llm._built.controller
@@ -239,8 +241,8 @@ def test_completions_fork_from_the_first_and_copy_its_partial_block(fmt: str, mo
     monkeypatch.setattr(controller, "copy_blocks", copied)
     out = llm.generate(PROMPT, SamplingParams(n=5, max_tokens=20, temperature=1e-3, seed=3))[0]
     assert all(c.token_ids == greedy for c in out.outputs)
-    assert forks == [(59 if fmt != "int4" else 48, True)] * 4  # all but the last prompt token (int4: whole blocks)
-    assert (sum(copies) > 0) == (fmt != "int4")             # 59 % 16 != 0: the shared partial block is copied
+    assert forks == [(60 if fmt != "int4" else 48, True)] * 4  # the whole prompt (int4: its whole blocks)
+    assert sum(copies) == (4 if fmt != "int4" else 0)  # 60 % 16 != 0: the partial block copied by all but one of 5
     assert llm.kv_cache_stats().num_in_use == 0
 
 
@@ -281,3 +283,107 @@ def test_a_child_preempted_before_its_copy_ran_swaps_out_the_copied_kv(mode: str
     assert st.preemptions > 0 and (mode == "recompute" or st.tiers.swapped_out_blocks > 0)  # type: ignore[union-attr]
     assert [[c.token_ids for c in o.outputs] for o in outs] == want
     assert st.num_in_use == 0
+
+
+# -- block accounting: the prompt computed once, its blocks shared, copies only for a partial last block -----------
+
+def _target(prompt_len: int, n: int, max_tokens: int, bs: int, fmt: str) -> dict[str, int]:
+    """What ``n`` completions of ``max_tokens`` over a ``prompt_len``-token prompt may cost (issue 29 item 3).
+
+    A completion writes KV for ``prompt_len + max_tokens - 1`` positions (its last token is sampled, never run). The
+    prompt is computed once; a partial last block is copied on write by all holders but the last writer, which keeps
+    the original; quantize-on-seal formats (whose partial block lives in the 16-bit tail) have each other completion
+    recompute that block's prompt tokens into a block of its own instead (the same blocks, no copy)."""
+    prompt_blocks = -(-prompt_len // bs)
+    generated = -(-(prompt_len + max_tokens - 1) // bs) - prompt_blocks
+    partial = prompt_len % bs
+    sealed = fmt in ("int4", "int2")
+    extra = n - 1 if partial else 0
+    return {"peak": prompt_blocks + n * generated + extra, "copies": 0 if sealed else extra,
+            "recomputed": (n - 1) * partial if sealed else 0}
+
+
+def _accounting(llm: LLM, prompt_len: int, n: int, max_tokens: int, seed: int = 1) -> dict[str, Any]:
+    """Peak blocks in use (read at the end of every scheduling pass, copy sources still held), copies the step plans
+    handed the worker, prompt tokens computed beyond one prompt, and the completions' tokens."""
+    kv = llm.engine.kv
+    seen = {"peak": 0, "copies": 0}
+    step_plan = kv.step_plan
+
+    def watched() -> Any:
+        seen["peak"] = max(seen["peak"], kv.stats().num_in_use)
+        plan = step_plan()
+        seen["copies"] += len(plan.copies)
+        return plan
+
+    kv.step_plan = watched  # type: ignore[method-assign]
+    before = llm.engine.prompt_tokens_computed
+    try:
+        prompt = {"prompt_token_ids": [(7 * i + 3) % 250 for i in range(prompt_len)]}
+        out = llm.generate(prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=seed,
+                                                  ignore_eos=True))[0]
+    finally:
+        del kv.step_plan
+    assert llm.kv_cache_stats().num_in_use == 0
+    assert [len(c.token_ids) for c in out.outputs] == [max_tokens] * n
+    return {**seen, "recomputed": llm.engine.prompt_tokens_computed - before - prompt_len,
+            "tokens": [c.token_ids for c in out.outputs]}
+
+
+@pytest.fixture(scope="module", params=["float32", "int8", "int4"])
+def fmt_llm(request: pytest.FixtureRequest) -> tuple[str, LLM]:
+    return request.param, LLM(tiny_loaded(), progress=False, num_blocks=300, block_size=16,
+                              enable_prefix_caching=False, kv_cache_dtype=request.param, max_num_seqs=32)
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+@pytest.mark.parametrize("prompt_len", [15, 16, 17])
+def test_completions_compute_the_prompt_once_and_copy_only_a_partial_last_block(
+        fmt_llm: tuple[str, LLM], prompt_len: int, n: int) -> None:
+    """Regression (issue 29 item 3): each completion forked at the last prompt token and recomputed it, so a prompt
+    of exactly one block made n - 1 copies (n=4: a peak of 12 blocks where 9 suffice), a 15-token prompt copied the
+    parent's own partial block too (n copies where n - 1 do), and int4 shared nothing of a one-block prompt. Now
+    the prompt is computed once and the n first tokens are sampled from its logits: peak blocks, copies and
+    recomputed prompt tokens are exactly the target's."""
+    fmt, llm = fmt_llm
+    got = _accounting(llm, prompt_len, n, max_tokens=20)
+    want = _target(prompt_len, n, 20, 16, fmt)
+    assert {k: got[k] for k in want} == want
+
+
+def test_each_completion_samples_as_its_own_seeded_request() -> None:
+    """The per-completion seeding contract (``child_seed``): completion ``i`` of a request seeded with ``s`` draws
+    what a lone ``n=1`` request seeded with ``child_seed(s, i)`` draws, its first token included (sampled from the
+    shared prompt pass's logits with its own generator); float32, so the shared pass reads what a lone one does."""
+    llm = LLM(tiny_loaded(), progress=False, num_blocks=300, block_size=16, enable_prefix_caching=False,
+              kv_cache_dtype="float32")
+    for prompt_len in (15, 16, 17):
+        got = _accounting(llm, prompt_len, 4, max_tokens=12, seed=5)["tokens"]
+        prompt = {"prompt_token_ids": [(7 * i + 3) % 250 for i in range(prompt_len)]}
+        alone = [llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=child_seed(5, i),
+                                                     ignore_eos=True))[0].outputs[0].token_ids for i in range(4)]
+        assert got == alone
+        assert len({tuple(t) for t in got}) > 1
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_window_model_completions_meet_the_block_target(fmt: str, tmp_path_factory: pytest.TempPathFactory,
+                                                       smollm2) -> None:
+    """A Gemma-3-style model (sliding-window groups: window slots; int4: sealed codes in window slots) meets the same
+    exact block accounting as a full-attention one for prompts of bs - 1, bs and bs + 1 tokens, and its window
+    slots are all given back."""
+    from test_sliding_window import _gemma_folder
+
+    folder = _gemma_folder(tmp_path_factory.mktemp(f"gemma_fork_{fmt}"), smollm2.tokenizer, window=32, context=300)
+    llm = LLM(str(folder), progress=False, num_blocks=120, block_size=16, enable_prefix_caching=False,
+              kv_cache_dtype=fmt, max_num_seqs=8)
+    from kvpage.cache.groups import SealedWindowManager, SlidingWindowManager
+
+    group = llm._built.groups[1]
+    win = group.window if isinstance(group, SealedWindowManager) else group
+    assert isinstance(win, SlidingWindowManager)
+    for prompt_len in (15, 16, 17):
+        got = _accounting(llm, prompt_len, 4, max_tokens=20)
+        want = _target(prompt_len, 4, 20, 16, fmt)
+        assert {k: got[k] for k in want} == want, prompt_len
+    assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots

@@ -673,8 +673,11 @@ class KVCache:
         return True
 
     def _needs_copy(self, request_id: str, end: int) -> bool:
-        """Whether the request's next write (reserving up to ``end`` slots) lands in a block it shares or that is
-        indexed (a fork's partial block): then its allocation copies that block first (one more block)."""
+        """Whether the request's next write (reserving up to ``end`` slots) lands in a block another request still
+        holds or that is indexed (a fork's partial block): then its allocation copies that block first (one more
+        block). References kept only by pending copies do not count: those copies read the block before the step's
+        first pass (:meth:`step_plan`), so its last holder writes into it in place (``n`` completions sharing a
+        partial block make ``n - 1`` copies, not ``n``)."""
         st = self._tables.get(request_id)
         if st is None or end <= st.num_tokens or st.num_tokens % self.block_size == 0:
             return False
@@ -682,7 +685,8 @@ class KVCache:
         if idx >= len(st.block_ids):
             return False
         b = st.block_ids[idx]
-        return self.pool.ref_count(b) > 1 or self.pool.block_hash(b) is not None
+        pending = sum(1 for _, old, _ in self._copies if old == b)
+        return self.pool.ref_count(b) - pending > 1 or self.pool.block_hash(b) is not None
 
     def _copy_on_write(self, request_id: str) -> int:
         """Replace the block the request's next write lands in by a fresh block and book the copy (the old block

@@ -27,7 +27,7 @@ from kvpage.engine.parallel import ParallelSampling, ParentRequest, child_reques
 from kvpage.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from kvpage.engine.sampling import SamplingParams, child_params, sample
 from kvpage.engine.scheduler import ScheduledRequestChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from kvpage.engine.sequence import Request
+from kvpage.engine.sequence import Request, RequestStatus
 from kvpage.engine.speculative.acceptance import verify
 from kvpage.engine.speculative.metrics import SpecDecodingCounters
 from kvpage.engine.speculative.proposer import Drafter, Proposal
@@ -242,17 +242,38 @@ class LLMEngine:
             RuntimeError: requests wait but none can be scheduled, nothing was preempted to make room and no load is
                 in flight (cannot happen for requests admitted by :meth:`add_request`; guards against a hang).
         """
-        for first, child in self.parallel.release():  # the first completion has computed the prompt
-            if not self._fork(first, child):
-                self.scheduler.add_request(child)  # admitted as any request: its prompt blocks are cached
+        for child in self.parallel.release():  # the first completion ended before its prompt's logits
+            self.scheduler.add_request(child)  # admitted as any request: it computes the prompt itself
         return self.parallel.fan_in(self._step())
 
+    def _start_held(self, first: Request, logits: torch.Tensor, now: float) -> list[RequestOutput]:
+        """The held siblings of ``first``, which has just computed the prompt: each samples its first token from
+        the prompt's logits ``logits`` (``[vocab]`` float32, the row ``first`` sampled from) with its own generator,
+        then forks from ``first`` (:meth:`_fork`), or is admitted as a new request when it cannot; one that stops at
+        that token finishes at once. Returns their outputs (each got a token or finished)."""
+        outputs: list[RequestOutput] = []
+        for child in self.parallel.take_held(first):
+            try:
+                reason = self._append_token(child, sample(logits, child.params, child.generator), now)
+                self.generation_tokens += 1
+            except Exception as exc:  # its sampling, detokenization or stop check
+                reason, child.error = "error", _describe(exc)
+            if reason is not None:  # it holds no blocks and was never queued: nothing to release
+                child.status, child.finish_reason, child.finish_time = RequestStatus.FINISHED, reason, now
+            elif not self._fork(first, child):
+                self.scheduler.add_request(child)  # it computes what it cannot share (its prompt blocks may hit)
+            outputs.append(self._output(child))
+            if child.is_finished:
+                self.requests.pop(child.request_id, None)
+        return outputs
+
     def _fork(self, first: Request, child: Request) -> bool:
-        """Start ``child`` on ``first``'s prompt blocks (all but the last prompt token, whose logits the child
-        computes itself; int4/int2: whole blocks); ``False`` when ``first`` holds no blocks or a group refuses."""
+        """Start ``child`` (prompt + its first token) on ``first``'s blocks of the whole prompt (int4/int2: of its
+        whole blocks; the child computes the rest of the prompt and its first token); ``False`` when ``first``
+        holds no blocks or a group refuses."""
         if first.is_finished or first.num_computed_tokens < first.num_prompt_tokens:
             return False
-        n = self.kv.fork_point(child.num_prompt_tokens - 1)
+        n = self.kv.fork_point(child.num_prompt_tokens)
         if not self.kv.fork(first, child, n):
             return False
         child.num_computed_tokens = n
@@ -313,6 +334,7 @@ class LLMEngine:
         accepted: dict[str, int] = {}
         stopped: list[tuple[Request, str]] = []
         sampled: list[Request] = []  # requests that got tokens (chunk.completes_sequence is read before appending)
+        prompt_rows: list[tuple[Request, torch.Tensor]] = []  # first completions' prompt logits, [vocab] each
         row = 0
         for chunk, prop in zip(sched.scheduled, proposals):
             req = chunk.request
@@ -324,6 +346,8 @@ class LLMEngine:
             if not chunk.completes_sequence:
                 continue  # a prefill chunk: its logits are not needed
             sampled.append(req)
+            if self.parallel.holds_for(req):  # its prompt's logits: its held siblings sample their first tokens
+                prompt_rows.append((req, logits[first]))
             try:
                 verdict = None
                 if chunk.num_lookahead:
@@ -354,6 +378,8 @@ class LLMEngine:
                 if lim is not None:
                     limit[chunk.request.request_id] = lim
         self.scheduler.update_after_step(sched, accepted, limit)
+        for req, row in prompt_rows:  # before a stopped first completion lets go of the prompt's blocks
+            outputs.extend(self._start_held(req, row, now))
         for req, reason in stopped:
             if not req.is_finished:
                 self.scheduler.finish(req, reason)

@@ -1,12 +1,14 @@
 """Parallel sampling (``n > 1``): one request, ``n`` completions over the prompt's shared KV blocks.
 
 A request with ``SamplingParams(n=k)`` becomes a *parent* of ``k`` child requests (vLLM's ``ParentRequest``):
-the first child computes the prompt; the others wait until it has, then *fork* from it
-(:meth:`~kvpage.cache.kv_cache.KVCache.fork`): they share its blocks by reference up to the last prompt
-token (whose logits each computes itself, so each samples its own first token), the partial block copied on
-write; the prompt is computed once and held once. (int4/int2 groups share whole blocks; a child that cannot
-fork is admitted as a new request and hits the prompt's cached blocks.) Greedy completions are identical by
-definition, so a greedy parent runs one child and returns its completion ``k`` times. The engine turns the
+the first child computes the prompt; the others wait for its logits, each samples its first token from them
+with its own generator (as vLLM samples ``n`` tokens from one prompt pass), then *forks* from it
+(:meth:`~kvpage.cache.kv_cache.KVCache.fork`): it shares the whole prompt's blocks by reference, a partial last
+block copied on write by every holder but the last writer; the prompt is computed once and held once. (int4/int2
+groups share whole blocks: each child recomputes the prompt tokens of a partial last block with its first
+token; a child that cannot fork is admitted as a new request and hits the prompt's cached blocks; if the first
+child ends before its prompt's logits, the others are admitted on their own.) Greedy completions are identical
+by definition, so a greedy parent runs one child and returns its completion ``k`` times. The engine turns the
 children's outputs into one :class:`~kvpage.engine.outputs.RequestOutput` per parent with ``k`` completions.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ class ParentRequest:
         n: completions the caller asked for.
         children: the computed child requests, in completion order (one for a greedy parent, whose single
             completion stands for all ``n``).
-        held: children not yet admitted: they wait for ``children[0]`` to compute the prompt.
+        held: children not yet admitted: they wait for ``children[0]``'s prompt logits.
         latest: completion index -> the last :class:`CompletionOutput` reported of it (deltas cleared once shown).
     """
 
@@ -53,9 +55,9 @@ class ParentRequest:
         return not self.held and all(c.is_finished for c in self.children)
 
     def ready_to_release(self) -> bool:
-        """Whether the held children may be admitted: the first child computed its prompt (or ended)."""
-        first = self.children[0]
-        return bool(self.held) and (first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens)
+        """Whether the held children must be admitted on their own: the first child ended before its prompt's
+        logits came (aborted, failed); otherwise they start from those logits (:meth:`ParallelSampling.take_held`)."""
+        return bool(self.held) and self.children[0].is_finished
 
     def index_of(self, child_id: str) -> int:
         """The completion index of one of the children.
@@ -129,13 +131,29 @@ class ParallelSampling:
         """Whether some child still waits for its prompt to be computed."""
         return any(p.held for p in self.parents.values())
 
-    def release(self) -> list[tuple[Request, Request]]:
-        """``(first child, held child)`` for each held child whose first sibling has computed the prompt: start them
-        now, on its blocks (they are no longer held)."""
-        out: list[tuple[Request, Request]] = []
+    def holds_for(self, first: Request) -> bool:
+        """Whether ``first`` is the first child of a parent whose other children wait for its prompt's logits (no
+        side effects)."""
+        pid = self._owner.get(first.request_id)
+        parent = None if pid is None else self.parents.get(pid)
+        return parent is not None and bool(parent.held) and parent.children[0] is first
+
+    def take_held(self, first: Request) -> list[Request]:
+        """The children waiting for ``first``'s prompt (none unless :meth:`holds_for`); they are no longer held
+        (the caller starts them from that prompt's logits)."""
+        if not self.holds_for(first):
+            return []
+        parent = self.parents[self._owner[first.request_id]]
+        out, parent.held = parent.held, []
+        return out
+
+    def release(self) -> list[Request]:
+        """The held children whose first sibling ended before its prompt's logits came: admit them as new requests
+        (they are no longer held)."""
+        out: list[Request] = []
         for p in self.parents.values():
             if p.ready_to_release():
-                out.extend((p.children[0], c) for c in p.held)
+                out.extend(p.held)
                 p.held.clear()
         return out
 
