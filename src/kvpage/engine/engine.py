@@ -537,6 +537,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_usage=kv.usage,
+            kv_side_usage=kv.side_usage,
             kv=kv,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_computed,
