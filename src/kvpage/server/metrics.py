@@ -87,7 +87,8 @@ class _EngineStatsCollector(Collector):
             ("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.num_waiting),
             ("kv_cache_usage_perc", "KV-cache usage: fraction of blocks requests hold, 0..1.", s.kv_usage),
             ("kv_cache_side_usage_perc", "Fraction of KV blocks lent as side space (quantize-on-seal tail slots and "
-             "first-block copies; reclaimable when idle), 0..1.", s.kv_side_usage),
+             "first-block copies; reclaimable when idle), 0..1.",
+             getattr(s, "kv_side_usage", 0.0)),  # absent on a snapshot that predates it (a stand-in's)
             ("prefix_cache_hit_rate", "Prefix-cache hit rate since start (hit tokens / queried tokens).",
              s.kv.hit_rate),
         ):
