@@ -70,3 +70,75 @@ def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token() -> None
         p = SamplingParams(temperature=1.0, top_p=top_p)
         picks = {sample(logits, p, torch.Generator().manual_seed(s)) for s in range(20)}
         assert picks == {top}, (top_p, picks)
+
+
+# -- add_request checks the fields themselves (issue 29, item 8) ----------------------------------------------
+
+#: ``(field, value set behind the constructor's back, words of the error)`` for every field of SamplingParams.
+TAMPERED = [
+    ("max_tokens", True, "max_tokens"), ("max_tokens", 0, "max_tokens"), ("max_tokens", 2.0, "max_tokens"),
+    ("max_tokens", "3", "max_tokens"),
+    ("temperature", math.nan, "temperature"), ("temperature", -1.0, "temperature"), ("temperature", "1", "temperature"),
+    ("temperature", math.inf, "temperature"), ("temperature", True, "temperature"),
+    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_p", math.nan, "top_p"), ("top_p", None, "top_p"),
+    ("top_k", -2, "top_k"), ("top_k", 2.5, "top_k"), ("top_k", False, "top_k"),
+    ("seed", "7", "seed"), ("seed", 1.5, "seed"), ("seed", 2**64, "seed"), ("seed", True, "seed"),
+    ("stop", (123,), "stop"), ("stop", "END", "stop"), ("stop", ("",), "stop"), ("stop", None, "stop"),
+    ("stop", ["a"], "stop"),
+    ("stop_token_ids", (-1,), "stop_token_ids"), ("stop_token_ids", ("3",), "stop_token_ids"),
+    ("stop_token_ids", (True,), "stop_token_ids"), ("stop_token_ids", 5, "stop_token_ids"),
+    ("stop_token_ids", (10**9,), "stop_token_ids"),
+    ("ignore_eos", 1, "ignore_eos"), ("ignore_eos", None, "ignore_eos"),
+    ("n", 0, "n"), ("n", True, "n"), ("n", 129, "n"), ("n", 2.0, "n"),
+]
+
+
+def _tampered(field: str, value: object) -> SamplingParams:
+    p = SamplingParams(max_tokens=3, temperature=0)
+    object.__setattr__(p, field, value)
+    return p
+
+
+def test_every_field_is_in_the_tampered_cases() -> None:
+    from dataclasses import fields
+
+    assert {f.name for f in fields(SamplingParams)} == {f for f, _, _ in TAMPERED}
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    from _tiny import tiny_loaded
+
+    from kvpage import LLM
+
+    return LLM(tiny_loaded(0), num_blocks=32, max_model_len=64, progress=False)
+
+
+@pytest.mark.parametrize("field,value,words", TAMPERED, ids=[f"{f}={v!r}" for f, v, _ in TAMPERED])
+def test_add_request_refuses_a_sampling_params_changed_after_construction(tiny_llm, field, value, words) -> None:
+    """A frozen SamplingParams mutated with ``object.__setattr__`` is checked again at ``add_request``, from its
+    fields: a clear ValueError naming the field, nothing queued (it used to run ``True`` as 1 or fail in the step)."""
+    engine = tiny_llm.engine
+    with pytest.raises(ValueError, match=rf"\b{words}\b"):
+        engine.add_request(None, [5, 6, 7], _tampered(field, value))
+    assert not engine.has_unfinished_requests() and not engine.requests
+    with pytest.raises(ValueError, match=rf"\b{words}\b"):
+        tiny_llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}],
+                          [SamplingParams(max_tokens=2), _tampered(field, value)])
+    assert not engine.has_unfinished_requests() and not engine.requests
+
+
+def test_an_untampered_params_still_runs_and_the_check_is_cheap(tiny_llm) -> None:
+    import time
+
+    from kvpage.engine.sampling import check_sampling_params
+
+    p = SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["x", "yz"],
+                       stop_token_ids=[1, 2, 3], n=2)
+    out = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, p)[0]
+    assert len(out.outputs) == 2 and all(len(c.token_ids) <= 3 for c in out.outputs)
+    start = time.perf_counter()
+    for _ in range(2000):
+        check_sampling_params(p)
+    per_call = (time.perf_counter() - start) / 2000
+    assert per_call < 50e-6, f"{per_call * 1e6:.1f} us per check"

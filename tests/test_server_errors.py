@@ -201,6 +201,71 @@ def test_tiny_temperature_and_top_p(server, field) -> None:
     assert r.status_code == 200, r.text
 
 
+#: Every optional request field, per endpoint: OpenAI documents each as nullable (null = the default).
+COMMON_OPTIONAL = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                   "n", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
+                   "response_format"]
+NULLABLE = ([("/v1/completions", f) for f in [*COMMON_OPTIONAL, "logprobs", "best_of", "suffix", "echo"]]
+            + [("/v1/chat/completions", f) for f in [*COMMON_OPTIONAL, "max_completion_tokens", "logprobs",
+                                                     "top_logprobs", "tools", "functions", "tool_choice",
+                                                     "function_call"]])
+
+
+def _answer(r: httpx.Response) -> list[str]:
+    """The choices' texts of a (non-streamed) completion or chat completion."""
+    assert r.status_code == 200, r.text
+    return [c.get("text", c.get("message", {}).get("content")) for c in r.json()["choices"]]
+
+
+@pytest.mark.parametrize("path,field", NULLABLE, ids=[f"{'chat' if 'chat' in p else 'cmpl'}-{f}" for p, f in NULLABLE])
+def test_null_is_the_default_for_every_optional_field(server, path, field) -> None:
+    """Issue 29 item 6: ``"temperature": null`` (and every other optional field) is the field left out."""
+    base = {"max_tokens": 4, "seed": 7}
+    if field == "seed":
+        base = {"max_tokens": 4, "temperature": 0}
+    elif field in ("max_tokens", "max_completion_tokens"):
+        base = {"seed": 7, "ignore_eos": True} if field == "max_tokens" else {"seed": 7, "max_tokens": 3}
+    body = cmpl(**base) if path == "/v1/completions" else chat(**base)
+    with_null = server.http.post(path, json={**body, field: None})
+    without = server.http.post(path, json=body)
+    assert _answer(with_null) == _answer(without)
+    counts = [{k: v for k, v in r.json()["usage"].items() if k != "prompt_tokens_details"} for r in (with_null, without)]
+    assert counts[0] == counts[1]                       # (the second request may hit the prefix cache)
+
+
+def test_null_stream_options_include_usage_is_false(server) -> None:
+    r = server.http.post("/v1/completions", json=cmpl(max_tokens=2, stream=True,
+                                                      stream_options={"include_usage": None}))
+    assert r.status_code == 200, r.text
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert all(json.loads(e[6:]).get("usage") is None for e in events[:-1])
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "model"), ("/v1/completions", "prompt"),
+                                        ("/v1/chat/completions", "model"), ("/v1/chat/completions", "messages")])
+def test_null_for_a_required_field_is_still_400(server, path, field) -> None:
+    body = cmpl(max_tokens=2) if path == "/v1/completions" else chat(max_tokens=2)
+    r = server.http.post(path, json={**body, field: None})
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == field
+
+
+def test_openapi_schema_says_every_optional_field_is_nullable(server) -> None:
+    schema = server.http.get("/openapi.json").json()["components"]["schemas"]
+
+    def nullable(prop: dict) -> bool:
+        types = prop.get("type")
+        return (types == "null" or isinstance(types, list) and "null" in types
+                or any(nullable(p) for p in prop.get("anyOf", [])))
+
+    for path, field in NULLABLE:
+        props = schema["CompletionRequest" if path == "/v1/completions" else "ChatCompletionRequest"]["properties"]
+        assert nullable(props[field]), (path, field, props[field])
+    for cls, required in (("CompletionRequest", ("model", "prompt")), ("ChatCompletionRequest", ("model", "messages"))):
+        assert not any(nullable(schema[cls]["properties"][f]) for f in required), cls
+
+
 def _prompt_tokens(server, body: dict, path: str) -> int:
     r = server.http.post(path, json={**body, "max_tokens": 1})
     assert r.status_code == 200, r.text

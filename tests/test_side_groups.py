@@ -433,3 +433,44 @@ def test_the_cli_capacity_line_says_carved_side_space_is_taken_from_the_blocks_a
                 progress=False)
     assert fixed.capacity.side_blocks_per_slot == 0 and all(t.side is None for t in tail_tables(fixed))
     assert "MiB side pools (16-bit tail slots, window and first-block copies for 3 requests)" in capacity_lines(fixed)[0]
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_an_idle_engine_reports_zero_usage_and_its_side_space_apart(fmt: str) -> None:
+    """Issue 29 item 7: after its requests finish, an ``int4`` engine still keeps 8-bit first-block copies of its
+    cached prompts as side space (reclaimable); ``usage`` (``kv_cache_usage_perc``) counts only blocks requests
+    hold, as vLLM's does, so it reads exactly 0 when idle, and ``side_usage`` reports the side space apart,
+    also on ``/metrics`` (``kvpage:kv_cache_side_usage_perc``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpage.server.app import ServerThread, build_app
+
+    llm = LLM(tiny_loaded(0), kv_cache_dtype=fmt, block_size=16, num_blocks=128, max_model_len=128, progress=False)
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(256) for _ in range(n)]} for n in (40, 55, 70)]
+    running = []
+    for _ in llm.generate_stream(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)):
+        running.append(llm.kv_cache_stats())
+    st = llm.kv_cache_stats()
+    assert st.num_in_use == 0 and st.num_side > 0            # first-block copies of the cached prompts remain
+    assert st.usage == 0.0
+    assert all(r.usage == r.num_in_use / r.num_blocks and r.side_usage == r.num_side / r.num_blocks for r in running)
+    assert max(r.usage for r in running) > 0 and max(r.side_usage for r in running) > 0
+    assert st.side_usage == st.num_side / st.num_blocks > 0
+    stats = llm.engine.stats()
+    assert stats.kv_usage == 0.0 and stats.kv_side_usage == st.side_usage
+    with ServerThread(build_app(llm, "tiny")) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": list(range(3, 50)),
+                                                          "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        samples = {}
+        for _ in range(200):   # the engine thread publishes its stats after the iteration that finished the request
+            text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+            samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+            if samples["kvpage:num_requests_running"] == 0 and samples["kvpage:kv_cache_side_usage_perc"] > 0 \
+                    and samples["kvpage:kv_cache_usage_perc"] == 0:
+                break
+    side = llm.kv_cache_stats().side_usage
+    assert samples["kvpage:kv_cache_usage_perc"] == 0.0
+    assert samples["kvpage:kv_cache_side_usage_perc"] == side > 0

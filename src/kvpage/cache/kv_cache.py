@@ -233,7 +233,8 @@ class KVCache:
         p = self.pool
         st = KVCacheStats(
             num_blocks=p.num_blocks, num_free=p.num_free, num_evictable=p.num_evictable, num_in_use=p.num_in_use,
-            num_side=p.num_side, usage=p.usage, requests=self._requests, prefix_queries=self._queries,
+            num_side=p.num_side, usage=p.usage, side_usage=p.side_usage, requests=self._requests,
+            prefix_queries=self._queries,
             prefix_hits=self._hits, hit_rate=self._hits / self._queries if self._queries else 0.0,
             blocks_stored=self._stored, evictions=p.num_evictions, preemptions=self._preemptions,
             tier_hits={"device": self._device_hit_blocks},

@@ -144,8 +144,15 @@ class PrefixBlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use or side space, in [0, 1] (evictable blocks count as not in use, as in vLLM)."""
-        return (self.num_in_use + len(self._side)) / self.num_blocks if self.num_blocks else 0.0
+        """Fraction of blocks requests hold (ref count > 0), in [0, 1], as vLLM's ``kv_cache_usage``: evictable
+        blocks and side space (:attr:`side_usage`) count as not in use, so an idle pool reads 0."""
+        return self.num_in_use / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def side_usage(self) -> float:
+        """Fraction of blocks claimed as side space (:meth:`claim`: 16-bit tail slots and 8-bit first-block copies,
+        including the copies kept beside cached first blocks after their requests finished), in [0, 1]."""
+        return len(self._side) / self.num_blocks if self.num_blocks else 0.0
 
     def ref_count(self, block_id: int) -> int:
         """Current ref count of ``block_id``.

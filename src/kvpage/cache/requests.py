@@ -115,7 +115,7 @@ class KVCacheStats:
 
     Attributes:
         num_blocks, num_free, num_evictable, num_in_use: device block counts now.
-        usage: ``(num_in_use + num_side) / num_blocks``.
+        usage: ``num_in_use / num_blocks``: blocks requests hold (vLLM's meaning; 0 when idle).
         requests: requests admitted (a preempted request counts again when readmitted).
         prefix_queries: tokens of admitted requests, in tokens (vLLM's ``queries``).
         prefix_hits: of those, tokens served from the cache: device hits and tier loads.
@@ -130,6 +130,8 @@ class KVCacheStats:
         num_side: device blocks lent as side space (the 16-bit tail slots and first-block copies of
             quantize-on-seal formats, :mod:`kvpage.cache.tail.side`);
             ``num_free + num_evictable + num_in_use + num_side == num_blocks``.
+        side_usage: ``num_side / num_blocks``; first-block copies of cached prompts stay after their requests
+            finish (reclaimed when blocks are needed), so this need not be 0 when idle.
     """
 
     num_blocks: int
@@ -147,3 +149,4 @@ class KVCacheStats:
     tier_hits: dict[str, int] = field(default_factory=dict)
     tiers: OffloadStats | None = None
     num_side: int = 0
+    side_usage: float = 0.0

@@ -14,13 +14,18 @@ from kvpage.engine.args import DTYPE_HELP, positive_int, threads_help
 def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``calibrate`` sub-command to ``sub`` (an ``add_subparsers()`` result); returns its parser."""
     c = sub.add_parser("calibrate", help="calibrate static K/V scales (int8_static, fp8_static) on sample text")
-    c.add_argument("--text", required=True, help="UTF-8 text file to calibrate on (no BOS is added)")
+    c.add_argument("--text", required=True,
+                   help="UTF-8 text file to calibrate on (encoded as the model's tokenizer does: BOS first where "
+                        "it adds one; see --bos)")
     c.add_argument("--out", required=True, help="scales file to write (safetensors), e.g. scales.safetensors")
     c.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     c.add_argument("--tokens", type=positive_int, default=2048, help="calibrate on the text's first N tokens (default 2048)")
     c.add_argument("--chunk-size", type=positive_int, default=512, help="tokens per forward pass (default 512)")
     c.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     c.add_argument("--threads", type=positive_int, default=None, help=threads_help())
+    c.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="--bos: put the tokenizer's BOS first; --no-bos: no special tokens (default: as the "
+                        "tokenizer's configuration says)")
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar (default on)")
     c.set_defaults(func=run_calibrate)
     return c
@@ -44,11 +49,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(f"[kvpage] calibrate: {threads.num_threads} torch thread(s) ({threads.reason})", file=sys.stderr,
           flush=True)
     loaded = load_model(args.model, dtype=dtype, progress=args.progress)
-    scales = calibrate(loaded, text, num_tokens=args.tokens, chunk_size=args.chunk_size, progress=args.progress)
+    scales = calibrate(loaded, text, num_tokens=args.tokens, chunk_size=args.chunk_size, progress=args.progress,
+                       bos=args.bos)
     out = scales.save(args.out, {"text": text_path.name})
     cfg = loaded.config
     print(f"[kvpage] calibrated {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} channels "
-          f"on {scales.metadata['tokens']} tokens of {text_path} ({scales.metadata['dtype']})")
+          f"on {scales.metadata['tokens']} tokens of {text_path} "
+          f"({'BOS first' if scales.metadata['bos'] == 'true' else 'no BOS'}, {scales.metadata['dtype']})")
     for line in summarize(scales):
         print(f"[kvpage] {line}")
     print(f"[kvpage] wrote {out} (sha256 {scales.sha256[:16]}...); use it with "

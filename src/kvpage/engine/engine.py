@@ -25,7 +25,7 @@ from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.model_runner import ScheduledRequest, pass_requests
 from kvpage.engine.parallel import ParallelSampling, ParentRequest, child_request_id
 from kvpage.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from kvpage.engine.sampling import SamplingParams, child_params, sample
+from kvpage.engine.sampling import SamplingParams, check_sampling_params, child_params, sample
 from kvpage.engine.scheduler import ScheduledRequestChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.engine.sequence import Request, RequestStatus
 from kvpage.engine.speculative.acceptance import verify
@@ -129,7 +129,8 @@ class LLMEngine:
                 ``request_id`` not str, ``cache_salt`` not str/None.
             ValueError: empty prompt, a token id (prompt or ``stop_token_ids``) that is not an int or lies
                 outside the vocabulary, a lone surrogate in ``prompt`` or ``cache_salt``, an empty or duplicate
-                ``request_id``.
+                ``request_id``; a field of ``params`` that breaks its rule now (changed with
+                ``object.__setattr__`` after it was built: :func:`~kvpage.engine.sampling.check_sampling_params`).
             PromptTooLongError: the prompt reaches ``max_model_len``; prompt + ``max_tokens`` exceeds it (the one
                 policy of the CLI, ``LLM`` and the server: a limit that cannot be honoured is refused, naming
                 ``max_tokens`` and the most that fits, never cut silently); or prompt + ``max_tokens`` cannot fit
@@ -140,6 +141,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}; "
                             f"build one with SamplingParams(**fields)")
+        check_sampling_params(params)  # its fields as they are now, not as they were built
         check_token_ids(list(params.stop_token_ids), "stop_token_ids", self.vocab_size, allow_empty=True)
         if request_id is not None:
             check_text(request_id, "request_id")
@@ -563,6 +565,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_usage=kv.usage,
+            kv_side_usage=kv.side_usage,
             kv=kv,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_computed,

@@ -31,6 +31,7 @@ from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.sizing import startup_line
 from kvpage.engine.threads import apply_num_threads
 from kvpage.engine.validate import check_messages, check_prompt
+from kvpage.model.encode import encode_text
 from kvpage.spec import CacheSpec
 
 if TYPE_CHECKING:
@@ -197,7 +198,9 @@ class LLM:
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Token ids of a text prompt (no special tokens added) or of a ``{"prompt_token_ids": ...}`` dict.
+        """The text and token ids of a prompt: a text encoded as the model's tokenizer asks (BOS first where its
+        configuration adds one: :func:`~kvpage.model.encode.encode_text`), or a ``{"prompt_token_ids": ...}``
+        dict's ids as given.
 
         Raises:
             TypeError: neither a str nor a dict.
@@ -207,7 +210,7 @@ class LLM:
         text, ids = check_prompt(prompt, self.config.vocab_size)
         if ids is None:
             assert text is not None  # (a text prompt)
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = encode_text(self.tokenizer, text)
         return text, ids
 
     def chat_prompt(self, messages: str | Sequence[dict[str, str]]) -> dict[str, Any]:

@@ -86,13 +86,15 @@ class EngineStats:
     Attributes:
         num_running: requests in the running batch.
         num_waiting: requests queued (new or preempted).
-        kv_usage: fraction of KV blocks in use, in [0, 1].
+        kv_usage: fraction of KV blocks requests hold, in [0, 1] (0 when idle; ``kv.usage``).
         kv: the KV cache's counters (prefix queries/hits, evictions, ...; tier counters in ``kv.tiers``).
         num_preemptions: requests preempted since start.
         prompt_tokens: prompt tokens computed since start (cache hits excluded).
         generation_tokens: tokens output since start (accepted drafts included).
         spec_decoding: speculative decoding's counters (drafted, accepted, emitted tokens, per
             position), or ``None`` when the engine does not speculate.
+        kv_side_usage: fraction of KV blocks lent as side space (quantize-on-seal tail slots and
+            first-block copies; ``kv.side_usage``), in [0, 1].
     """
 
     num_running: int
@@ -103,3 +105,4 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     spec_decoding: SpecDecodingStats | None = None
+    kv_side_usage: float = 0.0

@@ -79,7 +79,8 @@ def _as_float(value: object, name: str) -> float:
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
-    """How to pick output tokens for one request; every field is checked when it is built.
+    """How to pick output tokens for one request; every field is checked when it is built, and again, as it is
+    then, when a request is added (:func:`check_sampling_params`).
 
     Attributes:
         max_tokens: output tokens to generate at most (an int >= 1); prompt + max_tokens beyond the context is
@@ -177,6 +178,52 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request decodes greedily: ``temperature`` below :data:`SAMPLING_EPS` (0 included) or ``top_k == 1``."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def check_sampling_params(params: SamplingParams) -> None:
+    """Check every field of ``params`` as it is now, in the form the constructor stores (cheap: ~1-2 us).
+
+    :class:`SamplingParams` is frozen and checked when built, but ``object.__setattr__`` (or a subclass) can
+    change a field afterwards; ``add_request`` runs this so that what the engine runs is what the rules allow,
+    whatever the object's history: ``max_tokens``, ``top_k``, ``n`` plain ints (not bools) in range,
+    ``temperature`` and ``top_p`` finite plain floats in range, ``seed`` ``None`` or an int in
+    ``[SEED_MIN, SEED_MAX]``, ``stop`` a tuple of non-empty strs, ``stop_token_ids`` a tuple of ints >= 0,
+    ``ignore_eos`` a bool.
+
+    Raises:
+        ValueError: the first field that breaks its rule, named (``sampling_params.stop: ...``).
+    """
+    def bad(field: str, rule: str, value: object) -> ValueError:
+        return ValueError(f"sampling_params.{field} must be {rule}, got {value!r} ({type(value).__name__}); the "
+                          f"SamplingParams was changed after it was built: build a new one")
+
+    v: object = params.max_tokens
+    if type(v) is not int or v < 1:
+        raise bad("max_tokens", "an int >= 1", v)
+    v = params.temperature
+    if type(v) is not float or not 0.0 <= v < math.inf:
+        raise bad("temperature", "a finite float >= 0", v)
+    v = params.top_p
+    if type(v) is not float or not 0.0 < v <= 1.0:
+        raise bad("top_p", "a float in (0, 1]", v)
+    v = params.top_k
+    if type(v) is not int or v < -1:
+        raise bad("top_k", "an int >= -1", v)
+    v = params.seed
+    if v is not None and (type(v) is not int or not SEED_MIN <= v <= SEED_MAX):
+        raise bad("seed", "None or an int in [-2**63, 2**64 - 1]", v)
+    v = params.stop
+    if type(v) is not tuple or not all(type(s) is str and s for s in v):
+        raise bad("stop", "a tuple of non-empty strs", v)
+    v = params.stop_token_ids
+    if type(v) is not tuple or not all(type(t) is int and t >= 0 for t in v):
+        raise bad("stop_token_ids", "a tuple of ints >= 0", v)
+    v = params.ignore_eos
+    if type(v) is not bool:
+        raise bad("ignore_eos", "a bool", v)
+    v = params.n
+    if type(v) is not int or not 1 <= v <= MAX_N:
+        raise bad("n", f"an int in [1, {MAX_N}]", v)
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

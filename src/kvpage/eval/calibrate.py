@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpage.model.attention_fn import layer_attention
+from kvpage.model.encode import encode_text, starts_with_bos
 from kvpage.ops.layer_attention import LayerAttention
 from kvpage.scales import StaticScales
 
@@ -152,15 +153,17 @@ def collect_kv_absmax(
                         kind="absmax", metadata=meta, source="calibration")
 
 
-def calibration_token_ids(tokenizer: Any, text: str, num_tokens: int = DEFAULT_CALIBRATION_TOKENS) -> list[int]:
-    """The first ``num_tokens`` token ids of ``text`` (no special tokens, no BOS), as ``kvpage eval`` reads a text.
+def calibration_token_ids(tokenizer: Any, text: str, num_tokens: int = DEFAULT_CALIBRATION_TOKENS, *,
+                          bos: bool | None = None) -> list[int]:
+    """The first ``num_tokens`` token ids of ``text``, as ``kvpage eval`` reads a text
+    (:func:`~kvpage.model.encode.encode_text`: ``bos=None`` follows the tokenizer, BOS first where it adds one).
 
     Raises:
-        ValueError: ``num_tokens < 1`` or the text has no tokens.
+        ValueError: ``num_tokens < 1``, the text has no tokens, or ``bos=True`` with a tokenizer without BOS.
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-    ids = list(tokenizer.encode(text, add_special_tokens=False))[:num_tokens]
+    ids = encode_text(tokenizer, text, bos=bos)[:num_tokens]
     if not ids:
         raise ValueError("the calibration text has no tokens")
     return ids
@@ -174,16 +177,22 @@ def calibrate(
     chunk_size: int = 512,
     progress: bool = True,
     device: str | torch.device = "cpu",
+    bos: bool | None = None,
 ) -> StaticScales:
     """Calibrate static K/V absmax on the first ``num_tokens`` tokens of ``text`` (fewer if the text is shorter).
 
-    See :func:`collect_kv_absmax` for the result; the token count is capped at the model's context.
+    See :func:`collect_kv_absmax` for the result, whose metadata gains ``bos`` (``true`` when the ids start
+    with the tokenizer's BOS); the token count is capped at the model's context. ``bos`` as in
+    :func:`calibration_token_ids` (``None``: as the tokenizer's configuration says).
 
     Raises:
-        ValueError: empty text, ``num_tokens < 1``.
+        ValueError: empty text, ``num_tokens < 1``, ``bos=True`` with a tokenizer without BOS.
     """
-    ids = calibration_token_ids(loaded.tokenizer, text, min(num_tokens, loaded.config.max_position_embeddings))
-    return collect_kv_absmax(loaded, ids, chunk_size=chunk_size, progress=progress, device=device)
+    ids = calibration_token_ids(loaded.tokenizer, text, min(num_tokens, loaded.config.max_position_embeddings),
+                                bos=bos)
+    scales = collect_kv_absmax(loaded, ids, chunk_size=chunk_size, progress=progress, device=device)
+    scales.metadata["bos"] = str(starts_with_bos(loaded.tokenizer, ids)).lower()
+    return scales
 
 
 def summarize(scales: StaticScales) -> list[str]:

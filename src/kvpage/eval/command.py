@@ -27,7 +27,8 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity and KL divergence of a text (or the evaluation set) per KV format: "
                                     "table, results.json, Δppl- and KLD-vs-bits plots")
     what = e.add_mutually_exclusive_group(required=True)
-    what.add_argument("--text", help="UTF-8 text file to score (no BOS is added)")
+    what.add_argument("--text", help="UTF-8 text file to score (encoded as the model's tokenizer does: BOS first "
+                                     "where it adds one; see --bos)")
     what.add_argument("--suite", action="store_true",
                       help="score every member of the evaluation set (kvpage.eval.suite: texts of several kinds "
                            "found on this machine, one held back) and summarize them")
@@ -39,6 +40,10 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--tokens", type=positive_int, default=None,
                    help=f"score the text's first N tokens (default {DEFAULT_TEXT_TOKENS}; with --suite each "
                         f"member's own count unless given)")
+    e.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="--bos: put the tokenizer's BOS first; --no-bos: no special tokens (default: as the "
+                        "tokenizer's configuration says, the distribution the model was trained on); the BOS "
+                        "counts among --tokens")
     e.add_argument("--mode", choices=["decode", "chunked"], default="decode",
                    help="decode: one token per step through the cache (default); chunked: --chunk-size tokens "
                         "per step (faster)")
@@ -107,6 +112,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--formats", args.formats]
     if args.tokens is not None:
         parts += ["--tokens", str(args.tokens)]
+    if args.bos is not None:
+        parts += ["--bos" if args.bos else "--no-bos"]
     parts += ["--mode", args.mode]
     if args.chunk_size != 128:
         parts += ["--chunk-size", str(args.chunk_size)]
@@ -183,7 +190,7 @@ def run_eval(args: argparse.Namespace) -> int:
     setup = (f"{label}; {Path(loaded.path).name}, {str(dtype).removeprefix('torch.')}, "
              f"block {args.block_size or 'per format'}, {threads.num_threads} torch thread(s) ({threads.reason})")
     where = dict(model=str(loaded.path), dtype=str(dtype).removeprefix("torch."))
-    how = dict(bos=False, mode=args.mode, chunk_size=args.chunk_size if args.mode == "chunked" else 1,
+    how = dict(mode=args.mode, chunk_size=args.chunk_size if args.mode == "chunked" else 1,
                block_size=args.block_size, threads=threads.num_threads)
     machine = dict(torch=torch.__version__, machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                    cpu=cpu_model_name(), cpu_count=os.cpu_count(), python=platform.python_version(),
@@ -194,12 +201,14 @@ def run_eval(args: argparse.Namespace) -> int:
                kl_divergence=args.kl_divergence)
     out = Path(args.out)
     if args.suite:
-        return _run_suite(loaded, resolved, args.tokens, out, setup, {**where, **how}, machine, run)
+        return _run_suite(loaded, resolved, args.tokens, args.bos, out, setup, {**where, **how}, machine, run)
     from kvpage.eval import evaluate_formats, format_table, text_token_ids, write_results_json
     from kvpage.eval.report import format_depth_table
+    from kvpage.model.encode import bos_words, starts_with_bos
 
-    ids = text_token_ids(loaded.tokenizer, text, args.tokens or DEFAULT_TEXT_TOKENS)
-    print(f"[kvpage] eval: first {len(ids)} tokens of {text} (no BOS), {setup}", flush=True)
+    ids = text_token_ids(loaded.tokenizer, text, args.tokens or DEFAULT_TEXT_TOKENS, bos=args.bos)
+    print(f"[kvpage] eval: first {len(ids)} tokens of {text} ({bos_words(loaded.tokenizer, ids)}), {setup}",
+          flush=True)
     start = time.perf_counter()
     results = evaluate_formats(loaded, ids, **run)
     total = time.perf_counter() - start
@@ -208,20 +217,22 @@ def run_eval(args: argparse.Namespace) -> int:
     if depth is not None:
         print(f"\nKLD by depth:\n{depth}")
     json_path = write_results_json(out / "results.json", results, **where, text=str(text), num_tokens=len(ids),
-                                   **how, total_seconds=total, **machine, load_average_end=_load_average())
+                                   bos=starts_with_bos(loaded.tokenizer, ids), **how, total_seconds=total, **machine,
+                                   load_average_end=_load_average())
     pngs = _write_plots(out, results, f"{Path(loaded.path).name}: {text.name}, {len(ids)} tokens, {args.mode} mode")
     print(f"[kvpage] wrote {json_path} and {', '.join(map(str, pngs))} ({total:.1f} s)")
     return 0
 
 
-def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, out: Path, setup: str, meta: dict[str, Any],
-               machine: dict[str, Any], run: dict[str, Any]) -> int:
+def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, bos: bool | None, out: Path, setup: str,
+               meta: dict[str, Any], machine: dict[str, Any], run: dict[str, Any]) -> int:
     """``kvpage eval --suite`` once the model is loaded: every member through :func:`evaluate_formats`.
 
     Args:
         loaded: the :class:`~kvpage.model.loader.LoadedModel` every member reuses.
         resolved: the members' :class:`~kvpage.eval.suite.ResolvedText`, in suite order.
         tokens: ``--tokens`` (``None``: each member's own count).
+        bos: ``--bos``/``--no-bos`` (``None``: as the tokenizer's configuration says).
         out: the output folder: ``results.json`` there, ``<member>/ppl_vs_bits.png`` and
             ``<member>/kld_vs_bits.png`` below it.
         setup: the mode/model/threads words of the start line.
@@ -247,7 +258,9 @@ def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, out: Path, 
         write_suite_json,
     )
 
-    ids = [member_token_ids(loaded.tokenizer, r, tokens) for r in resolved]   # every count checked up front
+    from kvpage.model.encode import bos_words, starts_with_bos
+
+    ids = [member_token_ids(loaded.tokenizer, r, tokens, bos=bos) for r in resolved]  # every count checked up front
     context = loaded.config.max_position_embeddings
     long = [f"{r.member.name} ({len(i)})" for r, i in zip(resolved, ids) if len(i) > context]
     if long:
@@ -255,7 +268,7 @@ def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, out: Path, 
                          f"give --tokens {context} or fewer")
     held = next((r.member.name for r in resolved if r.member.held_back), None)
     print(f"[kvpage] eval --suite: {len(resolved)} member(s) ({', '.join(r.member.name for r in resolved)}; "
-          f"held back: {held or 'not run'}), no BOS, {setup}", flush=True)
+          f"held back: {held or 'not run'}), {bos_words(loaded.tokenizer, ids[0])}, {setup}", flush=True)
     runs, pngs = [], []
     start = time.perf_counter()
     for r, member_ids in zip(resolved, ids):
@@ -277,7 +290,7 @@ def _run_suite(loaded: Any, resolved: list[Any], tokens: int | None, out: Path, 
     if deep is not None:
         print(f"\n## KLD by depth: members of >= {LONG_CONTEXT_TOKENS:,} tokens, the first {DEPTH_SPLIT:,} scored "
               f"positions vs the rest\n{deep}")
-    json_path = write_suite_json(out / "results.json", runs, **meta, total_seconds=total, **machine,
-                                 load_average_end=_load_average())
+    json_path = write_suite_json(out / "results.json", runs, **meta, bos=starts_with_bos(loaded.tokenizer, ids[0]),
+                                 total_seconds=total, **machine, load_average_end=_load_average())
     print(f"[kvpage] wrote {json_path} and {len(pngs)} plots under {out} ({total:.1f} s)")
     return 0

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kvpage.errors import OutOfBlocksError
+from kvpage.model.encode import encode_text
 from kvpage.eval.divergence import Divergence, ReferenceLogits, kl_divergence_rows, log_probs, summarize_divergence
 
 if TYPE_CHECKING:
@@ -228,7 +229,8 @@ def evaluate_perplexity(
 
     Args:
         llm: the engine; its format, block size and (if set) ``kv_quant_residual_tokens`` are used.
-        token_ids: the text's token ids (no BOS is added; prepend one yourself if wanted).
+        token_ids: the text's token ids, scored as given (:func:`text_token_ids` makes them, BOS first where
+            the tokenizer adds one).
         mode: ``decode`` (one token per forward pass, what generation does) or ``chunked``
             (``chunk_size`` tokens per forward pass; faster, labelled as such in results).
         chunk_size: tokens per forward pass in ``chunked`` mode (>= 1; ignored in ``decode``).
@@ -323,17 +325,23 @@ def evaluate_perplexity(
     )
 
 
-def text_token_ids(tokenizer: Any, path: str | Path, num_tokens: int | None = None) -> list[int]:
-    """The first ``num_tokens`` token ids of a UTF-8 text file, without BOS or other special tokens.
+def text_token_ids(tokenizer: Any, path: str | Path, num_tokens: int | None = None, *,
+                   bos: bool | None = None) -> list[int]:
+    """The first ``num_tokens`` token ids of a UTF-8 text file, encoded by :func:`~kvpage.model.encode.encode_text`.
+
+    ``bos``: ``None`` (default) as the tokenizer's configuration says (BOS first where it adds one, as the
+    model saw its training text); ``False`` no special tokens; ``True`` exactly one BOS first. The BOS
+    counts among the ``num_tokens``.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the text has fewer than ``num_tokens`` tokens (or fewer than 2), or ``num_tokens < 2``.
+        ValueError: the text has fewer than ``num_tokens`` tokens (or fewer than 2), or ``num_tokens < 2``;
+            ``bos=True`` with a tokenizer that has no BOS token.
     """
     if num_tokens is not None and num_tokens < 2:
         raise ValueError(f"need at least 2 tokens, got {num_tokens}")
     text = Path(path).read_text(encoding="utf-8")
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    ids = encode_text(tokenizer, text, bos=bos)
     if num_tokens is None:
         num_tokens = len(ids)
     if len(ids) < max(num_tokens, 2):

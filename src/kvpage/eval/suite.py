@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpage.model.encode import encode_text
+
 #: The repository's verbatim copy of GPL-3 (``tests/data/GPL-3``), for machines without Debian's base-files.
 _VENDORED_GPL3 = Path(__file__).resolve().parents[3] / "tests" / "data" / "GPL-3"
 
@@ -35,7 +37,8 @@ class SuiteMember:
             installed package, found without importing it), ``package-description:DIST`` (the long
             description, i.e. README, in a distribution's installed metadata) or ``pydoc-topics`` (CPython's
             ``pydoc_data.topics.topics``: the language reference, topics joined in sorted key order).
-        tokens: tokens of the text to score (the first ones, no BOS); ``kvpage eval --tokens`` overrides it.
+        tokens: tokens of the text to score (the first ones, a BOS the tokenizer adds included); ``kvpage eval
+            --tokens`` overrides it.
         version_of: what decides the text's bytes: ``python`` (the interpreter's version) or a distribution
             name whose installed version is recorded (``None``: a system file, no version).
         recorded_version: that version when ``recorded_sha256`` was taken.
@@ -234,18 +237,22 @@ def resolve_member(member: SuiteMember) -> ResolvedText:
                         sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
-def member_token_ids(tokenizer: Any, resolved: ResolvedText, num_tokens: int | None = None) -> list[int]:
-    """The first ``num_tokens`` (default ``resolved.member.tokens``) token ids of a member's text, no BOS.
+def member_token_ids(tokenizer: Any, resolved: ResolvedText, num_tokens: int | None = None, *,
+                     bos: bool | None = None) -> list[int]:
+    """The first ``num_tokens`` (default ``resolved.member.tokens``) token ids of a member's text.
 
-    The whole text is tokenized, then cut, so the ids are those of the text, not of a truncated string.
+    The whole text is tokenized (:func:`~kvpage.model.encode.encode_text`; ``bos`` as there: ``None`` follows
+    the tokenizer, so BOS comes first where it adds one), then cut, so the ids are those of the text, not of
+    a truncated string.
 
     Raises:
-        ValueError: the text has fewer tokens than asked for, or fewer than 2 are asked for.
+        ValueError: the text has fewer tokens than asked for, or fewer than 2 are asked for; ``bos=True`` with a
+            tokenizer that has no BOS token.
     """
     n = resolved.member.tokens if num_tokens is None else num_tokens
     if n < 2:
         raise ValueError(f"need at least 2 tokens, got {n}")
-    ids = list(tokenizer.encode(resolved.text, add_special_tokens=False))
+    ids = encode_text(tokenizer, resolved.text, bos=bos)
     if len(ids) < n:
         raise ValueError(f"suite member {resolved.member.name!r} ({resolved.origin}) has only {len(ids)} tokens; "
                          f"asked for {n}")

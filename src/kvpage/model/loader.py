@@ -171,7 +171,8 @@ def apply_chat_template(
 
     Returns:
         Token ids, exactly as ``tokenizer.apply_chat_template(..., tokenize=True)``
-        produces them (the rendered text encoded without adding special tokens).
+        produces them (the rendered text encoded without adding special tokens: the template
+        writes the BOS text itself, so a tokenizer that adds BOS does not double it).
         For SmolLM2 this is ChatML: starts with ``<|im_start|>`` (id 1) and the
         template's default system prompt.
 
@@ -191,7 +192,9 @@ def apply_chat_template(
     else:
         messages = [dict(m) for m in messages_or_prompt]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    from kvpage.model.encode import encode_text
+
+    return encode_text(tokenizer, text, bos=False)
 
 
 # -- GGUF ------------------------------------------------------------------------------------------

@@ -15,7 +15,11 @@ name                                                      type      meaning
 ========================================================  ========  ====================================================
 ``kvpage:num_requests_running``                           gauge     requests in the running batch
 ``kvpage:num_requests_waiting``                           gauge     requests queued (new or preempted)
-``kvpage:kv_cache_usage_perc``                            gauge     fraction of KV blocks in use, 0..1 (vLLM's name)
+``kvpage:kv_cache_usage_perc``                            gauge     fraction of KV blocks requests hold, 0..1 (vLLM's name
+                                                                    and meaning: 0 when idle)
+``kvpage:kv_cache_side_usage_perc``                       gauge     fraction of KV blocks lent as side space (int4/int2
+                                                                    16-bit tail slots, 8-bit first-block copies; copies
+                                                                    of cached prompts stay, reclaimable), 0..1
 ``kvpage:prefix_cache_hit_rate``                          gauge     prefix hits / queries since start, 0..1
 ``kvpage:prefix_cache_queries_total``                     counter   prompt tokens looked up in the prefix cache
 ``kvpage:prefix_cache_hits_total``                        counter   of those, tokens served from it
@@ -81,7 +85,10 @@ class _EngineStatsCollector(Collector):
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.num_waiting),
-            ("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use, 0..1.", s.kv_usage),
+            ("kv_cache_usage_perc", "KV-cache usage: fraction of blocks requests hold, 0..1.", s.kv_usage),
+            ("kv_cache_side_usage_perc", "Fraction of KV blocks lent as side space (quantize-on-seal tail slots and "
+             "first-block copies; reclaimable when idle), 0..1.",
+             getattr(s, "kv_side_usage", 0.0)),  # absent on a snapshot that predates it (a stand-in's)
             ("prefix_cache_hit_rate", "Prefix-cache hit rate since start (hit tokens / queried tokens).",
              s.kv.hit_rate),
         ):

@@ -6,31 +6,36 @@ Request models are *strict*, as OpenAI is: ``"max_tokens": "5"``,
 ``"stream": "yes"``, ``true`` for an integer or ``1.5`` for an integer are
 rejected; an integer is accepted where a number is (``"temperature": 1``) and
 an integral number where an integer is (``5.0``: JSON Schema's "integer").
-Unknown fields are ignored, as OpenAI and vLLM do.
+Unknown fields are ignored, as OpenAI and vLLM do. ``null`` in any optional field is its default
+(OpenAI documents them all as nullable; :mod:`kvpage.server.nullable`): ``"temperature": null`` is 1,
+``"n": null`` is 1, ``"stream": null`` is false; ``null`` in a required field (``model``, ``prompt``,
+``messages``) is a 400.
 
 Every range rule is a constraint here, so the OpenAPI schema states it and one
-place checks it:
+place checks it (the defaults, which ``null`` also selects, in brackets):
 
 ==========================  =================================================================
 field                       accepted
 ==========================  =================================================================
 ``model``                   string (the served name, else 404)
-``max_tokens``              integer >= 1 or null (prompt + max_tokens must fit the context:
-                            checked in :mod:`kvpage.server.app`, which knows the prompt's length)
-``max_completion_tokens``   integer >= 1 or null (chat; wins over ``max_tokens``)
-``temperature``             number in [0, 2]
-``top_p``                   number in (0, 1]
-``top_k``                   integer >= -1 (-1 and 0 disable it)
-``seed``                    integer in the int64 range, or null
-``stop``                    string or array of at most 4 strings, each non-empty, or null
+``max_tokens``              integer >= 1 [16; chat: the rest of the context] (prompt +
+                            max_tokens must fit the context: checked in :mod:`kvpage.server.app`,
+                            which knows the prompt's length)
+``max_completion_tokens``   integer >= 1 (chat; wins over ``max_tokens``)
+``temperature``             number in [0, 2] [1]
+``top_p``                   number in (0, 1] [1]
+``top_k``                   integer >= -1 (-1 and 0 disable it) [-1]
+``seed``                    integer in the int64 range [none: unseeded]
+``stop``                    string or array of at most 4 strings, each non-empty [none]
 ``stop_token_ids``          array of integers >= 0 (ids beyond the vocabulary: 400 in the app)
-``ignore_eos``, ``stream``  boolean
-``n``                       integer in [1, 128]: choices per request
-``stream_options``          object ``{"include_usage": boolean}``, only with ``stream: true``
+                            [``[]``]
+``ignore_eos``, ``stream``  boolean [false]
+``n``                       integer in [1, 128]: choices per request [1]
+``stream_options``          object ``{"include_usage": boolean}``, only with ``stream: true`` [none]
 ``prompt``                  non-empty string, non-empty array of token ids >= 0, or an
                             array of 1 to 128 of either (one prompt each; not mixed); prompts x
                             ``n`` at most 128 choices (checked in :mod:`kvpage.server.app`)
-``echo``                    false
+``echo``                    false [false]
 ``messages``                non-empty array of ``{"role", "content"}``; role ``system``,
                             ``developer``, ``user`` or ``assistant``; content a string or an
                             array of ``{"type": "text", "text"}`` parts (null only for ``assistant``)
@@ -53,6 +58,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvpage.engine.sampling import MAX_N, SamplingParams
+from kvpage.server.nullable import NullMeansDefault
 from kvpage.server.unsupported import OffChat, OffCommon, OffCompletion, integral
 
 #: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's); chat defaults to "until the context is full".
@@ -77,7 +83,7 @@ StopString = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(NullMeansDefault):
     """``stream_options``: ``include_usage`` adds a final chunk with the usage block."""
 
     model_config = _STRICT

@@ -17,7 +17,8 @@ field                                           accepted ("off") values
 ``tool_choice``, ``function_call``              null or ``"none"``
 ==============================================  ======================================================
 
-The request models of :mod:`kvpage.server.protocol` inherit these mixins.
+``null`` is each field's default, as for every optional field (:mod:`kvpage.server.nullable`): a null
+penalty is 0. The request models of :mod:`kvpage.server.protocol` inherit these mixins.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import json
 from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from kvpage.server.nullable import NullMeansDefault
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -76,7 +79,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False, **_schema
     "Only 0: this server applies no presence or frequency penalty.", {"type": "number", "const": 0}, nullable=False))]
 
 
-class OffCommon(BaseModel):
+class OffCommon(NullMeansDefault):
     """Both endpoints: penalties, ``logit_bias``, ``response_format``."""
 
     model_config = _STRICT
@@ -111,7 +114,7 @@ class OffCommon(BaseModel):
         return v
 
 
-class OffCompletion(BaseModel):
+class OffCompletion(NullMeansDefault):
     """``/v1/completions``: ``logprobs``, ``best_of``, ``suffix``."""
 
     model_config = _STRICT
@@ -146,7 +149,7 @@ class OffCompletion(BaseModel):
 
 
 
-class OffChat(BaseModel):
+class OffChat(NullMeansDefault):
     """``/v1/chat/completions``: ``logprobs``, ``top_logprobs``, tools and functions."""
 
     model_config = _STRICT
