@@ -1,0 +1,159 @@
+"""Case C31: speculative decoding is exact -- verification reads, at every position, what plain decoding reads there.
+
+A test drafter (:class:`PlainGreedyDrafter`, put in place of the engine's drafter) proposes the plain-greedy
+continuation, computed first by a run without speculation in the same format. Every draft is then correct, so
+for every KV format and draft length ``k`` every draft must be accepted and the output must be plain greedy's,
+token for token: a verification pass that reads another 16-bit / quantized mix than decoding (issue 29 item 4:
+the quantize-on-seal formats' full-precision window followed the pass's last query, so its earlier queries read
+blocks quantized that decoding reads from their 16-bit copy) rejects correct drafts and changes the output.
+The real methods (``ngram``, ``draft_model``, ``layer_skip``) must give plain greedy's output too.
+
+Tiny random Llamas with the byte tokenizer (:mod:`_tiny`); outputs of 120 tokens cross several blocks, seals and
+window moves; the quantize-on-seal formats run with block 16 and residual windows of 0, 16 and 48 tokens (and
+``int2``'s default window at its default block size, the issue's case).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from _tiny import tiny_loaded
+from kvpage import LLM, SamplingParams
+from kvpage.engine.scheduler import ScheduledRequestChunk
+from kvpage.engine.speculative.config import METHODS
+from kvpage.engine.speculative.proposer import Drafter, Proposal
+from kvpage.formats import BlockFormat, available_formats, get_format
+from kvpage.model.loader import LoadedModel
+from kvpage.scales import StaticScales
+
+LAYERS = 4
+MAX_TOKENS = 120
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+# two prompts that end at different offsets in a block, so drafts cross block ends at different phases
+PROMPTS = [[(37 * i + 5 * j) % 250 + 1 for j in range(21 + 10 * i)] for i in range(2)]
+FORMATS = [f for f in available_formats() if f != "auto"]
+SEALED = [f for f in FORMATS if isinstance(get_format(f), BlockFormat)]
+
+
+def _cases() -> list[Any]:
+    """(format, engine keywords) of every format; the quantize-on-seal ones with several residual windows."""
+    out = []
+    for f in FORMATS:
+        if f not in SEALED:
+            out.append(pytest.param(f, {}, id=f))
+            continue
+        for r in (0, 16, 48):
+            out.append(pytest.param(f, {"block_size": 16, "kv_quant_residual_tokens": r}, id=f"{f}-bs16-r{r}"))
+    out.append(pytest.param("int2", {}, id="int2-default"))  # block 32, the format's default window (32)
+    return out
+
+
+class PlainGreedyDrafter(Drafter):
+    """Proposes the next ``num_lookahead`` tokens of each request's plain-greedy sequence (always correct).
+
+    Args:
+        plain: prompt token ids -> the plain-greedy sequence (prompt + output) of that prompt.
+    """
+
+    def __init__(self, plain: dict[tuple[int, ...], list[int]]) -> None:
+        self.plain = plain
+
+    def propose(self, chunks: Sequence[ScheduledRequestChunk]) -> list[Proposal]:
+        """The plain continuation after each speculating request's tokens (deterministic drafts)."""
+        out = []
+        for c in chunks:
+            if not c.num_lookahead:
+                out.append(Proposal())
+                continue
+            have = c.request.all_token_ids
+            full = self.plain[tuple(c.request.prompt_token_ids)]
+            out.append(Proposal(tuple(full[len(have):len(have) + c.num_lookahead])))
+        return out
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return tiny_loaded(0, layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def draft() -> LoadedModel:
+    return tiny_loaded(1, layers=1)
+
+
+def _kw(fmt: str, extra: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {"kv_cache_dtype": fmt, "num_blocks": 128, "progress": False, **extra}
+    if fmt in ("int8_static", "fp8_static"):
+        kw["kv_cache_scales"] = StaticScales.uniform(LAYERS, 0.05, 0.05)
+    return kw
+
+
+_PLAIN: dict[tuple[str, str], list[list[int]]] = {}
+
+
+def _plain(target: LoadedModel, fmt: str, extra: dict[str, Any]) -> list[list[int]]:
+    """Plain greedy outputs of :data:`PROMPTS` in this format (computed once per format and settings)."""
+    key = (fmt, repr(sorted(extra.items())))
+    if key not in _PLAIN:
+        outs = LLM(target, **_kw(fmt, extra)).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        _PLAIN[key] = [o.outputs[0].token_ids for o in outs]
+    return _PLAIN[key]
+
+
+def _speculate(target: LoadedModel, fmt: str, extra: dict[str, Any], spec: dict[str, Any],
+               drafter: Drafter | None = None) -> tuple[list[list[int]], Any]:
+    llm = LLM(target, speculative_config=spec, **_kw(fmt, extra))
+    if drafter is not None:
+        llm.engine.drafter = drafter
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    st = llm.engine.stats().spec_decoding
+    assert st is not None
+    return [o.outputs[0].token_ids for o in outs], st
+
+
+def test_c31_cases_cover_every_format() -> None:
+    assert len(FORMATS) >= 11 and {"float32", "bfloat16", "int8", "fp8", "int4", "int2"} <= set(FORMATS)
+    assert set(SEALED) == {"int4", "int2"}
+    assert set(METHODS) == {"ngram", "draft_model", "layer_skip"}
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize(("fmt", "extra"), _cases())
+def test_c31_correct_drafts_are_all_accepted(target: LoadedModel, fmt: str, extra: dict[str, Any], k: int) -> None:
+    plain = _plain(target, fmt, extra)
+    full = {tuple(p): p + o for p, o in zip(PROMPTS, plain)}
+    outs, st = _speculate(target, fmt, extra, {"method": "ngram", "num_speculative_tokens": k},
+                          PlainGreedyDrafter(full))
+    assert st.num_draft_tokens >= len(PROMPTS) * (MAX_TOKENS - 2 * k) * k // (k + 1)  # drafts ran all along
+    assert (st.num_accepted_tokens, st.acceptance_rate) == (st.num_draft_tokens, 1.0), (
+        f"{st.num_draft_tokens - st.num_accepted_tokens} of {st.num_draft_tokens} correct drafts rejected")
+    for i, (a, b) in enumerate(zip(plain, outs)):
+        diff = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"prompt {i}: speculative output differs from plain greedy at token {diff}"
+
+
+def _method(name: str, draft: LoadedModel) -> dict[str, Any]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": draft,
+                        "draft_kv_cache_dtype": "int8"},  # (draft layers take token-wise formats only)
+        "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 2},
+    }[name]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("fmt", "extra"), [
+    pytest.param("int2", {}, id="int2-default"),
+    pytest.param("int4", {"block_size": 16, "kv_quant_residual_tokens": 16}, id="int4-bs16-r16"),
+    pytest.param("int8", {}, id="int8"),
+])
+def test_c31_every_method_gives_plain_greedy(target: LoadedModel, draft: LoadedModel, fmt: str,
+                                             extra: dict[str, Any], method: str) -> None:
+    plain = _plain(target, fmt, extra)
+    outs, st = _speculate(target, fmt, extra, _method(method, draft))
+    assert st.num_draft_tokens > 0
+    for i, (a, b) in enumerate(zip(plain, outs)):
+        diff = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"prompt {i}: {method} output differs from plain greedy at token {diff}"
