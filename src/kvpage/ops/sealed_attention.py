@@ -17,7 +17,9 @@ in the tail dtype, in the step that seals it; the open slot before): KIVI's
 group being filled stays in full precision, and it makes one rule for every
 schedule -- decode, prefill in whole-block chunks and a prefix hit (which starts
 at a block boundary) read the same keys, so chunked evaluation with
-``chunk_size == block_size`` is decode's (:func:`sealed_request_attention`). The
+``chunk_size == block_size`` is decode's (:func:`sealed_request_attention`). Each query reads the window copies
+of its own window (the ``window_blocks`` blocks before its own): a verification pass whose queries cross a block
+end reads, at every position, what decoding reads there (:func:`sealed_request`; issue 29). The
 attention itself is the reference path of :mod:`kvpage.ops.attention`: float32
 on the CPU, each request over exactly its own context. This is the KIVI read
 (quantized history + full-precision residual, concatenated) built first as a
@@ -161,7 +163,7 @@ class WindowCopies:
 
 def _own_and_window(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: RequestRead, batch: SealBatch, block_size: int,
-    params: LayerAttention, first: int, copies: WindowCopies,
+    params: LayerAttention, first: int, copies: WindowCopies | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The keys, values and ``[n, keys]`` mask of :func:`sealed_request_attention`: the stored context, then the
     window copies, then the rows sealed now (no side effects)."""
@@ -177,7 +179,7 @@ def _own_and_window(
     vs: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
     key_pos: list[torch.Tensor] = []
-    if copies.blocks.numel():
+    if copies is not None and copies.blocks.numel():
         w, cb = read.window_blocks, copies.blocks.to(dev)                                      # [c]
         reads_copy = (cb[None, :] >= (qblk - w)[:, None]) & (cb[None, :] < qblk[:, None])     # [n, c]
         by_block = torch.zeros((n, -(-s // bs)), dtype=torch.bool, device=dev)
@@ -223,11 +225,8 @@ def sealed_request_attention(
     window (keys at positions ``> pos - sliding_window`` only; ``first`` at most :func:`first_read_block`) and
     soft-cap. No side effects.
     """
-    sealed_now = bool(read.sealed_now) and batch.keys is not None and batch.values is not None
-    if copies is None:
-        if not sealed_now:
-            return request_attention(q, keys, values, params)
-        copies = WindowCopies(torch.zeros(0, dtype=torch.long), keys[:0], values[:0])
+    if copies is None and (not read.sealed_now or batch.keys is None or batch.values is None):
+        return request_attention(q, keys, values, params)
     k_all, v_all, mask = _own_and_window(q, keys, values, read, batch, block_size, params, first, copies)
     return masked_attention(q, k_all, v_all, mask, params)
 
