@@ -187,9 +187,9 @@ def _layer(fmt: str, bs: int, w: int, k: int, ops: AttentionBackend) -> tuple[KV
 
 
 def _step(m: KVCache, attn: GroupAttention, req: KVRequest, pos: int, q: torch.Tensor, k: torch.Tensor,
-          v: torch.Tensor, d: int) -> torch.Tensor:
-    """One step of ``len(q)`` tokens at ``pos``, the last ``d`` of them drafts (all kept): allocate, plan, attend,
-    commit, keep every token."""
+          v: torch.Tensor, d: int, keep: int | None = None) -> torch.Tensor:
+    """One step of ``len(q)`` tokens at ``pos``, the last ``d`` of them drafts: allocate, plan, attend, commit,
+    keep the first ``keep`` tokens (default all; the rest are rejected and rolled back)."""
     n, bs = q.shape[0], m.block_size
     m.begin_step()
     if m.has_request(req.request_id):
@@ -206,39 +206,46 @@ def _step(m: KVCache, attn: GroupAttention, req: KVRequest, pos: int, q: torch.T
     finally:
         attn.finish()
     m.commit(plan)
-    m.rollback(req, pos + n)
+    m.rollback(req, pos + (n if keep is None else keep))
     return out
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("accept", ["all", "some"])
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("w", [0, 1, 3])
 @pytest.mark.parametrize("fmt", SEALED)
-def test_c31_verification_reads_what_decoding_reads(fmt: str, w: int, k: int, backend: str) -> None:
-    """Block size 4, a prompt of 5, then 35 tokens decoded one by one -- or verified ``k + 1`` at a time with all
-    ``k`` drafts kept: every position's attention output equals decoding's (atol 1e-5; a block read quantized
-    instead of from its 16-bit copy is off by the format's rounding), and so do the sealed pool bytes."""
+def test_c31_verification_reads_what_decoding_reads(fmt: str, w: int, k: int, accept: str, backend: str) -> None:
+    """Block size 4, a prompt of 5, then 35 tokens decoded one by one -- or verified ``k + 1`` at a time, keeping
+    all ``k`` drafts, or (``some``) the first ``0, 1, .., k`` correct ones in turn, the others wrong and rolled
+    back: every kept position's attention output equals decoding's (atol 1e-5; a block read quantized instead of
+    from its 16-bit copy, or a rejected draft's rows left in a seal, is off by the format's rounding or more),
+    and so do the sealed pool bytes."""
     ops = ReferenceBackend() if backend == "reference" else cpu_backend()
     assert ops is not None, "kvpage's CPU kernels did not build"
     torch.manual_seed(0)
     total, plen, bs = 40, 5, 4
     q, kk, v = torch.randn(total, 4, 16), torch.randn(total, 2, 16), torch.randn(total, 2, 16)
     kk[:, :, 3] *= 20  # an outlier key channel: quantized blocks read far from their 16-bit copies
+    wrong = torch.randn(k, 4, 16), 5 * torch.randn(k, 2, 16), torch.randn(k, 2, 16)  # rejected drafts' q, k, v
     runs = []
     for lookahead in (0, k):
         m, attn, cache = _layer(fmt, bs, w, k, ops)
         req = KVRequest("r", list(range(total)), num_prompt_tokens=plen)
         _step(m, attn, req, 0, q[:plen], kk[:plen], v[:plen], 0)
-        outs, pos = {}, plen
+        outs, pos, step = {}, plen, 0
         while pos < total:
             n = min(lookahead + 1, total - pos)
-            o = _step(m, attn, req, pos, q[pos:pos + n], kk[pos:pos + n], v[pos:pos + n], n - 1)
-            outs.update({pos + i: o[i] for i in range(n)})
-            pos += n
+            good = n if accept == "all" else 1 + min(step % (k + 1), n - 1)  # the last sampled token + drafts kept
+            o = _step(m, attn, req, pos, *(torch.cat([x[pos:pos + good], bad[:n - good]])
+                                            for x, bad in zip((q, kk, v), wrong)), n - 1, good)
+            outs.update({pos + i: o[i] for i in range(good)})
+            pos, step = pos + good, step + 1
         table = list(m.block_ids("r"))[: total // bs]
         runs.append((outs, {name: t[table].clone() for name, t in cache.items()}))
     (dec, dec_pool), (ver, ver_pool) = runs
-    worst = max(range(plen, total), key=lambda p: (ver[p] - dec[p]).abs().max().item())
-    assert (ver[worst] - dec[worst]).abs().max().item() < 1e-5, f"position {worst} reads another mix than decoding"
+    err = {p: (ver[p] - dec[p]).abs().max().item() for p in range(plen, total)}
+    worst = max(err, key=err.__getitem__)
+    assert err[worst] < 1e-5, f"position {worst} reads another mix than decoding (max abs difference {err[worst]:.3g})"
     for name in dec_pool:
         assert torch.equal(ver_pool[name].view(torch.uint8), dec_pool[name].view(torch.uint8)), name
