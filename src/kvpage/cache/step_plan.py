@@ -63,6 +63,7 @@ class SealRead:
     open_slot: int | None
     open_len: int
     sealed_now: tuple[tuple[int, int, int | None], ...] = ()
+    window_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,10 @@ class RequestRead:
 
     Attributes:
         full_ids: ``[num_full]`` int64 pool ids of its full (sealed) blocks, in order.
-        fp_blocks: ``(block index, slot)`` of full blocks read from a 16-bit window copy.
+        fp_blocks: ``(block index, slot)`` of full blocks holding a 16-bit window copy that a query of this
+            pass reads: the query at position ``p`` reads block ``j``'s copy when ``p // block_size -
+            window_blocks <= j < p // block_size`` (its own window, as decoding at ``p`` reads it), the block
+            as stored otherwise. When all the pass's queries lie in one block they all read every copy.
         sink_slot: sink slot of its first block, or ``None`` (read the quantized block).
         open_slot: slot of its partial last block, or ``None`` when the context fills whole blocks.
         open_len: tokens in the partial block (0 when ``open_slot`` is ``None``).
@@ -29,6 +32,8 @@ class RequestRead:
             open slot while it is partial, from these rows in the step that seals it -- and
             every earlier block as stored, so prefill in whole-block chunks, decode and a
             prefix hit all read the same thing (see :mod:`kvpage.ops.sealed_attention`).
+        window_blocks: blocks before a query's own block that it reads from their window copies (KIVI's
+            residual window, ``ceil(kv_quant_residual_tokens / block_size)``).
     """
 
     full_ids: torch.Tensor
@@ -37,6 +42,7 @@ class RequestRead:
     open_slot: int | None
     open_len: int
     sealed_now: tuple[tuple[int, int, int | None], ...] = ()
+    window_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

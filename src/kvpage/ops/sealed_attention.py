@@ -17,7 +17,9 @@ in the tail dtype, in the step that seals it; the open slot before): KIVI's
 group being filled stays in full precision, and it makes one rule for every
 schedule -- decode, prefill in whole-block chunks and a prefix hit (which starts
 at a block boundary) read the same keys, so chunked evaluation with
-``chunk_size == block_size`` is decode's (:func:`sealed_request_attention`). The
+``chunk_size == block_size`` is decode's (:func:`sealed_request_attention`). Each query reads the window copies
+of its own window (the ``window_blocks`` blocks before its own): a verification pass whose queries cross a block
+end reads, at every position, what decoding reads there (:func:`sealed_request`; issue 29). The
 attention itself is the reference path of :mod:`kvpage.ops.attention`: float32
 on the CPU, each request over exactly its own context. This is the KIVI read
 (quantized history + full-precision residual, concatenated) built first as a
@@ -143,55 +145,117 @@ def first_read_block(params: LayerAttention, seq_len: int, num_new: int, block_s
     return max(0, seq_len - num_new - params.sliding_window + 1) // block_size
 
 
-def sealed_request_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: RequestRead, batch: SealBatch,
-    block_size: int, params: LayerAttention = PLAIN, first: int = 0,
-) -> torch.Tensor:
-    """Attention of one request's new tokens, each reading its own block at full precision.
+@dataclass(frozen=True, slots=True)
+class WindowCopies:
+    """One request's 16-bit window copies (:attr:`RequestRead.fp_blocks`) as extra keys, for a pass whose queries
+    lie in several blocks and so read different windows (:func:`read_window_copies`).
 
-    ``keys``/``values`` (``[s - first * block_size, kv_heads, head_dim]``, from :func:`read_sealed_context`)
-    hold every block from block ``first`` on as stored. A query whose block this step sealed
-    (``read.sealed_now``) reads that block's rows from ``batch`` instead, up to its own position; every other
-    key as stored, causally. Without blocks sealed now this is :func:`~kvpage.ops.causal.request_attention`.
-    ``q``: ``[n, num_heads, head_dim]`` queries of positions ``s - n .. s - 1``; returns ``[n, num_heads,
-    head_dim]`` in ``keys.dtype``. ``params``: the layer's scale, window (keys at positions
-    ``> pos - sliding_window`` only; ``first`` at most :func:`first_read_block`) and soft-cap. No side effects.
+    Attributes:
+        blocks: ``[c]`` int64 block index of each copy, ascending.
+        keys: ``[c * block_size, kv_heads, head_dim]`` their rows, block after block.
+        values: likewise (a key-only layer's values are its keys).
     """
-    if not read.sealed_now or batch.keys is None or batch.values is None:
-        return request_attention(q, keys, values, params)
+
+    blocks: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _own_and_window(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: RequestRead, batch: SealBatch, block_size: int,
+    params: LayerAttention, first: int, copies: WindowCopies | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys, values and ``[n, keys]`` mask of :func:`sealed_request_attention`: the stored context, then the
+    window copies, then the rows sealed now (no side effects)."""
     bs, n, dev = block_size, q.shape[0], q.device
     off = first * bs
     s = off + keys.shape[0]
-    own = torch.tensor([j for j, _, _ in read.sealed_now], dtype=torch.long, device=dev)        # [f]
-    pick = torch.tensor([m for _, m, _ in read.sealed_now], dtype=torch.long, device=dev)
-    fk = batch.keys[pick].flatten(0, 1).to(keys.dtype)                                      # [f*bs, Hkv, D]
-    fv = batch.values[pick].flatten(0, 1).to(values.dtype)
     pos = s - n + torch.arange(n, device=dev)                                               # [n]
     qblk = pos // bs
-    fresh_own = torch.isin(qblk, own)                                                        # [n]
-    t = torch.arange(off, s, device=dev)
-    stored = (t[None, :] <= pos[:, None]) & ~(fresh_own[:, None] & ((t // bs)[None, :] == qblk[:, None]))
-    fpos = (own[:, None] * bs + torch.arange(bs, device=dev)).flatten()                       # [f*bs]
-    fresh = ((fpos // bs)[None, :] == qblk[:, None]) & (fpos[None, :] <= pos[:, None])
+    t = torch.arange(off, s, device=dev)                                                    # [s']
+    tblk = t // bs
+    stored = t[None, :] <= pos[:, None]                                                     # [n, s']
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    key_pos: list[torch.Tensor] = []
+    if copies is not None and copies.blocks.numel():
+        w, cb = read.window_blocks, copies.blocks.to(dev)                                      # [c]
+        reads_copy = (cb[None, :] >= (qblk - w)[:, None]) & (cb[None, :] < qblk[:, None])     # [n, c]
+        by_block = torch.zeros((n, -(-s // bs)), dtype=torch.bool, device=dev)
+        by_block[:, cb] = reads_copy
+        stored &= ~by_block[:, tblk]  # a block a query reads from its copy is not read as stored
+        ks.append(copies.keys.to(keys.dtype))
+        vs.append(copies.values.to(values.dtype))
+        masks.append(reads_copy.repeat_interleave(bs, dim=1))                               # [n, c*bs]
+        key_pos.append((cb[:, None] * bs + torch.arange(bs, device=dev)).flatten())
+    if read.sealed_now and batch.keys is not None and batch.values is not None:
+        own = torch.tensor([j for j, _, _ in read.sealed_now], dtype=torch.long, device=dev)    # [f]
+        pick = torch.tensor([m for _, m, _ in read.sealed_now], dtype=torch.long, device=dev)
+        fresh_own = torch.isin(qblk, own)                                                    # [n]
+        stored &= ~(fresh_own[:, None] & (tblk[None, :] == qblk[:, None]))
+        fpos = (own[:, None] * bs + torch.arange(bs, device=dev)).flatten()                   # [f*bs]
+        ks.append(batch.keys[pick].flatten(0, 1).to(keys.dtype))                            # [f*bs, Hkv, D]
+        vs.append(batch.values[pick].flatten(0, 1).to(values.dtype))
+        masks.append(((fpos // bs)[None, :] == qblk[:, None]) & (fpos[None, :] <= pos[:, None]))
+        key_pos.append(fpos)
     if params.sliding_window is not None:
-        stored &= t[None, :] > (pos - params.sliding_window)[:, None]
-        fresh &= fpos[None, :] > (pos - params.sliding_window)[:, None]
-    mask = torch.cat([stored, fresh], dim=1)                                                # [n, s + f*bs]
-    return masked_attention(q, torch.cat([keys, fk]), torch.cat([values, fv]), mask, params)
+        lo = (pos - params.sliding_window)[:, None]
+        stored &= t[None, :] > lo
+        masks = [m & (p[None, :] > lo) for m, p in zip(masks, key_pos)]
+    return torch.cat([keys, *ks]), torch.cat([values, *vs]), torch.cat([stored, *masks], dim=1)
+
+
+def sealed_request_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: RequestRead, batch: SealBatch,
+    block_size: int, params: LayerAttention = PLAIN, first: int = 0, copies: WindowCopies | None = None,
+) -> torch.Tensor:
+    """Attention of one request's new tokens, each reading what decoding reads at its position.
+
+    ``keys``/``values`` (``[s - first * block_size, kv_heads, head_dim]``, from :func:`read_sealed_context`)
+    hold every block from block ``first`` on as stored -- with the window copies (``read.fp_blocks``) in place
+    when ``copies`` is ``None``, which is exact when all queries lie in one block (they share one window);
+    without them when ``copies`` gives them apart (:func:`read_window_copies`): then the query at position
+    ``p`` reads the copy of each block of its own window (``p // block_size - read.window_blocks <= j <
+    p // block_size``) and every other block as stored. A query whose block this step sealed
+    (``read.sealed_now``) reads that block's rows from ``batch`` instead, up to its own position; every other
+    key causally. Without blocks sealed now or copies apart this is
+    :func:`~kvpage.ops.causal.request_attention`. ``q``: ``[n, num_heads, head_dim]`` queries of positions
+    ``s - n .. s - 1``; returns ``[n, num_heads, head_dim]`` in ``keys.dtype``. ``params``: the layer's scale,
+    window (keys at positions ``> pos - sliding_window`` only; ``first`` at most :func:`first_read_block`) and
+    soft-cap. No side effects.
+    """
+    if copies is None and (not read.sealed_now or batch.keys is None or batch.values is None):
+        return request_attention(q, keys, values, params)
+    k_all, v_all, mask = _own_and_window(q, keys, values, read, batch, block_size, params, first, copies)
+    return masked_attention(q, k_all, v_all, mask, params)
+
+
+def read_window_copies(tail: Mapping[str, torch.Tensor], spec: LayerSpec, read: RequestRead, dtype: torch.dtype,
+                       first: int = 0) -> WindowCopies:
+    """The request's window copies from block ``first`` on (block 0's only without a first-block copy, which
+    :func:`read_sealed` reads instead), in ``dtype``. No side effects."""
+    bs = spec.block_size
+    blocks = [(j, slot) for j, slot in read.fp_blocks if j >= first and not (j == 0 and read.sink_slot is not None)]
+    dev = tail[KEY].device
+    rows = torch.tensor([slot * bs + r for _, slot in blocks for r in range(bs)], dtype=torch.long, device=dev)
+    keys = tail[KEY][rows].to(dtype)                                                         # [c*bs, Hkv, D]
+    values = tail[VALUE][rows].to(dtype) if spec.has_value else keys
+    return WindowCopies(torch.tensor([j for j, _ in blocks], dtype=torch.long, device=dev), keys, values)
 
 
 def read_sealed(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
-    spec: LayerSpec, kind: str, read: RequestRead, dtype: torch.dtype, first: int = 0,
+    spec: LayerSpec, kind: str, read: RequestRead, dtype: torch.dtype, first: int = 0, *, copies: bool = True,
 ) -> torch.Tensor:
     """One request's context keys or values from block ``first`` on (a windowed layer's earlier blocks are never
     read: :func:`first_read_block`), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype`` (no
-    side effects)."""
+    side effects). ``copies``: blocks with a window copy (``read.fp_blocks``) read from it; ``False``: as stored."""
     bs, d = spec.block_size, spec.head_dim
     rows = tail[kind]
     ids = read.full_ids[first:]
     full = fmt.unseal({n: cache[n][ids] for n in fmt.names(kind)}, kind, dtype, d)  # [nf - first, bs, Hkv, D]
-    for j, slot in read.fp_blocks:
+    for j, slot in read.fp_blocks if copies else ():
         if j >= first:
             full[j - first] = rows[slot * bs:(slot + 1) * bs]
     if read.sink_slot is not None and first == 0:
@@ -207,17 +271,37 @@ def read_sealed(
 
 def read_sealed_context(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
-    spec: LayerSpec, read: RequestRead, dtype: torch.dtype, first: int = 0,
+    spec: LayerSpec, read: RequestRead, dtype: torch.dtype, first: int = 0, *, copies: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's keys and values from block ``first`` on (:func:`read_sealed` of each),
-    ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype``.
+    """One request's keys and values from block ``first`` on (:func:`read_sealed` of each, ``copies`` as
+    there), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype``.
 
     A key-only layer's values are its keys. No side effects.
     """
-    keys = read_sealed(cache, tail, fmt, sink_format, spec, KEY, read, dtype, first)
+    keys = read_sealed(cache, tail, fmt, sink_format, spec, KEY, read, dtype, first, copies=copies)
     if not spec.has_value:
         return keys, keys
-    return keys, read_sealed(cache, tail, fmt, sink_format, spec, VALUE, read, dtype, first)
+    return keys, read_sealed(cache, tail, fmt, sink_format, spec, VALUE, read, dtype, first, copies=copies)
+
+
+def sealed_request(
+    q: torch.Tensor, cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat,
+    ctx: SealContext, spec: LayerSpec, read: RequestRead, batch: SealBatch, seq_len: int,
+    params: LayerAttention = PLAIN,
+) -> torch.Tensor:
+    """Read one request's context and attend (:func:`read_sealed_context`, :func:`sealed_request_attention`).
+
+    ``q``: ``[n, num_heads, head_dim]`` its queries (positions ``seq_len - n .. seq_len - 1``), in the dtype the
+    context is read and attended in; returns ``[n, num_heads, head_dim]`` in that dtype. Queries in several
+    blocks (a verification pass crossing a block end) read different windows: the copies then come apart
+    (:func:`read_window_copies`), so each query reads what decoding reads at its position. No side effects.
+    """
+    bs, n = spec.block_size, q.shape[0]
+    first = first_read_block(params, seq_len, n, bs)
+    apart = bool(read.fp_blocks) and (seq_len - n) // bs != (seq_len - 1) // bs
+    keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, q.dtype, first, copies=not apart)
+    copies = read_window_copies(tail, spec, read, q.dtype, first) if apart else None
+    return sealed_request_attention(q, keys, vals, read, batch, bs, params, first, copies)
 
 
 def sealed_attention_checks(
@@ -295,7 +379,5 @@ def sealed_attention(
     qsl = meta.query_start_loc
     for i, read in enumerate(plan.reads):
         a, b = qsl[i], qsl[i + 1]
-        first = first_read_block(params, meta.seq_lens[i], b - a, spec.block_size)
-        keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, adtype, first)  # [s', Hkv, D]
-        out[a:b] = sealed_request_attention(qa[a:b], keys, vals, read, batch, spec.block_size, params, first)
+        out[a:b] = sealed_request(qa[a:b], cache, tail, fmt, ctx, spec, read, batch, meta.seq_lens[i], params)
     return out.to(q.dtype)

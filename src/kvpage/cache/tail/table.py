@@ -77,9 +77,10 @@ class TailTable(TailEntries):
         """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
 
         **Drafts** (speculative verification, issue 14): the last ``draft_lens[i]`` positions of request ``i``'s
-        context are unverified. A block that fills and holds one is sealed as usual -- this step's queries read
-        what a non-speculative chunk of the same tokens reads: blocks before a query's own as stored, its own
-        at full precision -- but is *provisional*: its 16-bit slot keeps all its rows (taken if it had none)
+        context are unverified. A block that fills and holds one is sealed as usual -- each query of this step
+        reads what decoding reads at its position: its own block at full precision, the blocks of its own
+        window from their 16-bit copies (the reads' ``fp_blocks`` cover every query's window, issue 29), the
+        others as stored -- but is *provisional*: its 16-bit slot keeps all its rows (taken if it had none)
         and is not freed by :meth:`finish`, until :meth:`rollback` verifies it (the slot goes, or stays as a
         window copy) or reopens it (the slot is its open slot again; the next plan seals it anew). The window
         (which sealed blocks keep a copy, which copies are pushed out) follows the verified length
@@ -226,10 +227,14 @@ class TailTable(TailEntries):
                     tail_src.append(row0 + t - first)
             row0 += n
         reads = []
-        for table, s, owner, mine in zip(block_tables, seq_lens, owners, sealed_now):
+        for table, s, n, owner, mine in zip(block_tables, seq_lens, query_lens, owners, sealed_now):
             nfull = s // bs
+            # Each query reads the copies of its own window (the w blocks before its block), as decoding at its
+            # position does: the copies of every query's window, from the first query's on (a verification
+            # pass's first query is its last verified one, whose window the pushed-out copies above kept).
             fp_blocks = tuple(
-                (j, self._slot[int(table[j])]) for j in range(max(0, (s - 1) // bs - w), min(nfull, (s - 1) // bs))
+                (j, self._slot[int(table[j])])
+                for j in range(max(0, (s - max(n, 1)) // bs - w), min(nfull, (s - 1) // bs))
                 if int(table[j]) in self._window and self._window[int(table[j])] == owner
             )
             open_slot = None
@@ -248,6 +253,7 @@ class TailTable(TailEntries):
                     open_slot=open_slot,
                     open_len=s % bs,
                     sealed_now=tuple(mine),
+                    window_blocks=w,
                 )
             )
         return SealOps(

@@ -40,14 +40,7 @@ from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
-from kvpage.ops.sealed_attention import (
-    SealContext,
-    first_read_block,
-    read_sealed_context,
-    sealed_attention_checks,
-    sealed_request_attention,
-    write_sealed_kv,
-)
+from kvpage.ops.sealed_attention import SealContext, sealed_attention_checks, sealed_request, write_sealed_kv
 from kvpage.spec import LayerSpec
 
 #: Requests with at most this many new tokens attend in the fused kernel; longer runs use SDPA.
@@ -181,13 +174,17 @@ class CpuBackend(AttentionBackend):
                 kind[j], ids[j] = 1, slot
             if read.sink_slot is not None:
                 kind[0], ids[0] = 2, read.sink_slot
-            if read.sealed_now:
-                # A query reads its own block at full precision (sealed_request_attention). The kernel reads
-                # one source per block for all of a request's queries: it serves the request only when they
-                # all lie in the one block sealed now and its slot still holds the rows (decode).
-                s, n = meta.seq_lens[i], qsl[i + 1] - qsl[i]
+            s, n = meta.seq_lens[i], qsl[i + 1] - qsl[i]
+            if n and (s - n) // bs != (s - 1) // bs:
+                # Queries in several blocks read different windows (their own, as decoding does) and their own
+                # blocks at full precision (sealed_request_attention): the kernel reads one source per block for
+                # all of a request's queries, so such a request attends through SDPA.
+                sdpa.add(i)
+            elif read.sealed_now:
+                # A query reads its own block at full precision. The kernel serves the request when they all
+                # lie in the one block sealed now and its slot still holds the rows (decode).
                 j, _, own_slot = read.sealed_now[0]
-                if len(read.sealed_now) > 1 or own_slot is None or (s - n) // bs != j or (s - 1) // bs != j:
+                if len(read.sealed_now) > 1 or own_slot is None or (s - n) // bs != j:
                     sdpa.add(i)
                 else:
                     kind[j], ids[j] = 1, own_slot
@@ -317,11 +314,8 @@ class CpuBackend(AttentionBackend):
         dt = _sdpa_dtype(qa.dtype)
         for i in sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            read = ctx.plan.reads[i]
-            first = first_read_block(params, meta.seq_lens[i], b - a, spec.block_size)
-            keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt, first)
-            out[a:b] = sealed_request_attention(qa[a:b].to(dt), keys, vals, read, batch, spec.block_size, params,
-                                                first)
+            out[a:b] = sealed_request(qa[a:b].to(dt), cache, tail, fmt, ctx, spec, ctx.plan.reads[i], batch,
+                                      meta.seq_lens[i], params)
         return out
 
 
