@@ -9,8 +9,10 @@ the first block's 8-bit copy, and shift every block boundary of the row (the reg
 
 The model is a tiny random Llama from a config (seeded, float32); teacher forcing feeds both the batch and
 the rows alone the same tokens, the batch with transformers' attention mask and count-based position ids (as
-``generate`` builds them). Measured on float32 here: the padded row's KL to its run alone stays below 1e-9
-for every format (float rounding); the bound is 1e-5.
+``generate`` builds them). Measured here (float32 model, KL in float64), every row's max KL to its run
+alone: 2e-12 .. 6e-12 (float32 rounding), up to 1e-7 where the batch's matmuls round a value across a code or
+storage boundary (an ``int8`` row without pads, ``bfloat16``, ``fp8``); before the fix 0.20 .. 0.38 for the
+padded row under ``int4``. The bound is 1e-5.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ SHORT, STEPS, KL_BOUND = 19, 30, 1e-5
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    return tiny_model("llama")
+    return tiny_model("llama", num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -77,42 +79,59 @@ def _forced_logits(model, cache, prompts: list[list[int]], forced: torch.Tensor)
 
 def _max_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     """Largest per-step KL(p || q) over ``[steps, vocab]`` logits."""
-    p = F.log_softmax(p_logits, -1)
-    return F.kl_div(F.log_softmax(q_logits, -1), p, log_target=True, reduction="none").sum(-1).max().item()
+    p, q = F.log_softmax(p_logits.double(), -1), F.log_softmax(q_logits.double(), -1)
+    return F.kl_div(q, p, log_target=True, reduction="none").sum(-1).max().item()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_padded_row_reads_what_it_reads_alone(model, scales, fmt: str) -> None:
-    """Every format, pads of one token, one block, three blocks and a block plus three: both rows of the batch
-    agree with their runs alone to float rounding at each of 30 teacher-forced steps."""
+    """Every format, pads of one token, one block, three blocks and a block plus three: the padded row agrees
+    with its run alone to float rounding at each of 30 teacher-forced steps (and so does the row without pads)."""
     found = {}
+    long_row, short_row, forced = _rows(5, max(PADS))
+    alone = [_forced_logits(model, _cache(model, fmt, scales), [row], forced[r: r + 1])[0]
+             for r, row in enumerate((long_row, short_row))]          # the short row is the same for every pad
     for pad in PADS:
-        long_row, short_row, forced = _rows(5, pad)
-        both = _forced_logits(model, _cache(model, fmt, scales), [long_row, short_row], forced)
-        for r, row in enumerate((long_row, short_row)):
-            alone = _forced_logits(model, _cache(model, fmt, scales), [row], forced[r: r + 1])
-            found[(pad, r)] = _max_kl(alone[0], both[r])
+        both = _forced_logits(model, _cache(model, fmt, scales), [long_row[: SHORT + pad], short_row], forced)
+        found[("padded row", pad)] = _max_kl(alone[1], both[1])
+        if pad == max(PADS):
+            found[("row without pads", pad)] = _max_kl(alone[0], both[0])
     assert max(found.values()) <= KL_BOUND, {k: f"{v:.2e}" for k, v in found.items() if v > KL_BOUND}
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "int8_rotated", *SEALED])
-def test_generate_with_left_padding_equals_each_row_alone(model, scales, fmt: str) -> None:
-    """``model.generate(batch, attention_mask=...)`` with a KVPageCache: each row's greedy continuation is the
-    one it gets alone (the cache takes the rows' padding from the position ids ``generate`` passes)."""
-    g = torch.Generator().manual_seed(9)
-    rows = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (23, 22, 12, 20)]  # pads 0, 1, 11, 3
-    width = max(map(len, rows))
+def _generate_rows(model, fmt: str, scales, lengths: list[int], family_seed: int = 9) -> KVPageCache:
+    """Greedy ``generate`` of left-padded rows of ``lengths`` tokens equals each row's greedy run alone; returns
+    the batch's cache."""
+    g = torch.Generator().manual_seed(family_seed)
+    rows = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    width = max(lengths)
     batch = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    kw = dict(max_new_tokens=20, min_new_tokens=20)
+    kw = dict(max_new_tokens=16, min_new_tokens=16)
     cache = _cache(model, fmt, scales)
     out = generate(model, batch, cache, attention_mask=mask, **kw)[:, width:]
     for i, r in enumerate(rows):
         alone = generate(model, torch.tensor([r]), _cache(model, fmt, scales), **kw)[0, len(r):]
-        assert out[i].tolist() == alone.tolist(), (fmt, i)
-    if fmt in SEALED:   # a padded row holds only its own tokens' blocks
-        layer = cache.layers[0]
-        assert layer.pads == [width - len(r) for r in rows]
+        assert out[i].tolist() == alone.tolist(), (fmt, i, width - len(r))
+    assert all(layer.pads == [width - n for n in lengths] for layer in cache.layers)
+    return cache
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_generate_with_left_padding_equals_each_row_alone(model, scales, fmt: str) -> None:
+    """``model.generate(batch, attention_mask=...)`` with a KVPageCache, rows padded by 0, 1, 8, 11 and 24 tokens:
+    each row's greedy continuation is the one it gets alone (the cache reads the rows' pads from the position
+    ids ``generate`` passes)."""
+    _generate_rows(model, fmt, scales, [SHORT + max(PADS)] + [SHORT + max(PADS) - p for p in PADS])
+
+
+@pytest.mark.parametrize("fmt", SEALED)
+def test_generate_with_left_padding_on_sliding_window_layers(scales, fmt: str) -> None:
+    """Sliding-window layers (window 24 = 3 blocks) free the blocks that slid out of every row's window,
+    counted in each row's own stream; a padded row still generates what it generates alone."""
+    model = tiny_model("mistral_sliding", num_hidden_layers=2)
+    cache = _generate_rows(model, fmt, None, [SHORT + max(PADS)] + [SHORT + max(PADS) - p for p in PADS])
+    assert all(layer.table.first > 0 for layer in cache.layers)   # blocks slid out and were freed
 
 
 @pytest.mark.parametrize("fmt", SEALED)
