@@ -134,6 +134,22 @@ def test_generate_with_left_padding_on_sliding_window_layers(scales, fmt: str) -
     assert all(layer.table.first > 0 for layer in cache.layers)   # blocks slid out and were freed
 
 
+def test_beam_search_over_left_padded_rows_equals_each_row_alone(model) -> None:
+    """Beams of rows with different pads share blocks (copy-on-write) in each row's own stream: ``int4`` beam
+    search over a padded batch returns, per row, the beams the row gets alone."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (30, 19)]
+    batch = torch.tensor([[0] * (30 - len(r)) + r for r in rows])
+    mask = (batch != 0).long()
+    kw = dict(max_new_tokens=20, min_new_tokens=20, num_beams=3, num_return_sequences=3)
+    cache = _cache(model, "int4", None)
+    out = generate(model, batch, cache, attention_mask=mask, **kw)[:, 30:]
+    for i, r in enumerate(rows):
+        alone = generate(model, torch.tensor([r]), _cache(model, "int4", None), **kw)[:, len(r):]
+        assert out[3 * i: 3 * i + 3].tolist() == alone.tolist(), i
+    assert cache.layers[0].pads == [0, 0, 0, 11, 11, 11]
+
+
 @pytest.mark.parametrize("fmt", SEALED)
 def test_set_padding_without_position_ids(model, scales, fmt: str) -> None:
     """A forward loop that passes the attention mask but no position ids (the model counts positions from the

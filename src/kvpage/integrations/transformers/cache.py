@@ -13,6 +13,11 @@ bytes, as in kvpage's engine; each model layer gets a :class:`~kvpage.integratio
 (token-wise formats) or :class:`~kvpage.integrations.transformers.sealed.SealedKVPageLayer` (block-wise
 ``int4``/``int2``) over its own paged pool. transformers' attention receives dequantized keys and values: the
 cache saves memory per token, not attention time.
+
+Left padding: each batch row's left pads are known to the cache from its first update (the ``position_ids``
+transformers' ``generate`` passes count a row's positions from its first real token; or
+:meth:`KVPageCache.set_padding`). Block-wise formats never store a pad: a row's blocks, quantization scales,
+window and 8-bit first block are those of the row run alone, so padding changes no row's numbers.
 """
 from __future__ import annotations
 
@@ -156,8 +161,10 @@ class KVPageCache(Cache):
         """Store layer ``layer_idx``'s new keys/values (``[batch, kv_heads, n, head_dim]``) and return its context.
 
         With ``kv_cache_dtype="auto"``, the first update of an empty cache resolves it to ``key_states.dtype``
-        (rebuilding the spec and the layers when the guess from the config differed). See
-        :meth:`KVPageLayer.update` for the result and the errors.
+        (rebuilding the spec and the layers when the guess from the config differed). On the first update of
+        a layer it takes each row's left pads (:meth:`set_padding`'s, else read from the step's
+        ``position_ids``). See :meth:`KVPageLayer.update` for the result and the errors; also
+        ``KVCacheLayoutError`` when :meth:`set_padding` was given another number of rows.
         """
         if (self._auto and isinstance(self.kv_format, FloatFormat) and key_states.dtype != self.kv_format.dtype
                 and not any(layer.is_initialized for layer in self.layers)):
