@@ -13,6 +13,11 @@ bytes, as in kvpage's engine; each model layer gets a :class:`~kvpage.integratio
 (token-wise formats) or :class:`~kvpage.integrations.transformers.sealed.SealedKVPageLayer` (block-wise
 ``int4``/``int2``) over its own paged pool. transformers' attention receives dequantized keys and values: the
 cache saves memory per token, not attention time.
+
+Left padding: each batch row's left pads are known to the cache from its first update (the ``position_ids``
+transformers' ``generate`` passes count a row's positions from its first real token; or
+:meth:`KVPageCache.set_padding`). Block-wise formats never store a pad: a row's blocks, quantization scales,
+window and 8-bit first block are those of the row run alone, so padding changes no row's numbers.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from kvpage.errors import KVCacheLayoutError
 from kvpage.formats import BlockFormat, FloatFormat, KVFormat, get_format
 from kvpage.integrations.transformers.layer import KVPageLayer
 from kvpage.integrations.transformers.layout import SLIDING, ModelLayout, check_transformers_version, model_layout
@@ -39,6 +45,15 @@ def _model_dtype(dtype: torch.dtype | None, config: Any) -> torch.dtype:
     if isinstance(d, str):
         d = getattr(torch, d, None)
     return d if isinstance(d, torch.dtype) and d.is_floating_point else torch.float32
+
+
+def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The step's ``position_ids`` among what transformers passes ``Cache.update`` (5.2x: ``kwargs=`` the
+    attention's keyword arguments; a ``cache_kwargs`` dict in earlier releases), else ``None``."""
+    for where in (kwargs, kwargs.get("kwargs"), *args):
+        if isinstance(where, dict) and isinstance(where.get("position_ids"), torch.Tensor):
+            return where["position_ids"]
+    return None
 
 
 class KVPageCache(Cache):
@@ -104,6 +119,7 @@ class KVPageCache(Cache):
         self._block_size = block_size or fmt.preferred_block_size
         self._scales = kv_cache_scales
         self.spec = self._build_spec(fmt, model_dtype)
+        self._padding: list[int] | None = None
         super().__init__(layers=self._make_layers(), offloading=False)
 
     # -- construction --------------------------------------------------------------------------
@@ -145,15 +161,83 @@ class KVPageCache(Cache):
         """Store layer ``layer_idx``'s new keys/values (``[batch, kv_heads, n, head_dim]``) and return its context.
 
         With ``kv_cache_dtype="auto"``, the first update of an empty cache resolves it to ``key_states.dtype``
-        (rebuilding the spec and the layers when the guess from the config differed). See
-        :meth:`KVPageLayer.update` for the result and the errors.
+        (rebuilding the spec and the layers when the guess from the config differed). On the first update of
+        a layer it takes each row's left pads (:meth:`set_padding`'s, else read from the step's
+        ``position_ids``). See :meth:`KVPageLayer.update` for the result and the errors; also
+        ``KVCacheLayoutError`` when :meth:`set_padding` was given another number of rows.
         """
         if (self._auto and isinstance(self.kv_format, FloatFormat) and key_states.dtype != self.kv_format.dtype
                 and not any(layer.is_initialized for layer in self.layers)):
             self.spec = self._build_spec(get_format("auto", key_states.dtype), key_states.dtype)
             self.layers = list(self._make_layers())
-        keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if layer.num_tokens == 0:
+            layer.pads = self._row_pads(key_states.shape[0], key_states.shape[2], args, kwargs)
+        keys, values = layer.update(key_states, value_states, *args, **kwargs)
         return keys, values
+
+    # -- left padding --------------------------------------------------------------------------------
+    def set_padding(self, attention_mask: torch.Tensor) -> None:
+        """Tell the cache each batch row's left pads, from the 2D attention mask of the coming prompt.
+
+        ``model.generate(..., attention_mask=...)`` needs no call: at the first update the cache reads each row's
+        pads from the ``position_ids`` transformers passes (see :meth:`update`). Call this before the first
+        forward of a loop that passes the mask but no count-based position ids, or whose first chunk is all
+        pads for a row. The padding holds for the prompt the cache starts next, until :meth:`reset`.
+
+        Args:
+            attention_mask: ``[batch, seq]`` (bool or integer) mask, 0 at each row's leading pads and 1 from
+                its first real token on (left padding only).
+
+        Raises:
+            ValueError: not a 2D mask of 0/1, or a row with a 0 after a 1 (not left padding); the cache already
+                holds tokens (``reset()`` first).
+        """
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"attention_mask must be a 2D [batch, seq] tensor, got {shape}")
+        mask = attention_mask.detach().to("cpu", torch.long)
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+        if (mask[:, 1:] < mask[:, :-1]).any():
+            bad = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
+            raise ValueError(f"attention_mask row {bad} has a pad after a token: KVPageCache takes left padding only")
+        if self.get_seq_length():
+            raise ValueError(f"set_padding on a cache that holds {self.get_seq_length()} tokens; call reset() first")
+        self._padding = (mask.shape[1] - mask.sum(1)).tolist()
+
+    def _row_pads(self, rows: int, n: int, args: tuple, kwargs: dict) -> list[int]:
+        """Each row's left pads for an update of ``n`` tokens into an empty layer: :meth:`set_padding`'s, else
+        read from the step's ``position_ids`` (transformers' ``generate`` counts a row's positions from its first
+        real token: a row whose positions end ``0, 1, .., r - 1`` after ``n - r`` others has ``n - r`` pads);
+        zeros where neither says.
+
+        Raises:
+            KVCacheLayoutError: :meth:`set_padding` was given another number of rows than the update has.
+        """
+        if self._padding is not None:
+            if len(self._padding) != rows:
+                raise KVCacheLayoutError(
+                    f"set_padding was given an attention_mask of {len(self._padding)} rows, the update has {rows}"
+                )
+            return list(self._padding)
+        pos = _position_ids(args, kwargs)
+        if pos is None or pos.dim() != 2 or pos.shape[1] != n or pos.shape[0] not in (1, rows):
+            return [0] * rows
+        pos = pos.detach().to("cpu").expand(rows, n)
+        pads = []
+        for row in pos.tolist():
+            real = row[-1] + 1
+            pad = n - real
+            ok = 0 <= pad < n and row[pad:] == list(range(real))
+            pads.append(pad if ok else 0)
+        return pads
+
+    def reset(self) -> None:
+        """Forget every token (and :meth:`set_padding`'s pads); the layers keep their pools."""
+        self._padding = None
+        for layer in self.layers:
+            layer.reset()
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
         """Keep, until the next :meth:`crop`, what rolling back the coming steps needs (every layer's

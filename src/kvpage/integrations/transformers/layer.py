@@ -44,6 +44,10 @@ class KVPageLayer(CacheLayerMixin):
 
     Attributes:
         num_tokens: tokens written so far per batch row (left padding included; dropped ones too).
+        pads: per batch row, its left pads: the leading positions that hold no token of the row (set by
+            :class:`~kvpage.integrations.transformers.KVPageCache` before the first update; zeros otherwise).
+            Token-wise formats store them as written (each token's codes are its own, and transformers'
+            attention mask hides them); block-wise formats never store them.
         table: the block bookkeeping (``None`` before the first update).
         pool: tensor name -> ``[num_blocks, *per_block_shape]`` storage.
         record_past: set by ``activate_past_recording`` (assisted generation): sliding layers keep slid-out
@@ -68,6 +72,7 @@ class KVPageLayer(CacheLayerMixin):
         self.max_blocks = max_blocks
         self.record_past = False
         self.num_tokens = 0
+        self.pads: list[int] = []
         self.table: BlockTable | None = None
         self.pool: dict[str, torch.Tensor] = {}
         self.device = torch.device("cpu")
@@ -118,6 +123,8 @@ class KVPageLayer(CacheLayerMixin):
             )
         assert self.table is not None
         rows = key_states.shape[0]
+        if self.num_tokens == 0 and len(self.pads) != rows:
+            self.pads = [0] * rows
         if self.num_tokens == 0 and self.table.num_rows != rows:
             self.table.truncate(0)
             self.table.set_rows(rows)
@@ -308,6 +315,7 @@ class KVPageLayer(CacheLayerMixin):
         """Apply a batch reordering (``index[i]``: old row of new row ``i``) to the table and per-row state."""
         assert self.table is not None
         self.table.reorder(index)
+        self.pads = [self.pads[i] for i in index]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times in place (row ``b`` becomes rows ``b * repeats ..``)."""
@@ -328,6 +336,7 @@ class KVPageLayer(CacheLayerMixin):
             self.table.truncate(0)
         self.table = None
         self.num_tokens = 0
+        self.pads = []
         self.record_past = False
         self.is_initialized = False
 

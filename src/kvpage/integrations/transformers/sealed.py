@@ -60,7 +60,12 @@ class SealedKVPageLayer(KVPageLayer):
             the window (the ``window_blocks`` sealed blocks before the next token's), and while ``record_past``
             also every block sealed or pushed out of the window since the last :meth:`crop`.
         sink: ``sink_key``/``sink_value`` ``[batch, block_size, kv_heads, head_dim]`` uint8 codes and
-            ``sink_key_scale``/``sink_value_scale`` ``[batch, block_size, kv_heads]`` float16; ``has_sink``.
+            ``sink_key_scale``/``sink_value_scale`` ``[batch, block_size, kv_heads]`` float16.
+        sink_rows: per batch row, whether its first block is sealed and read from the 8-bit copy.
+
+    Left padding: every row's own tokens form their own block stream, counted from its first real token (its
+    :attr:`~KVPageLayer.pads` are never stored), so a padded row's blocks, scales, window and first-block copy
+    are those of the row run alone. Block indices of :attr:`copies` and of the table are in each row's stream.
 
     Raises:
         KVCacheLayoutError: the spec's format is token-wise (use ``KVPageLayer``).
@@ -85,7 +90,7 @@ class SealedKVPageLayer(KVPageLayer):
         self.open_rows: dict[str, torch.Tensor] = {}
         self.copies: dict[int, dict[str, torch.Tensor]] = {}
         self.sink: dict[str, torch.Tensor] = {}
-        self.has_sink = False
+        self.sink_rows: list[bool] = []
 
     def _check_format(self, spec: LayerSpec, layer_index: int) -> None:
         if not isinstance(spec.format, BlockFormat):
@@ -106,7 +111,28 @@ class SealedKVPageLayer(KVPageLayer):
             for k in _KINDS:
                 self.sink["sink_" + k] = torch.zeros((num_rows, bs, h, d), dtype=torch.uint8, device=dev)
                 self.sink["sink_" + _SCALE[k]] = torch.zeros((num_rows, bs, h), dtype=torch.float16, device=dev)
-        self.has_sink = False
+        self.sink_rows = [False] * num_rows
+
+    @property
+    def has_sink(self) -> bool:
+        """Whether any row reads its first block from the 8-bit copy (:attr:`sink_rows` per row)."""
+        return any(self.sink_rows)
+
+    # -- each row's own token stream ---------------------------------------------------------------
+    def _local(self, row: int, position: int | None = None) -> int:
+        """Row ``row``'s own token count at batch position ``position`` (default :attr:`num_tokens`): the
+        position less the row's left pads, at least 0."""
+        return max(0, (self.num_tokens if position is None else position) - self.pads[row])
+
+    def _groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """The rows by left-pad count: ``(pads, rows)`` per distinct count, ``rows`` a ``slice(None)`` when it is
+        every row, else an int64 index tensor. Rows of one group share their block stream's clock."""
+        by_pad: dict[int, list[int]] = {}
+        for b, p in enumerate(self.pads):
+            by_pad.setdefault(p, []).append(b)
+        if len(by_pad) == 1:
+            return [(self.pads[0], slice(None))]
+        return [(p, torch.tensor(rows, dtype=torch.long, device=self.device)) for p, rows in by_pad.items()]
 
     # -- write and read --------------------------------------------------------------------------
     def update(
@@ -115,99 +141,134 @@ class SealedKVPageLayer(KVPageLayer):
         """Store this step's keys and values (sealing the blocks they fill) and return the kept context.
 
         Args and result as :meth:`KVPageLayer.update`; what each block of the result holds is described in the
-        module docstring. Side effects: seals filled blocks into the pool, updates the open block, the 16-bit
-        copies (window, and while recording the rows a rollback needs) and the sink.
+        module docstring. A row's left pads (:attr:`pads`) are neither stored nor sealed: its blocks hold its
+        own tokens from its first real one, and the result holds zeros at its pad positions (transformers'
+        attention mask hides them). Side effects: seals filled blocks into the pool, updates the open block,
+        the 16-bit copies (window, and while recording the rows a rollback needs) and the sink.
 
         Raises:
             KVCacheLayoutError: shapes that disagree with the spec, or a changed batch size.
             OutOfBlocksError: the pool would need more than ``max_blocks`` blocks.
         """
-        _, start = self._begin_update(key_states, value_states)
-        bs = self.spec.block_size
-        n = key_states.shape[2]
+        table, start = self._begin_update(key_states, value_states)
+        bs, first = self.spec.block_size, table.first
+        rows, _, n, _ = key_states.shape
         if not self.record_past:
             self._trim()                       # the previous step's rollback rows are no longer needed
         end = start + n
-        q0 = start // bs                       # the first block this step writes
-        self._reserve(end, q0, copy=False)     # its blocks and later ones are the row's own (no data to copy yet)
-        o = start - q0 * bs
-        fresh = {}
-        for kind, x in ((KEY, key_states), (VALUE, value_states)):
-            new = x.transpose(1, 2).to(self.tail_dtype)                          # [B, n, Hkv, D]
-            fresh[kind] = torch.cat([self.open_rows[kind][:, :o], new], dim=1)   # positions q0*bs .. end-1
-        m = (o + n) // bs
-        if m:
-            self._seal(fresh, q0, m, keep_all=self.record_past or n > 1)
-        rest = o + n - m * bs
-        for kind in _KINDS:
-            self.open_rows[kind][:, :rest] = fresh[kind][:, m * bs:]
+        groups = self._groups()
+        q0s = [self._local(0 if isinstance(idx, slice) else int(idx[0]), start) // bs for _, idx in groups]
+        # every row's blocks from its first written block on are its own; a row whose stream is behind another's
+        # (more pads) may share sealed blocks past the lowest such block after a reorder: those are copied
+        self._reserve(end, min(q0s), copy=len(set(q0s)) > 1)
+        dtype = key_states.dtype
+        heads, dim = key_states.shape[1], key_states.shape[3]
+        out = {kind: torch.zeros((rows, end - first * bs, heads, dim), dtype=dtype, device=self.device)
+               for kind in _KINDS} if len(groups) > 1 else {}
+        for (pad, idx), q0 in zip(groups, q0s):
+            s, e = max(0, start - pad), max(0, end - pad)       # the group's own positions written now
+            o = s - q0 * bs
+            fresh = {}
+            for kind, x in ((KEY, key_states), (VALUE, value_states)):
+                new = x[idx, :, n - (e - s):].transpose(1, 2).to(self.tail_dtype)    # [G, e - s, Hkv, D]
+                fresh[kind] = torch.cat([self.open_rows[kind][idx, :o], new], dim=1)  # positions q0*bs .. e-1
+            m = (o + e - s) // bs
+            if m:
+                self._seal(fresh, q0, m, idx, keep_all=self.record_past or n > 1)
+            rest = o + e - s - m * bs
+            for kind in _KINDS:
+                self.open_rows[kind][idx, :rest] = fresh[kind][:, m * bs:]
+            context = self._read_context(fresh, q0, e, idx, dtype)
+            if len(groups) == 1:
+                keys, values = (torch.nn.functional.pad(c, (0, 0, 0, 0, pad, 0)) if pad else c for c in context)
+                out = {KEY: keys, VALUE: values}
+            else:
+                for kind, c in zip(_KINDS, context):
+                    out[kind][idx, pad:] = c
         self.num_tokens = end
-        out = self._read_context(fresh, q0, key_states.dtype)
         if not self.record_past:
             self._slide()
             if n == 1:
                 self._trim()
-        return out
+        return out[KEY].transpose(1, 2).contiguous(), out[VALUE].transpose(1, 2).contiguous()
 
-    def _seal(self, fresh: dict[str, torch.Tensor], q0: int, m: int, keep_all: bool) -> None:
-        """Seal blocks ``q0 .. q0 + m - 1`` from their rows in ``fresh`` into the pool; keep their 16-bit copies
-        (the window's, or with ``keep_all`` every one, for a rollback) and the first block's 8-bit copy."""
+    def _seal(self, fresh: dict[str, torch.Tensor], q0: int, m: int, idx: slice | torch.Tensor,
+              keep_all: bool) -> None:
+        """Seal the rows ``idx``'s blocks ``q0 .. q0 + m - 1`` (of their own streams) from ``fresh`` into the pool;
+        keep their 16-bit copies (the window's, or with ``keep_all`` every one, for a rollback) and the first
+        block's 8-bit copy."""
         assert self.table is not None
-        bs, rows = self.spec.block_size, self.table.num_rows
-        ids = self.table.ids(self.device)[:, q0 - self.table.first: q0 - self.table.first + m].flatten()  # [B*m]
+        bs = self.spec.block_size
+        first = self.table.first
+        ids = self.table.ids(self.device)[idx, q0 - first: q0 - first + m].flatten()   # [G*m]
         keep_from = q0 if keep_all else q0 + m - self.window_blocks
         for kind in _KINDS:
-            blocks = fresh[kind][:, : m * bs].unflatten(1, (m, bs))                # [B, m, bs, Hkv, D]
+            blocks = fresh[kind][:, : m * bs].unflatten(1, (m, bs))                # [G, m, bs, Hkv, D]
             for name, t in self.format.seal(blocks.flatten(0, 1), kind).items():
                 self.pool[name].index_copy_(0, ids, t)
             for j in range(max(q0, keep_from), q0 + m):
-                self.copies.setdefault(j, {})[kind] = blocks[:, j - q0].clone()
+                held = self.copies.setdefault(j, {})
+                if kind not in held:
+                    held[kind] = torch.zeros_like(self.open_rows[kind])
+                held[kind][idx] = blocks[:, j - q0]
             if q0 == 0 and self.sink_enabled:
-                q = SINK_FORMAT.quantize(blocks[:, 0].flatten(0, 1), kind=kind)   # [B*bs, Hkv, D]
+                q = SINK_FORMAT.quantize(blocks[:, 0].flatten(0, 1), kind=kind)   # [G*bs, Hkv, D]
                 assert q.scale is not None
-                self.sink["sink_" + kind].copy_(q.codes.view(rows, bs, *q.codes.shape[1:]))
-                self.sink["sink_" + _SCALE[kind]].copy_(q.scale.view(rows, bs, -1))
+                g = blocks.shape[0]
+                self.sink["sink_" + kind][idx] = q.codes.view(g, bs, *q.codes.shape[1:])
+                self.sink["sink_" + _SCALE[kind]][idx] = q.scale.view(g, bs, -1)
         if q0 == 0 and self.sink_enabled:
-            self.has_sink = True
+            for b in range(len(self.pads))[idx] if isinstance(idx, slice) else idx.tolist():
+                self.sink_rows[b] = True
 
     def _trim(self) -> None:
-        """Drop the 16-bit copies outside the window (the sealed blocks before the next token's block)."""
-        sealed = self.num_tokens // self.spec.block_size
+        """Drop the 16-bit copies outside every row's window (the sealed blocks before its next token's block)."""
+        if not self.pads:
+            self.copies = {}
+            return
+        sealed = [self._local(b) // self.spec.block_size for b in range(len(self.pads))]
         first = self.table.first if self.table is not None else 0
-        lo = max(sealed - self.window_blocks, first)
-        self.copies = {j: c for j, c in self.copies.items() if lo <= j < sealed}
+        lo = max(min(sealed) - self.window_blocks, first)
+        self.copies = {j: c for j, c in self.copies.items() if lo <= j < max(sealed)}
 
     def _read_context(
-        self, fresh: dict[str, torch.Tensor], q0: int, dtype: torch.dtype
+        self, fresh: dict[str, torch.Tensor], q0: int, end: int, idx: slice | torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of every kept position, ``[batch, kv_heads, kept, head_dim]`` in ``dtype`` (no side effects)."""
+        """Keys and values of the rows ``idx``, their own positions ``first * block_size .. end - 1``,
+        ``[G, end - first * block_size, kv_heads, head_dim]`` in ``dtype`` (no side effects)."""
         assert self.table is not None
         bs, first = self.spec.block_size, self.table.first
-        last_block = (self.num_tokens - 1) // bs
+        last_block = (end - 1) // bs
+        rows = range(len(self.pads))[idx] if isinstance(idx, slice) else idx.tolist()
+        sink = first == 0 and self.sink_rows[rows[0]]   # the rows of a group share their history
         out = []
         for kind in _KINDS:
             parts = []
             if q0 > first:
-                ids = self.table.ids(self.device)[:, : q0 - first]                       # [B, nq]
+                ids = self.table.ids(self.device)[idx, : q0 - first]                     # [G, nq]
                 names = self.format.names(kind)
                 old = self.format.unseal({t: self.pool[t][ids] for t in names}, kind, dtype,
-                                         self.spec.head_dim)                              # [B, nq, bs, Hkv, D]
+                                         self.spec.head_dim)                              # [G, nq, bs, Hkv, D]
                 for j in range(max(first, last_block - self.window_blocks), min(q0, last_block)):
                     if j in self.copies:
-                        old[:, j - first] = self.copies[j][kind].to(dtype)
-                if first == 0 and self.has_sink:  # after the window, as the engine reads it
-                    codes = self.sink["sink_" + kind]
-                    scale = self.sink["sink_" + _SCALE[kind]]
+                        old[:, j - first] = self.copies[j][kind][idx].to(dtype)
+                if sink:  # after the window, as the engine reads it
+                    codes = self.sink["sink_" + kind][idx]
+                    scale = self.sink["sink_" + _SCALE[kind]][idx]
                     old[:, 0] = SINK_FORMAT.dequantize(codes, scale, dtype, kind=kind)
                 parts.append(old.flatten(1, 2))
             parts.append(fresh[kind].to(dtype))
-            out.append(torch.cat(parts, dim=1).transpose(1, 2).contiguous())        # [B, Hkv, kept, D]
+            out.append(torch.cat(parts, dim=1))                                         # [G, kept, Hkv, D]
         return out[0], out[1]
 
     def _slide(self) -> None:
-        super()._slide()
-        if self.table is not None and self.table.first > 0:
-            self.has_sink = False   # block 0 slid out of every window
+        """Free the blocks no row's next query can see (sliding-window layers), counted in each row's own stream."""
+        if self.sliding_window is None or self.table is None or not self.pads:
+            return
+        oldest = min(max(0, self._local(b) - self.sliding_window + 1) for b in range(len(self.pads)))
+        self.table.drop_before(oldest // self.spec.block_size)
+        if self.table.first > 0:
+            self.sink_rows = [False] * len(self.sink_rows)   # block 0 slid out of every window
 
     # -- rollback and batch ----------------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
@@ -222,54 +283,56 @@ class SealedKVPageLayer(KVPageLayer):
 
     def _truncate(self, keep: int) -> None:
         bs = self.spec.block_size
-        j, rest = divmod(keep, bs)
-        sealed = self.num_tokens // bs
-        if rest and j < sealed:  # block j was sealed: reopen it from its 16-bit copy
-            rows = self.copies.get(j)
-            if rows is None:
-                raise RuntimeError(
-                    f"layer {self.layer_index}: crop to {keep} tokens reopens block {j}, sealed to {self.spec.kv_format} "
-                    f"without a full-precision copy; call cache.activate_past_recording() before the steps you "
-                    f"may roll back"
-                )
-            for kind in _KINDS:
-                self.open_rows[kind][:, :rest] = rows[kind][:, :rest]
+        cut = 0
+        for pad, idx in self._groups():
+            j, rest = divmod(max(0, keep - pad), bs)
+            sealed = self._local(0 if isinstance(idx, slice) else int(idx[0])) // bs
+            if rest and j < sealed:  # block j was sealed: reopen it from its 16-bit copy
+                rows = self.copies.get(j)
+                if rows is None:
+                    raise RuntimeError(
+                        f"layer {self.layer_index}: crop to {keep} tokens reopens block {j}, sealed to "
+                        f"{self.spec.kv_format} without a full-precision copy; call cache.activate_past_recording() "
+                        f"before the steps you may roll back"
+                    )
+                for kind in _KINDS:
+                    self.open_rows[kind][idx, :rest] = rows[kind][idx, :rest]
+            cut = max(cut, j)
+            if keep - pad < bs:
+                for b in range(len(self.pads))[idx] if isinstance(idx, slice) else idx.tolist():
+                    self.sink_rows[b] = False
         super()._truncate(keep)
-        self.copies = {b: c for b, c in self.copies.items() if b < j}   # blocks from j on are no longer sealed
-        if keep < bs:
-            self.has_sink = False
+        self.copies = {b: c for b, c in self.copies.items() if b < cut}   # blocks from there on are no longer sealed
 
     def _reorder(self, index: Sequence[int]) -> None:
         super()._reorder(index)
         idx = torch.tensor(list(index), dtype=torch.long, device=self.device)
         self.open_rows = {k: t.index_select(0, idx) for k, t in self.open_rows.items()}
         self.sink = {k: t.index_select(0, idx) for k, t in self.sink.items()}
+        self.sink_rows = [self.sink_rows[i] for i in index]
         self.copies = {b: {k: t.index_select(0, idx) for k, t in rows.items()} for b, rows in self.copies.items()}
 
     def reset(self) -> None:
         """As :meth:`KVPageLayer.reset`; the 16-bit copies and the sink are dropped too."""
         super().reset()
         self.copies = {}
-        self.has_sink = False
+        self.sink_rows = []
 
     # -- accounting ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:
         """Bytes this layer holds for its tokens, counted as kvpage's engine counts them
         (:meth:`SealedFormat.effective_bits_per_value <kvpage.formats.SealedFormat.effective_bits_per_value>`):
-        pool blocks in use (the open block's reserved one included; shared blocks once), the open block's 16-bit
-        rows when it holds any, the 16-bit copies (the window's, plus while recording those kept for a
-        rollback) and the 8-bit first-block copy."""
+        pool blocks in use (the open block's reserved one included; shared blocks once), the 16-bit rows of
+        each row's open block when it holds any, the 16-bit copies (the window's, plus while recording those
+        kept for a rollback) and the 8-bit first-block copies."""
         if self.table is None:
             return 0
-        rows = self.table.num_rows
         bs, h, d = self.spec.block_size, self.spec.kv_heads, self.spec.head_dim
         fp_block = 2 * bs * h * d * self.tail_dtype.itemsize           # one block's K and V rows, per batch row
         total = self.table.blocks_in_use() * self.spec.bytes_per_block
-        if self.num_tokens % bs:
-            total += rows * fp_block
+        total += fp_block * sum(1 for b in range(len(self.pads)) if self._local(b) % bs)
         total += sum(t.numel() * t.element_size() for c in self.copies.values() for t in c.values())
-        if self.has_sink:
-            total += rows * sum(t[0].numel() * t.element_size() for t in self.sink.values())
+        total += sum(self.sink_rows) * sum(t[0].numel() * t.element_size() for t in self.sink.values())
         return total
 
     def code_tokens(self) -> int:
@@ -277,8 +340,11 @@ class SealedKVPageLayer(KVPageLayer):
         open block's tokens are in 16 bits, its reserved pool block is side cost until it seals."""
         if self.table is None:
             return 0
-        bs = self.spec.block_size
-        return self.table.filled_slots(self.num_tokens // bs * bs)
+        bs, first = self.spec.block_size, self.table.first
+        sealed: set[int] = set()
+        for b, blocks in enumerate(self.table.rows):
+            sealed.update(blocks[: max(0, self._local(b) // bs - first)])
+        return len(sealed) * bs
 
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the layer has allocated: pool, open block, 16-bit copies and sink."""
