@@ -273,6 +273,33 @@ def test_deepseek2_gguf_config_and_tensors(gguf_dir: Path) -> None:
     assert torch.equal(experts.experts_down, held["model.layers.2.mlp.experts.down_proj"])
 
 
+def test_deepseek2_older_unsplit_kv_b_file_loads_the_same(gguf_dir: Path) -> None:
+    """A file of the older converter (whole ``attn_kv_b``, ``head_count_kv`` = heads, ``key_length`` = ``n + r``,
+    no ``*_mla`` keys) gives the same config and the same transformers tensors as today's split form."""
+    from _gguf_files import write_gguf
+
+    from kvpage.model.loader import _gguf_hf_state_dict
+
+    cls, overrides, _, _ = DEEPSEEK2["deepseek2-qlora-moe"]
+    source = hf_model(getattr(transformers, cls)(**{**TINY, **overrides}))
+    new, old = gguf_dir / "ds-split.gguf", gguf_dir / "ds-unsplit.gguf"
+    write_gguf(source, new, {}, name="split")  # F16 everywhere: elementwise, so both forms hold the same values
+    held = write_gguf(source, old, {}, name="unsplit", deepseek_legacy=True)
+    (config_new, tensors_new), (config_old, tensors_old) = read_gguf(new), read_gguf(old)
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in tensors_old}
+    assert "blk.0.attn_k_b.weight" in {t.name for t in tensors_new}
+    assert config_old == {**config_new, "_model_name_or_path": "unsplit"}
+    names = list(held) + [f"model.layers.{i}.mlp.experts.{x}.{p}_proj.weight" for i in (1, 2) for x in range(4)
+                          for p in ("gate", "up", "down")]
+    sd_new = _gguf_hf_state_dict(tensors_new, "deepseek2", config_new, names, progress=False)
+    sd_old = _gguf_hf_state_dict(tensors_old, "deepseek2", config_old, names, progress=False)
+    assert sd_new.keys() == sd_old.keys() and "model.layers.0.self_attn.kv_b_proj.weight" in sd_new
+    for name in sd_new:
+        assert torch.equal(sd_new[name], sd_old[name]), name
+    assert torch.equal(sd_new["model.layers.0.self_attn.kv_b_proj.weight"],
+                       held["model.layers.0.self_attn.kv_b_proj.weight"])
+
+
 def test_deepseek2_softmax_router_is_refused(gguf_dir: Path) -> None:
     """A DeepSeek-V2-style file (softmax gating, or no ``expert_gating_func`` at all) is refused naming the key."""
     import gguf

@@ -21,7 +21,8 @@ Two sources, both read with library code only (no hand-written GGUF parser):
   :data:`kvpage.model.families.FAMILIES` (the family's ``model_class`` is built).
 
 GGUF architectures (llama.cpp's ``general.architecture``): ``llama`` (Llama, and Mistral, which llama.cpp
-writes as ``llama``), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (text). Where transformers' GGUF key
+writes as ``llama``), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (text), ``deepseek2`` (DeepSeek-V3; its config
+and its split/stacked tensors are mapped here, transformers has no GGUF table for it). Where transformers' GGUF key
 table leaves out a key llama.cpp writes (Gemma's soft-caps, sliding-window pattern and local RoPE base,
 Qwen3's ``key_length``), the loader reads it with llama.cpp's meaning and llama.cpp's default when absent
 (:func:`_llamacpp_config_keys`).
