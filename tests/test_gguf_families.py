@@ -257,6 +257,7 @@ def test_deepseek2_gguf_config_and_tensors(gguf_dir: Path) -> None:
                  "num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers"):
         assert config[name] == getattr(src, name), name
     assert config["model_type"] == "deepseek_v3" and config["rope_interleave"] is True
+    assert read_gguf(path, fast=False)[0] == config  # gguf-py's reader (older transformers) reads the same
     yarn_path = gguf_dir / "ds-yarn.gguf"
     _write(DEEPSEEK2["deepseek2-qproj-yarn"], yarn_path, "dsy")
     yarn, _ = read_gguf(yarn_path)

@@ -35,11 +35,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-import re
 
 import numpy as np
 import torch
@@ -274,7 +274,9 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
         _check_gguf_architecture(path, metadata["general.architecture"])
         tensors = _gguf_package_tensors(path, reader)
         if metadata["general.architecture"] == "deepseek2":  # not in transformers' GGUF tables at all
-            config = _gguf_config_dict(metadata, [t.name for t in tensors])
+            tokens = reader.fields.get("tokenizer.ggml.tokens")
+            counts = {} if tokens is None else {"tokenizer.ggml.tokens": len(tokens.data)}  # as the fast reader reports
+            config = _gguf_config_dict({**metadata, **counts}, [t.name for t in tensors])
         else:
             config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     config.update(_llamacpp_config_keys(metadata, config))
@@ -436,6 +438,8 @@ def _deepseek2_config(key: Any) -> dict[str, Any]:
     elif scaling != "none":
         raise ValueError(f"deepseek2.rope.scaling.type={scaling!r}: kvpage reads DeepSeek GGUF RoPE scaling 'yarn' only")
     config["rope_parameters"] = rope
+    if key("vocab_size") is not None:
+        config["vocab_size"] = int(key("vocab_size"))
     return config
 
 
