@@ -217,7 +217,8 @@ def test_chat_without_template_names_the_file(gguf_dir: Path) -> None:
 
 
 def test_cli_generate_gemma3_gguf(gguf_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``kvpage generate --model FILE.gguf`` on a non-Llama file: the same 16 tokens as transformers on that file."""
+    """``kvpage generate --model FILE.gguf --no-chat`` on a non-Llama file whose tokenizer adds BOS: the prompt is
+    encoded with that BOS, and the answer is transformers' greedy continuation of those ids on the same file."""
     from kvpage import cli
 
     path = gguf_dir / "cli-gemma3.gguf"
@@ -225,23 +226,39 @@ def test_cli_generate_gemma3_gguf(gguf_dir: Path, capsys: pytest.CaptureFixture[
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_dir), gguf_file=path.name, local_files_only=True, dtype=torch.float32,
         attn_implementation="eager").eval()
-    tok = load_model(path, progress=False).tokenizer
     prompt = "The capital of France is"
-    ids = tok.encode(prompt, add_special_tokens=False)
+    ids = transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=path.name)(prompt)["input_ids"]
+    assert ids[0] == 1  # the file asks for BOS (add_bos_token true), and transformers' tokenizer adds it
     assert cli.main(["generate", prompt, "--model", str(path), "--no-chat", "--max-tokens", str(STEPS),
                      "--temperature", "0", "--kv-cache-dtype", "float32", "--num-blocks", "16"]) == 0
-    text = capsys.readouterr().out.split("\n[kvpage]")[0].strip()
+    captured = capsys.readouterr()
+    text = captured.out.split("\n[kvpage]")[0].strip()
+    assert f"{len(ids)} prompt tokens" in captured.out + captured.err
+    seq = list(ids)
     with torch.no_grad():
-        for start in ([1], []):  # with BOS (the file asks for it) or without: the CLI's encoding is not ours to fix here
-            seq = start + ids
-            for _ in range(STEPS):
-                seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
-                if seq[-1] == 2:  # EOS ends the CLI's answer
-                    break
-            if tok.decode(seq[len(start) + len(ids):], skip_special_tokens=True).strip() == text:
+        for _ in range(STEPS):
+            seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
+            if seq[-1] == 2:  # EOS ends the CLI's answer
                 break
-        else:
-            pytest.fail(f"CLI output {text!r} matches neither transformers' greedy continuation")
+    tok = load_model(path, progress=False).tokenizer
+    assert text == tok.decode(seq[len(ids):], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("model_id", list(FAMILIES))
+def test_gguf_text_prompt_is_encoded_as_transformers_encodes_it(model_id: str, gguf_dir: Path) -> None:
+    """A text prompt to ``LLM`` on a GGUF file gets the token ids transformers' tokenizer gives for the same file:
+    BOS first exactly when the file's ``tokenizer.ggml.add_bos_token`` asks for it (issue 29 item 1)."""
+    path = gguf_dir / f"text-{model_id}.gguf"
+    _write(FAMILIES[model_id], path, model_id)
+    text = "The capital of France is"
+    want = transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=path.name)(text)["input_ids"]
+    llm = LLM(str(path), progress=False, dtype="float32", kv_cache_dtype="float32", block_size=16, num_blocks=16,
+              max_num_seqs=1)
+    _, got = llm.encode(text)
+    assert got == want
+    assert (got[0] == 1) is FAMILIES[model_id][3]
+    out = llm.generate(text, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    assert list(out.prompt_token_ids) == want
 
 
 def test_deepseek2_gguf_config_and_tensors(gguf_dir: Path) -> None:
