@@ -148,6 +148,31 @@ def test_c31_correct_drafts_are_all_accepted(target: LoadedModel, fmt: str, extr
         assert a == b, f"prompt {i}: speculative output differs from plain greedy at token {diff}"
 
 
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+def test_c31_sliding_window_layers_accept_every_correct_draft(fmt: str, k: int,
+                                                              tmp_path_factory: pytest.TempPathFactory,
+                                                              smollm2: Any) -> None:
+    """A Gemma-3-style model (sliding-window layers of 32 tokens beside a full one; int4/int2 seal codes into window
+    slots and keep a 16-token residual window): correct drafts are all accepted, the output is plain greedy's."""
+    from test_sliding_window import _gemma_folder
+
+    folder = _gemma_folder(tmp_path_factory.mktemp(f"c31_window_{fmt}"), smollm2.tokenizer, window=32, context=300)
+    kw: dict[str, Any] = {"kv_cache_dtype": fmt, "num_blocks": 96, "block_size": 16, "progress": False}
+    if fmt in SEALED:
+        kw["kv_quant_residual_tokens"] = 16
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = [o.outputs[0].token_ids for o in LLM(str(folder), **kw).generate(prompts, GREEDY)]
+    llm = LLM(str(folder), speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
+    llm.engine.drafter = PlainGreedyDrafter({tuple(p): p + o for p, o in zip(PROMPTS, plain)})
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    st = llm.engine.stats().spec_decoding
+    assert st is not None and st.num_draft_tokens > 0
+    assert (st.num_accepted_tokens, st.acceptance_rate) == (st.num_draft_tokens, 1.0), (
+        f"{st.num_draft_tokens - st.num_accepted_tokens} of {st.num_draft_tokens} correct drafts rejected")
+    assert outs == plain
+
 def _method(name: str, draft: LoadedModel) -> dict[str, Any]:
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
