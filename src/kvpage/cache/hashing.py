@@ -30,10 +30,25 @@ Encoding (version ``kvpage-block-v1``)::
 
 with ``enc`` a type-tagged, length-prefixed encoding of ``None``, ``bool``,
 ``int``, ``float``, ``str``, ``bytes`` and (nested) tuples/lists.
+
+vLLM's ``sha256_cbor`` (``prefix_caching_hash_algo="sha256_cbor"``, :class:`BlockHasher`) is the other
+scheme offered, so that a KV-aware router (llm-d's KV cache indexer, ...) can recompute the hashes
+kvpage indexes and publishes from token ids alone, as it does for vLLM::
+
+    root  = sha256(cbor(seed))        # vLLM's NONE_HASH; seed = $PYTHONHASHSEED, else "vllm-none-hash"
+    block = sha256(cbor((parent(32 bytes), tuple(token ids), extra)))
+
+with ``cbor`` the canonical CBOR encoding (``cbor2``) and ``extra`` vLLM's per-block extra keys: the
+request's extra keys, then ``("cache_salt", salt)`` on the first block only when the salt is non-empty
+(:func:`vllm_extra_keys`), or ``None`` when there are none. The 64-bit form routers and vLLM's integer
+event hashes use is the low 64 bits of each full hash (:func:`hash_to_int64`); the chain itself always
+runs on the full 32 bytes.
 """
 from __future__ import annotations
 
 import hashlib
+import operator
+import os
 import struct
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -185,11 +200,208 @@ def hash_block_chain(
     Raises:
         ValueError: ``block_size <= 0`` or a bad token id.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    out: list[bytes] = []
-    parent = root_hash(cache_salt)
-    for i in range(len(token_ids) // block_size):
-        parent = hash_fn(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
-        out.append(parent)
-    return out
+    return BlockHasher(hash_fn=hash_fn).chain(token_ids, block_size, cache_salt, extra_keys)
+
+
+#: ``prefix_caching_hash_algo`` values: kvpage's own scheme (``kvpage-block-v1``, the default) and vLLM's
+#: ``sha256_cbor`` (SHA-256 of canonical CBOR, which routers recompute).
+HASH_ALGOS: tuple[str, ...] = ("kvpage", "sha256_cbor")
+
+#: The default ``prefix_caching_hash_algo``.
+DEFAULT_HASH_ALGO = "kvpage"
+
+#: The seed of vLLM's root hash (``NONE_HASH``) when ``PYTHONHASHSEED`` is not set (vLLM's
+#: ``DEFAULT_NONE_HASH_SEED`` for cryptographic algorithms).
+VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+_INT64_MASK = (1 << 64) - 1
+
+
+def sha256_cbor(obj: Any) -> bytes:
+    """SHA-256 of the canonical CBOR encoding of ``obj`` (vLLM's ``sha256_cbor``).
+
+    Args:
+        obj: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, tuples/lists and dicts of these.
+
+    Returns:
+        A 32-byte digest.
+
+    Raises:
+        TypeError: ``obj`` holds a value CBOR cannot encode (the message names its type).
+    """
+    import cbor2  # only this scheme needs it; the default scheme stays import-light
+
+    try:
+        raw = cbor2.dumps(obj, canonical=True)
+    except cbor2.CBOREncodeError as e:
+        raise TypeError(f"cannot hash {obj!r} with sha256_cbor: {e}") from None
+    return hashlib.sha256(raw).digest()
+
+
+def vllm_none_hash(seed: str | None = None) -> bytes:
+    """vLLM's root hash ``NONE_HASH`` for ``sha256_cbor``: ``sha256_cbor(seed)``.
+
+    Args:
+        seed: the seed; ``None`` reads ``PYTHONHASHSEED`` from the environment as vLLM does at start-up
+            (set but empty counts as the seed ``""``), falling back to :data:`VLLM_DEFAULT_NONE_HASH_SEED`.
+            A router must use the same seed (llm-d: ``hashSeed``) to recompute the hashes.
+
+    Returns:
+        A 32-byte digest.
+
+    Raises:
+        TypeError: ``seed`` is neither ``None`` nor a ``str``.
+    """
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED")
+        if seed is None:
+            seed = VLLM_DEFAULT_NONE_HASH_SEED
+    if not isinstance(seed, str):
+        raise TypeError(f"seed must be a str or None, got {type(seed).__name__}")
+    return sha256_cbor(seed)
+
+
+def vllm_extra_keys(block_index: int, cache_salt: str | None, extra_keys: tuple = ()) -> tuple | None:
+    """vLLM's extra keys of block ``block_index``: ``extra_keys``, then the salt on the first block.
+
+    vLLM (``generate_block_hash_extra_keys``) orders a block's keys LoRA, multimodal, ``cache_salt``,
+    prompt embeds; kvpage's ``extra_keys`` stand for the keys before the salt, verbatim (a LoRA request
+    in vLLM 0.34's form is ``("lora", name, path)``).
+
+    Args:
+        block_index: the block's index in its request (0 = first).
+        cache_salt: the request's salt; ``None`` or ``""`` adds nothing (vLLM tests it for truth).
+        extra_keys: the request's extra keys, mixed into every block.
+
+    Returns:
+        The tuple of keys, or ``None`` when there are none (as vLLM passes it to the hash).
+    """
+    keys = tuple(extra_keys)
+    if block_index == 0 and cache_salt:
+        keys += (("cache_salt", cache_salt),)
+    return keys or None
+
+
+def hash_block_tokens_cbor(parent_hash: bytes, token_ids: Sequence[int], extra: tuple | None = None) -> bytes:
+    """vLLM's ``hash_block_tokens`` with ``sha256_cbor``: ``sha256_cbor((parent, tuple(token_ids), extra))``.
+
+    Args:
+        parent_hash: the previous block's hash, or :func:`vllm_none_hash` for block 0 (:data:`HASH_SIZE` bytes).
+        token_ids: the block's token ids (anything with ``__index__``; numpy ints become Python ints).
+        extra: the block's extra keys as :func:`vllm_extra_keys` gives them (``None`` = none).
+
+    Returns:
+        A 32-byte digest.
+
+    Raises:
+        ValueError: ``parent_hash`` has the wrong length.
+        TypeError: a token id is not an integer, or an extra key CBOR cannot encode.
+    """
+    if len(parent_hash) != HASH_SIZE:
+        raise ValueError(f"parent_hash must be {HASH_SIZE} bytes, got {len(parent_hash)}")
+    return sha256_cbor((bytes(parent_hash), tuple(map(operator.index, token_ids)), extra))
+
+
+def hash_to_int64(block_hash: bytes) -> int:
+    """The 64-bit form of a block hash: its low 64 bits, big-endian, as an unsigned int.
+
+    This is what vLLM publishes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` and what llm-d's indexer keys
+    blocks by (``int.from_bytes(h, "big") & (2**64 - 1)``, i.e. the last 8 bytes).
+
+    Args:
+        block_hash: a full block hash.
+
+    Returns:
+        An int in ``[0, 2**64)``.
+    """
+    return int.from_bytes(block_hash, "big") & _INT64_MASK
+
+
+class BlockHasher:
+    """One block hash scheme: the root of a request's chain and the hash of each next block.
+
+    ``"kvpage"``: root :func:`root_hash` (from the salt), blocks ``hash_fn`` (default
+    :func:`hash_block_tokens`) over the request's extra keys. ``"sha256_cbor"``: vLLM's -- root
+    :func:`vllm_none_hash`, resolved once here (so ``PYTHONHASHSEED`` is read when the engine starts, as
+    vLLM does), blocks :func:`hash_block_tokens_cbor` over :func:`vllm_extra_keys` (the salt enters the
+    first block's extra keys, not the root).
+
+    Args:
+        algo: one of :data:`HASH_ALGOS`.
+        hash_fn: ``"kvpage"`` only: the block hash function (tests pass colliding ones).
+        seed: ``"sha256_cbor"`` only: the root's seed (``None`` = ``PYTHONHASHSEED`` / vLLM's default).
+
+    Raises:
+        ValueError: an unknown ``algo``, or ``hash_fn`` / ``seed`` given to the scheme that takes none.
+    """
+
+    def __init__(self, algo: str = DEFAULT_HASH_ALGO, *, hash_fn: BlockHashFn | None = None,
+                 seed: str | None = None) -> None:
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
+        if algo != "kvpage" and hash_fn is not None:
+            raise ValueError(f"hash_fn replaces kvpage's own block hash; prefix_caching_hash_algo={algo!r} takes none")
+        if algo == "kvpage" and seed is not None:
+            raise ValueError("seed sets sha256_cbor's root; kvpage's scheme derives its root from cache_salt")
+        self.algo = algo
+        self._hash_fn: BlockHashFn = hash_block_tokens if hash_fn is None else hash_fn
+        self._none_hash = vllm_none_hash(seed) if algo == "sha256_cbor" else b""
+
+    def __repr__(self) -> str:
+        return f"BlockHasher({self.algo!r})"
+
+    def root(self, cache_salt: str | None) -> bytes:
+        """The parent hash of a request's first block (32 bytes).
+
+        Raises:
+            TypeError: ``cache_salt`` is neither ``None`` nor a ``str``.
+        """
+        if self.algo == "kvpage":
+            return root_hash(cache_salt)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        return self._none_hash
+
+    def block(self, parent_hash: bytes, token_ids: Sequence[int], block_index: int, cache_salt: str | None,
+              extra_keys: tuple = ()) -> bytes:
+        """The hash of block ``block_index`` of a request, chained after ``parent_hash``.
+
+        Args:
+            parent_hash: the previous block's hash, or :meth:`root` for block 0.
+            token_ids: the block's token ids.
+            block_index: the block's index in the request (the salt enters block 0 under ``sha256_cbor``).
+            cache_salt: the request's salt.
+            extra_keys: the request's extra keys.
+
+        Returns:
+            A 32-byte digest (for ``hash_fn`` overrides, whatever they return).
+
+        Raises:
+            ValueError / TypeError: as the scheme's block function raises them.
+        """
+        if self.algo == "kvpage":
+            return self._hash_fn(parent_hash, token_ids, extra_keys)
+        return hash_block_tokens_cbor(parent_hash, token_ids, vllm_extra_keys(block_index, cache_salt, extra_keys))
+
+    def salt_identity(self, cache_salt: str | None) -> str | None:
+        """The salt as the scheme tells tenants apart: ``sha256_cbor`` treats ``""`` as no salt (as vLLM does).
+
+        The prefix index keys blocks by it, so two salts that hash alike also compare alike.
+        """
+        return (cache_salt or None) if self.algo == "sha256_cbor" else cache_salt
+
+    def chain(self, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+              extra_keys: tuple = ()) -> list[bytes]:
+        """Hashes of every *full* block of ``token_ids`` (see :func:`hash_block_chain`).
+
+        Raises:
+            ValueError: ``block_size <= 0`` or a bad token id.
+        """
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        out: list[bytes] = []
+        parent = self.root(cache_salt)
+        for i in range(len(token_ids) // block_size):
+            parent = self.block(parent, token_ids[i * block_size : (i + 1) * block_size], i, cache_salt, extra_keys)
+            out.append(parent)
+        return out

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from kvpage.cache.block_table import BlockTable
 from kvpage.cache.events import KVEventBus
 from kvpage.cache.groups import FullAttentionManager, GroupManager, SideNeed, manager_for
-from kvpage.cache.hashing import BlockHashFn, hash_block_tokens
+from kvpage.cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, BlockHashFn
 from kvpage.cache.prefix_cache import ROOT, BlockRemoved, KVCacheEvent, PrefixBlockPool
 from kvpage.cache.prefix_index import PrefixIndex
 from kvpage.cache.requests import KVCacheBlocks, KVCacheStats, KVUpdate, MatchResult, SupportsKVCache
@@ -124,8 +124,10 @@ class KVCache:
         groups: one group manager per layer group (default one full-attention group); build them over ``pool``
             (or use :meth:`from_spec`).
         enable_caching: prefix caching on (default) or off (then nothing is hashed or indexed).
-        hash_fn: block hash function (:func:`~kvpage.cache.hashing.hash_block_tokens`, SHA-256); tests pass
-            colliding ones.
+        hash_fn: block hash function of the ``kvpage`` scheme (default
+            :func:`~kvpage.cache.hashing.hash_block_tokens`, SHA-256); tests pass colliding ones.
+        prefix_caching_hash_algo: the block hash scheme, ``kvpage`` (default) or vLLM's ``sha256_cbor``
+            (:class:`~kvpage.cache.hashing.BlockHasher`; its root reads ``PYTHONHASHSEED`` here, once).
         enable_events: buffer :class:`~kvpage.cache.prefix_cache.BlockStored` / ``BlockRemoved`` events for
             :meth:`drain_events` (subscribers of :meth:`subscribe` are called either way).
         max_buffered_events: the buffer keeps the newest this many events.
@@ -133,7 +135,8 @@ class KVCache:
         pool: the block pool the group managers were built over; default a new one of ``num_blocks``.
 
     Raises:
-        ValueError: ``num_blocks < 0``, ``block_size <= 0``, no group, or a pool of another size.
+        ValueError: ``num_blocks < 0``, ``block_size <= 0``, no group, a pool of another size, or an unknown
+            ``prefix_caching_hash_algo``.
     """
 
     def __init__(
@@ -143,7 +146,8 @@ class KVCache:
         *,
         groups: Sequence[GroupManager] | None = None,
         enable_caching: bool = True,
-        hash_fn: BlockHashFn = hash_block_tokens,
+        hash_fn: BlockHashFn | None = None,
+        prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO,
         enable_events: bool = False,
         max_buffered_events: int = 1_000_000,
         connector: KVConnectorScheduler | None = None,
@@ -163,7 +167,7 @@ class KVCache:
             raise ValueError("a KVCache needs at least one group manager")
         self._by_name = {g.name: g for g in self.groups}
         self.connector = connector
-        self.index = PrefixIndex(self.pool, block_size, hash_fn)
+        self.index = PrefixIndex(self.pool, block_size, BlockHasher(prefix_caching_hash_algo, hash_fn=hash_fn))
         self.events = KVEventBus(self.pool, buffer=enable_events, max_buffered=max_buffered_events,
                                  record_changes=connector is not None)
         self.events.subscribe(self._on_event)  # a block's death reaches every group at once

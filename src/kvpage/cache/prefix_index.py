@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpage.cache.hashing import BlockHashFn, hash_block_tokens, root_hash
+from kvpage.cache.hashing import BlockHasher
 from kvpage.cache.prefix_cache import ROOT, BlockKey, PrefixBlockPool
 from kvpage.cache.requests import SupportsKVCache
 
@@ -41,13 +41,13 @@ class PrefixIndex:
     Args:
         pool: the pool whose index is used.
         block_size: tokens per block.
-        hash_fn: block hash function (SHA-256 by default; tests pass colliding ones).
+        hasher: the block hash scheme (default kvpage's own, :class:`~kvpage.cache.hashing.BlockHasher`).
     """
 
-    def __init__(self, pool: PrefixBlockPool, block_size: int, hash_fn: BlockHashFn = hash_block_tokens) -> None:
+    def __init__(self, pool: PrefixBlockPool, block_size: int, hasher: BlockHasher | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.hash_fn = hash_fn
+        self.hasher = BlockHasher() if hasher is None else hasher
 
     def block_hashes(self, request: SupportsKVCache, num_blocks: int) -> list[bytes]:
         """``request.block_hashes``, extended in place to at least ``num_blocks`` full blocks (never a partial one).
@@ -64,16 +64,18 @@ class PrefixIndex:
                 "all_token_ids must be append-only"
             )
         if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            salt = request.cache_salt
+            parent = hashes[-1] if hashes else self.hasher.root(salt)
             for i in range(len(hashes), num_blocks):
-                parent = self.hash_fn(parent, tokens[i * bs : (i + 1) * bs], request.extra_keys)
+                parent = self.hasher.block(parent, tokens[i * bs : (i + 1) * bs], i, salt, request.extra_keys)
                 hashes.append(parent)
         return hashes
 
     def key(self, request: SupportsKVCache, i: int, parent: int) -> BlockKey:
         """Block ``i``'s index key: ``(parent block, its tokens, (salt, extra keys))``."""
         bs = self.block_size
-        return (parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), (request.cache_salt, request.extra_keys))
+        salt = self.hasher.salt_identity(request.cache_salt)
+        return (parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), (salt, request.extra_keys))
 
     def lookup_chain(self, request: SupportsKVCache, num_blocks: int) -> list[int]:
         """The longest chain of indexed blocks equal to the request's first ``num_blocks`` blocks (no side effects

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
 from kvpage.engine.args import DTYPE_HELP, json_object, nonnegative_int, positive_int, threads_help
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM\'s flag: a JSON object such as \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'; methods ngram, draft_model '
                         '(with "model": PATH), layer_skip (with "num_layers": N) (default: none)')
+    p.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS,
+                   help="block hash of the prefix cache: kvpage (own scheme, default) or sha256_cbor (vLLM's, "
+                        "which KV-aware routers recompute; root from $PYTHONHASHSEED, else vLLM's default seed)")
     _add_tier_args(p)
 
 
@@ -92,6 +96,7 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         swap_space=args.swap_space,
         kv_offload_policy=args.kv_offload_policy,
         preemption_mode=args.preemption_mode,

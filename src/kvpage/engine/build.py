@@ -137,7 +137,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     )
     connector, tier_worker = (None, None) if tiers is None else tiers
     kv = KVCache(num_blocks, spec.block_size, groups=groups, pool=pool, enable_caching=config.enable_prefix_caching,
-                 connector=connector)
+                 prefix_caching_hash_algo=config.prefix_caching_hash_algo, connector=connector)
 
     tails: dict[str, TailPool] = {}
     backends: dict[str, GroupAttention] = {}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.cache.tiers.stores import StoreURL, parse_store_url
 from kvpage.engine.speculative.config import SpeculativeConfig
@@ -107,6 +108,10 @@ class EngineConfig:
         max_num_batched_tokens: tokens per forward pass (the scheduler's per-step budget).
         enable_chunked_prefill: split long prompts across steps.
         enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
+        prefix_caching_hash_algo: how full blocks are hashed for the prefix index, its events and the stores
+            (vLLM's setting): ``kvpage`` (kvpage's own SHA-256 scheme, the default) or ``sha256_cbor``
+            (vLLM's: SHA-256 of canonical CBOR, rooted at ``sha256_cbor($PYTHONHASHSEED or "vllm-none-hash")``,
+            so a KV-aware router recomputes the same hashes from token ids; see :mod:`kvpage.cache.hashing`).
         swap_space: host (CPU) tier in GiB (vLLM's ``swap_space``); 0 = none. Blocks go there
             by ``kv_offload_policy`` and come back on a prefix hit (see :mod:`kvpage.cache.tiers.connector`).
         kv_offload_policy: ``write_through`` (back up each block when cached),
@@ -146,6 +151,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     swap_space: float = 0.0
     kv_offload_policy: str = "write_through"
     preemption_mode: str = "recompute"
@@ -209,6 +215,9 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         self._check_tiers()
         if self.kv_cache_scales is not None and not isinstance(self.kv_cache_scales, (str, Path, StaticScales)):
             raise ValueError(f"kv_cache_scales must be a scales file path or a StaticScales, "
