@@ -53,6 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM\'s flag: a JSON object such as \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'; methods ngram, draft_model '
                         '(with "model": PATH), layer_skip (with "num_layers": N) (default: none)')
+    p.add_argument("--kv-events-config", type=json_object, default=None, metavar="JSON",
+                   help='KV cache events on a ZeroMQ socket in vLLM\'s format, as vLLM\'s flag: a JSON object such '
+                        'as \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; also buffer_steps, hwm, '
+                        'max_queue_size, publisher (zmq, null), encoding (tagged, array) (default: none)')
     _add_tier_args(p)
 
 
@@ -78,6 +83,9 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
     speculative = getattr(args, "speculative_config", None)
     if speculative is not None:  # passed only when given, like vLLM's flag (default: no speculation)
         extra = {"speculative_config": speculative, **extra}
+    kv_events = getattr(args, "kv_events_config", None)
+    if kv_events is not None:
+        extra = {"kv_events_config": kv_events, **extra}
     return LLM(
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,
