@@ -5,9 +5,9 @@ and the msgpack payload. The payload is a positional array ``[ts, events, data_p
 seconds, a float). Each event is, by :data:`~kvpage.cache.kv_events.config.ENCODINGS`:
 
 * ``tagged``: a map with its kind under ``"type"`` and its fields by name (what vLLM sends since mid-2026);
-* ``array``: a positional array led by its kind (older vLLMs; trailing fields at their default are left out).
+* ``array``: a positional array led by its kind, every field in order (older vLLMs).
 
-Kinds and fields, in order (the fields after ``lora_name`` are left out at their default ``None``):
+Kinds and fields, in order (in ``tagged`` maps, the fields after ``lora_name`` are left out when ``None``):
 
 * ``BlockStored``: ``block_hashes``, ``parent_block_hash`` (of the first block; ``None`` at the root),
   ``token_ids`` (all blocks' tokens, concatenated), ``block_size``, ``lora_id``, ``medium``, ``lora_name``,
@@ -19,7 +19,6 @@ A block hash goes out as the prefix index holds it (kvpage's hashes are 32 ``byt
 ``medium`` names the tier: :data:`MEDIUM_DEVICE` (``"GPU"``, what vLLM and the routers call the tier the model
 reads, whatever the device is) or :data:`MEDIUM_HOST` (``"CPU"``, the host tier). Tensor-free.
 """
-from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
