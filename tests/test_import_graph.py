@@ -57,6 +57,7 @@ TORCH_FREE: tuple[str, ...] = (
     "kvpage.cache.block_table",
     "kvpage.cache.requests",
     "kvpage.cache.events",
+    "kvpage.cache.kv_events.*",
     "kvpage.cache.kv_cache",
     "kvpage.cache.step_plan",
     "kvpage.cache.capacity",

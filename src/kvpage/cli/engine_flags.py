@@ -57,6 +57,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS,
                    help="block hash of the prefix cache: kvpage (own scheme, default) or sha256_cbor (vLLM's, "
                         "which KV-aware routers recompute; root from $PYTHONHASHSEED, else vLLM's default seed)")
+    p.add_argument("--kv-events-config", type=json_object, default=None, metavar="JSON",
+                   help='KV cache events on a ZeroMQ socket in vLLM\'s format, as vLLM\'s flag: a JSON object such '
+                        'as \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; also buffer_steps, hwm, '
+                        'max_queue_size, publisher (zmq, null), encoding (tagged, array) (default: none)')
     _add_tier_args(p)
 
 
@@ -82,6 +87,9 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
     speculative = getattr(args, "speculative_config", None)
     if speculative is not None:  # passed only when given, like vLLM's flag (default: no speculation)
         extra = {"speculative_config": speculative, **extra}
+    kv_events = getattr(args, "kv_events_config", None)
+    if kv_events is not None:
+        extra = {"kv_events_config": kv_events, **extra}
     return LLM(
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -66,6 +66,7 @@ def run_generate(args: argparse.Namespace) -> int:
     spec = spec_decode_line(getattr(llm.engine.stats(), "spec_decoding", None))
     if spec is not None:
         print(spec)
+    llm.close()  # sends the KV events still queued (kv_events_config) before the process exits
     return 0
 
 

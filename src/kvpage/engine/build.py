@@ -21,6 +21,7 @@ import torch
 from kvpage.cache.capacity import CapacityReport
 from kvpage.cache.controller import CacheController, LayerCache
 from kvpage.cache.groups import GroupManager, manager_for
+from kvpage.cache.kv_events.collector import KVEventCollector
 from kvpage.cache.kv_cache import KVCache
 from kvpage.cache.prefix_cache import PrefixBlockPool
 from kvpage.cache.tail.pool import TailPool
@@ -162,9 +163,31 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                                          config.num_lookahead_tokens,
                                          None if sc is None else sc.disable_by_batch_size),
         drafter=drafter,
+        kv_events=_kv_events(config, spec, kv),
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, tier_worker, kv, runner, worker, engine,
                        int(num_blocks), max_model_len, capacity, budget, drafter)
+
+
+def _kv_events(config: EngineConfig, spec: CacheSpec, kv: KVCache) -> KVEventCollector | None:
+    """The KV events collector and its ZeroMQ publisher (``kv_events_config``), or ``None`` when events are off.
+
+    The prefix index is one for every layer group (a block id holds all groups' KV), so stored blocks are
+    published as group 0 of kind ``full_attention``, or ``sliding_window`` when every model group slides.
+
+    Raises:
+        ValueError: an endpoint that cannot be bound or connected (names the field).
+    """
+    if config.kv_events is None:
+        return None
+    from kvpage.cache.kv_events.publisher import ZmqEventPublisher  # imports zmq only when events are on
+
+    windows = [g.sliding_window for g in spec.model_groups]
+    sliding = all(w is not None for w in windows) and bool(windows)
+    publisher = ZmqEventPublisher(config.kv_events, spec.block_size,
+                                  spec_kind="sliding_window" if sliding else "full_attention",
+                                  sliding_window=min(w for w in windows if w is not None) if sliding else None)
+    return KVEventCollector(kv.subscribe, publisher)
 
 
 def _load_draft(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> LoadedModel:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+from kvpage.cache.kv_events.config import KVEventsConfig
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.cache.tiers.stores import StoreURL, parse_store_url
 from kvpage.engine.speculative.config import SpeculativeConfig
@@ -128,6 +129,9 @@ class EngineConfig:
         speculative_config: speculative decoding (vLLM's ``speculative_config``): a
             :class:`~kvpage.engine.speculative.config.SpeculativeConfig`, a dict of its fields
             (``{"method": "ngram", "num_speculative_tokens": 4}``) or that dict as JSON; ``None`` = off.
+        kv_events_config: KV cache events on a ZeroMQ socket in vLLM's format (vLLM's ``kv_events_config``): a
+            :class:`~kvpage.cache.kv_events.config.KVEventsConfig`, a dict of its fields
+            (``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``) or that dict as JSON; ``None`` = off.
 
     Raises:
         ValueError: a bad field (the message names it).
@@ -159,6 +163,7 @@ class EngineConfig:
     kv_disk_max_bytes: int | None = None
     kv_store: str | None = None
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     #: Derived: the compute dtype.
     torch_dtype: torch.dtype = field(init=False)
     #: Derived: the main layers' KV format object.
@@ -180,6 +185,8 @@ class EngineConfig:
     #: Derived: the stores below the host tier, parsed once, in lookup order: ``kv_disk_dir`` (with
     #: ``kv_disk_max_bytes``), then ``kv_store``.
     kv_stores: tuple[StoreURL, ...] = field(init=False, repr=False)
+    #: Derived: the KV events settings (``None`` = off: not given, disabled or the ``null`` publisher).
+    kv_events: KVEventsConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -227,6 +234,8 @@ class EngineConfig:
         if scales is None and needs_static_scales(fmt):  # fails here, before any model loads
             raise missing_scales_error(fmt.name)
         self._check_speculative()
+        ke = None if self.kv_events_config is None else KVEventsConfig.coerce(self.kv_events_config)
+        put("kv_events", ke if ke is not None and ke.active else None)
 
     def _check_speculative(self) -> None:
         sc = None if self.speculative_config is None else SpeculativeConfig.coerce(self.speculative_config)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvpage.cache.kv_cache import KVCache
+from kvpage.cache.kv_events.collector import KVEventCollector
 from kvpage.engine.detokenize import REPLACEMENT, ends_with_split_character
 from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.model_runner import ScheduledRequest, pass_requests
@@ -69,6 +70,7 @@ class LLMEngine:
         vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips the check.
         scheduler_config: batching limits (its ``num_lookahead_tokens`` is the drafter's ``k``).
         drafter: the speculation method (:mod:`kvpage.engine.speculative`), or ``None``: no speculation.
+        kv_events: collects the cache's events and publishes one batch per step (``kv_events_config``), or ``None``.
     """
 
     def __init__(
@@ -82,8 +84,10 @@ class LLMEngine:
         vocab_size: int | None = None,
         scheduler_config: SchedulerConfig | None = None,
         drafter: Drafter | None = None,
+        kv_events: KVEventCollector | None = None,
     ) -> None:
         self.worker = worker
+        self.kv_events = kv_events
         self.runner = worker.runner
         self.tokenizer = tokenizer
         self.kv = kv
@@ -244,9 +248,13 @@ class LLMEngine:
             RuntimeError: requests wait but none can be scheduled, nothing was preempted to make room and no load is
                 in flight (cannot happen for requests admitted by :meth:`add_request`; guards against a hang).
         """
-        for child in self.parallel.release():  # the first completion ended before its prompt's logits
-            self.scheduler.add_request(child)  # admitted as any request: it computes the prompt itself
-        return self.parallel.fan_in(self._step())
+        try:
+            for child in self.parallel.release():  # the first completion ended before its prompt's logits
+                self.scheduler.add_request(child)  # admitted as any request: it computes the prompt itself
+            return self.parallel.fan_in(self._step())
+        finally:
+            if self.kv_events is not None:  # one batch per step, queued for the publisher's thread
+                self.kv_events.publish()
 
     def _start_held(self, first: Request, logits: torch.Tensor, now: float) -> list[RequestOutput]:
         """The held siblings of ``first``, which has just computed the prompt: each samples its first token from
@@ -532,6 +540,10 @@ class LLMEngine:
         ``write_back`` host tier receives the evicted blocks first."""
         n = self.kv.reset_prefix_cache()
         self.flush_kv()
+        if self.kv_events is not None:
+            if self.kv.pool.num_cached == 0:  # vLLM's AllBlocksCleared, after the removals (blocks in use stay)
+                self.kv_events.cleared()
+            self.kv_events.publish()
         return n
 
     def reset_kv_cache(self) -> None:

@@ -173,7 +173,11 @@ class LLM:
         return self.engine.open_sequence(prompt_len=prompt_len)
 
     def close(self) -> None:
-        """Close the KV stores (Redis connections, disk store handles); generation must not follow."""
+        """Close the KV stores (Redis connections, disk store handles) and the KV events publisher (its queued
+        batches are sent first); generation must not follow."""
+        if self.engine.kv_events is not None:
+            self.engine.kv_events.close()
+            self.engine.kv_events = None
         if self._built.connector is not None:
             self._built.connector.close()
 

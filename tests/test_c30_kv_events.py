@@ -1,0 +1,442 @@
+"""Case C30: KV cache events on the wire, in vLLM's format, rebuild the engine's prefix index (issue 32 item 1).
+
+A subscriber written here from vLLM's documented layout (``vllm/distributed/kv_events.py``: three frames, topic,
+8-byte big-endian sequence, msgpack ``[ts, events, data_parallel_rank]``; events tagged maps or positional arrays)
+decodes every batch and rebuilds the set of cached block hashes; after hundreds of requests with evictions and a
+``reset_prefix_cache`` it equals the engine's index, and a subscriber that missed batches recovers them through
+the replay socket. The decoder types below are the test's own: they do not import kvpage's wire module.
+"""
+
+import argparse
+import random
+import socket
+import time
+from typing import Any, Union
+
+import msgspec
+import pytest
+import zmq
+
+from _tiny import tiny_loaded
+from kvpage.cache.kv_events import KVEventsConfig
+from kvpage.cache.kv_events.publisher import ZmqEventPublisher
+from kvpage.cache.prefix_cache import BlockRemoved, BlockStored
+from kvpage.engine.config import EngineConfig
+from kvpage.engine.llm import LLM
+from kvpage.engine.sampling import SamplingParams
+
+
+# -- an independent decoder, from vLLM's documented layout ------------------------------------------------------
+
+def _decoder(array_like: bool) -> msgspec.msgpack.Decoder:
+    class Ev(msgspec.Struct, tag=True, array_like=array_like):
+        pass
+
+    class BlockStoredT(Ev, tag="BlockStored"):
+        block_hashes: list[Union[bytes, int]]
+        parent_block_hash: Union[bytes, int, None]
+        token_ids: list[int]
+        block_size: int
+        lora_id: Union[int, None]
+        medium: Union[str, None]
+        lora_name: Union[str, None] = None
+        extra_keys: Any = None
+        group_idx: Union[int, None] = None
+        kv_cache_spec_kind: Union[str, None] = None
+        kv_cache_spec_sliding_window: Union[int, None] = None
+
+    class BlockRemovedT(Ev, tag="BlockRemoved"):
+        block_hashes: list[Union[bytes, int]]
+        medium: Union[str, None]
+        group_idx: Union[int, None] = None
+
+    class AllBlocksClearedT(Ev, tag="AllBlocksCleared"):
+        pass
+
+    class BatchT(msgspec.Struct, array_like=True):  # the envelope stays positional in both encodings
+        ts: float
+        events: list[Union[BlockStoredT, BlockRemovedT, AllBlocksClearedT]]
+        data_parallel_rank: Union[int, None] = None
+
+    return msgspec.msgpack.Decoder(BatchT)
+
+
+DECODERS = {"tagged": _decoder(False), "array": _decoder(True)}
+
+
+class Subscriber:
+    """Rebuilds the device tier's set of cached hashes from a SUB socket, replaying any gap through ROUTER."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, replay: str | None, encoding: str, topic: bytes = b"",
+                 skip_every: int = 0) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        self.replay_endpoint, self.ctx = replay, ctx
+        self.decoder = DECODERS[encoding]
+        self.hashes: set[Any] = set()
+        self.seqs: list[int] = []  # applied, in order
+        self.last = -1
+        self.skip_every = skip_every
+        self.received = self.replayed = 0
+        self.n_events = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        self.topic = topic
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        assert seq == self.last + 1, f"batch {seq} applied after {self.last}"
+        batch = self.decoder.decode(payload)
+        assert isinstance(batch.ts, float) and batch.data_parallel_rank == 0
+        for ev in batch.events:
+            kind = type(ev).__name__.removesuffix("T")
+            self.n_events[kind] += 1
+            if kind != "AllBlocksCleared" and ev.medium != "GPU":
+                continue
+            if kind == "BlockStored":
+                assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
+                assert ev.parent_block_hash is None or ev.parent_block_hash in self.hashes
+                self.hashes.update(ev.block_hashes)
+            elif kind == "BlockRemoved":
+                assert set(ev.block_hashes) <= self.hashes, "removal of a block never stored"
+                self.hashes.difference_update(ev.block_hashes)
+            else:
+                self.hashes.clear()
+        self.seqs.append(seq)
+        self.last = seq
+
+    def _replay(self, upto: int) -> None:
+        """Fetch and apply batches ``last + 1 ..`` from the replay socket (up to ``upto`` exclusive)."""
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        try:
+            dealer.send_multipart([b"", (self.last + 1).to_bytes(8, "big")])
+            while True:
+                assert dealer.poll(5000), "no replay answer"
+                empty, seq_b, payload = dealer.recv_multipart()
+                assert empty == b"" and len(seq_b) == 8
+                seq = int.from_bytes(seq_b, "big", signed=True)
+                if seq == -1:
+                    assert payload == b""
+                    break
+                if self.last < seq < upto:
+                    self._apply(seq, payload)
+                    self.replayed += 1
+        finally:
+            dealer.close(linger=0)
+
+    def drain(self, timeout_ms: int = 300) -> None:
+        """Read every waiting message (replaying gaps), until none came for ``timeout_ms``."""
+        while self.sub.poll(timeout_ms):
+            topic, seq_b, payload = self.sub.recv_multipart()
+            assert topic.startswith(self.topic) and len(seq_b) == 8
+            seq = int.from_bytes(seq_b, "big")
+            self.received += 1
+            if self.skip_every and self.received % self.skip_every == 0:
+                continue  # drop it: a later batch's gap brings it back through replay
+            if seq <= self.last:
+                continue
+            if seq > self.last + 1:
+                self._replay(seq)
+            self._apply(seq, payload)
+
+    def catch_up(self) -> None:
+        """Replay whatever is left after the last received batch (a dropped final batch has no later gap)."""
+        self._replay(1 << 62)
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+
+
+def _index(llm: LLM) -> set[bytes]:
+    pool = llm.engine.kv.pool
+    return {h for h in (pool.block_hash(b) for b in range(pool.num_blocks)) if h is not None}
+
+
+def _settle(llm: LLM, sub: Subscriber) -> None:
+    assert llm.engine.kv_events.sink.flush(10.0)
+    sub.drain()
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def _llm(tmp_path, encoding: str, **events: Any) -> LLM:
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv", "encoding": encoding, **events}
+    return LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
+               attention_backend="reference", progress=False, kv_events_config=cfg)
+
+
+def _workload(rng: random.Random, n: int) -> list[dict]:
+    """``n`` token prompts over a few shared prefixes (hits) and random tails (new blocks, so evictions)."""
+    stems = [[rng.randrange(256) for _ in range(8)] for _ in range(6)]
+    return [{"prompt_token_ids": rng.choice(stems)[: rng.choice([4, 8])] + [rng.randrange(256)
+                                                                          for _ in range(rng.randrange(3, 14))]}
+            for _ in range(n)]
+
+
+# -- C30: the rebuilt set equals the index -------------------------------------------------------------------
+
+@pytest.mark.parametrize("encoding", ["tagged", "array"])
+def test_c30_subscriber_rebuilds_prefix_index_through_evictions_and_reset(tmp_path, ctx, encoding):
+    llm = _llm(tmp_path, encoding)
+    sub = Subscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", encoding, topic=b"kv")
+    time.sleep(0.2)  # the SUB socket's subscription reaches the publisher (a missed start is replayed anyway)
+    rng = random.Random(30)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    try:
+        for round_ in range(5):
+            llm.generate(_workload(rng, 45), params)
+            _settle(llm, sub)
+            assert sub.hashes == _index(llm), f"round {round_}"
+            if round_ == 2:
+                before = len(sub.hashes)
+                llm.reset_prefix_cache()
+                _settle(llm, sub)
+                assert before > 0 and sub.hashes == _index(llm) == set()
+                assert sub.n_events["AllBlocksCleared"] == 1
+        assert llm.engine.kv.pool.num_evictions > 100  # the workload evicted (24 blocks, ~225 requests)
+        assert sub.n_events["BlockRemoved"] > 10 and sub.n_events["BlockStored"] > 50
+        assert sub.seqs == list(range(len(sub.seqs)))  # monotone, contiguous across the reset
+        assert sub.seqs[-1] + 1 == llm.engine.kv_events.sink.num_published
+        assert len(sub.hashes) > 0
+    finally:
+        sub.close()
+        llm.close()
+
+
+def test_c30_subscriber_that_drops_batches_recovers_them_through_replay(tmp_path, ctx):
+    llm = _llm(tmp_path, "tagged")
+    rng = random.Random(31)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    try:
+        llm.generate(_workload(rng, 40), params)  # before anyone subscribes: only replay has these
+        assert llm.engine.kv_events.sink.flush(10.0)
+        late = Subscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv",
+                          skip_every=3)
+        time.sleep(0.2)
+        for _ in range(4):
+            llm.generate(_workload(rng, 40), params)
+            _settle(llm, late)
+        late.catch_up()
+        assert late.replayed > 10 and late.received > 10
+        assert late.seqs == list(range(llm.engine.kv_events.sink.num_published))
+        assert late.hashes == _index(llm) and late.hashes
+        late.close()
+    finally:
+        llm.close()
+
+
+def test_c30_replay_buffer_is_bounded_by_buffer_steps(tmp_path, ctx):
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/p",
+                         replay_endpoint=f"ipc://{tmp_path}/r", buffer_steps=3)
+    pub = ZmqEventPublisher(cfg, block_size=2)
+    try:
+        for i in range(6):
+            pub.publish([("GPU", BlockStored(bytes([i]) * 32, None, (i, i), i))])
+        assert pub.flush(5.0)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"ipc://{tmp_path}/r")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(5000)
+            _, seq_b, payload = dealer.recv_multipart()
+            got.append((int.from_bytes(seq_b, "big", signed=True), payload))
+            if got[-1][0] == -1:
+                break
+        dealer.close(linger=0)
+        assert [s for s, _ in got] == [3, 4, 5, -1] and got[-1][1] == b""
+        assert DECODERS["tagged"].decode(got[0][1]).events[0].block_hashes == [bytes([3]) * 32]
+    finally:
+        pub.close()
+
+
+# -- the wire format -----------------------------------------------------------------------------------------
+
+H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+RECORDS = [("GPU", BlockStored(H1, None, (1, 2), 0)), ("GPU", BlockStored(H2, H1, (3, 4), 1)),
+           ("CPU", BlockStored(H3, H2, (5, 6), 7)), ("GPU", BlockRemoved(H2, 1)), ("GPU", BlockRemoved(H1, 0))]
+
+
+def _publish_and_receive(tmp_path, ctx, encoding: str, batches: int = 2) -> list[list[bytes]]:
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/w", topic="kv-events",
+                         encoding=encoding)
+    pub = ZmqEventPublisher(cfg, block_size=2)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{tmp_path}/w")
+    time.sleep(0.3)
+    try:
+        for _ in range(batches):
+            pub.publish(RECORDS, ts=1234.5)
+        assert pub.flush(5.0)
+        frames = []
+        while len(frames) < batches and sub.poll(5000):
+            frames.append(sub.recv_multipart())
+        return frames
+    finally:
+        sub.close(linger=0)
+        pub.close()
+
+
+def test_c30_wire_tagged_frames_and_map_events(tmp_path, ctx):
+    frames = _publish_and_receive(tmp_path, ctx, "tagged")
+    assert [len(f) for f in frames] == [3, 3]
+    assert [f[0] for f in frames] == [b"kv-events", b"kv-events"]
+    assert [f[1] for f in frames] == [b"\x00" * 8, b"\x00" * 7 + b"\x01"]  # 8-byte big-endian 0, 1
+    raw = msgspec.msgpack.decode(frames[0][2])
+    assert raw == [1234.5, [
+        {"type": "BlockStored", "block_hashes": [H1, H2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+         "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
+         "kv_cache_spec_kind": "full_attention"},
+        {"type": "BlockStored", "block_hashes": [H3], "parent_block_hash": H2, "token_ids": [5, 6],
+         "block_size": 2, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0,
+         "kv_cache_spec_kind": "full_attention"},
+        {"type": "BlockRemoved", "block_hashes": [H2, H1], "medium": "GPU", "group_idx": 0},
+    ], 0]
+    batch = DECODERS["tagged"].decode(frames[1][2])
+    assert [type(e).__name__ for e in batch.events] == ["BlockStoredT", "BlockStoredT", "BlockRemovedT"]
+
+
+def test_c30_wire_array_positional_events(tmp_path, ctx):
+    frames = _publish_and_receive(tmp_path, ctx, "array", batches=1)
+    assert frames[0][1] == (0).to_bytes(8, "big")
+    raw = msgspec.msgpack.decode(frames[0][2])
+    assert raw == [1234.5, [
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, None, "GPU", None, None, 0, "full_attention", None],
+        ["BlockStored", [H3], H2, [5, 6], 2, None, "CPU", None, None, 0, "full_attention", None],
+        ["BlockRemoved", [H2, H1], "GPU", 0],
+    ], 0]
+    batch = DECODERS["array"].decode(frames[0][2])
+    assert batch.events[0].block_hashes == [H1, H2] and batch.events[2].medium == "GPU"
+
+
+def test_c30_reset_with_blocks_in_use_sends_removals_but_no_clear(tmp_path, ctx):
+    """``AllBlocksCleared`` only when the index is empty: blocks a running request holds stay cached."""
+    llm = _llm(tmp_path, "tagged")
+    sub = Subscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+    time.sleep(0.2)
+    try:
+        llm.generate([{"prompt_token_ids": list(range(10, 30))}], SamplingParams(max_tokens=2, temperature=0.0))
+        eng = llm.engine
+        eng.add_request(None, list(range(40, 60)), SamplingParams(max_tokens=20, temperature=0.0))
+        eng.step()
+        eng.step()
+        llm.reset_prefix_cache()
+        _settle(llm, sub)
+        assert sub.n_events["AllBlocksCleared"] == 0
+        assert sub.hashes == _index(llm) != set()
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        sub.close()
+        llm.close()
+
+
+# -- failures never reach the engine ---------------------------------------------------------------------------
+
+def test_c30_publisher_failures_never_stop_the_engine(tmp_path, ctx, monkeypatch):
+    llm = _llm(tmp_path, "tagged")
+    try:
+        import kvpage.cache.kv_events.publisher as publisher_mod
+
+        def boom(*a, **k):
+            raise RuntimeError("encoder broke")
+
+        monkeypatch.setattr(publisher_mod, "to_wire", boom)  # the publisher thread fails every batch
+        out = llm.generate([{"prompt_token_ids": list(range(1, 20))}], SamplingParams(max_tokens=4, temperature=0))
+        assert len(out[0].outputs[0].token_ids) == 4
+        sink = llm.engine.kv_events.sink
+        assert sink.flush(5.0) and sink.num_failed >= 1 and sink.num_published == 0
+
+        def raising(records):
+            raise RuntimeError("sink broke")
+
+        monkeypatch.setattr(sink, "publish", raising)  # even a sink that raises on the engine's thread
+        out = llm.generate([{"prompt_token_ids": list(range(30, 50))}], SamplingParams(max_tokens=4, temperature=0))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()
+
+
+def test_c30_full_queue_drops_a_batch_and_leaves_a_sequence_gap(tmp_path, monkeypatch):
+    import kvpage.cache.kv_events.publisher as publisher_mod
+
+    real = publisher_mod.to_wire
+
+    def slow(*a, **k):
+        time.sleep(0.05)  # a publisher thread that cannot keep up
+        return real(*a, **k)
+
+    monkeypatch.setattr(publisher_mod, "to_wire", slow)
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/q", max_queue_size=1)
+    pub = ZmqEventPublisher(cfg, block_size=2)
+    try:
+        start = time.monotonic()
+        seqs = [pub.publish([("GPU", BlockRemoved(H1, 0))]) for _ in range(20)]
+        assert time.monotonic() - start < 0.5  # the engine's thread never waited for the slow publisher
+        assert pub.flush(5.0)
+        assert pub.num_dropped == seqs.count(None) >= 10 and pub.num_published == 20 - pub.num_dropped
+        assert seqs[0] == 0 and None in seqs  # numbered when queued: a dropped batch is a gap subscribers see
+    finally:
+        pub.close()
+
+
+# -- settings ---------------------------------------------------------------------------------------------------
+
+def test_c30_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"kv_events_config has unknown keys \['bogus'\]"):
+        EngineConfig(kv_events_config={"enable_kv_cache_events": True, "bogus": 1})
+    with pytest.raises(ValueError, match="kv_events_config is not valid JSON"):
+        EngineConfig(kv_events_config="{nope")
+    with pytest.raises(ValueError, match="kv_events_config.encoding must be one of tagged, array"):
+        EngineConfig(kv_events_config={"enable_kv_cache_events": True, "encoding": "json"})
+    with pytest.raises(ValueError, match="kv_events_config.buffer_steps must be a positive integer"):
+        KVEventsConfig(buffer_steps=0)
+    with pytest.raises(ValueError, match="kv_events_config.publisher must be one of zmq, null"):
+        KVEventsConfig(publisher="kafka")
+    assert KVEventsConfig().publisher == "null" and KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
+    assert EngineConfig(kv_events_config='{"enable_kv_cache_events": true}').kv_events.endpoint == "tcp://*:5557"
+    assert EngineConfig(kv_events_config={"enable_kv_cache_events": False}).kv_events is None
+    assert EngineConfig(kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}).kv_events is None
+
+
+def test_c30_endpoint_in_use_is_a_clear_error(tmp_path):
+    s = socket.socket()
+    s.bind(("0.0.0.0", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        with pytest.raises(ValueError, match=rf"kv_events_config.endpoint='tcp://\*:{port}': cannot bind"):
+            ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"), 4)
+    finally:
+        s.close()
+
+
+def test_c30_cli_flag_parses_json_and_reaches_llm(monkeypatch):
+    from kvpage.cli import engine_flags
+
+    p = argparse.ArgumentParser()
+    engine_flags.add_engine_args(p)
+    args = p.parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "kv"}'])
+    assert args.kv_events_config == {"enable_kv_cache_events": True, "topic": "kv"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-events-config", "{oops"])
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, model, **kw):
+            seen.update(kw)
+
+    import kvpage.engine.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", FakeLLM)
+    engine_flags.build_llm(args)
+    assert seen["kv_events_config"] == {"enable_kv_cache_events": True, "topic": "kv"}
+    seen.clear()
+    engine_flags.build_llm(p.parse_args([]))
+    assert "kv_events_config" not in seen and "kv_cache_dtype" in seen
