@@ -146,9 +146,16 @@ class Subscriber:
         self.sub.close(linger=0)
 
 
-def _index(llm: LLM) -> set[bytes]:
+def _wire_hash(h: bytes, form: str) -> Any:
+    """A block hash as vLLM puts it on the wire: the low 64 bits as an unsigned int (its default), or the digest."""
+    return int.from_bytes(h[-8:], "big") if form == "int" else h
+
+
+def _index(llm: LLM) -> set[Any]:
+    """The engine's prefix index, its hashes in the wire form its events use."""
     pool = llm.engine.kv.pool
-    return {h for h in (pool.block_hash(b) for b in range(pool.num_blocks)) if h is not None}
+    form = llm.engine.kv_events.sink.config.block_hash_format
+    return {_wire_hash(h, form) for h in (pool.block_hash(b) for b in range(pool.num_blocks)) if h is not None}
 
 
 def _settle(llm: LLM, sub: Subscriber) -> None:
@@ -180,9 +187,9 @@ def _workload(rng: random.Random, n: int) -> list[dict]:
 
 # -- C30: the rebuilt set equals the index -------------------------------------------------------------------
 
-@pytest.mark.parametrize("encoding", ["tagged", "array"])
-def test_c30_subscriber_rebuilds_prefix_index_through_evictions_and_reset(tmp_path, ctx, encoding):
-    llm = _llm(tmp_path, encoding)
+@pytest.mark.parametrize(("encoding", "form"), [("tagged", "int"), ("array", "bytes")])
+def test_c30_subscriber_rebuilds_prefix_index_through_evictions_and_reset(tmp_path, ctx, encoding, form):
+    llm = _llm(tmp_path, encoding, block_hash_format=form)
     sub = Subscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", encoding, topic=b"kv")
     time.sleep(0.2)  # the SUB socket's subscription reaches the publisher (a missed start is replayed anyway)
     rng = random.Random(30)
@@ -250,21 +257,22 @@ def test_c30_replay_buffer_is_bounded_by_buffer_steps(tmp_path, ctx):
                 break
         dealer.close(linger=0)
         assert [s for s, _ in got] == [3, 4, 5, -1] and got[-1][1] == b""
-        assert DECODERS["tagged"].decode(got[0][1]).events[0].block_hashes == [bytes([3]) * 32]
+        assert DECODERS["tagged"].decode(got[0][1]).events[0].block_hashes == [_wire_hash(bytes([3]) * 32, "int")]
     finally:
         pub.close()
 
 
 # -- the wire format -----------------------------------------------------------------------------------------
 
-H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, bytes(range(32))
+I1, I2, I3 = 0x0101010101010101, 0x0202020202020202, 0x18191A1B1C1D1E1F  # low 64 bits, big-endian (vLLM's default)
 RECORDS = [("GPU", BlockStored(H1, None, (1, 2), 0)), ("GPU", BlockStored(H2, H1, (3, 4), 1)),
            ("CPU", BlockStored(H3, H2, (5, 6), 7)), ("GPU", BlockRemoved(H2, 1)), ("GPU", BlockRemoved(H1, 0))]
 
 
-def _publish_and_receive(tmp_path, ctx, encoding: str, batches: int = 2) -> list[list[bytes]]:
+def _publish_and_receive(tmp_path, ctx, encoding: str, batches: int = 2, form: str = "int") -> list[list[bytes]]:
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/w", topic="kv-events",
-                         encoding=encoding)
+                         encoding=encoding, block_hash_format=form)
     pub = ZmqEventPublisher(cfg, block_size=2)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -290,20 +298,20 @@ def test_c30_wire_tagged_frames_and_map_events(tmp_path, ctx):
     assert [f[1] for f in frames] == [b"\x00" * 8, b"\x00" * 7 + b"\x01"]  # 8-byte big-endian 0, 1
     raw = msgspec.msgpack.decode(frames[0][2])
     assert raw == [1234.5, [
-        {"type": "BlockStored", "block_hashes": [H1, H2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+        {"type": "BlockStored", "block_hashes": [I1, I2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
          "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
          "kv_cache_spec_kind": "full_attention"},
-        {"type": "BlockStored", "block_hashes": [H3], "parent_block_hash": H2, "token_ids": [5, 6],
+        {"type": "BlockStored", "block_hashes": [I3], "parent_block_hash": I2, "token_ids": [5, 6],
          "block_size": 2, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0,
          "kv_cache_spec_kind": "full_attention"},
-        {"type": "BlockRemoved", "block_hashes": [H2, H1], "medium": "GPU", "group_idx": 0},
+        {"type": "BlockRemoved", "block_hashes": [I2, I1], "medium": "GPU", "group_idx": 0},
     ], 0]
     batch = DECODERS["tagged"].decode(frames[1][2])
     assert [type(e).__name__ for e in batch.events] == ["BlockStoredT", "BlockStoredT", "BlockRemovedT"]
 
 
 def test_c30_wire_array_positional_events(tmp_path, ctx):
-    frames = _publish_and_receive(tmp_path, ctx, "array", batches=1)
+    frames = _publish_and_receive(tmp_path, ctx, "array", batches=1, form="bytes")
     assert frames[0][1] == (0).to_bytes(8, "big")
     raw = msgspec.msgpack.decode(frames[0][2])
     assert raw == [1234.5, [

@@ -61,7 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='KV cache events on a ZeroMQ socket in vLLM\'s format, as vLLM\'s flag: a JSON object such '
                         'as \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
                         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; also buffer_steps, hwm, '
-                        'max_queue_size, publisher (zmq, null), encoding (tagged, array) (default: none)')
+                        'max_queue_size, publisher (zmq, null), encoding (tagged, array), block_hash_format (int, bytes) '
+                        '(default: none)')
     _add_tier_args(p)
 
 

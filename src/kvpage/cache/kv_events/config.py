@@ -16,6 +16,10 @@ PUBLISHERS = ("zmq", "null")
 #: Event encodings: ``tagged`` (each event a msgpack map keyed by field name, its kind under ``"type"``; what vLLM
 #: sends since mid-2026) or ``array`` (each event a positional array led by its kind, as older vLLMs send).
 ENCODINGS = ("tagged", "array")
+#: Block hash forms on the wire: ``int`` (the low 64 bits of each hash as an unsigned int: vLLM's default,
+#: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, what llm-d's indexer keys blocks by) or ``bytes`` (the whole digest, as
+#: vLLM sends with that variable set to 0).
+BLOCK_HASH_FORMATS = ("int", "bytes")
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -41,6 +45,8 @@ class KVEventsConfig:
         topic: the first frame of every message (subscribers filter on its prefix).
         encoding: ``"tagged"`` (default) or ``"array"`` (:data:`ENCODINGS`); the batch itself is a positional
             array ``[ts, events, data_parallel_rank]`` either way.
+        block_hash_format: ``"int"`` (default, vLLM's) or ``"bytes"`` (:data:`BLOCK_HASH_FORMATS`): how
+            ``block_hashes`` and ``parent_block_hash`` go out.
 
     Raises:
         ValueError: a bad field (the message names ``kv_events_config.<field>``).
@@ -55,6 +61,7 @@ class KVEventsConfig:
     max_queue_size: int = 100_000
     topic: str = ""
     encoding: str = "tagged"
+    block_hash_format: str = "int"
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -79,6 +86,9 @@ class KVEventsConfig:
         if self.encoding not in ENCODINGS:
             raise ValueError(f"kv_events_config.encoding must be one of {', '.join(ENCODINGS)}, "
                              f"got {self.encoding!r}")
+        if self.block_hash_format not in BLOCK_HASH_FORMATS:
+            raise ValueError(f"kv_events_config.block_hash_format must be one of {', '.join(BLOCK_HASH_FORMATS)}, "
+                             f"got {self.block_hash_format!r}")
 
     @property
     def active(self) -> bool:

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from kvpage.cache.kv_events.config import KVEventsConfig
-from kvpage.cache.kv_events.wire import SCHEMAS, Record, encode_batch, seq_bytes, to_wire
+from kvpage.cache.kv_events.wire import HASH_FORMS, SCHEMAS, Record, encode_batch, seq_bytes, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ class ZmqEventPublisher:
                     return
                 seq, ts, records = item
                 events = to_wire(records, self._schema, block_size=self._block_size, group_idx=0,
-                                 spec_kind=self._spec[0], sliding_window=self._spec[1])
+                                 spec_kind=self._spec[0], sliding_window=self._spec[1],
+                                 hash_form=HASH_FORMS[self.config.block_hash_format])
                 payload = encode_batch(ts, events, self._rank, self._schema, encoder)
                 self._buffer.append((seq, payload))  # replayable even if this send fails
                 self._pub.send_multipart((self._topic, seq_bytes(seq), payload))

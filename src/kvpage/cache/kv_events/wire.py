@@ -15,17 +15,20 @@ Kinds and fields, in order (in ``tagged`` maps, the fields after ``lora_name`` a
 * ``BlockRemoved``: ``block_hashes``, ``medium``, ``group_idx``;
 * ``AllBlocksCleared``: no field.
 
-A block hash goes out as the prefix index holds it (kvpage's hashes are 32 ``bytes``: msgpack ``bin``).
+A block hash goes out as vLLM sends it by default, the low 64 bits of the prefix index's digest as an unsigned int
+(:func:`~kvpage.cache.hashing.hash_to_int64`), or as the whole digest (32 ``bytes``: msgpack ``bin``) with
+``block_hash_format="bytes"``.
 ``medium`` names the tier: :data:`MEDIUM_DEVICE` (``"GPU"``, what vLLM and the routers call the tier the model
 reads, whatever the device is) or :data:`MEDIUM_HOST` (``"CPU"``, the host tier). Tensor-free.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
 import msgspec
 
+from kvpage.cache.hashing import hash_to_int64
 from kvpage.cache.prefix_cache import BlockRemoved, BlockStored
 
 #: ``medium`` of the tier the model reads (vLLM's ``MEDIUM_GPU``; kvpage says so on a CPU device too).
@@ -109,8 +112,17 @@ def _make_schema(encoding: str) -> WireSchema:
 SCHEMAS: dict[str, WireSchema] = {e: _make_schema(e) for e in ("tagged", "array")}
 
 
+def _same(block_hash: bytes) -> bytes:
+    return block_hash
+
+
+#: ``block_hash_format`` -> how a block hash of the index goes on the wire.
+HASH_FORMS: dict[str, Callable[[bytes], ExternalBlockHash]] = {"int": hash_to_int64, "bytes": _same}
+
+
 def to_wire(records: Iterable[Record], schema: WireSchema, *, block_size: int, group_idx: int | None = 0,
-            spec_kind: str | None = "full_attention", sliding_window: int | None = None) -> list[Any]:
+            spec_kind: str | None = "full_attention", sliding_window: int | None = None,
+            hash_form: Callable[[bytes], ExternalBlockHash] = hash_to_int64) -> list[Any]:
     """The wire events of ``records``, in order, with runs merged as vLLM merges them.
 
     A stored block whose parent is the previous stored block of the same medium joins its event (one
@@ -124,6 +136,7 @@ def to_wire(records: Iterable[Record], schema: WireSchema, *, block_size: int, g
         block_size: tokens per block.
         group_idx, spec_kind, sliding_window: ``group_idx``, ``kv_cache_spec_kind`` and
             ``kv_cache_spec_sliding_window`` of every ``BlockStored`` (``group_idx`` of ``BlockRemoved`` too).
+        hash_form: a hash's wire form (:data:`HASH_FORMS`; default vLLM's 64-bit int).
     """
     out: list[Any] = []
     last: Any = None  # the event a following record may join
@@ -132,11 +145,12 @@ def to_wire(records: Iterable[Record], schema: WireSchema, *, block_size: int, g
         if isinstance(ev, BlockStored):
             if (isinstance(last, schema.block_stored) and last.medium == medium
                     and ev.parent_block_hash is not None and ev.parent_block_hash == last_hash):
-                last.block_hashes.append(ev.block_hash)
+                last.block_hashes.append(hash_form(ev.block_hash))
                 last.token_ids.extend(ev.token_ids)
             else:
                 last = schema.block_stored(
-                    block_hashes=[ev.block_hash], parent_block_hash=ev.parent_block_hash,
+                    block_hashes=[hash_form(ev.block_hash)],
+                    parent_block_hash=None if ev.parent_block_hash is None else hash_form(ev.parent_block_hash),
                     token_ids=list(ev.token_ids), block_size=block_size, lora_id=None, medium=medium,
                     lora_name=None, group_idx=group_idx, kv_cache_spec_kind=spec_kind,
                     kv_cache_spec_sliding_window=sliding_window)
@@ -144,9 +158,10 @@ def to_wire(records: Iterable[Record], schema: WireSchema, *, block_size: int, g
             last_hash = ev.block_hash
         elif isinstance(ev, BlockRemoved):
             if isinstance(last, schema.block_removed) and last.medium == medium:
-                last.block_hashes.append(ev.block_hash)
+                last.block_hashes.append(hash_form(ev.block_hash))
             else:
-                last = schema.block_removed(block_hashes=[ev.block_hash], medium=medium, group_idx=group_idx)
+                last = schema.block_removed(block_hashes=[hash_form(ev.block_hash)], medium=medium,
+                                            group_idx=group_idx)
                 out.append(last)
         elif isinstance(ev, AllBlocksCleared):
             last = schema.all_blocks_cleared()
