@@ -78,7 +78,7 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-dir", default=None, help="directory of a persistent disk store of KV blocks")
     p.add_argument("--kv-disk-max-bytes", type=int, default=None, help="size cap of the disk store in bytes (LRU)")
     p.add_argument("--kv-store", default=None, help="URL of a KV block store shared between instances: redis://host:port/db "
-                   "(also rediss://, unix://) or disk:///dir")
+                   "(also rediss://, unix://), redis+cluster://h1:p1,h2:p2,... (a Redis Cluster) or disk:///dir")
 
 
 def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:

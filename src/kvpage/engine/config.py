@@ -124,7 +124,8 @@ class EngineConfig:
         kv_disk_dir: directory of a persistent, checksummed disk store of blocks (survives restarts).
         kv_disk_max_bytes: size cap of the disk store in bytes (LRU); ``None`` = unbounded.
         kv_store: URL of a store shared between instances (LMCache's remote backend): ``redis://host:port/db``
-            (also ``rediss://``, ``unix://``), or ``disk:///dir`` (any scheme of
+            (also ``rediss://``, ``unix://``), ``redis+cluster://h1:p1,h2:p2,...`` (a Redis Cluster), or
+            ``disk:///dir`` (any scheme of
             :data:`~kvpage.cache.tiers.stores.STORES`).
         speculative_config: speculative decoding (vLLM's ``speculative_config``): a
             :class:`~kvpage.engine.speculative.config.SpeculativeConfig`, a dict of its fields

@@ -2,7 +2,7 @@
 
 :mod:`~kvpage.cache.tiers.stores.base` holds the :class:`KVStore` interface and its keys; ``blocks`` and
 ``record`` move blocks between cache tensors and checksummed records; ``disk`` and ``redis`` are the two
-stores, registered by URL scheme here (:data:`STORES`, :func:`parse_store_url`, :func:`open_store`). Modules here import only ``kvpage.spec``,
+stores (``redis_clients``: one Redis node or a Redis Cluster behind the same ``RedisStore``), registered by URL scheme here (:data:`STORES`, :func:`parse_store_url`, :func:`open_store`). Modules here import only ``kvpage.spec``,
 ``kvpage.errors`` and each other (never the tier connector or the manager); ``RedisStore`` is imported
 lazily, so using the disk store does not import ``redis``.
 """
@@ -76,13 +76,15 @@ def _open_redis(location: str, spec: CacheSpec, **opts: Any) -> KVStore:
     return RedisStore(location, spec, **opts)
 
 
-#: URL scheme -> store kind; :func:`register_store` adds more (a later ``redis+cluster://``).
+#: URL scheme -> store kind; :func:`register_store` adds more.
 STORES: dict[str, StoreKind] = {
     "disk": StoreKind("disk", DiskStore),
     "file": StoreKind("disk", DiskStore),
     "redis": StoreKind("redis", _open_redis),
     "rediss": StoreKind("redis", _open_redis),
     "unix": StoreKind("redis", _open_redis),
+    "redis+cluster": StoreKind("redis", _open_redis),  # a Redis Cluster (or Valkey cluster): the same records
+    "rediss+cluster": StoreKind("redis", _open_redis),
 }
 
 
@@ -132,12 +134,13 @@ def open_store(url: str | StoreURL, spec: CacheSpec, **opts: Any) -> KVStore:
 
     * ``redis://host:port/db`` (also ``rediss://``, ``unix://``) ->
       :class:`~kvpage.cache.tiers.stores.redis.RedisStore` (options ``ttl_seconds``, ``timeout_s``, ``namespace``,
-      ...);
+      ...); ``redis+cluster://host1:port1,host2:port2,...`` (``rediss+cluster://`` for TLS) -> the same store
+      through a Redis Cluster client;
     * ``disk:///path``, ``file:///path`` or a plain path -> :class:`~kvpage.cache.tiers.stores.disk.DiskStore`
       (options ``max_bytes``, ``fsync``).
 
     Raises:
-        ValueError: an empty URL or an unknown scheme.
+        ValueError: an empty URL, an unknown scheme, or a ``redis://`` URL of a Redis Cluster member.
     """
     where = parse_store_url(url)
     return STORES[where.scheme].opener(where.location, spec, **{**dict(where.options), **opts})

@@ -1,4 +1,4 @@
-"""``RedisStore``: KV block records shared across engine instances through one Redis server.
+"""``RedisStore``: KV block records shared across engine instances through Redis (one node or a Redis Cluster).
 
 Each block is one Redis string value -- a whole :mod:`~kvpage.cache.tiers.stores.record`
 (safetensors + layout metadata + SHA-256) -- under the key
@@ -9,14 +9,21 @@ metadata. This is LMCache's ``RedisConnector`` (one value per chunk, pipelined
 ``MGET``/``SET``) with vLLM's connector contract: batches are pipelined
 (``GET``/``SET ... EX ttl``/``EXISTS``, ``transaction=False``), and a store
 that cannot reach Redis reports misses and drops writes, so requests are
-recomputed rather than failed.
+recomputed rather than failed. How the servers are reached -- one node
+(``redis://``) or a Redis Cluster (``redis+cluster://h1:p1,h2:p2,...``, batches
+grouped by hash slot into one pipeline per node) -- is a
+:class:`~kvpage.cache.tiers.stores.redis_clients.RedisClient`; records, keys,
+counters and failure handling are the same for both.
 
 Failure handling: every socket operation is bounded by ``timeout_s``
 (``socket_timeout`` and ``socket_connect_timeout``; redis-py's own retries are
-off), a failure is logged once per episode and counted in ``stats.errors``, and
-for ``reconnect_interval_s`` afterwards calls return at once without touching
-the network. The next call after that tries again (redis-py reconnects its
-pool lazily), so the store recovers on its own when Redis comes back.
+off), a failure is logged once per episode (one warning per outage, however many
+nodes and calls it spans) and counted in ``stats.errors``, and for
+``reconnect_interval_s`` afterwards the keys of the failed *target* (the server,
+or the cluster node owning their slot) are misses at once without touching the
+network, while the other nodes of a cluster keep serving. The next call after
+that tries again (redis-py reconnects lazily), so the store recovers on its own
+when the server comes back.
 """
 from __future__ import annotations
 
@@ -27,25 +34,28 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
 from kvpage.cache.tiers.stores.base import BlockData, FailureLog, KVStore, StoreKey
 from kvpage.cache.tiers.stores.record import RecordRejected, decode_record, encode_record
+from kvpage.cache.tiers.stores.redis_clients import IO_ERRORS, OUTAGE_REPLIES, WHOLE, RedisClient, redis_client_for_url
 from kvpage.spec import CacheSpec
 
 logger = logging.getLogger(__name__)
 
-#: Errors that mean "Redis is unreachable or misbehaving" (never raised to callers).
-_IO_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+Command = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+class _NotSent(Exception):
+    """The reply of a command not sent: its target was backing off, or its batch failed as a whole."""
 
 
 class RedisStore(KVStore):
-    """KV blocks as records in Redis (``redis://host:port/db``), optionally expiring.
+    """KV blocks as records in Redis (``redis://host:port/db``) or a Redis Cluster
+    (``redis+cluster://h1:p1,h2:p2,...``), optionally expiring.
 
     Args:
-        url: ``redis://[user:password@]host:port/db``, ``rediss://...`` or ``unix:///path.sock?db=N``.
+        url: ``redis://[user:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=N``, or
+            ``redis+cluster://[user:password@]host1:port1,host2:port2,...`` (``rediss+cluster://`` for TLS;
+            any reachable members, the rest are discovered).
         spec: layout of the blocks this instance reads and writes.
         ttl_seconds: expiry set on every written key (``SET ... EX``), whole
             seconds > 0; ``None`` keeps keys until Redis evicts them (configure
@@ -53,13 +63,15 @@ class RedisStore(KVStore):
         timeout_s: socket connect and read/write timeout in seconds; bounds how
             long any call can wait on a dead or stalled server.
         namespace: key prefix, so kvpage's keys are easy to find and flush.
-        reconnect_interval_s: after a failure, calls return misses without
-            trying the network for this long; then the next call reconnects.
-        batch_size: keys per pipeline round trip.
+        reconnect_interval_s: after a failure, the failed server's keys are misses
+            without trying the network for this long; then the next call reconnects.
+        batch_size: keys per pipeline round trip (per cluster: per batch, split by node).
+        client: how to reach Redis; default the kind ``url`` names (:func:`redis_client_for_url`).
 
     Raises:
-        ValueError: bad ``ttl_seconds``, ``timeout_s``, ``batch_size`` or URL.
-            Never raises for an unreachable server: the first call just misses.
+        ValueError: bad ``ttl_seconds``, ``timeout_s``, ``batch_size`` or URL, or a single-node URL that names
+            a Redis Cluster member (the message says to use ``redis+cluster://``). Never raises for an
+            unreachable server: the first call just misses.
     """
 
     def __init__(
@@ -72,6 +84,7 @@ class RedisStore(KVStore):
         namespace: str = "kvpage",
         reconnect_interval_s: float = 1.0,
         batch_size: int = 64,
+        client: RedisClient | None = None,
     ) -> None:
         super().__init__(spec)
         if ttl_seconds is not None and (int(ttl_seconds) != ttl_seconds or ttl_seconds <= 0):
@@ -86,91 +99,135 @@ class RedisStore(KVStore):
         self.namespace = namespace
         self.reconnect_interval_s = float(reconnect_interval_s)
         self.batch_size = int(batch_size)
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
+        self._client = client if client is not None else redis_client_for_url(url, self.timeout_s, _redact(url))
+        try:
+            self._client.check()
+        except BaseException:
+            self._client.close()
+            raise
         self._failures = FailureLog(logger, f"Redis KV store {_redact(url)}")
-        self._retry_at = 0.0
+        self._retry_at: dict[str, float] = {}  # target -> monotonic time before which it is not tried
+        self._failed: set[str] = set()  # targets that failed since they last answered (the episode)
         self._state_lock = threading.Lock()
+
+    @property
+    def client(self) -> RedisClient:
+        """How this store reaches Redis (one node or a cluster)."""
+        return self._client
 
     def redis_key(self, key: StoreKey) -> str:
         """The Redis key of ``key``: ``"<namespace>:<fingerprint>:<block hash hex>"``."""
         return f"{self.namespace}:{key.text}"
 
     # -- failure episodes ---------------------------------------------------------------------
-    def _down(self) -> bool:
-        """True while the store is backing off after a failure (no network attempt)."""
+    def _down(self, target: str) -> bool:
+        """True while ``target`` is backing off after a failure (no network attempt)."""
         with self._state_lock:
-            return time.monotonic() < self._retry_at
+            return time.monotonic() < self._retry_at.get(target, 0.0)
 
-    def _fail(self, action: str, exc: BaseException) -> None:
+    def _reached(self, targets: set[str]) -> None:
+        """Commands on ``targets`` succeeded: the episode ends (logged) once every failed target was reached."""
         with self._state_lock:
-            self._retry_at = time.monotonic() + self.reconnect_interval_s
-        self._failures.failed(action, exc)
+            if not self._failed:
+                return
+            self._failed -= targets
+            done = not self._failed
+        if done:
+            self._failures.succeeded()
+
+    def _fail(self, action: str, target: str, exc: BaseException) -> None:
+        with self._state_lock:
+            self._retry_at[target] = time.monotonic() + self.reconnect_interval_s
+            self._failed.add(target)
+        where = f" on {target}" if target else ""
+        self._failures.failed(action + where, exc)
         self._count(errors=1)
+        self._client.disconnect(target)
+
+    def _run(self, action: str, commands: list[Command]) -> list[Any]:
+        """Run ``commands`` (each names one Redis key, its first argument) in pipelined chunks of ``batch_size``.
+
+        Returns one reply per command, in order; a command not done is an exception object (:class:`_NotSent`
+        when its target was backing off or its batch failed, the per-command error otherwise). Never raises
+        for I/O: failures start or extend the targets' back-off and are logged once per episode; the episode
+        ends (logged as recovered) once every target that failed has answered again.
+        """
+        replies: list[Any] = [_NotSent()] * len(commands)
+        if self._down(WHOLE):
+            self._count(errors=1)
+            return replies
         try:
-            self._client.connection_pool.disconnect()
-        except Exception:  # noqa: BLE001 - best effort; the pool reconnects on the next call
-            pass
+            targets = self._client.targets([args[0] for _, args, _ in commands])
+        except IO_ERRORS as e:
+            self._fail(action, WHOLE, e)
+            return replies
+        live = [i for i, t in enumerate(targets) if not self._down(t)]
+        if len(live) < len(commands):
+            self._count(errors=1)
+        for start in range(0, len(live), self.batch_size):
+            chunk = [i for i in live[start : start + self.batch_size] if not self._down(targets[i])]
+            if not chunk:
+                continue
+            try:
+                self._send(chunk, commands, replies)
+            except IO_ERRORS as e:
+                by_target: dict[str, list[int]] = {}
+                for i in chunk:
+                    by_target.setdefault(targets[i], []).append(i)
+                if len(by_target) == 1:
+                    self._fail(action, targets[chunk[0]], e)
+                    continue
+                for t, idx in by_target.items():  # a cluster: find which node failed, serve the others
+                    if self._down(t):
+                        continue
+                    try:
+                        self._send(idx, commands, replies)
+                    except IO_ERRORS as e2:
+                        self._fail(action, t, e2)
+        outages: dict[str, BaseException] = {}
+        for i in live:
+            if isinstance(replies[i], OUTAGE_REPLIES) and targets[i] not in outages:
+                outages[targets[i]] = replies[i]
+        for t, exc in outages.items():
+            self._fail(action, t, exc)
+        reached = {targets[i] for i in live if not isinstance(replies[i], (_NotSent, *OUTAGE_REPLIES))}
+        answered = reached - outages.keys()
+        if answered:  # some server answered, so the topology (WHOLE) was reachable too
+            self._reached(answered | {WHOLE})
+        return replies
 
-    def _ok(self) -> None:
-        self._failures.succeeded()
-
-    def _pipeline(self, commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        """Run commands in pipelined chunks of ``batch_size``; results in order (errors as exception objects)."""
-        results: list[Any] = []
-        for start in range(0, len(commands), self.batch_size):
-            pipe = self._client.pipeline(transaction=False)
-            for name, args, kwargs in commands[start : start + self.batch_size]:
-                getattr(pipe, name)(*args, **kwargs)
-            results.extend(pipe.execute(raise_on_error=False))
-        return results
+    def _send(self, idx: list[int], commands: list[Command], replies: list[Any]) -> None:
+        """One pipeline of ``commands[i] for i in idx``; replies stored at their positions. Raises IO errors."""
+        res = self._client.execute([commands[i] for i in idx])
+        for i, r in zip(idx, res):
+            replies[i] = r
 
     # -- the interface ------------------------------------------------------------------------
     def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Pipelined ``EXISTS`` per key; all ``False`` when Redis is unreachable. See :meth:`KVStore.exists`."""
+        """Pipelined ``EXISTS`` per key; ``False`` for keys whose server is unreachable. See :meth:`KVStore.exists`."""
         self._check_keys(keys)
         if not keys:
             return []
-        if self._down():
-            self._count(errors=1)
-            return [False] * len(keys)
-        try:
-            res = self._pipeline([("exists", (self.redis_key(k),), {}) for k in keys])
-        except _IO_ERRORS as e:
-            self._fail("exists", e)
-            return [False] * len(keys)
-        self._ok()
+        res = self._run("exists", [("exists", (self.redis_key(k),), {}) for k in keys])
         return [not isinstance(r, Exception) and bool(r) for r in res]
 
     def get(self, keys: Sequence[StoreKey]) -> list[BlockData | None]:
         """Pipelined ``GET`` per key, each record verified; a rejected record is counted and deleted.
 
-        All misses (``None``) when Redis is unreachable. See :meth:`KVStore.get`.
+        Misses (``None``) for keys whose server is unreachable. See :meth:`KVStore.get`.
         """
         self._check_keys(keys)
         if not keys:
             return []
-        if self._down():
-            self._count(errors=1, misses=len(keys))
-            return [None] * len(keys)
-        try:
-            blobs = self._pipeline([("get", (self.redis_key(k),), {}) for k in keys])
-        except _IO_ERRORS as e:
-            self._fail("get", e)
-            self._count(misses=len(keys))
-            return [None] * len(keys)
-        self._ok()
+        blobs = self._run("get", [("get", (self.redis_key(k),), {}) for k in keys])
         out: list[BlockData | None] = []
         bad: list[str] = []
         for k, blob in zip(keys, blobs):
             if isinstance(blob, Exception):
-                logger.warning("Redis KV store: GET %s failed: %s", self.redis_key(k), blob)
-                self._count(misses=1, errors=1)
+                if not isinstance(blob, (_NotSent, *OUTAGE_REPLIES)):  # outages are logged once per episode
+                    logger.warning("Redis KV store: GET %s failed: %s", self.redis_key(k), blob)
+                    self._count(errors=1)
+                self._count(misses=1)
                 out.append(None)
                 continue
             if blob is None:
@@ -188,14 +245,11 @@ class RedisStore(KVStore):
             self._count(hits=1, bytes_read=len(blob))
             out.append(data)
         if bad:
-            try:
-                self._client.delete(*bad)
-            except _IO_ERRORS as e:
-                self._fail("delete", e)
+            self._run("delete", [("delete", (name,), {}) for name in bad])
         return out
 
     def put(self, items: Sequence[tuple[StoreKey, BlockData]]) -> None:
-        """Pipelined ``SET key record [EX ttl]`` per block; dropped when Redis is unreachable.
+        """Pipelined ``SET key record [EX ttl]`` per block; dropped when its server is unreachable.
 
         Every block is validated and encoded before anything is sent. See :meth:`KVStore.put`.
         """
@@ -203,17 +257,11 @@ class RedisStore(KVStore):
         blobs = [(self.redis_key(k), encode_record(k, data, self.spec)) for k, data in items]
         if not blobs:
             return
-        if self._down():
-            self._count(errors=1)
-            return
         kwargs = {} if self.ttl_seconds is None else {"ex": self.ttl_seconds}
-        try:
-            res = self._pipeline([("set", (name, blob), kwargs) for name, blob in blobs])
-        except _IO_ERRORS as e:
-            self._fail("put", e)
-            return
-        self._ok()
+        res = self._run("put", [("set", (name, blob), kwargs) for name, blob in blobs])
         for (name, blob), r in zip(blobs, res):
+            if isinstance(r, (_NotSent, *OUTAGE_REPLIES)):
+                continue  # counted and logged by the episode
             if isinstance(r, Exception) or not r:
                 logger.warning("Redis KV store: SET %s failed: %s", name, r)
                 self._count(errors=1)
@@ -221,11 +269,8 @@ class RedisStore(KVStore):
                 self._count(puts=1, bytes_written=len(blob))
 
     def close(self) -> None:
-        """Close the connection pool."""
-        try:
-            self._client.close()
-        except Exception:  # noqa: BLE001 - closing a dead connection must not raise
-            pass
+        """Close the connections."""
+        self._client.close()
 
     def __repr__(self) -> str:
         return f"RedisStore({_redact(self.url)!r}, ttl_seconds={self.ttl_seconds}, namespace={self.namespace!r})"
