@@ -107,6 +107,28 @@ def test_aborting_the_parent_ends_every_completion_and_frees_every_block(llm: LL
     assert not engine.has_unfinished_requests() and llm.kv_cache_stats().num_in_use == 0
 
 
+@pytest.mark.parametrize("steps", [0, 2])  # while the others are held / once every completion runs
+def test_aborting_one_completion_id_is_refused_and_changes_nothing(llm: LLM, steps: int) -> None:
+    """``"q#1"`` is the engine's own id of completion 1 of ``"q"``: aborting it alone is refused (it used to end that
+    completion with index 0 and leave the parent to finish with a completion of ``finish_reason=None``)."""
+    engine = llm.engine
+    engine.add_request(None, list(range(20, 40)), SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1,
+                                                                 ignore_eos=True), request_id="q")
+    for _ in range(steps):
+        engine.step()
+    for child in ("q#0", "q#1", "q#2"):
+        with pytest.raises(ValueError, match=rf"request_id '{child}' is one completion of request 'q'.*abort 'q'"):
+            engine.abort_request(child)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "q" and out.finished:
+                final = out
+    assert final is not None
+    assert [(c.index, c.finish_reason, len(c.token_ids)) for c in final.outputs] == [(i, "length", 8) for i in range(3)]
+    assert llm.kv_cache_stats().num_in_use == 0
+    assert engine.abort_request("q#1") is None  # finished: an unknown id again
+
 def test_stream_deltas_add_up_per_completion(llm: LLM) -> None:
     texts: dict[int, str] = {}
     tokens: dict[int, list[int]] = {}

@@ -200,9 +200,15 @@ class LLMEngine:
 
         Raises:
             TypeError: ``request_id`` is not a str.
+            ValueError: ``request_id`` names one completion of an unfinished ``n > 1`` request (``"q#1"``): the
+                engine's own id, which only the whole request (``"q"``) may abort.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        parent = self.parallel.owner_of(request_id)
+        if parent is not None:
+            raise ValueError(f"request_id {request_id!r} is one completion of request {parent!r} (n > 1): abort "
+                             f"{parent!r}, whose completions end together")
         if request_id in self.parallel.parents:
             return self.parallel.abort(request_id, self._abort_one)
         return self._abort_one(self.requests.get(request_id))

@@ -126,6 +126,10 @@ class ParallelSampling:
         """Whether ``request_id`` names an unfinished parent or one of its children."""
         return request_id in self.parents or request_id in self._owner
 
+    def owner_of(self, request_id: str) -> str | None:
+        """The parent id of child ``request_id`` of an unfinished parent, else ``None`` (a parent's own id too)."""
+        return self._owner.get(request_id) if request_id not in self.parents else None
+
     @property
     def has_held(self) -> bool:
         """Whether some child still waits for its prompt to be computed."""
