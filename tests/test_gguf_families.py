@@ -366,3 +366,34 @@ def test_reference_k_quantizer_round_trips(qtype: Q) -> None:
     bound = {Q.Q4_K: 0.25, Q.Q5_K: 0.12, Q.Q6_K: 0.08}[qtype]  # about one quantization step (inputs span ~7)
     assert np.abs(back - x).max() < bound
     assert np.corrcoef(back.ravel(), x.ravel())[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_truncated_or_corrupt_gguf_is_one_clear_error(gguf_dir: Path, fast: bool) -> None:
+    """A GGUF cut anywhere (header, metadata, tensor data), empty, or not GGUF at all: one ``ValueError`` naming the
+    file (it used to surface the reader's ``struct.error`` or a numpy reshape error), from either reader."""
+    whole = gguf_dir / "whole.gguf"
+    _write(FAMILIES["qwen2"], whole, "qwen2")
+    data = whole.read_bytes()
+    for cut in (0, 30, 100, 5000, len(data) // 2, len(data) - 1):
+        bad = gguf_dir / f"cut-{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=rf"cut-{cut}\.gguf (is not a readable GGUF file \({cut:,} bytes|"
+                                             rf"is truncated: tensor '[^']+' ends at byte [\d,]+, past the end)"):
+            read_gguf(bad, fast=fast)
+    bad = gguf_dir / "not-gguf.gguf"
+    bad.write_bytes(b"hello world")
+    with pytest.raises(ValueError, match=r"not-gguf\.gguf is not a readable GGUF file \(11 bytes"):
+        read_gguf(bad, fast=fast)
+
+
+def test_cli_reports_a_truncated_gguf_in_one_line(gguf_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpage import cli
+
+    whole = gguf_dir / "whole-cli.gguf"
+    _write(FAMILIES["llama"], whole, "llama")
+    bad = gguf_dir / "half.gguf"
+    bad.write_bytes(whole.read_bytes()[:5000])
+    assert cli.main(["generate", "hi", "--model", str(bad), "--no-chat"]) == 2
+    err = capsys.readouterr().err
+    assert "half.gguf is not a readable GGUF file (5,000 bytes" in err and "Traceback" not in err

@@ -36,7 +36,8 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,7 +242,8 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
         (:func:`_llamacpp_config_keys`; none for ``llama``), and the tensors in file order.
 
     Raises:
-        ValueError: the file's architecture is not one of :data:`GGUF_ARCHITECTURES` (named).
+        ValueError: the file's architecture is not one of :data:`GGUF_ARCHITECTURES` (named); the file is not a
+            readable GGUF file (empty, not GGUF, truncated or corrupt: the message says so and gives its size).
     """
     if fast is None:
         fast = _fast_gguf_reader_available()
@@ -249,19 +251,25 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
 
-        metadata, names = read_gguf_metadata(str(path))
+        metadata, names = _parse(path, read_gguf_metadata, str(path))
         _check_gguf_architecture(path, metadata["general.architecture"])
         config = _gguf_config_dict(metadata, names)
-        try:
-            header = GgufHeader.from_file(str(path))
-        except ValueError:  # a type transformers' header does not size (Q5_0, Q5_1...): gguf-py's reader does
-            header = None
+        def header_or_none(name: str) -> Any:
+            try:
+                return GgufHeader.from_file(name)
+            except ValueError:  # a type transformers' header does not size (Q5_0, Q5_1...): gguf-py's reader does
+                return None
+
+        header = _parse(path, header_or_none, str(path))
         if header is not None:
             blob = np.asarray(np.memmap(path, mode="r", dtype=np.uint8))  # plain ndarray view: no memmap subclass overhead
             tensors = []
             for info in header.tensors:
                 block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
                 start = header.data_start + info.offset
+                if start + info.nbytes > blob.size:
+                    raise ValueError(f"{path} is truncated: tensor {info.name!r} ends at byte {start + info.nbytes:,}, "
+                                     f"past the end of the file ({blob.size:,} bytes)")
                 data = blob[start : start + info.nbytes].reshape(*info.shape[:-1], info.shape[-1] // block_elems * block_bytes)
                 tensors.append(GgufTensor(info.name, info.ggml_type, tuple(info.shape), data))
         else:
@@ -270,7 +278,7 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
         from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-        reader = GGUFReader(str(path))
+        reader = _parse(path, GGUFReader, str(path))
         metadata = {name: field.contents() for name, field in reader.fields.items()
                     if name not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                                     "tokenizer.ggml.token_type")}
@@ -286,11 +294,23 @@ def read_gguf(path: Path, fast: bool | None = None) -> tuple[dict[str, Any], lis
     return config, tensors
 
 
+def _parse(path: Path, read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)``, a GGUF reader's call, with what a bad file makes it raise (``struct.error`` past the end,
+    numpy's reshape and view errors, bad magic or version...) turned into one ``ValueError`` naming the file and
+    its size."""
+    try:
+        return read(*args)
+    except (struct.error, EOFError, IndexError, OverflowError, UnicodeDecodeError, ValueError) as e:
+        size = path.stat().st_size if path.exists() else 0
+        raise ValueError(f"{path} is not a readable GGUF file ({size:,} bytes: empty, truncated or corrupt): "
+                         f"{e}") from e
+
+
 def _gguf_package_tensors(path: Path, reader: Any = None) -> list[GgufTensor]:
     """The tensors of a GGUF file as ``gguf.GGUFReader`` lists them (every ggml type gguf-py knows)."""
     from gguf import GGUFReader
 
-    reader = reader if reader is not None else GGUFReader(str(path))
+    reader = reader if reader is not None else _parse(path, GGUFReader, str(path))
     return [GgufTensor(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data) for t in reader.tensors]
 
 
