@@ -184,14 +184,14 @@ def test_c32_int4_first_block_copy_does_not_travel_the_consumer_recomputes(smoll
 
 
 # -- two `kvpage serve` processes ------------------------------------------------------------------------------------
-def _serve(role: str, url: str) -> tuple[subprocess.Popen, str]:
+def _serve(role: str, url: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpage.cli", "serve", "--port", "0", "--num-blocks", "48", "--threads", "1",
          "--log-level", "warning", "--kv-transfer-config", json.dumps(_transfer(role, url))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    return proc, ""
+    return proc
 
 
 def _wait_url(proc: subprocess.Popen, deadline: float) -> str:
@@ -211,7 +211,7 @@ def _wait_url(proc: subprocess.Popen, deadline: float) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_c32_two_serve_processes_prefill_then_decode_through_redis(smollm2, redis_server) -> None:
-    procs = [_serve(role, redis_server.url)[0] for role in ("kv_producer", "kv_consumer")]
+    procs = [_serve(role, redis_server.url) for role in ("kv_producer", "kv_consumer")]
     try:
         deadline = time.monotonic() + 120
         prefill_url, decode_url = (_wait_url(p, deadline) for p in procs)
