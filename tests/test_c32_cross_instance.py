@@ -138,6 +138,22 @@ def test_kv_transfer_config_is_vllms_spelling_and_bad_values_name_the_field() ->
         EngineConfig(kv_store="redis://a:1/0", kv_transfer_config=_transfer("kv_producer", "redis://b:1/0"))
 
 
+def test_kv_transfer_config_flag_reaches_the_llm_of_generate_and_serve(monkeypatch) -> None:
+    from kvpage.cli import build_parser
+    from kvpage.cli import engine_flags
+
+    got = {}
+    monkeypatch.setattr("kvpage.engine.llm.LLM", lambda model, **kw: got.update(kw))
+    for cmd in (["serve"], ["generate", "hi"]):
+        got.clear()
+        args = build_parser().parse_args([*cmd, "--kv-transfer-config", json.dumps(_transfer("kv_both", "redis://h:1/0"))])
+        engine_flags.build_llm(args)
+        assert got["kv_transfer_config"] == _transfer("kv_both", "redis://h:1/0")
+    got.clear()
+    engine_flags.build_llm(build_parser().parse_args(["serve"]))
+    assert "kv_transfer_config" not in got and got["kv_store"] is None
+
+
 @pytest.mark.slow
 def test_c32_producer_writes_before_answering_and_consumer_decodes_from_the_store(smollm2, redis_server) -> None:
     url = redis_server.url
