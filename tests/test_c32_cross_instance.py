@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from test_tiers_store import block_hash, make_spec, random_block, scales_for
 from test_tiers_engine import SYSTEM
 
@@ -57,7 +58,7 @@ def _redis(llm: LLM) -> RedisStore:
 
 # -- layouts -------------------------------------------------------------------------------------------------------
 def _other_model(fmt: str) -> CacheSpec:
-    return CacheSpec.build(num_layers=2, num_kv_heads=2, head_dim=128, model_dtype=__import__("torch").bfloat16,
+    return CacheSpec.build(num_layers=2, num_kv_heads=2, head_dim=128, model_dtype=torch.bfloat16,
                            block_size=16, kv_cache_dtype=fmt, num_draft_layers=1, draft_kv_cache_dtype="bfloat16",
                            model_name="another-model", **scales_for(fmt, 3))
 
@@ -139,14 +140,14 @@ def test_kv_transfer_config_is_vllms_spelling_and_bad_values_name_the_field() ->
 
 
 def test_kv_transfer_config_flag_reaches_the_llm_of_generate_and_serve(monkeypatch) -> None:
-    from kvpage.cli import build_parser
-    from kvpage.cli import engine_flags
+    from kvpage.cli import build_parser, engine_flags
 
     got = {}
     monkeypatch.setattr("kvpage.engine.llm.LLM", lambda model, **kw: got.update(kw))
     for cmd in (["serve"], ["generate", "hi"]):
         got.clear()
-        args = build_parser().parse_args([*cmd, "--kv-transfer-config", json.dumps(_transfer("kv_both", "redis://h:1/0"))])
+        flag = json.dumps(_transfer("kv_both", "redis://h:1/0"))
+        args = build_parser().parse_args([*cmd, "--kv-transfer-config", flag])
         engine_flags.build_llm(args)
         assert got["kv_transfer_config"] == _transfer("kv_both", "redis://h:1/0")
     got.clear()
@@ -263,3 +264,35 @@ def test_c32_two_serve_processes_prefill_then_decode_through_redis(smollm2, redi
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_kv_transfer_params_are_checked_against_the_servers_role(smollm2, redis_url: str) -> None:
+    from _tiny_model import tiny_random_model
+
+    from kvpage.server.app import ServerThread, build_app
+
+    tiny = tiny_random_model(smollm2, max_position_embeddings=128)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+    plain = LLM(tiny, num_blocks=16, max_model_len=64, progress=False)
+    producer = LLM(tiny, num_blocks=16, max_model_len=64, progress=False,
+                   kv_transfer_config=_transfer("kv_producer", redis_url))
+    with ServerThread(build_app(plain, "tiny")) as a, ServerThread(build_app(producer, "tiny")) as p, \
+            httpx.Client(timeout=60) as http:
+        for path, extra in (("/v1/completions", {"prompt": [1, 2, 3]}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            req = {**{k: v for k, v in body.items() if k != "prompt"}, **extra}
+            r = http.post(a.url + path, json={**req, "kv_transfer_params": {"do_remote_decode": True}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+            assert "without --kv-transfer-config" in r.json()["error"]["message"]
+            ok = http.post(p.url + path, json={**req, "kv_transfer_params": {"do_remote_decode": True,
+                                                                              "remote_host": None}})
+            assert ok.status_code == 200 and ok.json()["kv_transfer_params"]["do_remote_prefill"] is True
+            assert http.post(p.url + path, json=req).json()["kv_transfer_params"] is None
+        for params, status, words in [({"do_remote_prefill": True}, 400, "needs kv_role kv_consumer"),
+                                      ({"do_remote_decode": "yes"}, 400, "do_remote_decode")]:
+            r = http.post(p.url + "/v1/completions", json={**body, "kv_transfer_params": params})
+            assert r.status_code == status and words in json.dumps(r.json()["error"]), r.text
+        r = http.post(p.url + "/v1/completions",
+                      json={**body, "stream": True, "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 400 and "needs stream false" in r.json()["error"]["message"]
+    producer.close()

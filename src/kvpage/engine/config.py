@@ -320,8 +320,8 @@ class EngineConfig:
                                  f"kv_store={url!r} name two stores; give one")
             object.__setattr__(self, "kv_store", url)
         if self.kv_store is None and self.kv_disk_dir is None:
-            raise ValueError("kv_transfer_config needs a store the instances share: set kv_store (redis://host:port/db) "
-                             "or kv_connector_extra_config.kv_store")
+            raise ValueError("kv_transfer_config needs a store the instances share: set kv_store "
+                             "(redis://host:port/db) or kv_connector_extra_config.kv_store")
         return kt
 
     def _check_tiers(self) -> None:
