@@ -79,6 +79,12 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-max-bytes", type=int, default=None, help="size cap of the disk store in bytes (LRU)")
     p.add_argument("--kv-store", default=None, help="URL of a KV block store shared between instances: redis://host:port/db "
                    "(also rediss://, unix://), redis+cluster://h1:p1,h2:p2,... (a Redis Cluster) or disk:///dir")
+    p.add_argument("--kv-transfer-config", type=json_object, default=None, metavar="JSON",
+                   help='prefill/decode disaggregation over the shared store, as vLLM\'s flag: a JSON object such as '
+                        '\'{"kv_connector": "KVPageStoreConnector", "kv_role": "kv_producer", '
+                        '"kv_connector_extra_config": {"kv_store": "redis://host:6379/0"}}\'; roles kv_producer '
+                        '(prefill: writes blocks to the store before answering), kv_consumer (decode: loads them), '
+                        'kv_both (default: none)')
 
 
 def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
@@ -91,6 +97,9 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
     kv_events = getattr(args, "kv_events_config", None)
     if kv_events is not None:
         extra = {"kv_events_config": kv_events, **extra}
+    kv_transfer = getattr(args, "kv_transfer_config", None)
+    if kv_transfer is not None:
+        extra = {"kv_transfer_config": kv_transfer, **extra}
     return LLM(
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,

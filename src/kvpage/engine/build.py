@@ -164,6 +164,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                                          None if sc is None else sc.disable_by_batch_size),
         drafter=drafter,
         kv_events=_kv_events(config, spec, kv),
+        flush_finished=config.kv_transfer is not None and config.kv_transfer.is_kv_producer,
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, tier_worker, kv, runner, worker, engine,
                        int(num_blocks), max_model_len, capacity, budget, drafter)

@@ -17,6 +17,7 @@ import torch
 
 from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
 from kvpage.cache.kv_events.config import KVEventsConfig
+from kvpage.cache.tiers.disagg import KVTransferConfig
 from kvpage.cache.tiers.policy import OffloadConfig
 from kvpage.cache.tiers.stores import StoreURL, parse_store_url
 from kvpage.engine.speculative.config import SpeculativeConfig
@@ -133,6 +134,10 @@ class EngineConfig:
         kv_events_config: KV cache events on a ZeroMQ socket in vLLM's format (vLLM's ``kv_events_config``): a
             :class:`~kvpage.cache.kv_events.config.KVEventsConfig`, a dict of its fields
             (``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``) or that dict as JSON; ``None`` = off.
+        kv_transfer_config: prefill/decode disaggregation over the shared store (vLLM's ``kv_transfer_config``): a
+            :class:`~kvpage.cache.tiers.disagg.KVTransferConfig`, a dict of its fields (``{"kv_connector":
+            "KVPageStoreConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"kv_store": URL}}``) or
+            that dict as JSON; needs a store (``kv_store`` here or in ``kv_connector_extra_config``); ``None`` = off.
 
     Raises:
         ValueError: a bad field (the message names it).
@@ -165,6 +170,7 @@ class EngineConfig:
     kv_store: str | None = None
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     #: Derived: the compute dtype.
     torch_dtype: torch.dtype = field(init=False)
     #: Derived: the main layers' KV format object.
@@ -188,6 +194,8 @@ class EngineConfig:
     kv_stores: tuple[StoreURL, ...] = field(init=False, repr=False)
     #: Derived: the KV events settings (``None`` = off: not given, disabled or the ``null`` publisher).
     kv_events: KVEventsConfig | None = field(init=False, repr=False)
+    #: Derived: the prefill/decode role (``None`` = off).
+    kv_transfer: KVTransferConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -299,12 +307,31 @@ class EngineConfig:
         if given:
             raise ValueError(f"kv_cache_memory_fraction and {' and '.join(given)} both size the KV cache; give one")
 
+    def _check_transfer(self) -> KVTransferConfig | None:
+        """Resolve ``kv_transfer_config``; its ``kv_store`` becomes the engine's (equal to ``kv_store`` if both)."""
+        kt = None if self.kv_transfer_config is None else KVTransferConfig.coerce(self.kv_transfer_config)
+        object.__setattr__(self, "kv_transfer", kt)
+        if kt is None:
+            return None
+        url = kt.kv_store
+        if url is not None:
+            if self.kv_store is not None and self.kv_store != url:
+                raise ValueError(f"kv_store={self.kv_store!r} and kv_transfer_config.kv_connector_extra_config."
+                                 f"kv_store={url!r} name two stores; give one")
+            object.__setattr__(self, "kv_store", url)
+        if self.kv_store is None and self.kv_disk_dir is None:
+            raise ValueError("kv_transfer_config needs a store the instances share: set kv_store "
+                             "(redis://host:port/db) or kv_connector_extra_config.kv_store")
+        return kt
+
     def _check_tiers(self) -> None:
         s = self.swap_space
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < math.inf:
             raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {s!r}")
-        object.__setattr__(self, "offload", OffloadConfig(write_policy=self.kv_offload_policy,
-                                                          preemption_mode=self.preemption_mode))
+        kt = self._check_transfer()
+        object.__setattr__(self, "offload", OffloadConfig(
+            write_policy=self.kv_offload_policy, preemption_mode=self.preemption_mode,
+            store_reads=kt is None or kt.is_kv_consumer, store_writes=kt is None or kt.is_kv_producer))
         if self.preemption_mode == "swap" and s == 0:
             raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (GiB) > 0")
         d = self.kv_disk_dir

@@ -71,6 +71,9 @@ class LLMEngine:
         scheduler_config: batching limits (its ``num_lookahead_tokens`` is the drafter's ``k``).
         drafter: the speculation method (:mod:`kvpage.engine.speculative`), or ``None``: no speculation.
         kv_events: collects the cache's events and publishes one batch per step (``kv_events_config``), or ``None``.
+        flush_finished: a step in which a request finished hands the worker its tier writes before it returns
+            (:meth:`flush_kv`), so the request's blocks are in the stores when its output is read (a ``kv_producer``
+            of prefill/decode disaggregation); default they go with the next step.
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         drafter: Drafter | None = None,
         kv_events: KVEventCollector | None = None,
+        flush_finished: bool = False,
     ) -> None:
         self.worker = worker
+        self.flush_finished = flush_finished
         self.kv_events = kv_events
         self.runner = worker.runner
         self.tokenizer = tokenizer
@@ -257,7 +262,10 @@ class LLMEngine:
         try:
             for child in self.parallel.release():  # the first completion ended before its prompt's logits
                 self.scheduler.add_request(child)  # admitted as any request: it computes the prompt itself
-            return self.parallel.fan_in(self._step())
+            outputs = self._step()
+            if self.flush_finished and any(o.finished for o in outputs):
+                self.flush_kv()  # write-through before the answer: the decode instance reads the store next
+            return self.parallel.fan_in(outputs)
         finally:
             if self.kv_events is not None:  # one batch per step, queued for the publisher's thread
                 self.kv_events.publish()

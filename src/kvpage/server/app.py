@@ -230,6 +230,32 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
                                param=param) from e
             raise
 
+    def kv_transfer(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
+        """Check ``kv_transfer_params`` against the server's ``kv_role``; the answer's ``kv_transfer_params`` (a
+        prefill request's, ``do_remote_decode``: the decode request's, as vLLM's proxy passes it on) or ``None``."""
+        p = body.kv_transfer_params
+        if p is None:
+            return None
+        kt = llm.engine_config.kv_transfer
+        if kt is None:
+            raise APIError(400, "kv_transfer_params: this server was started without --kv-transfer-config "
+                                "(prefill/decode disaggregation is off)", param="kv_transfer_params")
+        if p.do_remote_decode and not kt.is_kv_producer:
+            raise APIError(400, f"kv_transfer_params.do_remote_decode needs kv_role kv_producer or kv_both; this "
+                                f"server is {kt.kv_role}", param="kv_transfer_params")
+        if p.do_remote_prefill and not kt.is_kv_consumer:
+            raise APIError(400, f"kv_transfer_params.do_remote_prefill needs kv_role kv_consumer or kv_both; this "
+                                f"server is {kt.kv_role}", param="kv_transfer_params")
+        if not p.do_remote_decode:
+            return None
+        if body.stream:
+            raise APIError(400, "kv_transfer_params.do_remote_decode needs stream false: the answer carries the "
+                                "decode request's kv_transfer_params", param="kv_transfer_params")
+        # the blocks are in the store when the answer leaves (the engine flushes a producer's writes): the decode
+        # instance finds them by hash, so vLLM's remote addresses stay empty
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
     def sampling(body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
         try:
             return body.sampling_params(default_max_tokens)
@@ -310,6 +336,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         """
         check_model(body.model)
         check_stop_token_ids(body)
+        transfer = kv_transfer(body)
         params = sampling(body, body.requested_max_tokens() or DEFAULT_COMPLETION_MAX_TOKENS)
         prompts = body.prompts()
         if len(prompts) * params.n > MAX_N:
@@ -345,7 +372,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         if outs is None:
             return Response(status_code=499)  # nobody is listening
         return SafeJSONResponse(CompletionResponse(
-            id=rid, created=created, model=name, usage=usage(*outs),
+            id=rid, created=created, model=name, usage=usage(*outs), kv_transfer_params=transfer,
             choices=[CompletionChoice(index=i * params.n + c.index, text=c.text, finish_reason=c.finish_reason)
                      for i, out in enumerate(outs) for c in sorted(out.outputs, key=lambda c: c.index)],
         ).model_dump())
@@ -359,6 +386,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         """
         check_model(body.model)
         check_stop_token_ids(body)
+        transfer = kv_transfer(body)
         messages = body.chat_messages()
         params = sampling(body, body.requested_max_tokens() or 1)
 
@@ -376,7 +404,7 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             return Response(status_code=499)
         (out,) = finals
         return SafeJSONResponse(ChatCompletionResponse(
-            id=rid, created=created, model=name, usage=usage(out),
+            id=rid, created=created, model=name, usage=usage(out), kv_transfer_params=transfer,
             choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
                      for c in out.outputs],
         ).model_dump())

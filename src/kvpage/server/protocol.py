@@ -39,6 +39,10 @@ field                       accepted
 ``messages``                non-empty array of ``{"role", "content"}``; role ``system``,
                             ``developer``, ``user`` or ``assistant``; content a string or an
                             array of ``{"type": "text", "text"}`` parts (null only for ``assistant``)
+``kv_transfer_params``      object (vLLM's disaggregated-prefill field): ``do_remote_decode`` and
+                            ``do_remote_prefill`` booleans [false]; other keys (``remote_engine_id``,
+                            ``remote_block_ids``, ...) are accepted and ignored; needs a server
+                            started with ``--kv-transfer-config`` (else 400, in :mod:`kvpage.server.app`)
 ==========================  =================================================================
 
 Known OpenAI fields this server cannot honour (penalties, ``logprobs``, tools, ...)
@@ -53,7 +57,7 @@ tokens served from the prefix cache), as OpenAI's API does.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -91,6 +95,18 @@ class StreamOptions(NullMeansDefault):
     include_usage: bool = False
 
 
+class KVTransferParams(NullMeansDefault):
+    """``kv_transfer_params`` of vLLM's disaggregated-prefill proxy: a prefill request carries
+    ``do_remote_decode: true`` (its blocks go to the store before it answers); the answer carries
+    ``do_remote_prefill: true``, which the proxy hands the decode request. kvpage's store needs no remote
+    addresses: vLLM's ``remote_*`` keys are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+
+
 class _Request(OffCommon):
     """Fields shared by both generation endpoints (sampling, streaming, vLLM extensions); strict types."""
 
@@ -110,6 +126,7 @@ class _Request(OffCommon):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -299,6 +316,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -326,6 +344,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -24,7 +24,8 @@ report (:mod:`kvpage.cache.tiers.transfer`):
 
   Every newly cached block is also written to every store (write-through to stores, LMCache's default), keyed
   ``StoreKey(spec.fingerprint, block_hash)``, except to the store it was just loaded from (and blocks loaded
-  from the host tier, which were written when first cached).
+  from the host tier, which were written when first cached). ``OffloadConfig.store_reads`` / ``store_writes``
+  turn the store half of lookup and of this off (a ``kv_producer`` / ``kv_consumer``, :mod:`kvpage.cache.tiers.disagg`).
 * **preempt** (``preemption_mode="swap"``, vLLM's ``swap_space`` / ``preemption_mode``): a preempted request's
   written blocks are copied to host blocks it owns and its device blocks are freed; on readmission they are
   loaded back into fresh device blocks (after any of its full blocks still cached on the device). When the host
@@ -180,7 +181,7 @@ class OffloadManager:
         host_ids = [self.host.lookup(h) if self.host is not None else None for h in block_hashes]
         first_miss = next((i for i, b in enumerate(host_ids) if b is None), len(block_hashes))
         probes: list[list[bool]] = []
-        if first_miss < len(block_hashes):
+        if first_miss < len(block_hashes) and self.config.store_reads:
             rest = block_hashes[first_miss:]
             for _, store in self.stores:
                 probes.append(list(store.exists([store.key(h) for h in rest])))
@@ -360,7 +361,7 @@ class OffloadManager:
         elif pol == "write_through_selective":
             self._count_uses(device_ids, block_hashes)
         sources = [self._loaded_from.pop(h, None) for h in block_hashes]
-        if not self.stores:
+        if not self.stores or not self.config.store_writes:
             return
         rows = self._rows(device_ids)
         whole = rows if rows is not None else (0,) * len(device_ids)  # a record is a whole block

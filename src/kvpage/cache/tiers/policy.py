@@ -26,6 +26,8 @@ class OffloadConfig:
         preemption_mode: ``"recompute"`` (free and recompute later) or ``"swap"`` (copy to host blocks).
         load_deadline_s: seconds an aborted request's loading device blocks are held
             waiting for their load before they return to the pool anyway (case C10).
+        store_reads: probe and load the stores on a prefix miss (``False`` for a ``kv_producer``).
+        store_writes: write newly cached blocks to the stores (``False`` for a ``kv_consumer``).
 
     Raises:
         ValueError: an unknown policy or mode, a threshold < 1, or a deadline < 0.
@@ -35,6 +37,8 @@ class OffloadConfig:
     write_through_threshold: int = 2
     preemption_mode: str = "recompute"
     load_deadline_s: float = 30.0
+    store_reads: bool = True
+    store_writes: bool = True
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
