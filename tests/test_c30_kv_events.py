@@ -448,3 +448,74 @@ def test_c30_cli_flag_parses_json_and_reaches_llm(monkeypatch):
     seen.clear()
     engine_flags.build_llm(p.parse_args([]))
     assert "kv_events_config" not in seen and "kv_cache_dtype" in seen
+
+
+# -- tiers: medium tells the device from the host, disk and remote tiers ---------------------------------------
+
+class MediumSubscriber(Subscriber):
+    """Rebuilds one set of hashes per ``medium`` (the tiers' BlockStored carry no tokens, as vLLM's offloading
+    connector sends them; the device's keep C30's checks)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.by_medium: dict[str, set[Any]] = {}
+        self.stored_by_medium: dict[str, int] = {}
+        self.removed_by_medium: dict[str, int] = {}
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        super()._apply(seq, payload)  # the device set, C30's checks, the sequence
+        batch = self.decoder.decode(payload)
+        for ev in batch.events:
+            kind = type(ev).__name__.removesuffix("T")
+            if kind == "AllBlocksCleared":  # vLLM's clear has no medium: the device's
+                self.by_medium["GPU"] = set()
+                continue
+            got = self.by_medium.setdefault(ev.medium, set())
+            if kind == "BlockStored":
+                assert ev.block_size == 4
+                if ev.medium != "GPU":
+                    assert ev.token_ids == [] and ev.parent_block_hash is None
+                self.stored_by_medium[ev.medium] = self.stored_by_medium.get(ev.medium, 0) + len(ev.block_hashes)
+                got.update(ev.block_hashes)
+            else:
+                assert set(ev.block_hashes) <= got, f"{ev.medium}: removal of a block never stored"
+                self.removed_by_medium[ev.medium] = self.removed_by_medium.get(ev.medium, 0) + len(ev.block_hashes)
+                got.difference_update(ev.block_hashes)
+
+
+def test_c30_tier_events_rebuild_device_host_and_disk_indexes(tmp_path, ctx):
+    """With a host tier (write_through, smaller than the workload: it evicts) and a disk store, a subscriber's
+    per-medium sets equal the device index ("GPU"), the host tier's index ("CPU") and the disk store's records
+    ("DISK"); the device set is C30's."""
+    probe = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, progress=False,
+                attention_backend="reference")
+    host_gib = 40 * probe.spec.bytes_per_block / (1 << 30)  # 40 host blocks
+    probe.close()
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
+    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
+              attention_backend="reference", progress=False, kv_events_config=cfg, swap_space=host_gib,
+              kv_offload_policy="write_through", kv_disk_dir=str(tmp_path / "disk"))
+    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+    time.sleep(0.2)
+    rng = random.Random(33)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    offload = llm.kv_connector.offload
+    disk = offload.stores[0][1]
+    try:
+        for round_ in range(4):
+            llm.generate(_workload(rng, 50), params)
+            _settle(llm, sub)
+            assert sub.hashes == _index(llm) == sub.by_medium["GPU"], f"round {round_}"
+            assert sub.by_medium["CPU"] == set(offload.host._index), f"round {round_}"
+            assert len(sub.by_medium["DISK"]) == len(disk) and all(disk.exists([disk.key(h) for h in
+                                                                                  sub.by_medium["DISK"]]))
+        assert offload.host.num_evictions > 20  # the host tier evicted (40 blocks)
+        assert sub.removed_by_medium["CPU"] == offload.host.num_evictions
+        assert sub.stored_by_medium["CPU"] >= len(offload.host._index) + offload.host.num_evictions
+        assert llm.kv_cache_stats().tiers.tier_hits["host"] > 0  # loads from the host tier happened
+        assert "DISK" not in sub.removed_by_medium  # an uncapped disk store evicts nothing
+        assert sub.seqs == list(range(len(sub.seqs)))
+    finally:
+        sub.close()
+        llm.close()
