@@ -519,3 +519,48 @@ def test_c30_tier_events_rebuild_device_host_and_disk_indexes(tmp_path, ctx):
     finally:
         sub.close()
         llm.close()
+
+
+def test_c30_serve_shutdown_flushes_and_closes_the_publisher(tmp_path, ctx, monkeypatch):
+    """``kvpage serve``'s shutdown closes the LLM it built: the publisher sends its queued batches (the last one
+    included) and closes its sockets."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    import kvpage.cli.serve as serve_mod
+
+    made: list[LLM] = []
+    sinks: list[ZmqEventPublisher] = []
+
+    def tiny_llm(args, **kw):
+        made.append(_llm(tmp_path, "tagged"))
+        sinks.append(made[-1].engine.kv_events.sink)
+        return made[-1]
+
+    sub = Subscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+
+    def run(self, sockets=None):  # uvicorn's run: startup, one request, shutdown (the lifespan's)
+        with TestClient(self.config.app) as client:
+            time.sleep(0.2)  # the subscription reaches the publisher
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello paged world, " * 3,
+                                                     "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+
+    monkeypatch.setattr(serve_mod, "build_llm", tiny_llm)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    p = argparse.ArgumentParser()
+    serve_mod.add_serve_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--port", "0", "--served-model-name", "tiny"])
+    try:
+        assert args.func(args) == 0
+        sink = sinks[0]
+        assert made[0].engine.kv_events is None  # the LLM was closed by the app's shutdown
+        assert sink._pub.closed and not sink._thread.is_alive()  # sockets closed, thread stopped
+        assert sink._queue.unfinished_tasks == 0 and sink.num_dropped == 0 and sink.num_published > 0
+        sub.drain()
+        pool = made[0].engine.kv.pool
+        index = {_wire_hash(h, "int") for h in map(pool.block_hash, range(pool.num_blocks)) if h is not None}
+        assert sub.n_events["BlockStored"] > 0 and sub.hashes == index  # the last batch arrived
+        assert sub.seqs == list(range(sink.num_published))
+    finally:
+        sub.close()
