@@ -564,3 +564,25 @@ def test_c30_serve_shutdown_flushes_and_closes_the_publisher(tmp_path, ctx, monk
         assert sub.seqs == list(range(sink.num_published))
     finally:
         sub.close()
+
+
+def test_c30_redis_store_events_are_remote_stores_only(tmp_path, ctx, redis_url):
+    """The Redis store's writes go out as ``BlockStored`` of medium ``"REMOTE"`` (hashes alone), each one a record
+    the store holds; no removal is sent (Redis expires and evicts keys unseen), and no host tier: no ``"CPU"``."""
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
+    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
+              attention_backend="reference", progress=False, kv_events_config=cfg, kv_store=redis_url)
+    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+    time.sleep(0.2)
+    store = llm.kv_connector.offload.stores[0][1]
+    try:
+        llm.generate(_workload(random.Random(34), 40), SamplingParams(max_tokens=3, temperature=0.0))
+        _settle(llm, sub)
+        assert sub.hashes == _index(llm)
+        remote = sub.by_medium["REMOTE"]
+        assert len(remote) > 20 and all(store.exists([store.key(h) for h in remote]))
+        assert set(sub.by_medium) == {"GPU", "REMOTE"} and "REMOTE" not in sub.removed_by_medium
+    finally:
+        sub.close()
+        llm.close()
