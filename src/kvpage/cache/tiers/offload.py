@@ -121,8 +121,7 @@ class OffloadManager:
         """
         self._on_event = record
         if self.host is not None:
-            host_record = record
-            self.host.on_event = lambda ev: host_record("host", ev)
+            self.host.on_event = lambda ev: record("host", ev)
 
     def _rows(self, device_ids: Sequence[int], *, evicted: bool = False) -> tuple[int | None, ...] | None:
         """The window rows of these device blocks (``None`` without window layers); ``evicted``: the slots they held
