@@ -448,3 +448,141 @@ def test_c30_cli_flag_parses_json_and_reaches_llm(monkeypatch):
     seen.clear()
     engine_flags.build_llm(p.parse_args([]))
     assert "kv_events_config" not in seen and "kv_cache_dtype" in seen
+
+
+# -- tiers: medium tells the device from the host, disk and remote tiers ---------------------------------------
+
+class MediumSubscriber(Subscriber):
+    """Rebuilds one set of hashes per ``medium`` (the tiers' BlockStored carry no tokens, as vLLM's offloading
+    connector sends them; the device's keep C30's checks)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.by_medium: dict[str, set[Any]] = {}
+        self.stored_by_medium: dict[str, int] = {}
+        self.removed_by_medium: dict[str, int] = {}
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        super()._apply(seq, payload)  # the device set, C30's checks, the sequence
+        batch = self.decoder.decode(payload)
+        for ev in batch.events:
+            kind = type(ev).__name__.removesuffix("T")
+            if kind == "AllBlocksCleared":  # vLLM's clear has no medium: the device's
+                self.by_medium["GPU"] = set()
+                continue
+            got = self.by_medium.setdefault(ev.medium, set())
+            if kind == "BlockStored":
+                assert ev.block_size == 4
+                if ev.medium != "GPU":
+                    assert ev.token_ids == [] and ev.parent_block_hash is None
+                self.stored_by_medium[ev.medium] = self.stored_by_medium.get(ev.medium, 0) + len(ev.block_hashes)
+                got.update(ev.block_hashes)
+            else:
+                assert set(ev.block_hashes) <= got, f"{ev.medium}: removal of a block never stored"
+                self.removed_by_medium[ev.medium] = self.removed_by_medium.get(ev.medium, 0) + len(ev.block_hashes)
+                got.difference_update(ev.block_hashes)
+
+
+def test_c30_tier_events_rebuild_device_host_and_disk_indexes(tmp_path, ctx):
+    """With a host tier (write_through, smaller than the workload: it evicts) and a disk store, a subscriber's
+    per-medium sets equal the device index ("GPU"), the host tier's index ("CPU") and the disk store's records
+    ("DISK"); the device set is C30's."""
+    probe = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, progress=False,
+                attention_backend="reference")
+    host_gib = 40 * probe.spec.bytes_per_block / (1 << 30)  # 40 host blocks
+    probe.close()
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
+    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
+              attention_backend="reference", progress=False, kv_events_config=cfg, swap_space=host_gib,
+              kv_offload_policy="write_through", kv_disk_dir=str(tmp_path / "disk"))
+    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+    time.sleep(0.2)
+    rng = random.Random(33)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    offload = llm.kv_connector.offload
+    disk = offload.stores[0][1]
+    try:
+        for round_ in range(4):
+            llm.generate(_workload(rng, 50), params)
+            _settle(llm, sub)
+            assert sub.hashes == _index(llm) == sub.by_medium["GPU"], f"round {round_}"
+            assert sub.by_medium["CPU"] == set(offload.host._index), f"round {round_}"
+            assert len(sub.by_medium["DISK"]) == len(disk) and all(disk.exists([disk.key(h) for h in
+                                                                                  sub.by_medium["DISK"]]))
+        assert offload.host.num_evictions > 20  # the host tier evicted (40 blocks)
+        assert sub.removed_by_medium["CPU"] == offload.host.num_evictions
+        assert sub.stored_by_medium["CPU"] >= len(offload.host._index) + offload.host.num_evictions
+        assert llm.kv_cache_stats().tiers.tier_hits["host"] > 0  # loads from the host tier happened
+        assert "DISK" not in sub.removed_by_medium  # an uncapped disk store evicts nothing
+        assert sub.seqs == list(range(len(sub.seqs)))
+    finally:
+        sub.close()
+        llm.close()
+
+
+def test_c30_serve_shutdown_flushes_and_closes_the_publisher(tmp_path, ctx, monkeypatch):
+    """``kvpage serve``'s shutdown closes the LLM it built: the publisher sends its queued batches (the last one
+    included) and closes its sockets."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    import kvpage.cli.serve as serve_mod
+
+    made: list[LLM] = []
+    sinks: list[ZmqEventPublisher] = []
+
+    def tiny_llm(args, **kw):
+        made.append(_llm(tmp_path, "tagged"))
+        sinks.append(made[-1].engine.kv_events.sink)
+        return made[-1]
+
+    sub = Subscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+
+    def run(self, sockets=None):  # uvicorn's run: startup, one request, shutdown (the lifespan's)
+        with TestClient(self.config.app) as client:
+            time.sleep(0.2)  # the subscription reaches the publisher
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello paged world, " * 3,
+                                                     "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+
+    monkeypatch.setattr(serve_mod, "build_llm", tiny_llm)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    p = argparse.ArgumentParser()
+    serve_mod.add_serve_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--port", "0", "--served-model-name", "tiny"])
+    try:
+        assert args.func(args) == 0
+        sink = sinks[0]
+        assert made[0].engine.kv_events is None  # the LLM was closed by the app's shutdown
+        assert sink._pub.closed and not sink._thread.is_alive()  # sockets closed, thread stopped
+        assert sink._queue.unfinished_tasks == 0 and sink.num_dropped == 0 and sink.num_published > 0
+        sub.drain()
+        pool = made[0].engine.kv.pool
+        index = {_wire_hash(h, "int") for h in map(pool.block_hash, range(pool.num_blocks)) if h is not None}
+        assert sub.n_events["BlockStored"] > 0 and sub.hashes == index  # the last batch arrived
+        assert sub.seqs == list(range(sink.num_published))
+    finally:
+        sub.close()
+
+
+def test_c30_redis_store_events_are_remote_stores_only(tmp_path, ctx, redis_url):
+    """The Redis store's writes go out as ``BlockStored`` of medium ``"REMOTE"`` (hashes alone), each one a record
+    the store holds; no removal is sent (Redis expires and evicts keys unseen), and no host tier: no ``"CPU"``."""
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
+    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
+              attention_backend="reference", progress=False, kv_events_config=cfg, kv_store=redis_url)
+    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+    time.sleep(0.2)
+    store = llm.kv_connector.offload.stores[0][1]
+    try:
+        llm.generate(_workload(random.Random(34), 40), SamplingParams(max_tokens=3, temperature=0.0))
+        _settle(llm, sub)
+        assert sub.hashes == _index(llm)
+        remote = sub.by_medium["REMOTE"]
+        assert len(remote) > 20 and all(store.exists([store.key(h) for h in remote]))
+        assert set(sub.by_medium) == {"GPU", "REMOTE"} and "REMOTE" not in sub.removed_by_medium
+    finally:
+        sub.close()
+        llm.close()

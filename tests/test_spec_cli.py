@@ -102,3 +102,23 @@ def test_generate_prints_the_line_only_when_the_engine_speculates(monkeypatch, c
     assert cli.main(argv) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[kvpage] speculative:")]
     assert line == generate.spec_decode_line(c.snapshot())
+
+
+@pytest.mark.parametrize("flag,example,foreign", [
+    ("--kv-events-config", '--kv-events-config \'{"enable_kv_cache_events": true', "ngram"),
+    ("--speculative-config", '--speculative-config \'{"method": "ngram"', "enable_kv_cache_events"),
+    ("--kv-transfer-config", '--kv-transfer-config \'{"kv_connector": "KVPageStoreConnector"', "ngram"),
+])
+@pytest.mark.parametrize("text", ["{oops", "[1, 2]"])
+def test_bad_json_message_shows_that_flags_example(capsys, flag: str, example: str, foreign: str, text: str) -> None:
+    """Each JSON flag's error shows an example of that flag, never another flag's (the shared type once showed a
+    speculative-config example for every JSON flag)."""
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["serve", flag, text])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be a JSON object" in err
+    assert f"e.g. {example}" in err and foreign not in err
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a JSON object") as plain:
+        json_object(text)
+    assert "e.g." not in str(plain.value)  # the flag-less type shows no (other flag's) example

@@ -9,7 +9,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
-from kvpage.engine.args import DTYPE_HELP, json_object, nonnegative_int, positive_int, threads_help
+from kvpage.engine.args import DTYPE_HELP, json_object_arg, nonnegative_int, positive_int, threads_help
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
@@ -50,14 +50,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="requests running at once (default 64; sizes the side pools of int4/int2)")
-    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   type=json_object_arg("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'),
                    help='speculative decoding, as vLLM\'s flag: a JSON object such as \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'; methods ngram, draft_model '
                         '(with "model": PATH), layer_skip (with "num_layers": N) (default: none)')
     p.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS,
                    help="block hash of the prefix cache: kvpage (own scheme, default) or sha256_cbor (vLLM's, "
                         "which KV-aware routers recompute; root from $PYTHONHASHSEED, else vLLM's default seed)")
-    p.add_argument("--kv-events-config", type=json_object, default=None, metavar="JSON",
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   type=json_object_arg("--kv-events-config",
+                                        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'),
                    help='KV cache events on a ZeroMQ socket in vLLM\'s format, as vLLM\'s flag: a JSON object such '
                         'as \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
                         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; also buffer_steps, hwm, '
@@ -79,7 +82,10 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-max-bytes", type=int, default=None, help="size cap of the disk store in bytes (LRU)")
     p.add_argument("--kv-store", default=None, help="URL of a KV block store shared between instances: redis://host:port/db "
                    "(also rediss://, unix://), redis+cluster://h1:p1,h2:p2,... (a Redis Cluster) or disk:///dir")
-    p.add_argument("--kv-transfer-config", type=json_object, default=None, metavar="JSON",
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   type=json_object_arg("--kv-transfer-config",
+                                        '{"kv_connector": "KVPageStoreConnector", "kv_role": "kv_producer", '
+                                        '"kv_connector_extra_config": {"kv_store": "redis://host:6379/0"}}'),
                    help='prefill/decode disaggregation over the shared store, as vLLM\'s flag: a JSON object such as '
                         '\'{"kv_connector": "KVPageStoreConnector", "kv_role": "kv_producer", '
                         '"kv_connector_extra_config": {"kv_store": "redis://host:6379/0"}}\'; roles kv_producer '

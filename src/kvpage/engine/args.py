@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,22 +44,45 @@ def port(text: str) -> int:
     return value
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """argparse type: a JSON object (``--speculative-config '{"method": "ngram", ...}'``) as a dict.
-
-    Only the syntax is checked here; the keys are checked by the engine setting the dict goes to.
-    argparse prefixes the error with the flag (``argument --speculative-config: ...``).
-    """
+def _json_object(text: str, example: str | None) -> dict[str, Any]:
+    """``text`` parsed as a JSON object; the ``ArgumentTypeError`` shows ``example`` (a usage, flag included)."""
+    eg = f", e.g. {example}" if example else ""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. "
-                                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'; "
-                                         f"{text!r} is not valid JSON ({e})") from None
+        raise argparse.ArgumentTypeError(f"must be a JSON object{eg}; {text!r} is not valid JSON ({e})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got a JSON {type(value).__name__}: "
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}){eg}; got a JSON {type(value).__name__}: "
                                          f"{text!r}")
     return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object as a dict (a flag with its own example takes :func:`json_object_arg`).
+
+    Only the syntax is checked here; the keys are checked by the engine setting the dict goes to.
+    argparse prefixes the error with the flag (``argument --kv-transfer-config: ...``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or JSON but not an object.
+    """
+    return _json_object(text, None)
+
+
+def json_object_arg(flag: str, example: str) -> Callable[[str], dict[str, Any]]:
+    """argparse type of ``flag``: a JSON object as a dict, whose error shows ``flag`` with ``example``.
+
+    E.g. ``json_object_arg("--kv-events-config", '{"enable_kv_cache_events": true}')``: a bad value is reported as
+    ``argument --kv-events-config: must be a JSON object, e.g. --kv-events-config '{"enable_kv_cache_events":
+    true}'; ...``, never with another flag's example. Errors as :func:`json_object`.
+    """
+    usage = f"{flag} '{example}'"
+
+    def parse(text: str) -> dict[str, Any]:
+        return _json_object(text, usage)
+
+    parse.__name__ = f"json_object({flag})"
+    return parse
 
 
 #: ``--dtype`` help, the same for every sub-command.

@@ -163,15 +163,19 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                                          config.num_lookahead_tokens,
                                          None if sc is None else sc.disable_by_batch_size),
         drafter=drafter,
-        kv_events=_kv_events(config, spec, kv),
+        kv_events=_kv_events(config, spec, kv, connector),
         flush_finished=config.kv_transfer is not None and config.kv_transfer.is_kv_producer,
     )
     return BuiltEngine(spec, controller, caches, groups, tails, connector, tier_worker, kv, runner, worker, engine,
                        int(num_blocks), max_model_len, capacity, budget, drafter)
 
 
-def _kv_events(config: EngineConfig, spec: CacheSpec, kv: KVCache) -> KVEventCollector | None:
+def _kv_events(config: EngineConfig, spec: CacheSpec, kv: KVCache,
+               connector: TieredConnector | None = None) -> KVEventCollector | None:
     """The KV events collector and its ZeroMQ publisher (``kv_events_config``), or ``None`` when events are off.
+
+    With tiers (``connector``), the host tier and the stores report to it too (``medium`` ``"CPU"``, ``"DISK"``,
+    ``"REMOTE"``).
 
     The prefix index is one for every layer group (a block id holds all groups' KV), so stored blocks are
     published as group 0 of kind ``full_attention``, or ``sliding_window`` when every model group slides.
@@ -188,7 +192,10 @@ def _kv_events(config: EngineConfig, spec: CacheSpec, kv: KVCache) -> KVEventCol
     publisher = ZmqEventPublisher(config.kv_events, spec.block_size,
                                   spec_kind="sliding_window" if sliding else "full_attention",
                                   sliding_window=min(w for w in windows if w is not None) if sliding else None)
-    return KVEventCollector(kv.subscribe, publisher)
+    collector = KVEventCollector(kv.subscribe, publisher)
+    if connector is not None:
+        connector.offload.record_events(collector.record_tier)
+    return collector
 
 
 def _load_draft(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> LoadedModel:

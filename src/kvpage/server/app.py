@@ -161,7 +161,7 @@ def _serve_openapi(app: FastAPI, name: str, context_tokens: int, vocab_size: int
             op.get("responses", {}).pop("422", None)
 
 
-def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
+def build_app(llm: LLM, served_model_name: str | None = None, *, close_llm: bool = False) -> FastAPI:
     """The FastAPI app serving ``llm`` under ``served_model_name``.
 
     The app owns an :class:`~kvpage.server.async_engine.AsyncEngine` (started and
@@ -171,6 +171,9 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
     Args:
         llm: the model and engine to serve.
         served_model_name: the ``model`` clients must send; default :func:`default_model_name`.
+        close_llm: the app owns ``llm`` (``kvpage serve``): its shutdown closes it after the engine thread stops
+            (:meth:`LLM.close <kvpage.engine.llm.LLM.close>`: the KV events publisher sends what is queued and closes
+            its sockets, the stores close). Off by default, for callers that serve one ``LLM`` several times.
 
     Returns:
         The app; ``app.state.engine`` is the :class:`AsyncEngine`, ``app.state.metrics``
@@ -191,6 +194,8 @@ def build_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             yield
         finally:
             await engine.shutdown()
+            if close_llm:
+                await asyncio.to_thread(llm.close)  # after the engine's last step: its last batch is queued
 
     app = FastAPI(title="kvpage", description="OpenAI-compatible API on a paged KV cache.", lifespan=lifespan,
                   default_response_class=SafeJSONResponse)

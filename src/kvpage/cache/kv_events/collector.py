@@ -1,9 +1,11 @@
 """``KVEventCollector``: gathers a KV cache's events between engine steps and hands each step's batch to a publisher.
 
 It subscribes to :attr:`KVCache.events <kvpage.cache.kv_cache.KVCache.events>` (the prefix index's
-``BlockStored`` / ``BlockRemoved``, medium :data:`~kvpage.cache.kv_events.wire.MEDIUM_DEVICE`) and, when given
-one, to the host tier's index (medium :data:`~kvpage.cache.kv_events.wire.MEDIUM_HOST`); recording an event is one
-list append on the engine's thread. :meth:`publish` hands the records since the last call to the publisher as one
+``BlockStored`` / ``BlockRemoved``, medium :data:`~kvpage.cache.kv_events.wire.MEDIUM_DEVICE`) and, through
+:meth:`KVEventCollector.record_tier` (given to
+:meth:`OffloadManager.record_events <kvpage.cache.tiers.offload.OffloadManager.record_events>`), to the tiers below
+it (host ``"CPU"``, disk ``"DISK"``, Redis ``"REMOTE"``: :func:`~kvpage.cache.kv_events.wire.medium_of`); recording
+an event is one list append on the engine's thread. :meth:`publish` hands the records since the last call to the publisher as one
 batch (vLLM publishes one batch per scheduler step). Tensor-free.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from kvpage.cache.kv_events.wire import MEDIUM_DEVICE, AllBlocksCleared, Record
+from kvpage.cache.kv_events.wire import MEDIUM_DEVICE, AllBlocksCleared, Record, medium_of
 from kvpage.cache.prefix_cache import KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,10 @@ class KVEventCollector:
     def record(self, medium: str, event: KVCacheEvent | AllBlocksCleared) -> None:
         """Record an event of tier ``medium`` (a tier's own index calls this)."""
         self._records.append((medium, event))
+
+    def record_tier(self, tier: str, event: KVCacheEvent) -> None:
+        """Record an event of the tier named ``tier`` (``"host"``, ``"disk"``, ``"redis"``) under its medium."""
+        self._records.append((medium_of(tier), event))
 
     def cleared(self, medium: str = MEDIUM_DEVICE) -> None:
         """Record ``AllBlocksCleared`` (the tier's index is empty now; its removals were recorded before)."""

@@ -131,7 +131,7 @@ class ZmqEventPublisher:
             pass
         self._thread.join(timeout)
         if not self._thread.is_alive():
-            self._pub.close(linger=0)
+            self._pub.close(linger=int(timeout * 1000))  # (linger 0 would drop what zmq has not sent yet)
             if self._replay is not None:
                 self._replay.close(linger=0)
 

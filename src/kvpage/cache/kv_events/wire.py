@@ -19,7 +19,11 @@ A block hash goes out as vLLM sends it by default, the low 64 bits of the prefix
 (:func:`~kvpage.cache.hashing.hash_to_int64`), or as the whole digest (32 ``bytes``: msgpack ``bin``) with
 ``block_hash_format="bytes"``.
 ``medium`` names the tier: :data:`MEDIUM_DEVICE` (``"GPU"``, what vLLM and the routers call the tier the model
-reads, whatever the device is) or :data:`MEDIUM_HOST` (``"CPU"``, the host tier). Tensor-free.
+reads, whatever the device is), :data:`MEDIUM_HOST` (``"CPU"``, the host tier, as vLLM's offloading connector
+names it), :data:`MEDIUM_DISK` (``"DISK"``, the local disk store) or :data:`MEDIUM_REMOTE` (``"REMOTE"``, the
+shared Redis store); vLLM itself names only ``"GPU"`` and ``"CPU"`` (:data:`TIER_MEDIUMS` maps tier names).
+A tier below the device sends its ``BlockStored`` as vLLM's offloading connector does: the hashes alone,
+``parent_block_hash`` ``None`` and no ``token_ids``. Tensor-free.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +39,21 @@ from kvpage.cache.prefix_cache import BlockRemoved, BlockStored
 MEDIUM_DEVICE = "GPU"
 #: ``medium`` of the host (CPU memory) tier below it (vLLM's offloading connector's ``"CPU"``).
 MEDIUM_HOST = "CPU"
+
+#: ``medium`` of the local disk store (vLLM's upstream names no disk medium; forks and routers write ``"DISK"``).
+MEDIUM_DISK = "DISK"
+#: ``medium`` of the shared (Redis) store.
+MEDIUM_REMOTE = "REMOTE"
+#: A tier's name (:attr:`~kvpage.cache.tiers.stores.StoreURL.tier`, ``"host"``) -> its ``medium``; a tier not
+#: listed (a registered store kind) goes out under its name in capitals.
+TIER_MEDIUMS: dict[str, str] = {"device": MEDIUM_DEVICE, "host": MEDIUM_HOST, "disk": MEDIUM_DISK,
+                                "redis": MEDIUM_REMOTE}
+
+
+def medium_of(tier: str) -> str:
+    """The ``medium`` of tier ``tier`` (:data:`TIER_MEDIUMS`, else ``tier.upper()``)."""
+    return TIER_MEDIUMS.get(tier, tier.upper())
+
 
 #: A block hash on the wire: the index's digest bytes (or an int, for 64-bit hash forms).
 ExternalBlockHash = Union[bytes, int]
@@ -126,8 +145,9 @@ def to_wire(records: Iterable[Record], schema: WireSchema, *, block_size: int, g
     """The wire events of ``records``, in order, with runs merged as vLLM merges them.
 
     A stored block whose parent is the previous stored block of the same medium joins its event (one
-    ``BlockStored`` per chain, its ``parent_block_hash`` the first block's parent); consecutive removals of one
-    medium share one ``BlockRemoved``. Nothing is reordered, so applying the events in order gives the same set
+    ``BlockStored`` per chain, its ``parent_block_hash`` the first block's parent), and so does a stored block
+    without tokens and parent (a lower tier's) after another such block of the same medium; consecutive removals
+    of one medium share one ``BlockRemoved``. Nothing is reordered, so applying the events in order gives the same set
     as applying the records one by one.
 
     Args:
@@ -143,8 +163,10 @@ def to_wire(records: Iterable[Record], schema: WireSchema, *, block_size: int, g
     last_hash: Any = None
     for medium, ev in records:
         if isinstance(ev, BlockStored):
+            bare = ev.parent_block_hash is None and not ev.token_ids  # a lower tier's: its hash alone
             if (isinstance(last, schema.block_stored) and last.medium == medium
-                    and ev.parent_block_hash is not None and ev.parent_block_hash == last_hash):
+                    and ((ev.parent_block_hash is not None and ev.parent_block_hash == last_hash)
+                         or (bare and last.parent_block_hash is None and not last.token_ids))):
                 last.block_hashes.append(hash_form(ev.block_hash))
                 last.token_ids.extend(ev.token_ids)
             else:

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvpage.cache.idpool import IdPool
+from kvpage.cache.prefix_cache import BlockRemoved, BlockStored, KVCacheEvent
 from kvpage.errors import OutOfBlocksError
 
 
@@ -53,6 +54,12 @@ class HostBlockPool:
     Args:
         num_blocks: host blocks (``CacheController.num_host_blocks``); 0 means no host tier.
 
+    Attributes:
+        on_event: called with a :class:`~kvpage.cache.prefix_cache.BlockStored` when a block enters the index (its
+            copy acknowledged; no tokens and no parent: the host tier keys blocks by hash alone, as vLLM's
+            offloading connector reports them) and a :class:`~kvpage.cache.prefix_cache.BlockRemoved` when an
+            allocation evicts one; ``None`` (the default) records nothing.
+
     Raises:
         ValueError: ``num_blocks < 0``.
     """
@@ -67,6 +74,7 @@ class HostBlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, least recent first
         self._free_on_ack: set[int] = set()  # owned blocks dropped while their copy was in flight
         self.num_evictions = 0
+        self.on_event: Callable[[KVCacheEvent], None] | None = None
 
     # -- counts ----------------------------------------------------------------------------------
     @property
@@ -174,6 +182,8 @@ class HostBlockPool:
             assert h is not None
             del self._index[h]
             self.num_evictions += 1
+            if self.on_event is not None:
+                self.on_event(BlockRemoved(h, b))
             out.append(b)
         for b, h in zip(out, hashes):
             self._state[b] = HostBlockState.WRITING
@@ -209,6 +219,8 @@ class HostBlockPool:
             self._state[block_id] = HostBlockState.CACHED
             self._index[h] = block_id
             self._lru[block_id] = None
+            if self.on_event is not None:
+                self.on_event(BlockStored(h, None, (), block_id))
 
     def abort_write(self, block_id: int) -> None:
         """Give up a **writing** block whose copy will never happen (it was not issued); it returns to the free list.

@@ -46,6 +46,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpage.cache.prefix_cache import BlockStored, KVCacheEvent
 from kvpage.cache.step_plan import ConnectorMetadata, TransferOp, TransferReport
 from kvpage.cache.tiers.host_pool import HostBlockPool, HostBlockState
 from kvpage.cache.tiers.policy import DIRECTIONS, OffloadConfig
@@ -109,6 +110,19 @@ class OffloadManager:
         self._swapped: dict[str, SwapRecord] = {}
         self._on_cancel: dict[int, Callable[[], None]] = {}
         self._backups = self._dropped = self._swap_out = self._swap_in = self._swap_fallbacks = 0
+        self._on_event: Callable[[str, KVCacheEvent], None] | None = None
+
+    def record_events(self, record: Callable[[str, KVCacheEvent], None]) -> None:
+        """Report each tier's index changes to ``record(tier name, event)`` (KV cache events; off by default).
+
+        The host tier reports blocks entering its index (copy acknowledged) and leaving it (evicted by an
+        allocation); each store reports the blocks a write-through wrote to it (acknowledged by the worker), never
+        their removals: the worker's store evicts on its own (a size-capped disk store) or the server does (Redis
+        TTL / ``maxmemory``), unseen by the scheduler. Events carry the hash alone (no tokens, no parent).
+        """
+        self._on_event = record
+        if self.host is not None:
+            self.host.on_event = lambda ev: record("host", ev)
 
     def _rows(self, device_ids: Sequence[int], *, evicted: bool = False) -> tuple[int | None, ...] | None:
         """The window rows of these device blocks (``None`` without window layers); ``evicted``: the slots they held
@@ -374,7 +388,18 @@ class OffloadManager:
                       window_rows=None if rows is None else tuple(rows[i] for i in need),
                       block_hashes=tuple(block_hashes[i] for i in need), targets=tuple(targets[i] for i in need))
         written = sum(len(targets[i]) for i in need)
-        self._submit(op, "store_write", blocks=written)
+        on_ack = None
+        if self._on_event is not None:
+            record = self._on_event
+            wrote = [(int(device_ids[i]), block_hashes[i], targets[i]) for i in need]
+
+            def on_ack(t: Transfer) -> None:
+                for k, (name, _) in enumerate(self.stores):  # one run per store, in the op's order
+                    for d, h, tg in wrote[: t.num_done]:
+                        if k in tg:
+                            record(name, BlockStored(h, None, (), d))
+
+        self._submit(op, "store_write", blocks=written, on_ack=on_ack)
 
     def on_device_hits(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
         """A request reused cached device blocks (counts a use for ``write_through_selective``)."""
