@@ -1,6 +1,6 @@
 """The shape of ``src/kvpage``: a full layer order, no import cycle, a torch-free bookkeeping core.
 
-Layers, lowest first (:data:`LAYERS`): errors < formats < scales < spec < ops < model < cache < engine
+Layers, lowest first (:data:`LAYERS`): {errors, config_json} < formats < scales < spec < ops < model < cache < engine
 < {server, eval, integrations} < cli, with the package ``kvpage`` itself (its ``__init__``, which
 re-exports) on top. A module may import only from its own layer or a lower one; server, eval and
 integrations share a rank and import none of each other. The design (``design.md``, "Layers") and the
@@ -30,7 +30,7 @@ ROOT = "kvpage"
 
 #: The layers, lowest first; the packages of one tuple share a rank and must not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvpage.errors",),
+    ("kvpage.errors", "kvpage.config_json"),
     ("kvpage.formats",),
     ("kvpage.scales",),
     ("kvpage.spec",),
@@ -49,6 +49,7 @@ TOP = ROOT
 #: once it is torch-free; never take one out to let it import torch (move the tensor work to the
 #: controller or the worker side instead).
 TORCH_FREE: tuple[str, ...] = (
+    "kvpage.config_json",
     "kvpage.cache",
     "kvpage.cache.idpool",
     "kvpage.cache.prefix_cache",

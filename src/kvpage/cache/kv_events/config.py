@@ -7,9 +7,10 @@ Tensor-free.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvpage.config_json import config_fields
 
 #: Publisher kinds: ``zmq`` (a ZeroMQ PUB socket) or ``null`` (events are collected nowhere).
 PUBLISHERS = ("zmq", "null")
@@ -104,15 +105,5 @@ class KVEventsConfig:
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a dict (a JSON object), got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        value = config_fields(value, "kv_events_config", (f.name for f in fields(cls)))
         return cls(**value)

@@ -16,9 +16,10 @@ layouts (model, format, block size, heads, hash algorithm) are equal. Tensor-fre
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvpage.config_json import config_fields
 
 #: vLLM's ``kv_role`` values.
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -93,14 +94,5 @@ class KVTransferConfig:
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a dict (a JSON object), got {type(value).__name__}")
-        unknown = sorted(set(value) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {', '.join(_FIELDS)}")
+        value = config_fields(value, "kv_transfer_config", _FIELDS)
         return cls(**{k: ({} if k == "kv_connector_extra_config" and v is None else v) for k, v in value.items()})

@@ -14,10 +14,11 @@
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvpage.config_json import config_fields
 
 if TYPE_CHECKING:
     from kvpage.model.loader import LoadedModel
@@ -113,17 +114,7 @@ class SpeculativeConfig:
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (a JSON object), got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        value = config_fields(value, "speculative_config", (f.name for f in fields(cls)))
         for need in ("method", "num_speculative_tokens"):
             if need not in value:
                 raise ValueError(f"speculative_config.{need} is required")
