@@ -8,10 +8,13 @@ For prompts of ``block_size - 1``, ``block_size`` and ``block_size + 1`` tokens 
 seeded sampled request (prefix caching off, so the sharing measured is the fork's alone) on the tests' tiny random
 Llama (block accounting does not depend on the weights): the peak blocks held by requests (read from the pool at the
 end of every scheduling pass, before the step's copy sources are released), the copies the step plans handed the
-worker, and the prompt tokens the engine computed, against the target::
+worker, and the prompt tokens the engine computed, against the target the tests assert
+(``tests/test_parallel_sampling.py``: :func:`block_accounting` measures, :func:`block_target` is the target)::
 
-    peak   = prompt blocks + n x generated blocks + copies
-    copies = n - 1 when the prompt's last block is partial (the last writer keeps the original), else 0
+    peak       = prompt blocks + n x generated blocks + (n - 1 when the prompt's last block is partial, else 0)
+    copies     = n - 1 when the prompt's last block is partial (the last writer keeps the original), else 0
+                 (0 for int4/int2, which recompute instead: see below)
+    recomputed = (n - 1) x (P % bs) for int4/int2, else 0
 
 where a completion of ``G`` tokens writes KV for ``P + G - 1`` positions (its last token is sampled, never run), so
 its generated blocks are ``ceil((P + G - 1) / bs) - ceil(P / bs)``. Quantize-on-seal formats (``int4``, ``int2``)
@@ -21,11 +24,9 @@ keep a partial block's rows in their 16-bit tail: instead of a copy, each other 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,48 +34,10 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _tiny import tiny_loaded  # noqa: E402
+from test_parallel_sampling import block_accounting, block_target  # noqa: E402
 
-from kvpage import LLM, SamplingParams  # noqa: E402
+from kvpage import LLM  # noqa: E402
 from kvpage.scales import StaticScales  # noqa: E402
-
-
-def target(prompt_len: int, n: int, max_tokens: int, bs: int) -> tuple[int, int]:
-    """``(peak blocks, copies)`` the target allows for ``n`` completions of ``max_tokens`` over ``prompt_len``."""
-    prompt_blocks = math.ceil(prompt_len / bs)
-    generated = math.ceil((prompt_len + max_tokens - 1) / bs) - prompt_blocks
-    copies = n - 1 if prompt_len % bs else 0
-    return prompt_blocks + n * generated + copies, copies
-
-
-def measure(llm: LLM, prompt_len: int, n: int, max_tokens: int, seed: int = 1) -> dict[str, Any]:
-    """Run one request of ``n`` seeded sampled completions; its peak blocks in use, copies and prompt tokens computed.
-
-    Patches ``llm``'s cache for the run (restored before returning); the cache must be idle.
-    """
-    kv = llm.engine.kv
-    peak, copies = 0, 0
-    step_plan = kv.step_plan
-
-    def watched() -> Any:
-        nonlocal peak, copies
-        peak = max(peak, kv.stats().num_in_use)  # the scheduling pass's blocks, copy sources still held
-        plan = step_plan()
-        copies += len(plan.copies)
-        return plan
-
-    kv.step_plan = watched  # type: ignore[method-assign]
-    before = llm.engine.prompt_tokens_computed
-    try:
-        prompt = {"prompt_token_ids": [(7 * i + 3) % 250 for i in range(prompt_len)]}
-        out = llm.generate(prompt, SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=seed,
-                                                  ignore_eos=True))[0]
-    finally:
-        del kv.step_plan
-    assert all(len(c.token_ids) == max_tokens for c in out.outputs)
-    assert kv.stats().num_in_use == 0
-    computed = llm.engine.prompt_tokens_computed - before
-    return {"peak": peak, "copies": copies, "recomputed": computed - prompt_len,
-            "outputs": [c.token_ids for c in out.outputs]}
 
 
 def main() -> None:
@@ -87,8 +50,9 @@ def main() -> None:
     bs = args.block_size
     print(f"block {bs}, {args.max_tokens} tokens per completion, temperature 1.0, prefix caching off, tiny random "
           f"Llama")
-    print("| format | prompt | n | peak blocks | target peak | copies | target copies | prompt tokens recomputed | ok |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| format | prompt | n | peak blocks | target peak | copies | target copies | prompt tokens recomputed "
+          "| target recomputed | ok |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats.split(","):
         loaded = tiny_loaded()
         # static formats: any fixed scales will do, the accounting does not depend on them
@@ -99,11 +63,11 @@ def main() -> None:
                   kv_cache_dtype=fmt, max_num_seqs=64, **kw)
         for prompt_len in (bs - 1, bs, bs + 1):
             for n in (int(x) for x in args.ns.split(",")):
-                got = measure(llm, prompt_len, n, args.max_tokens)
-                want_peak, want_copies = target(prompt_len, n, args.max_tokens, bs)
-                ok = got["peak"] == want_peak and got["copies"] <= want_copies
-                print(f"| {fmt} | {prompt_len} | {n} | {got['peak']} | {want_peak} | {got['copies']} | {want_copies} "
-                      f"| {got['recomputed']} | {'yes' if ok else 'NO'} |")
+                got = block_accounting(llm, prompt_len, n, args.max_tokens)
+                want = block_target(prompt_len, n, args.max_tokens, bs, fmt)
+                ok = all(got[k] == v for k, v in want.items())
+                print(f"| {fmt} | {prompt_len} | {n} | {got['peak']} | {want['peak']} | {got['copies']} | "
+                      f"{want['copies']} | {got['recomputed']} | {want['recomputed']} | {'yes' if ok else 'NO'} |")
 
 
 if __name__ == "__main__":

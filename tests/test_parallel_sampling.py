@@ -309,7 +309,7 @@ def test_a_child_preempted_before_its_copy_ran_swaps_out_the_copied_kv(mode: str
 
 # -- block accounting: the prompt computed once, its blocks shared, copies only for a partial last block -----------
 
-def _target(prompt_len: int, n: int, max_tokens: int, bs: int, fmt: str) -> dict[str, int]:
+def block_target(prompt_len: int, n: int, max_tokens: int, bs: int, fmt: str) -> dict[str, int]:
     """What ``n`` completions of ``max_tokens`` over a ``prompt_len``-token prompt may cost (issue 29 item 3).
 
     A completion writes KV for ``prompt_len + max_tokens - 1`` positions (its last token is sampled, never run). The
@@ -325,7 +325,7 @@ def _target(prompt_len: int, n: int, max_tokens: int, bs: int, fmt: str) -> dict
             "recomputed": (n - 1) * partial if sealed else 0}
 
 
-def _accounting(llm: LLM, prompt_len: int, n: int, max_tokens: int, seed: int = 1) -> dict[str, Any]:
+def block_accounting(llm: LLM, prompt_len: int, n: int, max_tokens: int, seed: int = 1) -> dict[str, Any]:
     """Peak blocks in use (read at the end of every scheduling pass, copy sources still held), copies the step plans
     handed the worker, prompt tokens computed beyond one prompt, and the completions' tokens."""
     kv = llm.engine.kv
@@ -368,8 +368,8 @@ def test_completions_compute_the_prompt_once_and_copy_only_a_partial_last_block(
     the prompt is computed once and the n first tokens are sampled from its logits: peak blocks, copies and
     recomputed prompt tokens are exactly the target's."""
     fmt, llm = fmt_llm
-    got = _accounting(llm, prompt_len, n, max_tokens=20)
-    want = _target(prompt_len, n, 20, 16, fmt)
+    got = block_accounting(llm, prompt_len, n, max_tokens=20)
+    want = block_target(prompt_len, n, 20, 16, fmt)
     assert {k: got[k] for k in want} == want
 
 
@@ -380,7 +380,7 @@ def test_each_completion_samples_as_its_own_seeded_request() -> None:
     llm = LLM(tiny_loaded(), progress=False, num_blocks=300, block_size=16, enable_prefix_caching=False,
               kv_cache_dtype="float32")
     for prompt_len in (15, 16, 17):
-        got = _accounting(llm, prompt_len, 4, max_tokens=12, seed=5)["tokens"]
+        got = block_accounting(llm, prompt_len, 4, max_tokens=12, seed=5)["tokens"]
         prompt = {"prompt_token_ids": [(7 * i + 3) % 250 for i in range(prompt_len)]}
         alone = [llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=child_seed(5, i),
                                                      ignore_eos=True))[0].outputs[0].token_ids for i in range(4)]
@@ -405,7 +405,7 @@ def test_window_model_completions_meet_the_block_target(fmt: str, tmp_path_facto
     win = group.window if isinstance(group, SealedWindowManager) else group
     assert isinstance(win, SlidingWindowManager)
     for prompt_len in (15, 16, 17):
-        got = _accounting(llm, prompt_len, 4, max_tokens=20)
-        want = _target(prompt_len, 4, 20, 16, fmt)
+        got = block_accounting(llm, prompt_len, 4, max_tokens=20)
+        want = block_target(prompt_len, 4, 20, 16, fmt)
         assert {k: got[k] for k in want} == want, prompt_len
     assert win.num_pinned_slots == 0 and win.num_free_slots + win.num_cached_slots == win.num_slots

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import cbor2
 import pytest
@@ -48,13 +49,18 @@ def test_the_vectors_cover_what_routers_meet() -> None:
     assert any(v["cache_salt"] and v["lora"] for v in VECTORS.values())
 
 
-@pytest.mark.parametrize("name", sorted(VECTORS))
-def test_kvpage_reproduces_vllms_hashes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    v = VECTORS[name]
+def _use_seed(monkeypatch: pytest.MonkeyPatch, v: dict[str, Any]) -> None:
+    """Set ``PYTHONHASHSEED`` as the vector was made (unset where it was ``None``)."""
     if v["pythonhashseed"] is None:
         monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     else:
         monkeypatch.setenv("PYTHONHASHSEED", v["pythonhashseed"])
+
+
+@pytest.mark.parametrize("name", sorted(VECTORS))
+def test_kvpage_reproduces_vllms_hashes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    v = VECTORS[name]
+    _use_seed(monkeypatch, v)
     hasher = BlockHasher("sha256_cbor")  # reads PYTHONHASHSEED now, as vLLM's init_none_hash
     assert hasher.root(v["cache_salt"]).hex() == v["none_hash"]
     hashes = hasher.chain(v["token_ids"], v["block_size"], v["cache_salt"], _extra_keys(v))
@@ -120,10 +126,7 @@ def _index_hashes(llm: LLM) -> set[str]:
 @pytest.mark.parametrize("name", ["plain", "seed0", "salt_seed0"])
 def test_engine_prefix_index_holds_vllms_hashes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     v = VECTORS[name]
-    if v["pythonhashseed"] is None:
-        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    else:
-        monkeypatch.setenv("PYTHONHASHSEED", v["pythonhashseed"])
+    _use_seed(monkeypatch, v)
     llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=v["block_size"], num_blocks=32,
               prefix_caching_hash_algo="sha256_cbor", progress=False)
     llm.engine.add_request(None, v["token_ids"], SamplingParams(max_tokens=1, temperature=0.0),
