@@ -47,17 +47,14 @@ class KVEventCollector:
     def _on_device(self, event: KVCacheEvent) -> None:
         self._records.append((MEDIUM_DEVICE, event))
 
-    def record(self, medium: str, event: KVCacheEvent | AllBlocksCleared) -> None:
-        """Record an event of tier ``medium`` (a tier's own index calls this)."""
-        self._records.append((medium, event))
-
     def record_tier(self, tier: str, event: KVCacheEvent) -> None:
         """Record an event of the tier named ``tier`` (``"host"``, ``"disk"``, ``"redis"``) under its medium."""
         self._records.append((medium_of(tier), event))
 
-    def cleared(self, medium: str = MEDIUM_DEVICE) -> None:
-        """Record ``AllBlocksCleared`` (the tier's index is empty now; its removals were recorded before)."""
-        self._records.append((medium, AllBlocksCleared()))
+    def cleared(self) -> None:
+        """Record ``AllBlocksCleared`` (the device index is empty now; its removals were recorded before; vLLM's
+        event names no medium, so lower tiers never send it)."""
+        self._records.append((MEDIUM_DEVICE, AllBlocksCleared()))
 
     def take(self) -> list[Record]:
         """The records since the last call, oldest first (emptied)."""
