@@ -139,7 +139,9 @@ def quantize_searched(
     (``(max - min) / qmax``) compete, unless none does: then the one with the least largest error wins.
 
     Elementwise ops and reductions over the group only (no matmul), so each group's bytes depend on that
-    group alone, whatever else is in the tensor.
+    group alone, whatever else is in the tensor. Squared errors are summed in float64 and compared in float32
+    (so no summation order changes the pick) and a NaN input codes as 0: the CPU kernel ``seal_blocks``
+    (``kvpage/ops/cpu/seal_blocks.cpp``) writes the same bytes.
 
     Returns:
         ``(codes, scale_bytes, offset)``: codes uint8 in ``[0, 2**bits - 1]`` shaped like ``x``; UE5M3
@@ -163,15 +165,19 @@ def quantize_searched(
     xc = x.unsqueeze(-1)                                                      # [..., 1]
     u, xh = _encode(xc, st, m, qmax)                                           # [..., C]
     diff = xh - xc
-    err = diff.square().sum(d, keepdim=True)                                  # [..., 1, ..., C]
+    # summed in float64 (each square is exact there), compared in float32: the order of the sum (torch's, which
+    # differs between candidates, or a kernel's) only matters below float64's rounding, which the float32
+    # rounding absorbs, so every implementation picks the same candidate, exact ties included
+    err = diff.double().square().sum(d, keepdim=True).float()                 # [..., 1, ..., C]
     if max_error is not None:  # infeasible candidates rank after every feasible one, by their largest error
         limit = (max_error * span).unsqueeze(-1)
         worst = diff.abs().amax(d, keepdim=True)
         err = torch.where(worst <= limit, err, _INFEASIBLE * (1 + worst / limit.clamp(min=SCALE_MIN)))
-    pick = err.argmin(-1, keepdim=True)                                       # the first least error
+    pick = err.argmin(-1, keepdim=True)                                       # the first least error (or NaN)
     codes = u.gather(-1, pick.expand(*u.shape[:-1], 1)).squeeze(-1)
-    return (codes.to(torch.uint8), code.gather(-1, pick).squeeze(-1),
-            m.gather(-1, pick).squeeze(-1).to(torch.int8))
+    # a NaN input leaves NaN codes and offsets: stored as 0 (a float -> integer cast of NaN is undefined)
+    return (codes.nan_to_num(0.0).to(torch.uint8), code.gather(-1, pick).squeeze(-1),
+            m.gather(-1, pick).squeeze(-1).nan_to_num(0.0).to(torch.int8))
 
 
 def _covering_code(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> torch.Tensor:

@@ -69,9 +69,38 @@ def _scale_name(kind: str) -> str:
     return KEY_SCALE if kind == KEY else VALUE_SCALE
 
 
+class SealWriter:
+    """How sealed blocks and first-block copies are coded and stored: the formats' own PyTorch code.
+
+    A backend with kernels for the same bytes overrides either method (the CPU backend's C++ seal,
+    byte-identical to :meth:`~kvpage.formats.BlockFormat.seal`); :func:`write_sealed` calls them.
+    """
+
+    def write_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, blocks: torch.Tensor,
+                     ids: torch.Tensor) -> None:
+        """Seal ``blocks`` (``[m, block_size, kv_heads, head_dim]``, any float dtype) of ``kind`` into pool blocks
+        ``ids`` (``[m]`` int64) of ``cache`` (in place)."""
+        for name, t in fmt.seal(blocks, kind).items():
+            cache[name].index_copy_(0, ids, t)
+
+    def write_sink(self, codes: torch.Tensor, scales: torch.Tensor, sink_format: TokenFormat, kind: str,
+                   rows: torch.Tensor, dst: torch.Tensor) -> None:
+        """Quantize ``rows`` (``[n, kv_heads, head_dim]``) with ``sink_format`` into rows ``dst`` (``[n]`` int64) of
+        the sink ``codes`` (``[K * block_size, kv_heads, head_dim]``) and ``scales`` (``[K * block_size, kv_heads]``),
+        in place."""
+        q = sink_format.quantize(rows, kind=kind)
+        assert q.scale is not None  # the sink format stores a scale per token and head
+        codes.index_copy_(0, dst, q.codes)
+        scales.index_copy_(0, dst, q.scale)
+
+
+#: The formats' own code (the reference backend's writer).
+REFERENCE_WRITER = SealWriter()
+
+
 def write_sealed(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
-    block_size: int, kind: str, x: torch.Tensor, plan: SealPlan,
+    block_size: int, kind: str, x: torch.Tensor, plan: SealPlan, writer: SealWriter = REFERENCE_WRITER,
 ) -> torch.Tensor | None:
     """Seal the blocks this step fills and store the other new tokens in their tail slots (in place).
 
@@ -84,6 +113,7 @@ def write_sealed(
         kind: ``"key"`` or ``"value"``.
         x: ``[num_tokens, kv_heads, head_dim]`` this step's keys or values.
         plan: the step's plan.
+        writer: codes and stores the sealed blocks and first-block copies (a backend's kernels or the formats').
 
     Returns:
         The seal batch, ``[m, block_size, kv_heads, head_dim]`` in the tail dtype (the rows the
@@ -99,14 +129,11 @@ def write_sealed(
         data[plan.seal_from_new_dst] = xt[plan.seal_from_new_src]
         data[plan.seal_from_tail_dst] = rows[plan.seal_from_tail_src]
         blocks = data.view(m, bs, *x.shape[1:])                                # [m, bs, Hkv, D]
-        for name, t in fmt.seal(blocks, kind).items():
-            cache[name].index_copy_(0, plan.seal_ids, t)
+        writer.write_blocks(cache, fmt, kind, blocks, plan.seal_ids)
         if plan.sink_pos.numel():
-            q = sink_format.quantize(blocks[plan.sink_pos].flatten(0, 1), kind=kind)  # [k*bs, Hkv, D]
-            assert q.scale is not None  # the sink format stores a scale per token and head
             dst = (plan.sink_slots[:, None] * bs + torch.arange(bs, device=x.device)).flatten()
-            tail["sink_" + kind].index_copy_(0, dst, q.codes)
-            tail["sink_" + _scale_name(kind)].index_copy_(0, dst, q.scale)
+            writer.write_sink(tail["sink_" + kind], tail["sink_" + _scale_name(kind)], sink_format, kind,
+                              blocks[plan.sink_pos].flatten(0, 1), dst)
     rows.index_copy_(0, plan.tail_dst, xt[plan.tail_src])
     return blocks
 
@@ -126,14 +153,14 @@ class SealBatch:
 
 def write_sealed_kv(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, ctx: SealContext,
-    block_size: int, k: torch.Tensor, v: torch.Tensor | None,
+    block_size: int, k: torch.Tensor, v: torch.Tensor | None, writer: SealWriter = REFERENCE_WRITER,
 ) -> SealBatch:
     """:func:`write_sealed` of this step's keys and, unless the layer is key-only (``v is None``), values.
 
     Returns the step's seal batch of each (:class:`SealBatch`).
     """
-    kb = write_sealed(cache, tail, fmt, ctx.sink_format, block_size, KEY, k, ctx.plan)
-    vb = kb if v is None else write_sealed(cache, tail, fmt, ctx.sink_format, block_size, VALUE, v, ctx.plan)
+    kb = write_sealed(cache, tail, fmt, ctx.sink_format, block_size, KEY, k, ctx.plan, writer)
+    vb = kb if v is None else write_sealed(cache, tail, fmt, ctx.sink_format, block_size, VALUE, v, ctx.plan, writer)
     return SealBatch(kb, vb)
 
 

@@ -12,7 +12,9 @@ Writes: float formats scatter with ``index_copy_``; the dynamic 8-bit formats
 (``int8``, ``fp8``, ``int8_rotated``, ``fp8_per_token_head``) quantize and store in
 one fused kernel call per tensor, byte-identical to their Python ``quantize``
 (rotated formats rotate first with the same butterflies); static-scale formats
-and the quantize-on-seal formats write through the reference code.
+write through the reference code; the quantize-on-seal formats seal whole blocks in one kernel call per
+tensor (``seal_blocks``, byte-identical to :meth:`~kvpage.formats.BlockFormat.seal`) and code their
+first-block copies with the fused 8-bit write (:class:`KernelSealWriter`).
 
 Formats the kernels read: ``float32``/``bfloat16``/``float16``, every per-token and
 static 8-bit format, ``int4``/``int2`` (sealed blocks, 16-bit tail and window
@@ -32,7 +34,9 @@ from types import ModuleType
 
 import torch
 
-from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, FloatFormat, SealedFormat, StaticScaleFormat, TokenFormat
+from kvpage.formats import (
+    KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat, FloatFormat, SealedFormat, StaticScaleFormat, TokenFormat,
+)
 from kvpage.formats.codes import E4M3_QMAX, INT8_QMAX
 from kvpage.formats.per_token import PerTokenFormat
 from kvpage.ops.attention import AttentionMetadata, check_inputs, token_format, window_context, write_kv
@@ -40,7 +44,10 @@ from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
-from kvpage.ops.sealed_attention import SealContext, sealed_attention_checks, sealed_request, write_sealed_kv
+from kvpage.formats.kivi import value_group_size
+from kvpage.ops.sealed_attention import (
+    SealContext, SealWriter, sealed_attention_checks, sealed_request, write_sealed_kv,
+)
 from kvpage.spec import LayerSpec
 
 #: Requests with at most this many new tokens attend in the fused kernel; longer runs use SDPA.
@@ -108,6 +115,42 @@ def _split_rows(kernel_rows: torch.Tensor, sdpa_rows: tuple[int, ...], meta: Att
     return kernel_rows[:0], range(meta.num_requests)
 
 
+class KernelSealWriter(SealWriter):
+    """Sealed blocks and first-block copies through the C++ kernels (``seal_blocks``, ``write_rows``).
+
+    Bytes are those of the formats' own code (:class:`~kvpage.ops.sealed_attention.SealWriter`), which is
+    the fallback for what the kernels do not code: a block-wise format other than ``int4``/``int2``, a
+    rotated or non-8-bit sink format, non-contiguous destination tensors.
+    """
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def write_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, blocks: torch.Tensor,
+                     ids: torch.Tensor) -> None:
+        """See :meth:`SealWriter.write_blocks`: the int4/int2 step search, codes and pool write in one call."""
+        names = fmt.names(kind) if isinstance(fmt, SealedFormat) else ()
+        if not (names and fmt.bits in (2, 4) and blocks.dtype in _FLOAT_ENC and fmt.step_search.step == 1
+                and all(cache[n].is_contiguous() for n in names)):
+            super().write_blocks(cache, fmt, kind, blocks, ids)
+            return
+        assert isinstance(fmt, SealedFormat)
+        max_error = -1.0 if fmt.max_error is None else fmt.max_error
+        self.kernels.seal_blocks(cache[names[0]], cache[names[1]], cache[names[2]], blocks.contiguous(), ids,
+                                 kind == KEY, fmt.bits, value_group_size(blocks.shape[-1]), max_error,
+                                 fmt.step_search.start, fmt.step_search.stop)
+
+    def write_sink(self, codes: torch.Tensor, scales: torch.Tensor, sink_format: TokenFormat, kind: str,
+                   rows: torch.Tensor, dst: torch.Tensor) -> None:
+        """See :meth:`SealWriter.write_sink`: the fused per-token write of plain 8-bit formats."""
+        enc = _code_encoding(sink_format.qmax) if isinstance(sink_format, PerTokenFormat) else None
+        if (enc is None or sink_format.rotate or rows.dtype not in _FLOAT_ENC or not codes.is_contiguous()
+                or not scales.is_contiguous() or scales.dtype != torch.float16):
+            super().write_sink(codes, scales, sink_format, kind, rows, dst)
+            return
+        self.kernels.write_rows(codes, scales, rows.contiguous(), dst, enc, sink_format.qmax)
+
+
 class CpuBackend(AttentionBackend):
     """Fused paged-attention kernels for the CPU (see the module docstring).
 
@@ -119,6 +162,7 @@ class CpuBackend(AttentionBackend):
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
+        self._seal_writer = KernelSealWriter(kernels)
         self._rows: tuple[AttentionMetadata, _StepRows] | None = None
         self._sources: tuple[SealContext, _SealedSources] | None = None
         self._chan: dict[tuple[int, str], torch.Tensor] = {}
@@ -291,7 +335,7 @@ class CpuBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward_sealed`."""
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
-        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
+        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v, self._seal_writer)
         rows = self._step_rows(meta)
         qa = q.contiguous()
         out = torch.empty_like(qa)

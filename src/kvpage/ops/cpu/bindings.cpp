@@ -18,6 +18,9 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
 // write_rows.cpp
 void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
                 double qmax);
+// seal_blocks.cpp
+void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor blocks, at::Tensor ids, bool key,
+                 int64_t bits, int64_t group, double max_error, int64_t step_lo, int64_t step_hi);
 // fused_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
@@ -28,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over token-wise format blocks (CPU)");
   m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
   m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
+  m.def("seal_blocks", &seal_blocks, "quantize-on-seal of whole int4/int2 blocks into the pool (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("rope_split", &rope_split, "RoPE on q/k of a fused qkv projection, split into q, k, v (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection (CPU)");

@@ -1,0 +1,122 @@
+"""The C++ seal of ``int4``/``int2`` blocks (``seal_blocks``) writes exactly the bytes of the Python format.
+
+Blocks are drawn by hypothesis: shapes (block sizes 1..64, head_dim 8..256 with value groups that divide it,
+1..4 kv heads), storage dtypes (float32, bfloat16, float16), magnitudes from subnormal to float32's largest,
+a common offset (values far from zero relative to their spread), constant groups and injected extremes
+(zeros, +-inf, NaN). The pool written by :class:`~kvpage.ops.backends.cpu.KernelSealWriter` must equal, byte
+for byte, the pool the formats' own code writes (:class:`~kvpage.ops.sealed_attention.SealWriter`), in the
+rows the plan names and nowhere else. The int8 first-block copies written by the fused kernel are checked
+the same way.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpage.formats import get_format
+from kvpage.formats.kivi import SCALE_MAX, SCALE_MIN, decode_scale
+from kvpage.ops.backends import cpu as cpu_module
+from kvpage.ops.sealed_attention import REFERENCE_WRITER
+
+pytestmark = pytest.mark.skipif(os.environ.get("KVPAGE_CPU_KERNELS") == "0", reason="KVPAGE_CPU_KERNELS=0")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SPECIALS = (0.0, float("inf"), -float("inf"), float("nan"), 3.0e38, -3.0e38, 1e-40, 65504.0)
+
+
+def _writer() -> cpu_module.KernelSealWriter:
+    backend = cpu_module.cpu_backend()
+    assert backend is not None, "kvpage's CPU kernels did not build"
+    return cpu_module.KernelSealWriter(backend.kernels)
+
+
+@st.composite
+def blocks(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
+    """``([m, bs, kv_heads, head_dim] blocks in a storage dtype, seed)``."""
+    m = draw(st.integers(1, 3))
+    bs = draw(st.sampled_from([1, 2, 3, 16, 32, 64]))
+    kv = draw(st.integers(1, 4))
+    d = draw(st.sampled_from([8, 24, 64, 96, 128, 256]))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    exp = draw(st.integers(-40, 37 if dtype != torch.float16 else 4))
+    x = torch.randn(m, bs, kv, d, generator=gen, dtype=torch.float64) * 10.0**exp
+    if draw(st.booleans()):  # a common offset: groups far from zero relative to their spread
+        x += draw(st.floats(-1e3, 1e3)) * 10.0**exp
+    if draw(st.booleans()):  # constant channels and tokens
+        x[:, :, :, ::5] = x[:, :1, :, ::5]
+        x[:, ::3] = x[:, ::3, :, :1]
+    x = x.clamp(-3.3e38, 3.3e38).to(torch.float32)
+    for _ in range(draw(st.integers(0, 4))):  # extremes at drawn places
+        at = tuple(draw(st.integers(0, n - 1)) for n in x.shape)
+        x[at] = draw(st.sampled_from(SPECIALS))
+    return x.to(dtype), seed
+
+
+def _pools(fmt_name: str, kind: str, bs: int, kv: int, d: int, nb: int) -> list[dict[str, torch.Tensor]]:
+    fmt = get_format(fmt_name)
+    specs = {s.name: s for s in fmt.tensor_specs(block_size=bs, kv_heads=kv, head_dim=d)}
+    gen = torch.Generator().manual_seed(nb)
+    pool = {n: torch.randint(0, 256, (nb, *specs[n].shape), generator=gen, dtype=torch.uint8).view(specs[n].dtype)
+            for n in fmt.names(kind)}
+    return [pool, {n: t.clone() for n, t in pool.items()}]
+
+
+@pytest.mark.parametrize("fmt_name", ["int4", "int2"])
+@pytest.mark.parametrize("kind", ["key", "value"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=blocks())
+def test_kernel_seal_is_byte_identical_to_the_format(fmt_name: str, kind: str,
+                                                     drawn: tuple[torch.Tensor, int]) -> None:
+    x, seed = drawn
+    m, bs, kv, d = x.shape
+    fmt = get_format(fmt_name)
+    nb = m + 2
+    ids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[:m]
+    ref, got = _pools(fmt_name, kind, bs, kv, d, nb)
+    REFERENCE_WRITER.write_blocks(ref, fmt, kind, x, ids)
+    _writer().write_blocks(got, fmt, kind, x, ids)
+    for name in ref:
+        assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), (name, x.dtype)
+
+
+def test_extreme_groups_code_as_documented() -> None:
+    """Hand-picked groups through the kernel: NaN codes and offsets store 0, steps stay in UE5M3's range."""
+    fmt = get_format("int4")
+    x = torch.zeros(4, 32, 1, 64)
+    x[0, :, 0, 0] = float("nan")                   # a NaN channel
+    x[1, 3, 0, 1] = float("inf")                   # one infinite value
+    x[2, :, 0, 2] = 1e-30                           # below the smallest step
+    x[3, :, 0, 3] = torch.linspace(-3e38, 3e38, 32)  # beyond the largest step
+    ref, got = _pools("int4", "key", 32, 1, 64, 4)
+    ids = torch.arange(4)
+    REFERENCE_WRITER.write_blocks(ref, fmt, "key", x, ids)
+    _writer().write_blocks(got, fmt, "key", x, ids)
+    for name in ref:
+        assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), name
+    assert got["key_zero"][0, 0, 0].item() == 0
+    steps = decode_scale(got["key_scale"])
+    assert steps.min().item() >= SCALE_MIN and steps.max().item() <= SCALE_MAX
+    # a group beyond the largest step takes one of the two largest (the search's -1 candidate clips more)
+    assert steps[3, 0, 3].item() >= 1.75 * 2.0**15 and steps[2, 0, 2].item() == SCALE_MIN
+
+
+@settings(max_examples=30, deadline=None)
+@given(drawn=blocks())
+def test_kernel_sink_copy_is_byte_identical(drawn: tuple[torch.Tensor, int]) -> None:
+    x, seed = drawn
+    rows = x.flatten(0, 1)                                                      # [m*bs, kv, d]
+    sink = get_format("int8")
+    n = rows.shape[0] + 5
+    dst = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: rows.shape[0]]
+    pools = [(torch.zeros(n, *rows.shape[1:], dtype=torch.uint8), torch.zeros(n, rows.shape[1], dtype=torch.float16))
+             for _ in range(2)]
+    REFERENCE_WRITER.write_sink(*pools[0], sink, "key", rows, dst)
+    _writer().write_sink(*pools[1], sink, "key", rows, dst)
+    assert torch.equal(pools[0][0], pools[1][0])
+    assert torch.equal(pools[0][1].view(torch.int16), pools[1][1].view(torch.int16))
