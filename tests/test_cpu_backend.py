@@ -82,7 +82,8 @@ def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: 
 class Pair:
     """The same layer, cache and tail state twice: once for the reference backend, once for the cpu one."""
 
-    def __init__(self, fmt: str, *, kv_heads: int, head_dim: int, block_size: int, num_blocks: int) -> None:
+    def __init__(self, fmt: str, *, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 window_blocks: int = 1) -> None:
         scales = _static_scales(fmt, kv_heads, head_dim)
         self.spec = CacheSpec.build(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                                     kv_cache_dtype=fmt, static_scales=scales)
@@ -92,7 +93,7 @@ class Pair:
                        for _ in range(2)]
         self.backends = [ReferenceBackend(), select_backend("cpu", self.layer, "cpu")]
         if self.sealed:
-            layout = TailLayout(num_slots=24, num_sink_slots=8, window_blocks=1)
+            layout = TailLayout(num_slots=24, num_sink_slots=8, window_blocks=window_blocks)
             self.tables = [TailTable(block_size, num_slots=layout.num_slots, num_sink_slots=layout.num_sink_slots,
                                      window_blocks=layout.window_blocks) for _ in range(2)]
             self.pools = [TailPool(self.spec, layout, torch.float32) for _ in self.tables]
@@ -128,12 +129,13 @@ class Pair:
 
 def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
               block_size: int, seed: int = 0, dtype: torch.dtype = torch.float32,
-              params: LayerAttention = PLAIN) -> None:
-    """Prefill each request's cached part, then one step of ``query_lens`` new tokens; check both backends."""
+              params: LayerAttention = PLAIN, window_blocks: int = 1) -> None:
+    """Prefill each request's cached part, then one step of ``query_lens`` new tokens; check both backends
+    (sealed formats: with ``window_blocks`` window copies)."""
     gen = torch.Generator().manual_seed(seed)
     bs = block_size
     nb = sum(math.ceil(s / bs) for s in lens) + 3
-    pair = Pair(fmt, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, num_blocks=nb)
+    pair = Pair(fmt, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, num_blocks=nb, window_blocks=window_blocks)
     ids = list(range(nb))
     random.Random(seed).shuffle(ids)
     tables, at = [], 0
@@ -322,3 +324,28 @@ def test_a_stale_torch_build_lock_is_cleared_under_the_os_lock(tmp_path) -> None
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(tmp_path / ".kvpage-build.lock") as f:       # released on exit
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.parametrize("fmt", SEALED_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_from_a_block_boundary_splits_own_blocks_and_matches(fmt: str, dtype: torch.dtype,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long passes starting at a block boundary (fresh prefill, a prefix hit, a whole-block chunk) attend as two
+    parts merged by log-sum-exp; the result is the reference's (run_batch's bounds), GQA and a partial last
+    block included. int2's window copies keep the masked path for passes that read them."""
+    calls: list[int] = []
+    real = cpu_module._block_split_attention
+
+    def counted(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_keys: torch.Tensor,
+                own_values: torch.Tensor, start: int, block_size: int, scale: float) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return real(q, keys, values, own_keys, own_values, start, block_size, scale)
+
+    monkeypatch.setattr(cpu_module, "_block_split_attention", counted)
+    for window in (0, 1):
+        calls.clear()
+        run_batch(fmt, lens=[300, 97, 64, 118], query_lens=[300, 65, 48, 40], heads=9, kv_heads=3, head_dim=64,
+                  block_size=16, dtype=dtype, window_blocks=window)
+        # 300: fresh prefill; 65: after a 2-block prefix; 48: a whole-block chunk; 40 starts mid-block
+        if window == 0:
+            assert {300, 65, 48} <= set(calls) and 40 not in calls, calls

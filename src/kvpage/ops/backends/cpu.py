@@ -45,8 +45,9 @@ from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.formats.kivi import value_group_size
+from kvpage.ops.seal_plan import RequestRead
 from kvpage.ops.sealed_attention import (
-    SealContext, SealWriter, sealed_attention_checks, sealed_request, write_sealed_kv,
+    SealContext, SealWriter, read_sealed_context, sealed_attention_checks, sealed_request, write_sealed_kv,
 )
 from kvpage.spec import LayerSpec
 
@@ -113,6 +114,74 @@ def _split_rows(kernel_rows: torch.Tensor, sdpa_rows: tuple[int, ...], meta: Att
     if params.is_plain:
         return kernel_rows, sdpa_rows
     return kernel_rows[:0], range(meta.num_requests)
+
+
+#: torch's CPU flash attention returning the log-sum-exp of each query's scores (``None`` on a torch without it).
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _own_block_split(read: RequestRead, seq_len: int, n: int, block_size: int, params: LayerAttention) -> bool:
+    """Whether :func:`_block_split_attention` serves a request's ``n`` queries: a plain layer, a pass starting at
+    a block boundary (a prefill chunk or a prefix hit) and no window copies (each query would read its own)."""
+    return (_FLASH_WITH_LSE is not None and params.is_plain and not read.fp_blocks and n > 0
+            and (seq_len - n) % block_size == 0)
+
+
+def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_keys: torch.Tensor,
+                           own_values: torch.Tensor, start: int, block_size: int, scale: float) -> torch.Tensor:
+    """Sealed-format attention of a pass whose queries start at a block boundary, without a mask over the rows.
+
+    The query at position ``p`` (block ``j = p // block_size``) reads every block before ``j`` as stored and its
+    own block at full precision up to ``p`` (:func:`~kvpage.ops.sealed_attention.sealed_request_attention`). The
+    reference attends over the stored context plus the own-block rows under one ``[n, s + n]`` mask; here
+    the two parts are two attentions merged by their log-sum-exp (the flash-decoding merge): the stored blocks
+    before each query's own under a block mask, and the own blocks batched block by block under a causal mask,
+    about half the work. Float32 merge, result in ``q.dtype``.
+
+    Args:
+        q: ``[n, H, D]`` queries of positions ``start .. start + n - 1``.
+        keys: ``[s', Hkv, D]`` the stored context from position 0 (rows from the last query block on are not read).
+        values: likewise, ``[s', Hkv, Dv]``.
+        own_keys: ``[n, Hkv, D]`` the queries' own rows at full precision (as their blocks were sealed).
+        own_values: ``[n, Hkv, Dv]``.
+        start: the first query's position, a multiple of ``block_size``.
+        block_size: tokens per block.
+        scale: the softmax scale.
+
+    Returns:
+        ``[n, H, Dv]`` in ``q.dtype``. No side effects.
+    """
+    assert _FLASH_WITH_LSE is not None
+    n, h, _ = q.shape
+    g = h // keys.shape[1]
+    nb = -(-n // block_size)
+    pad = nb * block_size - n
+    # own blocks: one batch entry per query block, causal inside it (padding rows come last and are never read)
+    qb = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad)).view(nb, block_size, h, -1).transpose(1, 2)
+    kb, vb = (torch.nn.functional.pad(t.repeat_interleave(g, 1), (0, 0, 0, 0, 0, pad)).view(nb, block_size, h, -1)
+              .transpose(1, 2) for t in (own_keys, own_values))
+    ob, lb = _FLASH_WITH_LSE(qb.contiguous(), kb.contiguous(), vb.contiguous(), is_causal=True, scale=scale)
+    out_own = ob.transpose(1, 2).reshape(nb * block_size, h, -1)[:n].float()          # [n, H, Dv]
+    lse_own = lb.transpose(1, 2).reshape(nb * block_size, h)[:n]                      # [n, H]
+    # earlier blocks: each query reads the stored blocks before its own (none for a pass starting at position 0)
+    a0 = start // block_size
+    s_before = start + (nb - 1) * block_size                                          # keys before the last block
+    if s_before == 0:
+        return out_own.to(q.dtype)
+    qblk = a0 + torch.arange(n, device=q.device) // block_size                        # [n]
+    kblk = torch.arange(s_before, device=q.device) // block_size                      # [s_before]
+    mask = torch.zeros((n, s_before), dtype=q.dtype, device=q.device)
+    mask.masked_fill_(kblk[None, :] >= qblk[:, None], float("-inf"))
+    kq, vq = (t[:s_before].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0) for t in (keys, values))
+    oa, la = _FLASH_WITH_LSE(q.transpose(0, 1).unsqueeze(0).contiguous(), kq.contiguous(), vq.contiguous(),
+                             attn_mask=mask, scale=scale)
+    out_before = oa[0].transpose(0, 1).float()                                        # [n, H, Dv]
+    lse_before = la[0].transpose(0, 1)                                                # [n, H]
+    if a0 == 0:  # the first block's queries read no earlier block (the op leaves their rows at 0)
+        lse_before[:block_size] = float("-inf")
+    m = torch.maximum(lse_before, lse_own)
+    wa, wb = (lse_before - m).exp()[..., None], (lse_own - m).exp()[..., None]
+    return ((wa * out_before + wb * out_own) / (wa + wb)).to(q.dtype)
 
 
 class KernelSealWriter(SealWriter):
@@ -356,10 +425,20 @@ class CpuBackend(AttentionBackend):
                 fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, _scale(spec, params),
             )
         dt = _sdpa_dtype(qa.dtype)
+        bs = spec.block_size
         for i in sdpa_rows:
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[a:b] = sealed_request(qa[a:b].to(dt), cache, tail, fmt, ctx, spec, ctx.plan.reads[i], batch,
-                                      meta.seq_lens[i], params)
+            read, s = ctx.plan.reads[i], meta.seq_lens[i]
+            if _own_block_split(read, s, b - a, bs, params):
+                keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt)
+                # the own blocks' rows as sealed: this step's rows rounded to the tail dtype (a pass starting
+                # at a block boundary holds every row of its blocks)
+                own_k = k[a:b].to(tail[KEY].dtype).to(dt)
+                own_v = own_k if v is None else v[a:b].to(tail[KEY].dtype).to(dt)
+                out[a:b] = _block_split_attention(qa[a:b].to(dt), keys, vals, own_k, own_v, s - (b - a), bs,
+                                                  _scale(spec, params))
+            else:
+                out[a:b] = sealed_request(qa[a:b].to(dt), cache, tail, fmt, ctx, spec, read, batch, s, params)
         return out
 
 
