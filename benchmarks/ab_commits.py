@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/ab_commits.py --base 8441d79 [--head WORKTREE] [--rounds 3] [--formats float32,int8]
-                                    [--batch 1,8] [--tokens 48] [--prompt-tokens 0]
+                                    [--batch 1,8] [--tokens 48] [--prompt-tokens 0 | --mix]
 
 ``--base`` is checked out into a temporary ``git worktree``; ``--head`` defaults to this checkout. Each round
 runs every (format, batch) once at the base and once at the head, alternating which goes first, each in a fresh
@@ -11,7 +11,9 @@ subprocess (``PYTHONPATH`` set to that commit's ``src``) on the bundled SmolLM2 
 Decode tokens/s excludes prefill: ``(output_tokens - 1) / (finish time - first token time)`` per request,
 summed over the batch. With ``--prompt-tokens N`` the load is prefill-heavy instead: ``batch`` prompts of ``N``
 tokens each (distinct texts: no prefix hits), ``--tokens`` out, and the figure is prompt tokens per second of the
-whole run. The table gives the median of the rounds and head / base; the load average is printed
+whole run. With ``--mix`` it is the request mix of ``benchmarks/vs_vllm.py``'s batch rows: ``batch`` requests of
+64..512-token prompts (distinct texts), ``--tokens`` out each, and the figure is output tokens per second of the
+whole run, prefill included (``--batch 32 --tokens 128 --mix`` is that row). The table gives the median of the rounds and head / base; the load average is printed
 before and after (the machines are shared).
 """
 from __future__ import annotations
@@ -34,8 +36,15 @@ from kvpage import LLM, SamplingParams
 fmt, batch, tokens, threads, plen = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
                                      int(sys.argv[5]))
 torch.set_num_threads(threads)
-llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=256 * 2**20, max_num_seqs=batch)
-if plen:  # prefill-heavy: distinct long prompts
+llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=512 * 2**20, max_num_seqs=batch)
+if plen < 0:  # the mix: prompts of 64..512 tokens (as benchmarks/vs_vllm.py's batch rows), distinct texts
+    import random
+    words = " ".join(f"word{k} is number {k * 13 % 97}." for k in range(600 * batch))
+    base = llm.tokenizer.encode(words)
+    lengths = [64 + (512 - 64) * i // max(batch - 1, 1) for i in range(batch)]
+    random.Random(0).shuffle(lengths)
+    prompts = [{"prompt_token_ids": base[i * 600: i * 600 + n]} for i, n in enumerate(lengths)]
+elif plen:  # prefill-heavy: distinct long prompts
     words = " ".join(f"word{k} is number {k * 13 % 97}." for k in range(plen))
     base = llm.tokenizer.encode(words)
     prompts = [{"prompt_token_ids": base[i * 7: i * 7 + plen]} for i in range(batch)]
@@ -50,7 +59,9 @@ for out in llm.generate_stream(prompts, params):
     first.setdefault(out.request_id, now)
     if out.finished:
         done[out.request_id] = (now, len(out.outputs[0].token_ids))
-if plen:
+if plen < 0:
+    rate = sum(n for _, n in done.values()) / (time.perf_counter() - t0)
+elif plen:
     rate = sum(len(p["prompt_token_ids"]) for p in prompts) / (time.perf_counter() - t0)
 else:
     rate = sum((n - 1) / (t - first[r]) for r, (t, n) in done.items() if t > first[r])
@@ -79,7 +90,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=0,
                    help="prefill-heavy load: prompts of this many tokens; report prompt tokens/s (default 0: decode)")
+    p.add_argument("--mix", action="store_true",
+                   help="the request mix: batch requests of 64..512-token prompts, --tokens out each; report "
+                        "output tokens/s of the whole run (prefill included)")
     args = p.parse_args()
+    if args.mix and args.prompt_tokens:
+        p.error("--mix and --prompt-tokens are two workloads: give one")
+    if args.mix:
+        args.prompt_tokens = -1
     cases = [(f, int(b)) for f in args.formats.split(",") for b in args.batch.split(",")]
     print(f"load average before: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +114,8 @@ def main() -> None:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
     print(f"load average after: {os.getloadavg()}")
-    what = (f"prefill (prompt tokens/s of the run, {args.prompt_tokens}-token prompts)" if args.prompt_tokens
+    what = ("mix (output tokens/s of the whole run, prompts 64-512 tokens)" if args.mix
+            else f"prefill (prompt tokens/s of the run, {args.prompt_tokens}-token prompts)" if args.prompt_tokens
             else "decode tokens/s")
     print(f"\nkvpage {what}, median of {args.rounds} interleaved rounds, {args.threads} thread(s), "
           f"{args.tokens} tokens per request; base {args.base}, head {args.head}")
