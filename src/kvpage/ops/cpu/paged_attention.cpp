@@ -39,7 +39,13 @@ namespace {
 // Software prefetch of [p, p + bytes) into the caches, one request per 64-byte line.
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+  for (int64_t o = 0; o < bytes; o += 64) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht0 %0" : : "m"(c[o]));  // GCC 12 dropped __builtin_prefetch here (none in the binary)
+#else
+    __builtin_prefetch(c + o, 0, 3);
+#endif
+  }
 }
 
 // The rows load() decodes: tokens t < nt (of the block, from `off`) by kv heads h0 <= h < h0 + nh, row i of
@@ -744,6 +750,7 @@ void run(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bool
   switch (b.D) {
     case 64: run_d<64>(src, b, reqs, nreq, has_value); break;
     case 128: run_d<128>(src, b, reqs, nreq, has_value); break;
+    case 256: run_d<256>(src, b, reqs, nreq, has_value); break;
     case 96: run_d<96>(src, b, reqs, nreq, has_value); break;
     case 80: run_d<80>(src, b, reqs, nreq, has_value); break;
     default: run_d<0>(src, b, reqs, nreq, has_value);
