@@ -8,6 +8,15 @@
 // context when there are fewer work items than threads and merged afterwards (flash-decoding).
 // Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them.
 //
+// Block kernels: with AVX-512 (f/bw/vl/dq) a block is decoded one kv head at a time (16-lane exact decoders)
+// and that head's query heads run over it together (block16); otherwise the AVX2 micro-kernels or portable
+// loops run over the whole decoded block. KVPAGE_CPU_AVX512=0 forces the latter (tests compare the two). The
+// next sealed blocks are prefetched in software: a request's blocks are scattered over the pool.
+//
+// Rejected (measured or tested): quantizing q to int8 for integer (VNNI) dot products with int8 / fp8 keys,
+// as llama.cpp's q8_0 x q8_0 does -- its per-head rounding moves outputs by ~1e-2 of their scale, against the
+// 1e-5 agreement with the reference backend that tests/test_cpu_backend.py holds every format to.
+//
 // Numerics: float32 throughout; exp is a Cephes-style polynomial (relative error ~2e-7) so the
 // compiler can vectorize it; dot products are vectorized reductions (another summation order than
 // SDPA's, within float32 rounding).
@@ -72,6 +81,9 @@ struct TokenSource {
 
   // Asks the caches for block `blk` of request r (codes and scales, both tensors) ahead of its load(): the
   // blocks of one request are scattered over the pool, so the hardware prefetchers cannot guess the next one.
+  // Off for token-wise blocks: attention.py measured bf16 / int8 0.9x with it (the prefetchers keep up with
+  // 16-token blocks read front to back); on for sealed blocks, whose decode is slower per byte.
+  static constexpr bool kPrefetch = false;
   void prefetch(int64_t r, int64_t blk, bool has_value) const {
     const int64_t first = tables[r * W + blk] * bs * Hkv, bytes = bs * Hkv * D * esize;
     prefetch_bytes(key + first * D * esize, bytes);
@@ -147,6 +159,7 @@ struct SealedSource {
   const int64_t* src_idx;      // [B, W]
   int64_t W, bs, Hkv, D, P, Gv;
 
+  static constexpr bool kPrefetch = true;
   void prefetch(int64_t r, int64_t blk, bool has_value) const {
     const uint8_t kind = src_kind[r * W + blk];
     const int64_t idx = src_idx[r * W + blk], first = idx * bs * Hkv;
@@ -425,13 +438,15 @@ inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t
 // exp on 16 lanes, and the value rows of a kv head read once for up to GN of its query heads, whose
 // accumulators stay in registers across the block.
 
+#define KVPAGE_INLINE __attribute__((always_inline)) inline  // one function per block: no call per head
+
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
 }
 
 // exp_neg on 16 lanes (the same Cephes polynomial; the rounding of n may differ by one ulp-step at a tie,
 // which the reduction absorbs: both are accurate to ~2e-7).
-__attribute__((always_inline)) inline __m512 exp_neg16(__m512 x0) {
+KVPAGE_INLINE __m512 exp_neg16(__m512 x0) {
   const __m512 x = _mm512_max_ps(x0, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                                       _mm512_set1_ps(0.5f)),
@@ -452,7 +467,7 @@ __attribute__((always_inline)) inline __m512 exp_neg16(__m512 x0) {
 
 // [sum(a0), ..., sum(a15)]: sixteen horizontal sums at once (pairs, then quads within 128-bit lanes, then
 // the four lanes transposed and added).
-__attribute__((always_inline)) inline __m512 hsum16(const __m512* a) {
+KVPAGE_INLINE __m512 hsum16(const __m512* a) {
   __m512 b[8], c[4];
 #pragma GCC unroll 8
   for (int k = 0; k < 8; ++k)
@@ -471,7 +486,7 @@ __attribute__((always_inline)) inline __m512 hsum16(const __m512* a) {
 
 // Scores sc[t] = (q . k_t) * sm_scale (times ks[t * sstride] when ks) for t < lim; returns their maximum.
 template <int DC>
-__attribute__((always_inline)) inline float scores16(const float* q, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
+KVPAGE_INLINE float scores16(const float* q, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
                       const float* ks, int64_t sstride, float* sc) {
   constexpr int NV = DC / 16;
   __m512 qv[NV];
@@ -507,7 +522,7 @@ __attribute__((always_inline)) inline float scores16(const float* q, const float
 }
 
 // softmax_update on 16 lanes; the weights are then multiplied by vs[t * sstride] when vs (value scales).
-__attribute__((always_inline)) inline float softmax16(float* sc, int64_t lim, float mx, float& m, float& l, const float* vs, int64_t sstride) {
+KVPAGE_INLINE float softmax16(float* sc, int64_t lim, float mx, float& m, float& l, const float* vs, int64_t sstride) {
   const float mnew = std::max(m, mx);
   const float corr = m == NEG_INF ? 0.0f : exp_neg(m - mnew);
   __m512 sum = _mm512_setzero_ps();
@@ -532,7 +547,7 @@ __attribute__((always_inline)) inline float softmax16(float* sc, int64_t lim, fl
 // GN query heads (rows row0, row0 + 1, ... of one kv head): acc_g = acc_g * corr_g + sum_t w_g[t] * v_t, the
 // value row read once for all GN heads.
 template <int DC, int GN>
-__attribute__((always_inline)) inline void accumulate16(float* acc, const float* corr, const float* vbase, int64_t stride, int64_t lim,
+KVPAGE_INLINE void accumulate16(float* acc, const float* corr, const float* vbase, int64_t stride, int64_t lim,
                          const float* w, int64_t wstride) {
   constexpr int NV = DC / 16;
   __m512 A[GN][NV];
@@ -562,7 +577,7 @@ __attribute__((always_inline)) inline void accumulate16(float* acc, const float*
 
 // Query heads g0 .. g0+GN-1 of kv head h for query row j: scores, softmax, then one pass over the values.
 template <int DC, int GN>
-__attribute__((always_inline)) inline void group16(const float* qf, int64_t j, int64_t H, int64_t G, int64_t h, int64_t g0, int64_t lim,
+KVPAGE_INLINE void group16(const float* qf, int64_t j, int64_t H, int64_t G, int64_t h, int64_t g0, int64_t lim,
                     const float* kb, const float* vb, int64_t stride, const float* ks, const float* vs,
                     int64_t sstride, float sm_scale, float* m, float* l, float* acc, float* sc, int64_t bs) {
   float corr[GN];
@@ -617,18 +632,29 @@ void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, in
   for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
     const int64_t a = std::max(t0, blk * bs), e = std::min(t1, (blk + 1) * bs);
     const int64_t nt = e - a;
-    if (blk * bs <= t0) {  // the item's first block(s): ask for the first two
-      src.prefetch(r, blk, has_value);
-      if ((blk + 1) * bs < t1) src.prefetch(r, blk + 1, has_value);
+    if constexpr (Src::kPrefetch) {
+      if (blk * bs <= t0) {  // the item's first block(s): ask for the first two
+        src.prefetch(r, blk, has_value);
+        if ((blk + 1) * bs < t1) src.prefetch(r, blk + 1, has_value);
+      }
+      if ((blk + 2) * bs < t1) src.prefetch(r, blk + 2, has_value);  // two blocks ahead of the decode
     }
-    if ((blk + 2) * bs < t1) src.prefetch(r, blk + 2, has_value);  // two blocks ahead of the decode
 #ifdef KVPAGE_AVX512
     if constexpr (DC > 0 && DC % 16 == 0) {
-      if (b.wide) {  // one kv head at a time: its decoded rows (bs x D floats each) stay in L1 for its G heads
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, h, 1, kb, vb, has_value, ksb, vsb);
-          block16<DC>(qf, n, H, G, s, a, e, h, kb, has_value ? vb : kb, DC, folded ? ksb : nullptr,
-                      folded ? (has_value ? vsb : ksb) : nullptr, 1, b.sm_scale, m, l, acc, sc, bs);
+      if (b.wide) {
+        if (2 * bs * Hkv * DC * 4 <= 24 * 1024) {  // the whole decoded block fits L1: decode it in one pass
+          const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, 0, Hkv, kb, vb, has_value, ksb, vsb);
+          const float* vals = has_value ? vb : kb;
+          const float* vsc = has_value ? vsb : ksb;
+          for (int64_t h = 0; h < Hkv; ++h)
+            block16<DC>(qf, n, H, G, s, a, e, h, kb + h * DC, vals + h * DC, stride, folded ? ksb + h : nullptr,
+                        folded ? vsc + h : nullptr, Hkv, b.sm_scale, m, l, acc, sc, bs);
+        } else {  // one kv head at a time: its decoded rows (bs x D floats each) stay in L1 for its G heads
+          for (int64_t h = 0; h < Hkv; ++h) {
+            const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, h, 1, kb, vb, has_value, ksb, vsb);
+            block16<DC>(qf, n, H, G, s, a, e, h, kb, has_value ? vb : kb, DC, folded ? ksb : nullptr,
+                        folded ? (has_value ? vsb : ksb) : nullptr, 1, b.sm_scale, m, l, acc, sc, bs);
+          }
         }
         continue;
       }
