@@ -23,14 +23,8 @@ the recipe fails, it is skipped with a printed note. vLLM, as in
     $PEER/bin/pip download --no-deps -d $DL/xg xgrammar==0.2.8 && $PEER/bin/pip install --no-deps $DL/xg/xgrammar-*.whl
     $PEER/bin/pip install "apache-tvm-ffi>=0.1.11" intel-openmp==2024.2.1 -c $DL/pin.txt
 
-llama.cpp (compiles from the sdist, CPU only, ~10 min on 2 cores)::
-
-    python3 -m venv /work/peers/llamacpp && /work/peers/llamacpp/bin/pip install -q --upgrade pip
-    # not GGML_NATIVE: with it ggml builds its AMX int8 path, which segfaults in llama_decode on these VMs
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_BMI2=ON -DGGML_FMA=ON \\
-      -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \\
-      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF" \\
-      CMAKE_BUILD_PARALLEL_LEVEL=2 /work/peers/llamacpp/bin/pip install llama-cpp-python==0.3.36
+llama.cpp (compiles from the sdist, CPU only, ~10-25 min on 2 cores): ``LLAMACPP_RECIPE`` below (not
+GGML_NATIVE, AMX off, every other ISA flag as /proc/cpuinfo lists it), llama-cpp-python==0.3.36.
 
 Method. kvpage's loader dequantizes the bundled Q4_1 GGUF and casts it to bf16; those very tensors
 are written once as a Hugging Face folder (safetensors, config.json, tokenizer) for vLLM, and
@@ -102,10 +96,14 @@ echo "torch==2.13.0+cpu" > "$DL/pin.txt" && "$PEER/bin/pip" install -q -r "$DL/r
 "$PEER/bin/pip" install -q "apache-tvm-ffi>=0.1.11" intel-openmp==2024.2.1 -c "$DL/pin.txt"
 "$PEER/bin/python" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 """
+#: Not GGML_NATIVE (with it ggml builds its AMX int8 path, which segfaults in llama_decode on the Intel VMs); each
+#: other ISA flag is ON only where /proc/cpuinfo lists it (a forced AVX_VNNI gave SIGILL on an AMD EPYC with AVX-512).
 LLAMACPP_RECIPE = r"""set -e
+has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
 python3 -m venv "$PEER" && "$PEER/bin/pip" install -q --upgrade pip
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_BMI2=ON -DGGML_FMA=ON \
-  -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_AVX_VNNI=$(has avx_vnni) \
+  -DGGML_BMI2=$(has bmi2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_AVX512=$(has avx512f) \
+  -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16) \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL=2 "$PEER/bin/pip" install -q llama-cpp-python==0.3.36
 "$PEER/bin/python" -c "import llama_cpp"
