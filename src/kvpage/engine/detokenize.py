@@ -1,11 +1,16 @@
-"""Whether a decoded output ends in a split multi-byte character (a U+FFFD the model did not produce).
+"""Detokenization of a growing output: incremental decoding, and split multi-byte characters (U+FFFD).
+
+:class:`IncrementalDetokenizer` keeps a request's text up to date token by token while
+decoding only a short window of recent tokens (the ``prefix_offset`` / ``read_offset``
+scheme of vLLM and HF TGI), so a token costs the same at position 10 and 10,000; its
+text equals ``tokenizer.decode(ids, skip_special_tokens=True)`` of the whole output.
 
 Byte-level tokenizers (GPT-2-style BPE, SentencePiece byte fallback) split one
 UTF-8 character over several tokens; ``decode`` of a sequence cut inside one
 shows U+FFFD for the missing bytes. While a request runs the engine holds that
 character back; when it ends there (``length``, a stop token, an abort) the
 U+FFFD is dropped. A U+FFFD the model really produced (the complete bytes
-``EF BF BD``) is kept. Pure functions; the tokenizer is only read.
+``EF BF BD``) is kept. The tokenizer is only read.
 """
 from __future__ import annotations
 
@@ -81,3 +86,71 @@ def ends_with_split_character(tokenizer: Any, token_ids: Sequence[int], text: st
         if all(p is not None for p in pieces):
             return _ends_incomplete(b"".join(p for p in pieces if p is not None))
     return bool(tokenizer.decode(ids[:-1], skip_special_tokens=True) == text)
+
+
+class IncrementalDetokenizer:
+    """The text of a growing token sequence, decoded a few tokens at a time.
+
+    State (vLLM's scheme): ``text`` of ``ids[:read_offset]`` is final; each new token decodes
+    ``ids[prefix_offset:]`` and takes what it adds to ``decode(ids[prefix_offset:read_offset])`` (the
+    window's first tokens give the context a tokenizer needs: SentencePiece's leading-space strip,
+    byte-level merges). That addition is made final once it does not end in U+FFFD (an incomplete
+    UTF-8 character, completed by later tokens); until then it is the pending tail of :attr:`text`.
+
+    Exactness: :attr:`text` is ``tokenizer.decode(ids, skip_special_tokens=True)`` whenever that does not end
+    in U+FFFD, and ends in the same U+FFFD otherwise (tested over random token sequences of the bundled
+    tokenizer). Tokenizers whose decode is not prefix-stable are decoded whole every token instead (the old
+    behaviour, exact by construction): those with ``clean_up_tokenization_spaces`` set (it rewrites " ." as
+    "." across the window's edge), and any whose window decode stops extending the previous one (checked
+    every token; the request then switches for good).
+
+    Args:
+        tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``; only read.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._final = ""  # text of ids[:read_offset]
+        self._pending = ""  # text that ids[read_offset:] add (may end in U+FFFD)
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset])
+        self.whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens appended so far."""
+        return len(self._ids)
+
+    @property
+    def text(self) -> str:
+        """The decode of every token appended so far (specials skipped), a trailing U+FFFD included."""
+        return self._final + self._pending
+
+    def append(self, token: int) -> str:
+        """Add one token id; returns the updated :attr:`text`.
+
+        Costs two decodes of a few tokens (one while a character is still incomplete), or one decode of
+        everything for a tokenizer decoded whole (see the class). Errors of ``tokenizer.decode`` propagate.
+        """
+        ids = self._ids
+        ids.append(int(token))
+        decode = self._tokenizer.decode
+        if self.whole:
+            self._pending = decode(ids, skip_special_tokens=True)
+            return self._pending
+        window = decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if not window.startswith(self._prefix_text):  # not prefix-stable: decode whole from now on
+            self.whole = True
+            self._final, self._pending = "", decode(ids, skip_special_tokens=True)
+            return self._pending
+        added = window[len(self._prefix_text):]
+        if added and not added.endswith(REPLACEMENT):
+            self._final += added
+            self._pending = ""
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            self._prefix_text = decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        else:
+            self._pending = added
+        return self._final + self._pending

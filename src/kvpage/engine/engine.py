@@ -21,7 +21,7 @@ import torch
 
 from kvpage.cache.kv_cache import KVCache
 from kvpage.cache.kv_events.collector import KVEventCollector
-from kvpage.engine.detokenize import REPLACEMENT, ends_with_split_character
+from kvpage.engine.detokenize import REPLACEMENT, IncrementalDetokenizer, ends_with_split_character
 from kvpage.engine.forced import ForcedSequence
 from kvpage.engine.model_runner import ScheduledRequest, pass_requests
 from kvpage.engine.parallel import ParallelSampling, ParentRequest, child_request_id
@@ -497,7 +497,7 @@ class LLMEngine:
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        text = self._detokenize(req, token)
         cut_by_string = False
         for s in p.stop:
             cut = text.find(s)
@@ -509,6 +509,17 @@ class LLMEngine:
         if reason is not None and not cut_by_string:
             self._trim_split_character(req)
         return reason
+
+    def _detokenize(self, req: Request, token: int) -> str:
+        """``req``'s output text after ``token`` (just appended): ``decode(output_token_ids, skip_special_tokens=True)``,
+        kept up to date by the request's :class:`~kvpage.engine.detokenize.IncrementalDetokenizer` (a few tokens
+        decoded per token instead of the whole output)."""
+        detok = req.detokenizer
+        if detok is None or detok.num_tokens != req.num_output_tokens - 1:  # first token (or tokens changed under it)
+            detok = req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            for t in req.output_token_ids[:-1]:
+                detok.append(t)
+        return detok.append(token)
 
     def _trim_split_character(self, req: Request) -> None:
         """Drop a final U+FFFD that stands for a character cut by the end of the output (see :mod:`~kvpage.engine.detokenize`)."""

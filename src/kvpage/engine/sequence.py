@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpage.engine.detokenize import IncrementalDetokenizer
 from kvpage.engine.sampling import SamplingParams, generator_seed
 
 
@@ -44,6 +45,7 @@ class Request:
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``None`` (running).
         error: with ``finish_reason == "error"``, ``"<ExceptionType>: <message>"`` of what failed.
         text: detokenized output (stop strings cut).
+        detokenizer: the engine's incremental decoder of the output (set at the first output token).
         generator: per-request RNG when ``params.seed`` is set, seeded with
             :func:`~kvpage.engine.sampling.generator_seed` (all 64 bits of the seed count).
         first_token_time, finish_time: ``perf_counter`` stamps, or ``None``.
@@ -67,6 +69,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
