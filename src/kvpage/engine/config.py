@@ -23,6 +23,7 @@ from kvpage.cache.tiers.stores import StoreURL, parse_store_url
 from kvpage.engine.speculative.config import SpeculativeConfig
 from kvpage.errors import UnknownKVFormatError
 from kvpage.formats import KVFormat, canonical_format_name, get_format, needs_static_scales
+from kvpage.model.quantized_linear import check_weights_dtype
 from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
 from kvpage.spec import CacheSizing, missing_scales_error
@@ -97,6 +98,10 @@ class EngineConfig:
             ``num_blocks``. See :mod:`kvpage.engine.memory`.
         num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
         dtype: compute dtype of the model: ``auto`` (float32), ``float32``, ``bfloat16``, ``float16``.
+        weights_dtype: how a GGUF's weights are held (Hugging Face folders: ignored): ``auto`` (Q4_0/Q4_1
+            projections kept 4-bit as shipped when ``dtype`` is bfloat16, else dequantized), ``as_shipped``
+            (kept 4-bit whatever ``dtype``; their inputs rounded to bfloat16) or ``dequantized`` (every tensor in
+            ``dtype``). See :func:`kvpage.model.loader.load_model`.
         max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
         num_threads: torch CPU threads (>= 1); ``None`` = the rule of :mod:`kvpage.engine.threads`
             (``OMP_NUM_THREADS`` if set, else the usable CPUs minus the machine's other load, at least 1,
@@ -153,6 +158,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None
     dtype: str | torch.dtype = "auto"
+    weights_dtype: str = "auto"
     max_model_len: int | None = None
     num_threads: int | None = None
     device: str = "cpu"
@@ -200,6 +206,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         put("torch_dtype", resolve_dtype(self.dtype))
+        check_weights_dtype(self.weights_dtype)
         fmt = get_format(canonical_format_name(self.kv_cache_dtype, self.torch_dtype), self.torch_dtype)
         put("kv_format", fmt)
         self._check_positive_int("block_size", self.block_size, allow_none=True)
