@@ -19,7 +19,7 @@ from kvpage.engine.config import EngineConfig
 from kvpage.model import quantized_linear
 from kvpage.model.linear import PackedLinear
 from kvpage.model.loader import load_model, weight_bytes
-from kvpage.model.quantized_linear import GgufWeight, Int4Linear, int4_codes_scales, int4_kernel_available
+from kvpage.model.quantized_linear import DENSE_ROWS, GgufWeight, Int4Linear, int4_codes_scales, int4_kernel_available
 
 BF16_U = 2.0**-8  # bf16 unit roundoff: one rounding to bfloat16 moves a value by at most this, relatively
 
@@ -47,13 +47,15 @@ def _reference(weight: GgufWeight) -> torch.Tensor:
 
 @needs_int4
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-@pytest.mark.parametrize("n,k,m", [(64, 96, 1), (960, 576, 1), (192, 576, 2), (576, 1536, 5), (48, 64, 40)])
+@pytest.mark.parametrize("n,k,m", [(64, 96, 1), (960, 576, 1), (192, 576, 2), (576, 1536, 5), (48, 64, 40),
+                                   (960, 576, DENSE_ROWS), (192, 576, 300), (48, 64, 100)])
 def test_int4_linear_matches_dequantized_reference(qtype: Q, n: int, k: int, m: int) -> None:
     """``x @ W.T`` within its bound of the float64 product with gguf-py's dequantized weight.
 
     Bound per output: the scale ``d`` and zero ``m + 8d`` of each block are rounded once to bfloat16 (a weight
     moves by at most ``(8|d| + |zero|) * 2^-8``), the output is rounded once to bfloat16 (``2^-8`` of it), and
-    float32 accumulation adds at most ``K * 2^-23`` of ``sum |x| |w|``.
+    float32 accumulation adds at most ``K * 2^-23`` of ``sum |x| |w|``. From :data:`DENSE_ROWS` rows on (with
+    ``N % 64 == 0``), the weight decoded to bfloat16 is rounded twice more: ``(8|d| + |w|) * 2^-8`` more per weight.
     """
     weight = _weight(qtype, n, k, seed=n + k + m)
     lin = Int4Linear(weight)
@@ -65,6 +67,8 @@ def test_int4_linear_matches_dequantized_reference(qtype: Q, n: int, k: int, m: 
     _, d, zero = int4_codes_scales(weight)  # float64 [N, K/32]
     per_weight = (8 * d.abs() + zero.abs()).repeat_interleave(32, dim=1) * BF16_U  # [N, K]
     w_abs = _reference(weight).abs()
+    if m >= DENSE_ROWS and n % 64 == 0:
+        per_weight = per_weight + (8 * d.abs().repeat_interleave(32, dim=1) + w_abs + per_weight) * BF16_U * 1.01
     bound = (x.double().abs() @ per_weight.T) * (1 + BF16_U) + ref.abs() * BF16_U * 1.01 \
         + (x.double().abs() @ w_abs.T) * k * 2.0**-23
     err = (y.double() - ref).abs()

@@ -18,8 +18,10 @@ bfloat16. The matmul accumulates in float32 and rounds the output to bfloat16 on
 
 Speed (one thread, this project's AVX-512 CPU, weights hot in cache): at one row the kernel beats the
 oneDNN-prepacked bfloat16 :class:`~kvpage.model.linear.PackedLinear` by 1.0-1.8x (2.2x on a
-49152-row LM head), at two rows it is even, and from 4 rows on it is 1.7-2.7x slower (prefill): see the
-``--weights-dtype`` notes in the README for the end-to-end figures.
+49152-row LM head), at two rows it is even, and from 4 rows on it is 1.7-2.7x slower. So from
+:data:`DENSE_ROWS` rows on (prefill chunks) the weight is decoded to bfloat16 for the call and multiplied
+densely instead (decoding costs about a sixth of the matmul at 512 rows). The README's ``--weights-dtype``
+notes give the end-to-end figures.
 
 Codes layout: ``_convert_weight_to_int4pack_for_cpu`` takes int32 codes ``[N, K]`` and needs
 ``N % 16 == 0``; ``K`` is a multiple of 32 for every GGUF block type used here.
@@ -38,13 +40,17 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["GROUP_SIZE", "INT4_TYPES", "WEIGHTS_DTYPES", "GgufWeight", "Int4Linear", "check_weights_dtype",
+__all__ = ["DENSE_ROWS", "GROUP_SIZE", "INT4_TYPES", "WEIGHTS_DTYPES", "GgufWeight", "Int4Linear", "check_weights_dtype",
            "int4_kernel_available", "quantized_linear"]
 
 #: Weights per GGUF block of the 4-bit types, and torch's quantization group size used for them.
 GROUP_SIZE = 32
 #: ggml type ids (``gguf.GGMLQuantizationType``) of the blocks :class:`Int4Linear` runs: Q4_0 = 2, Q4_1 = 3.
 INT4_TYPES = {2: "Q4_0", 3: "Q4_1"}
+#: Rows from which :meth:`Int4Linear.forward` decodes the weight to bfloat16 and runs a dense matmul instead of the
+#: int4 kernel. Measured (one thread, 512-row prefill chunk, 576 -> 3072): decoding 1.7 ms + bfloat16 matmul 9.9 ms
+#: against the int4 kernel's 22.6 ms; the two cross between 40 and 80 rows for SmolLM2's shapes.
+DENSE_ROWS = 64
 #: Bytes per 32-weight block: Q4_0 = float16 d + 16 code bytes; Q4_1 = float16 d, float16 m + 16 code bytes.
 _BLOCK_BYTES = {2: 18, 3: 20}
 
@@ -202,12 +208,36 @@ class Int4Linear(nn.Module):
         zero = s[..., 1].T.repeat_interleave(GROUP_SIZE, 1)
         return ((codes - 8) * scale + zero).float()
 
+    def dense_t(self) -> torch.Tensor:
+        """``W.T`` as a new bfloat16 ``[K, N]`` tensor, decoded from the 4-bit buffers (for prefill-sized inputs).
+
+        Each weight is ``(q - 8) * scale`` rounded to bfloat16, plus ``zero``, rounded again: within two bfloat16
+        roundings of the kernel's weight. Needs ``N % 64 == 0`` (torch's 64-row tiles; see :attr:`weight`).
+        """
+        N, K = self.out_features, self.in_features
+        p = self.packed.view(N // 64, K, 32).permute(1, 0, 2)  # [K, N/64, 32]: rows 64t + j (low), + 32 (high)
+        codes = torch.cat((p & 0x0F, p >> 4), dim=-1).view(K // GROUP_SIZE, GROUP_SIZE, N)  # [K/32, 32, N]
+        w = torch.empty(codes.shape, dtype=torch.bfloat16)
+        w.copy_(codes)
+        sz = self.scales_and_zeros
+        w.sub_(8).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1])
+        return w.view(K, N)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., K]`` → ``[..., N]`` in ``x``'s dtype."""
+        """``x [..., K]`` → ``[..., N]`` in ``x``'s dtype.
+
+        Below :data:`DENSE_ROWS` rows (decode) torch's int4 kernel multiplies straight from the 4-bit codes; from
+        there on (prefill chunks, where that kernel is 2-3x slower than a bfloat16 matmul) the weight is decoded
+        to bfloat16 for this call (:meth:`dense_t`) and multiplied by the BLAS.
+        """
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, GROUP_SIZE, self.scales_and_zeros)
+        if x2.shape[0] >= DENSE_ROWS and self.out_features % 64 == 0:
+            y = torch.mm(xb, self.dense_t())
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, GROUP_SIZE,
+                                                          self.scales_and_zeros)
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
