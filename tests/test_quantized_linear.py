@@ -219,3 +219,12 @@ def test_cli_weights_dtype_flag_reaches_the_engine(tiny_gguf: Path, capsys: pyte
     code = main(["generate", "hello", "--model", str(tiny_gguf), "--weights-dtype", "int3"])
     err = capsys.readouterr().err
     assert code != 0 and "weights_dtype must be one of auto, as_shipped, dequantized; got 'int3'" in err
+
+
+def test_weights_dtype_off_the_cpu() -> None:
+    """The 4-bit kernel is torch's CPU one: ``auto`` on CUDA loads dequantized, ``as_shipped`` there is refused
+    (checked in the config, before any device or model is touched)."""
+    assert EngineConfig(weights_dtype="auto", dtype="bfloat16").weights_dtype_resolved == "auto"
+    assert EngineConfig(weights_dtype="auto", device="cuda").weights_dtype_resolved == "dequantized"
+    with pytest.raises(ValueError, match="weights_dtype='as_shipped' runs on the CPU only"):
+        EngineConfig(weights_dtype="as_shipped", device="cuda")

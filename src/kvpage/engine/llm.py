@@ -94,7 +94,7 @@ class LLM:
             if weight_dtype != cfg.torch_dtype:
                 raise ValueError(f"the loaded model is {weight_dtype}, but dtype={cfg.torch_dtype} was asked for")
         else:
-            loaded = load_model(model, dtype=cfg.torch_dtype, progress=progress, weights_dtype=cfg.weights_dtype)
+            loaded = load_model(model, dtype=cfg.torch_dtype, progress=progress, weights_dtype=cfg.weights_dtype_resolved)
         self.engine_config = cfg
         self.dtype = cfg.torch_dtype
         self.device = torch.device(cfg.device)
