@@ -215,7 +215,13 @@ def test_cli_weights_dtype_flag_reaches_the_engine(tiny_gguf: Path, capsys: pyte
                  "bfloat16", "--weights-dtype", "dequantized", "--num-blocks", "8", "--threads", "1"])
     err = capsys.readouterr().err
     assert code == 0
-    assert "tiny-q4.gguf, " in err and "projections in bfloat16" in err and "MiB of weights" in err
+    assert "[kvpage] model: tiny-q4.gguf: 9 projections in bfloat16, " in err and "MiB of weights" in err
+    code = main(["generate", "hello", "--model", str(tiny_gguf), "--no-chat", "--max-tokens", "2", "--dtype",
+                 "bfloat16", "--num-blocks", "8", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 0  # auto: 2 x (Q4_1 qkv, gate_up), 2 x Q4_0 o_proj + the Q4_0 LM head; Q8_0 down projections
+    assert "[kvpage] model: tiny-q4.gguf: 3 Q4_0 projections 4-bit as shipped, 4 Q4_1 projections 4-bit as " \
+           "shipped, 2 in bfloat16, " in err
     code = main(["generate", "hello", "--model", str(tiny_gguf), "--weights-dtype", "int3"])
     err = capsys.readouterr().err
     assert code != 0 and "weights_dtype must be one of auto, as_shipped, dequantized; got 'int3'" in err

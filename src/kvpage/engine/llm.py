@@ -76,7 +76,7 @@ class LLM:
         config: EngineConfig | None = None,
         **engine_args: Any,
     ) -> None:
-        from kvpage.model.loader import LoadedModel, load_model, weight_bytes, weights_summary
+        from kvpage.model.loader import LoadedModel, load_model, weight_bytes
 
         if config is not None and engine_args:
             raise ValueError(f"give either config or engine settings, not both (got {sorted(engine_args)})")
@@ -114,8 +114,6 @@ class LLM:
         self.max_model_len = self._built.max_model_len
         self.kv_quant_residual_tokens = cfg.residual_tokens
         if progress:
-            print(f"[kvpage] model: {self.model_path.name}, {weights_summary(self.model)}, "
-                  f"{self.weight_bytes / 2**20:,.1f} MiB of weights", file=sys.stderr, flush=True)
             print(startup_line(self.threads, self._built.capacity, self._built.budget), file=sys.stderr, flush=True)
 
     # -- facts ---------------------------------------------------------------------------------

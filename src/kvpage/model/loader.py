@@ -37,6 +37,7 @@ import json
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,10 @@ def load_model(
             (+ tokenizer files); ``None`` loads :func:`default_model_path`.
         dtype: model dtype (``torch.float32`` or ``torch.bfloat16``; ``float16`` also accepted).
             GGUF tensors are dequantized to float32 first, then cast (except those kept as shipped).
-        progress: show a tqdm bar over the tensors being read (on stderr).
+        progress: show a tqdm bar over the tensors being read, then one line on stderr: the file, how its
+            projections are held (:func:`weights_summary`) and the weights' memory (:func:`weight_bytes`), e.g.
+            ``[kvpage] model: SmolLM2-135M-Instruct.Q4_1.gguf: 120 Q4_1 projections 4-bit as shipped, 171.3 MiB
+            of weights``.
         weights_dtype: how GGUF weights are held (:data:`WEIGHTS_DTYPES`; ignored for a Hugging Face folder):
             ``"as_shipped"`` keeps Q4_0/Q4_1 projections 4-bit (:class:`~kvpage.model.quantized_linear.Int4Linear`,
             shared decoder families; activations are rounded to bfloat16 for them whatever ``dtype``),
@@ -173,10 +177,15 @@ def load_model(
             f"config.json and *.safetensors; for the default model run: {INSTALL_HINT}"
         )
     if path.is_dir():
-        return _load_hf_folder(path, dtype, progress)
-    if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype, progress, weights_dtype)
-    raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face folder")
+        loaded = _load_hf_folder(path, dtype, progress)
+    elif path.suffix.lower() == ".gguf":
+        loaded = _load_gguf(path, dtype, progress, weights_dtype)
+    else:
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face folder")
+    if progress:
+        print(f"[kvpage] model: {path.name}: {weights_summary(loaded.model)}, "
+              f"{weight_bytes(loaded.model) / 2**20:,.1f} MiB of weights", file=sys.stderr, flush=True)
+    return loaded
 
 
 def weight_bytes(model: nn.Module) -> int:
