@@ -20,8 +20,9 @@ Speed (one thread, this project's AVX-512 CPU, weights hot in cache): at one row
 oneDNN-prepacked bfloat16 :class:`~kvpage.model.linear.PackedLinear` by 1.0-1.8x (2.2x on a
 49152-row LM head), at two rows it is even, and from 4 rows on it is 1.7-2.7x slower. So from
 :data:`DENSE_ROWS` rows on (prefill chunks) the weight is decoded to bfloat16 for the call and multiplied
-densely instead (decoding costs about a sixth of the matmul at 512 rows). The README's ``--weights-dtype``
-notes give the end-to-end figures.
+densely instead (decoding costs about a sixth of the matmul at 512 rows). Between 2 and 63 rows (batched
+decode) neither beats the bfloat16 matmul: the 4-bit form pays at batch 1 only (end to end: batch-1 decode
+1.6-1.7x faster, 32 requests ~0.67x; the README's ``--weights-dtype`` notes).
 
 Codes layout: ``_convert_weight_to_int4pack_for_cpu`` takes int32 codes ``[N, K]`` and needs
 ``N % 16 == 0``; ``K`` is a multiple of 32 for every GGUF block type used here.
