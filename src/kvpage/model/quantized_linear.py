@@ -6,14 +6,14 @@ bfloat16 they are 3.6x the bytes. Kept 4-bit they are multiplied by
 ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's AVX-512/AVX2 kernel, the one torchao's
 int4 weight-only CPU layout uses), with GGUF's 32-weight blocks as torch's quantization groups.
 
-The mapping (exact in the codes; the scales are rounded once): torch computes
+The mapping (exact in the codes; scales and zeros rounded to bfloat16): torch computes
 ``w = (q - 8) * scale + zero`` per group of 32 weights along ``K``, with codes ``q`` in ``[0, 15]``
 and ``scale``/``zero`` in the activations' dtype. GGUF's Q4_0 is ``w = d * (q - 8)``: scale ``d``,
 zero 0. Q4_1 is ``w = d * q + m``: scale ``d``, zero ``m + 8d``. ``d`` and ``m`` are float16 in the
 file; the kernel runs at speed only in bfloat16 (float32 and float16 inputs take a scalar path
-15-30x slower, measured), so ``d`` and ``m + 8d`` (computed in float64) are each rounded once to
-bfloat16: at most 2^-9 relative per scale and zero, i.e. a weight is off by at most
-``8 * |d| * 2^-9 + |m + 8d| * 2^-9``, about the size of rounding the dequantized weight itself to
+15-30x slower, measured), so ``d`` and ``m + 8d`` (computed in float64) are rounded to bfloat16
+(through float32, exact for ``d``): at most 2^-9 (+2^-24) relative per scale and zero, i.e. a weight is off by
+at most about ``8 * |d| * 2^-9 + |m + 8d| * 2^-9`` (the tests allow twice that), about the size of rounding the dequantized weight itself to
 bfloat16. The matmul accumulates in float32 and rounds the output to bfloat16 once.
 
 Speed (one thread, this project's AVX-512 CPU, weights hot in cache): at one row the kernel beats the
