@@ -21,7 +21,9 @@ from typing import Any
 KV_BYTES = 1 << 30
 
 class KvpageWorker:
-    """kvpage's ``LLM`` on bf16 weights, ``threads`` torch threads; one engine per KV format, weights loaded once."""
+    """kvpage's ``LLM`` in bf16, ``threads`` torch threads; one engine per KV format, weights loaded once. The GGUF's
+    Q4_1 projections run 4-bit as shipped (``weights_dtype="auto"`` with bf16), as llama.cpp runs them; the
+    embedding/LM head and the norms are bf16."""
 
     def __init__(self, model: str, threads: int = 1) -> None:
         import torch

@@ -156,7 +156,7 @@ def export_hf_folder(folder: Path) -> dict[str, Any]:
     key = {"source": str(src), "size": src.stat().st_size, "mtime": src.stat().st_mtime}
     if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
         return json.loads(stamp.read_text())["info"]
-    loaded = load_model(src, dtype=torch.bfloat16, progress=False)
+    loaded = load_model(src, dtype=torch.bfloat16, progress=False, weights_dtype="dequantized")  # dense bf16 tensors
     m, c = loaded.model, loaded.config
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": m.embed_tokens.weight, "model.norm.weight": m.norm.weight}
     if m.lm_head is not None:

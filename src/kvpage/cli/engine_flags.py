@@ -9,7 +9,8 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
-from kvpage.engine.args import DTYPE_HELP, json_object_arg, nonnegative_int, positive_int, threads_help
+from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, json_object_arg, nonnegative_int, positive_int,
+                               threads_help)
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
@@ -42,6 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and --num-blocks")
     p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--weights-dtype", default="auto", help=WEIGHTS_DTYPE_HELP)
     p.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
                    help="attention kernels: auto (kvpage's C++ CPU kernels where they serve the format, else "
@@ -116,6 +118,7 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         num_blocks=args.num_blocks,
         dtype=args.dtype,
+        weights_dtype=args.weights_dtype,
         num_threads=args.threads,
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,

@@ -210,7 +210,8 @@ def _load_draft(config: EngineConfig, loaded: LoadedModel, device: torch.device)
     sc = config.speculative
     assert sc is not None and sc.model is not None
     draft = sc.model if isinstance(sc.model, LoadedModel) else load_model(sc.model, dtype=config.torch_dtype,
-                                                                           progress=False)
+                                                                           progress=False,
+                                                                           weights_dtype=config.weights_dtype_resolved)
     weight_dtype = next(draft.model.parameters()).dtype
     if weight_dtype != config.torch_dtype:
         raise ValueError(f"speculative_config.model is loaded in {weight_dtype}, but the engine runs {config.torch_dtype}")

@@ -23,6 +23,7 @@ from kvpage.cache.tiers.stores import StoreURL, parse_store_url
 from kvpage.engine.speculative.config import SpeculativeConfig
 from kvpage.errors import UnknownKVFormatError
 from kvpage.formats import KVFormat, canonical_format_name, get_format, needs_static_scales
+from kvpage.model.quantized_linear import check_weights_dtype
 from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
 from kvpage.spec import CacheSizing, missing_scales_error
@@ -97,6 +98,11 @@ class EngineConfig:
             ``num_blocks``. See :mod:`kvpage.engine.memory`.
         num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
         dtype: compute dtype of the model: ``auto`` (float32), ``float32``, ``bfloat16``, ``float16``.
+        weights_dtype: how a GGUF's weights are held (Hugging Face folders: ignored): ``auto`` (Q4_0/Q4_1
+            projections kept 4-bit as shipped when ``dtype`` is bfloat16, else dequantized), ``as_shipped``
+            (kept 4-bit whatever ``dtype``; their inputs rounded to bfloat16) or ``dequantized`` (every tensor in
+            ``dtype``). See :func:`kvpage.model.loader.load_model`. On CUDA ``auto`` is ``dequantized`` and
+            ``as_shipped`` is refused (the 4-bit kernel is torch's CPU one).
         max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
         num_threads: torch CPU threads (>= 1); ``None`` = the rule of :mod:`kvpage.engine.threads`
             (``OMP_NUM_THREADS`` if set, else the usable CPUs minus the machine's other load, at least 1,
@@ -153,6 +159,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None
     dtype: str | torch.dtype = "auto"
+    weights_dtype: str = "auto"
     max_model_len: int | None = None
     num_threads: int | None = None
     device: str = "cpu"
@@ -173,6 +180,8 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     #: Derived: the compute dtype.
     torch_dtype: torch.dtype = field(init=False)
+    #: Derived: ``weights_dtype`` for the loader: ``auto`` off the CPU is ``dequantized`` (the 4-bit kernel is CPU-only).
+    weights_dtype_resolved: str = field(init=False)
     #: Derived: the main layers' KV format object.
     kv_format: KVFormat = field(init=False, repr=False)
     #: Derived: tokens per block (the format's preferred size when ``block_size`` is ``None``).
@@ -200,6 +209,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         put("torch_dtype", resolve_dtype(self.dtype))
+        check_weights_dtype(self.weights_dtype)
+        on_cpu = str(self.device).startswith("cpu")
+        put("weights_dtype_resolved", self.weights_dtype if on_cpu or self.weights_dtype != "auto" else "dequantized")
         fmt = get_format(canonical_format_name(self.kv_cache_dtype, self.torch_dtype), self.torch_dtype)
         put("kv_format", fmt)
         self._check_positive_int("block_size", self.block_size, allow_none=True)
@@ -224,6 +236,9 @@ class EngineConfig:
         self._check_positive_int("num_threads", self.num_threads, allow_none=True)
         if str(self.device).split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.weights_dtype == "as_shipped" and not str(self.device).startswith("cpu"):
+            raise ValueError(f"weights_dtype='as_shipped' runs on the CPU only (torch's int4 CPU kernel), not on "
+                             f"device={self.device!r}: use weights_dtype='auto' or 'dequantized'")
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}")
         self._check_positive_int("max_num_seqs", self.max_num_seqs)

