@@ -10,10 +10,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#include <immintrin.h>
-#define KVPAGE_AVX512 1  // 16-lane decoders here and the AVX-512 block kernel of paged_attention.cpp
-#endif
 
 namespace kvpage_cpu {
 
@@ -71,56 +67,11 @@ inline const Ue5m3Table& ue5m3() {
   return t;
 }
 
-#ifdef KVPAGE_AVX512
-// Channels [0, 16) of one row of encoding E at p (element i at p + i * size) as float32, the first `n` only
-// (the rest 0) when n < 16. Exact conversions: each gives the scalar decoders' value bit for bit.
-template <int E>
-inline __m512 decode16(const uint8_t* p, int64_t n = 16) {
-  const __mmask16 k = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-  if constexpr (E == F32) {
-    return _mm512_maskz_loadu_ps(k, p);
-  } else if constexpr (E == BF16) {
-    const __m256i b = _mm256_maskz_loadu_epi16(k, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-  } else if constexpr (E == F16) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
-  } else if constexpr (E == I8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)));
-  } else {
-    // e4m3: the magnitude bits m = c & 0x7f placed at float's exponent/mantissa (<< 20) with the exponent bias
-    // raised by 120 are 2^(e-7) * (1 + m/8) for e > 0; e == 0 (subnormal, m * 2^-9) is 2 * that - 2^-6
-    // (exact); then the sign, and 0x7f / 0xff -> NaN.
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, p));
-    const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7f));
-    __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-    f = _mm512_mask_fmsub_ps(f, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_set1_ps(2.0f),
-                             _mm512_set1_ps(1.0f / 64.0f));
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-    f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
-    return _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)),
-                              _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  }
-}
-#endif
-
 // One row of D elements of encoding E at p, times `scale` -> out (float32). DC > 0 fixes D at compile time.
 template <int E, int DC = 0, bool SCALED = true>
 inline void decode_row(const uint8_t* p, float scale, float* out, int64_t Drt) {
   if constexpr (!SCALED) scale = 1.0f;  // constant-folded: the multiply below disappears
   const int64_t D = DC ? DC : Drt;
-#ifdef KVPAGE_AVX512
-  if constexpr (E != F32) {  // 16 lanes at a time (F16 and E4M3 have no auto-vectorized form)
-    constexpr int64_t size = E == F32 ? 4 : (E == BF16 || E == F16) ? 2 : 1;
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int64_t d = 0; d < D; d += 16) {
-      const int64_t n = D - d < 16 ? D - d : 16;
-      __m512 x = decode16<E>(p + d * size, n);
-      if constexpr (SCALED) x = _mm512_mul_ps(x, s);
-      _mm512_mask_storeu_ps(out + d, n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1), x);
-    }
-    return;
-  }
-#endif
   if constexpr (E == F32) {
     const float* s = reinterpret_cast<const float*>(p);
 #pragma omp simd

@@ -8,15 +8,6 @@
 // context when there are fewer work items than threads and merged afterwards (flash-decoding).
 // Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them.
 //
-// Block kernels: with AVX-512 (f/bw/vl/dq) a block is decoded one kv head at a time (16-lane exact decoders)
-// and that head's query heads run over it together (block16); otherwise the AVX2 micro-kernels or portable
-// loops run over the whole decoded block. KVPAGE_CPU_AVX512=0 forces the latter (tests compare the two). The
-// next sealed blocks are prefetched in software: a request's blocks are scattered over the pool.
-//
-// Rejected (measured or tested): quantizing q to int8 for integer (VNNI) dot products with int8 / fp8 keys,
-// as llama.cpp's q8_0 x q8_0 does -- its per-head rounding moves outputs by ~1e-2 of their scale, against the
-// 1e-5 agreement with the reference backend that tests/test_cpu_backend.py holds every format to.
-//
 // Numerics: float32 throughout; exp is a Cephes-style polynomial (relative error ~2e-7) so the
 // compiler can vectorize it; dot products are vectorized reductions (another summation order than
 // SDPA's, within float32 rounding).
@@ -34,7 +25,6 @@
 #endif
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -44,24 +34,6 @@
 using namespace kvpage_cpu;
 
 namespace {
-
-// Software prefetch of [p, p + bytes) into the caches, one request per 64-byte line.
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) {
-#if defined(__x86_64__)
-    asm volatile("prefetcht0 %0" : : "m"(c[o]));  // GCC 12 dropped __builtin_prefetch here (none in the binary)
-#else
-    __builtin_prefetch(c + o, 0, 3);
-#endif
-  }
-}
-
-// The rows load() decodes: tokens t < nt (of the block, from `off`) by kv heads h0 <= h < h0 + nh, row i of
-// the output buffers (laid out [nt][nh][D]).
-#define KVPAGE_ROWS                                   \
-  for (int64_t t = 0, i = 0; t < nt; ++t)             \
-    for (int64_t h = h0; h < h0 + nh; ++h, ++i)
 
 // ---- sources: a request's logical block `blk`, tokens off .. off+nt-1 of it, every kv head ----
 // load() fills kb / vb with float32 rows laid out [nt][Hkv][D], as the pool stores them, so each block is
@@ -79,30 +51,17 @@ struct TokenSource {
   const int64_t* tables;       // [B, W]
   int64_t W, bs, Hkv, D, esize;
 
-  // Asks the caches for block `blk` of request r (codes and scales, both tensors) ahead of its load(): the
-  // blocks of one request are scattered over the pool, so the hardware prefetchers cannot guess the next one.
-  // Off for token-wise blocks: attention.py measured bf16 / int8 0.9x with it (the prefetchers keep up with
-  // 16-token blocks read front to back); on for sealed blocks, whose decode is slower per byte.
-  static constexpr bool kPrefetch = false;
-  void prefetch(int64_t r, int64_t blk, bool has_value) const {
-    const int64_t first = tables[r * W + blk] * bs * Hkv, bytes = bs * Hkv * D * esize;
-    prefetch_bytes(key + first * D * esize, bytes);
-    if (has_value) prefetch_bytes(value + first * D * esize, bytes);
-    if (key_scale) prefetch_bytes(key_scale + first, bs * Hkv * 2);
-    if (value_scale && has_value) prefetch_bytes(value_scale + first, bs * Hkv * 2);
-  }
-
   // With ksb / vsb given, per-(token, head) scales go there instead of into the rows (the attention applies
   // them to scores and weights: two multiplies per token and query head instead of one per element);
   // returns whether it did so.
   template <int DC>
-  bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, int64_t h0, int64_t nh, float* kb, float* vb,
-            bool has_value, float* ksb, float* vsb) const {
+  bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value, float* ksb,
+            float* vsb) const {
     const int64_t D = DC ? DC : this->D;
     const int64_t first = (tables[r * W + blk] * bs + off) * Hkv;  // first (token, head) row
     if (ksb && key_scale && (value_scale || !has_value)) {
-      KVPAGE_ROWS {
-        const int64_t row = first + t * Hkv + h;
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        const int64_t row = first + i;
         ksb[i] = static_cast<float>(key_scale[row]);
         decode_row<E, DC, false>(key + row * D * esize, 1.0f, kb + i * D, D);
         if (!has_value) continue;
@@ -112,25 +71,25 @@ struct TokenSource {
       return true;
     }
     if (!key_scale && !key_chan && !value_chan) {  // float rows: nothing to scale
-      KVPAGE_ROWS {
-        const int64_t row = first + t * Hkv + h;
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        const int64_t row = first + i;
         decode_row<E, DC, false>(key + row * D * esize, 1.0f, kb + i * D, D);
         if (has_value) decode_row<E, DC, false>(value + row * D * esize, 1.0f, vb + i * D, D);
       }
       return false;
     }
-    KVPAGE_ROWS {
-      const int64_t row = first + t * Hkv + h;
+    for (int64_t i = 0; i < nt * Hkv; ++i) {
+      const int64_t row = first + i;
       decode_row<E, DC>(key + row * D * esize, key_scale ? static_cast<float>(key_scale[row]) : 1.0f, kb + i * D, D);
       if (key_chan) {
-        const float* c = key_chan + h * D;
+        const float* c = key_chan + (i % Hkv) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) kb[i * D + d] *= c[d];
       }
       if (!has_value) continue;
       decode_row<E, DC>(value + row * D * esize, value_scale ? static_cast<float>(value_scale[row]) : 1.0f, vb + i * D, D);
       if (value_chan) {
-        const float* c = value_chan + h * D;
+        const float* c = value_chan + (i % Hkv) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) vb[i * D + d] *= c[d];
       }
@@ -159,53 +118,6 @@ struct SealedSource {
   const int64_t* src_idx;      // [B, W]
   int64_t W, bs, Hkv, D, P, Gv;
 
-  static constexpr bool kPrefetch = true;
-  void prefetch(int64_t r, int64_t blk, bool has_value) const {
-    const uint8_t kind = src_kind[r * W + blk];
-    const int64_t idx = src_idx[r * W + blk], first = idx * bs * Hkv;
-    if (kind == 1) {
-      prefetch_bytes(tail_key + first * D * 2, bs * Hkv * D * 2);
-      if (has_value) prefetch_bytes(tail_value + first * D * 2, bs * Hkv * D * 2);
-    } else if (kind == 2) {
-      prefetch_bytes(sink_key + first * D, bs * Hkv * D);
-      prefetch_bytes(sink_key_scale + first, bs * Hkv * 2);
-      if (has_value) {
-        prefetch_bytes(sink_value + first * D, bs * Hkv * D);
-        prefetch_bytes(sink_value_scale + first, bs * Hkv * 2);
-      }
-    } else {
-      prefetch_bytes(key + first * P, bs * Hkv * P);
-      prefetch_bytes(key_scale + idx * Hkv * D, Hkv * D);
-      prefetch_bytes(key_zero + idx * Hkv * D, Hkv * D);
-      if (has_value) {
-        prefetch_bytes(value + first * P, bs * Hkv * P);
-        prefetch_bytes(value_scale + first * Gv, bs * Hkv * Gv);
-        prefetch_bytes(value_zero + first * Gv, bs * Hkv * Gv);
-      }
-    }
-  }
-
-#ifdef KVPAGE_AVX512
-  // Codes of channels [c0, c0 + 16) of a packed row as float32 (c0 a multiple of 16): the 8 (int4) or 4 (int2)
-  // bytes broadcast over the lanes, each lane shifting its own code down.
-  static inline __m512 unpack16(const uint8_t* row, int64_t c0) {
-    if constexpr (BITS == 4) {
-      uint64_t w;
-      std::memcpy(&w, row + c0 / 2, 8);
-      const __m512i x = _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                                 _mm512_castsi128_si512(_mm_cvtsi64_si128(static_cast<long long>(w))));
-      const __m512i sh = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-      return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(x, sh), _mm512_set1_epi32(15)));
-    } else {
-      uint32_t w;
-      std::memcpy(&w, row + c0 / 4, 4);
-      const __m512i sh = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-      return _mm512_cvtepi32_ps(
-          _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), sh), _mm512_set1_epi32(3)));
-    }
-  }
-#endif
-
   template <int DC>
   static inline void unpack_row(const uint8_t* row, int64_t Drt, float* codes) {
     const int64_t D = DC ? DC : Drt;
@@ -231,23 +143,22 @@ struct SealedSource {
 
   // Rows come out fully scaled (ksb / vsb are not used); returns false.
   template <int DC>
-  bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, int64_t h0, int64_t nh, float* kb, float* vb,
-            bool has_value, float*, float*) const {
+  bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value, float*,
+            float*) const {
     const int64_t D = DC ? DC : this->D;
     const uint8_t kind = src_kind[r * W + blk];
     const int64_t idx = src_idx[r * W + blk];
     const int64_t first = (idx * bs + off) * Hkv;
     if (kind == 1) {
-      KVPAGE_ROWS {
-        const int64_t row = first + t * Hkv + h;
-        decode_row<TAIL, DC>(tail_key + row * D * 2, 1.0f, kb + i * D, D);
-        if (has_value) decode_row<TAIL, DC>(tail_value + row * D * 2, 1.0f, vb + i * D, D);
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        decode_row<TAIL, DC>(tail_key + (first + i) * D * 2, 1.0f, kb + i * D, D);
+        if (has_value) decode_row<TAIL, DC>(tail_value + (first + i) * D * 2, 1.0f, vb + i * D, D);
       }
       return false;
     }
     if (kind == 2) {
-      KVPAGE_ROWS {
-        const int64_t row = first + t * Hkv + h;
+      for (int64_t i = 0; i < nt * Hkv; ++i) {
+        const int64_t row = first + i;
         decode_row<I8, DC>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
         if (has_value) decode_row<I8, DC>(sink_value + row * D, static_cast<float>(sink_value_scale[row]), vb + i * D, D);
       }
@@ -258,40 +169,14 @@ struct SealedSource {
     float ks[8 * 512], kz[8 * 512];
     const bool fits = Hkv * D <= 8 * 512;
     if (fits) {
-      for (int64_t c = h0 * D; c < (h0 + nh) * D; ++c) {  // the heads asked for
+      for (int64_t c = 0; c < Hkv * D; ++c) {
         ks[c] = lut[key_scale[idx * Hkv * D + c]];
         kz[c] = ks[c] * static_cast<float>(key_zero[idx * Hkv * D + c]);
       }
     }
     const int64_t gs = D / Gv;
-#ifdef KVPAGE_AVX512
-    if constexpr (DC > 0 && DC % 16 == 0) {
-      if (fits && gs % 16 == 0) {  // unpack and scale in one pass, 16 channels at a time
-        KVPAGE_ROWS {
-          const int64_t row = first + t * Hkv + h;
-          const uint8_t* kc = key + row * P;
-          float* kr = kb + i * DC;
-#pragma GCC unroll 16
-          for (int64_t c = 0; c < DC; c += 16)
-            _mm512_storeu_ps(kr + c, _mm512_fmadd_ps(unpack16(kc, c), _mm512_loadu_ps(ks + h * DC + c),
-                                                     _mm512_loadu_ps(kz + h * DC + c)));
-          if (!has_value) continue;
-          const uint8_t* vc = value + row * P;
-          float* vr = vb + i * DC;
-#pragma GCC unroll 16
-          for (int64_t c = 0; c < DC; c += 16) {
-            const int64_t g = row * Gv + c / gs;
-            const float st = lut[value_scale[g]];
-            _mm512_storeu_ps(vr + c, _mm512_fmadd_ps(unpack16(vc, c), _mm512_set1_ps(st),
-                                                     _mm512_set1_ps(st * static_cast<float>(value_zero[g]))));
-          }
-        }
-        return false;
-      }
-    }
-#endif
-    KVPAGE_ROWS {
-      const int64_t row = first + t * Hkv + h;
+    for (int64_t i = 0; i < nt * Hkv; ++i) {
+      const int64_t row = first + i, h = i % Hkv;
       float* kr = kb + i * D;
       unpack_row<DC>(key + row * P, D, kr);
       if (fits) {
@@ -330,7 +215,6 @@ struct Batch {
   const int64_t* qsl;           // [B + 1]
   int64_t H, Hkv, D, bs;
   float sm_scale;
-  bool wide;                    // the AVX-512 block kernel (where compiled) rather than the AVX2 / portable one
 };
 
 // The online-softmax step for one query row and one block (Milakov & Gimelshein 2018): scores sc[0..lim)
@@ -432,194 +316,6 @@ inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t
 }
 #endif  // KVPAGE_SIMD
 
-#ifdef KVPAGE_AVX512
-// ---- AVX-512 block kernel: one decoded block, a GQA group's query heads per pass ----
-// Scores 16 tokens at a time (16 dot products summed across lanes by one transpose-add tree), the softmax's
-// exp on 16 lanes, and the value rows of a kv head read once for up to GN of its query heads, whose
-// accumulators stay in registers across the block.
-
-#define KVPAGE_INLINE __attribute__((always_inline)) inline  // one function per block: no call per head
-
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// exp_neg on 16 lanes (the same Cephes polynomial; the rounding of n may differ by one ulp-step at a tie,
-// which the reduction absorbs: both are accurate to ~2e-7).
-KVPAGE_INLINE __m512 exp_neg16(__m512 x0) {
-  const __m512 x = _mm512_max_ps(x0, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                      _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  f = _mm512_add_ps(f, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), r);
-}
-
-// [sum(a0), ..., sum(a15)]: sixteen horizontal sums at once (pairs, then quads within 128-bit lanes, then
-// the four lanes transposed and added).
-KVPAGE_INLINE __m512 hsum16(const __m512* a) {
-  __m512 b[8], c[4];
-#pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k)
-    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k)
-    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Scores sc[t] = (q . k_t) * sm_scale (times ks[t * sstride] when ks) for t < lim; returns their maximum.
-template <int DC>
-KVPAGE_INLINE float scores16(const float* q, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
-                      const float* ks, int64_t sstride, float* sc) {
-  constexpr int NV = DC / 16;
-  __m512 qv[NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  __m512 mx = _mm512_set1_ps(NEG_INF);
-  alignas(64) float tmp[16];
-  for (int64_t t0 = 0; t0 < lim; t0 += 16) {
-    const int64_t nu = std::min<int64_t>(16, lim - t0);
-    __m512 a[16];
-#pragma GCC unroll 16
-    for (int u = 0; u < 16; ++u) {
-      if (u < nu) {
-        const float* row = kbase + (t0 + u) * stride;
-        __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
-#pragma GCC unroll 16
-        for (int i = 1; i < NV; ++i) d = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(row + 16 * i), d);
-        a[u] = d;
-      } else {
-        a[u] = _mm512_setzero_ps();
-      }
-    }
-    __m512 v = _mm512_mul_ps(hsum16(a), _mm512_set1_ps(sm_scale));
-    if (ks) {
-      for (int64_t u = 0; u < nu; ++u) tmp[u] = ks[(t0 + u) * sstride];
-      v = _mm512_mul_ps(v, _mm512_maskz_load_ps(first_lanes(nu), tmp));
-    }
-    const __mmask16 k = first_lanes(nu);
-    _mm512_mask_storeu_ps(sc + t0, k, v);
-    mx = _mm512_mask_max_ps(mx, k, mx, v);
-  }
-  return _mm512_reduce_max_ps(mx);
-}
-
-// softmax_update on 16 lanes; the weights are then multiplied by vs[t * sstride] when vs (value scales).
-KVPAGE_INLINE float softmax16(float* sc, int64_t lim, float mx, float& m, float& l, const float* vs, int64_t sstride) {
-  const float mnew = std::max(m, mx);
-  const float corr = m == NEG_INF ? 0.0f : exp_neg(m - mnew);
-  __m512 sum = _mm512_setzero_ps();
-  const __m512 mv = _mm512_set1_ps(mnew);
-  alignas(64) float tmp[16];
-  for (int64_t t0 = 0; t0 < lim; t0 += 16) {
-    const int64_t nu = std::min<int64_t>(16, lim - t0);
-    const __mmask16 k = first_lanes(nu);
-    __m512 p = _mm512_maskz_mov_ps(k, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t0), mv)));
-    sum = _mm512_add_ps(sum, p);
-    if (vs) {
-      for (int64_t u = 0; u < nu; ++u) tmp[u] = vs[(t0 + u) * sstride];
-      p = _mm512_mul_ps(p, _mm512_maskz_load_ps(k, tmp));
-    }
-    _mm512_mask_storeu_ps(sc + t0, k, p);
-  }
-  l = l * corr + _mm512_reduce_add_ps(sum);
-  m = mnew;
-  return corr;
-}
-
-// GN query heads (rows row0, row0 + 1, ... of one kv head): acc_g = acc_g * corr_g + sum_t w_g[t] * v_t, the
-// value row read once for all GN heads.
-template <int DC, int GN>
-KVPAGE_INLINE void accumulate16(float* acc, const float* corr, const float* vbase, int64_t stride, int64_t lim,
-                         const float* w, int64_t wstride) {
-  constexpr int NV = DC / 16;
-  __m512 A[GN][NV];
-#pragma GCC unroll 4
-  for (int g = 0; g < GN; ++g) {
-    const __m512 c = _mm512_set1_ps(corr[g]);
-#pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) A[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DC + 16 * i), c);
-  }
-  for (int64_t t = 0; t < lim; ++t) {
-    const float* row = vbase + t * stride;
-    __m512 v[NV];
-#pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(row + 16 * i);
-#pragma GCC unroll 4
-    for (int g = 0; g < GN; ++g) {
-      const __m512 p = _mm512_set1_ps(w[g * wstride + t]);
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) A[g][i] = _mm512_fmadd_ps(p, v[i], A[g][i]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < GN; ++g)
-#pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * DC + 16 * i, A[g][i]);
-}
-
-// Query heads g0 .. g0+GN-1 of kv head h for query row j: scores, softmax, then one pass over the values.
-template <int DC, int GN>
-KVPAGE_INLINE void group16(const float* qf, int64_t j, int64_t H, int64_t G, int64_t h, int64_t g0, int64_t lim,
-                    const float* kb, const float* vb, int64_t stride, const float* ks, const float* vs,
-                    int64_t sstride, float sm_scale, float* m, float* l, float* acc, float* sc, int64_t bs) {
-  float corr[GN];
-  for (int g = 0; g < GN; ++g) {
-    const int64_t row = j * H + h * G + g0 + g;
-    float* s = sc + g * bs;
-    const float mx = scores16<DC>(qf + row * DC, kb, stride, lim, sm_scale, ks, sstride, s);
-    corr[g] = softmax16(s, lim, mx, m[row], l[row], vs, sstride);
-  }
-  accumulate16<DC, GN>(acc + (j * H + h * G + g0) * DC, corr, vb, stride, lim, sc, bs);
-}
-
-// One decoded block's rows of kv head h (token t's at kb / vb + t * stride, its scales at ks / vs + t * sstride)
-// for one request: every query row of h's GQA group, online-softmax update; sc holds 4 * bs floats.
-template <int DC>
-inline void block16(const float* qf, int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e, int64_t h,
-                    const float* kb, const float* vb, int64_t stride, const float* ks, const float* vs, int64_t sstride,
-                    float sm_scale, float* m, float* l, float* acc, float* sc, int64_t bs) {
-  constexpr int NV = DC / 16;
-  constexpr int GMAX = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);  // accumulators of GMAX heads fit the 32 registers
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
-    if (lim <= 0) continue;
-    for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
-      const int64_t gn = std::min<int64_t>(GMAX, G - g0);
-#define KVPAGE_GROUP(N) \
-  group16<DC, N>(qf, j, H, G, h, g0, lim, kb, vb, stride, ks, vs, sstride, sm_scale, m, l, acc, sc, bs)
-      if (gn == GMAX) {
-        KVPAGE_GROUP(GMAX);
-      } else if constexpr (GMAX >= 4) {
-        if (gn == 3) KVPAGE_GROUP(3);
-        else if (gn == 2) KVPAGE_GROUP(2);
-        else KVPAGE_GROUP(1);
-      } else {
-        KVPAGE_GROUP(1);
-      }
-#undef KVPAGE_GROUP
-    }
-  }
-}
-#endif  // KVPAGE_AVX512
-
 // Online-softmax attention of request r's queries (all n of them) over context tokens [t0, t1), every
 // head. State rows are (query j, head qh) -> j * H + qh: m/l [n*H], acc [n*H, D], updated in place.
 // GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does.
@@ -632,43 +328,15 @@ void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, in
   for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
     const int64_t a = std::max(t0, blk * bs), e = std::min(t1, (blk + 1) * bs);
     const int64_t nt = e - a;
-    if constexpr (Src::kPrefetch) {
-      if (blk * bs <= t0) {  // the item's first block(s): ask for the first two
-        src.prefetch(r, blk, has_value);
-        if ((blk + 1) * bs < t1) src.prefetch(r, blk + 1, has_value);
-      }
-      if ((blk + 2) * bs < t1) src.prefetch(r, blk + 2, has_value);  // two blocks ahead of the decode
-    }
-#ifdef KVPAGE_AVX512
-    if constexpr (DC > 0 && DC % 16 == 0) {
-      if (b.wide) {
-        if (2 * bs * Hkv * DC * 4 <= 24 * 1024) {  // the whole decoded block fits L1: decode it in one pass
-          const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, 0, Hkv, kb, vb, has_value, ksb, vsb);
-          const float* vals = has_value ? vb : kb;
-          const float* vsc = has_value ? vsb : ksb;
-          for (int64_t h = 0; h < Hkv; ++h)
-            block16<DC>(qf, n, H, G, s, a, e, h, kb + h * DC, vals + h * DC, stride, folded ? ksb + h : nullptr,
-                        folded ? vsc + h : nullptr, Hkv, b.sm_scale, m, l, acc, sc, bs);
-        } else {  // one kv head at a time: its decoded rows (bs x D floats each) stay in L1 for its G heads
-          for (int64_t h = 0; h < Hkv; ++h) {
-            const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, h, 1, kb, vb, has_value, ksb, vsb);
-            block16<DC>(qf, n, H, G, s, a, e, h, kb, has_value ? vb : kb, DC, folded ? ksb : nullptr,
-                        folded ? (has_value ? vsb : ksb) : nullptr, 1, b.sm_scale, m, l, acc, sc, bs);
-          }
-        }
-        continue;
-      }
-    }
-#endif
 #ifdef KVPAGE_SIMD
     if constexpr (DC > 0 && DC % 8 == 0) {
-      const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, 0, Hkv, kb, vb, has_value, ksb, vsb);
+      const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value, ksb, vsb);
       block_simd<DC>(qf, n, H, G, s, a, e, kb, has_value ? vb : kb, stride, folded ? ksb : nullptr,
                      folded ? (has_value ? vsb : ksb) : nullptr, Hkv, b.sm_scale, m, l, acc, sc);
       continue;
     }
 #endif
-    src.template load<DC>(r, blk, a - blk * bs, nt, 0, Hkv, kb, vb, has_value, nullptr, nullptr);
+    src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value, nullptr, nullptr);
     const float* vals = has_value ? vb : kb;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
@@ -728,7 +396,7 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
   const int64_t nslots = first[nreq];
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), ksb(b.bs * b.Hkv), vsb(b.bs * b.Hkv), sc(4 * b.bs),
+    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), ksb(b.bs * b.Hkv), vsb(b.bs * b.Hkv), sc(b.bs),
         qf(max_rows * D);
     const uint8_t* q = static_cast<const uint8_t*>(b.q);
     const int64_t qsize = b.q_enc == F32 ? 4 : 2;
@@ -776,7 +444,6 @@ void run(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bool
   switch (b.D) {
     case 64: run_d<64>(src, b, reqs, nreq, has_value); break;
     case 128: run_d<128>(src, b, reqs, nreq, has_value); break;
-    case 256: run_d<256>(src, b, reqs, nreq, has_value); break;
     case 96: run_d<96>(src, b, reqs, nreq, has_value); break;
     case 80: run_d<80>(src, b, reqs, nreq, has_value); break;
     default: run_d<0>(src, b, reqs, nreq, has_value);
@@ -788,13 +455,6 @@ const c10::Half* opt_half(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<const c10::Half*>(t->data_ptr()) : nullptr;
 }
 
-// KVPAGE_CPU_AVX512=0 in the environment (read at every call) runs the AVX2 / portable block kernel instead of
-// the AVX-512 one, so that one build can test both against each other.
-bool wide_kernel() {
-  const char* v = std::getenv("KVPAGE_CPU_AVX512");
-  return !(v && v[0] == '0' && v[1] == 0);
-}
-
 Batch make_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& seq_lens, const at::Tensor& qsl,
                  int64_t Hkv, int64_t bs, double sm_scale) {
   TORCH_CHECK(q.is_contiguous() && q.dim() == 3, "q must be contiguous [T, H, D]");
@@ -803,7 +463,7 @@ Batch make_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& s
   TORCH_CHECK(q.size(1) % Hkv == 0, "query heads must be a multiple of kv heads");
   return Batch{q.data_ptr(), out.data_ptr(), float_encoding(q.scalar_type()), float_encoding(out.scalar_type()),
                seq_lens.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(), q.size(1), Hkv, q.size(2), bs,
-               static_cast<float>(sm_scale), wide_kernel()};
+               static_cast<float>(sm_scale)};
 }
 
 }  // namespace
