@@ -252,7 +252,14 @@ def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback() -> No
             "    time.sleep(60)\n"
             "generate.build_llm = slow\n"
             "sys.exit(cli.main(['generate', 'hi', '--no-chat']))\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def as_from_a_shell() -> None:
+        # the child starts with SIGINT delivered and at its default, as a user's shell starts it: a test worker
+        # may have it blocked or ignored, and both are inherited across exec (the child then never sees it)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_from_a_shell)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "building\n"
         proc.send_signal(signal.SIGINT)
