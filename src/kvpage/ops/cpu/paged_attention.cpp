@@ -220,18 +220,35 @@ struct Batch {
 // The online-softmax step for one query row and one block (Milakov & Gimelshein 2018): scores sc[0..lim)
 // with maximum mx become weights exp(sc - m_new) in place; the running max m and sum l are updated and the
 // factor the row's accumulator must be rescaled by (exp(m_old - m_new), 0 on the first block) is returned.
+inline float sum_floats(const float* x, int64_t n);
+
 inline float softmax_update(float* sc, int64_t lim, float mx, float& m, float& l) {
   const float mnew = std::max(m, mx);
-  const float corr = m == NEG_INF ? 0.0f : exp_neg(m - mnew);
-  float psum = 0.0f;
-#pragma omp simd reduction(+ : psum)
-  for (int64_t t = 0; t < lim; ++t) {
-    sc[t] = exp_neg(sc[t] - mnew);
-    psum += sc[t];
-  }
-  l = l * corr + psum;
+  // exp_neg(0) is exactly 1, so a running max that did not move skips the call (most blocks after the first).
+  const float corr = m == NEG_INF ? 0.0f : (m == mnew ? 1.0f : exp_neg(m - mnew));
+#pragma omp simd
+  for (int64_t t = 0; t < lim; ++t) sc[t] = exp_neg(sc[t] - mnew);
+  // Summed apart from the exp loop: a reduction inside it compiled to a chain of scalar adds over a spilled
+  // vector (18% of the decode kernel's time in a profile).
+  l = l * corr + sum_floats(sc, lim);
   m = mnew;
   return corr;
+}
+
+// x[0] + ... + x[n-1], eight lanes at a time where AVX2 is there.
+inline float sum_floats(const float* x, int64_t n) {
+  int64_t t = 0;
+  float r = 0.0f;
+#ifdef KVPAGE_SIMD
+  __m256 a = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(x + t));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  r = _mm_cvtss_f32(s);
+#endif
+  for (; t < n; ++t) r += x[t];
+  return r;
 }
 
 #ifdef KVPAGE_SIMD
@@ -251,7 +268,7 @@ inline __m256 hsum8(const __m256* a) {
 template <int DC>
 inline float scores_simd(const float* qv, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
                          const float* ks, int64_t sstride, float* sc) {
-  float mx = NEG_INF;
+  __m256 vmax = _mm256_set1_ps(NEG_INF);
   alignas(32) float tmp[8];
   for (int64_t t0 = 0; t0 < lim; t0 += 8) {
     __m256 a[8];
@@ -267,15 +284,23 @@ inline float scores_simd(const float* qv, const float* kbase, int64_t stride, in
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[u] + d), a[u]);
     }
-    _mm256_store_ps(tmp, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(sm_scale)));
-    const int64_t nu = std::min<int64_t>(8, lim - t0);
-    for (int64_t u = 0; u < nu; ++u) {
-      const float v = ks ? tmp[u] * ks[(t0 + u) * sstride] : tmp[u];  // times the token's key scale
-      sc[t0 + u] = v;
-      mx = std::max(mx, v);
+    __m256 v = _mm256_mul_ps(hsum8(a), _mm256_set1_ps(sm_scale));
+    if (ks) {  // times the token's key scale (lanes past the end repeat the last token's, as their rows do)
+      const float* k0 = ks + t0 * sstride;
+      const int64_t last = lim - 1 - t0;
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) tmp[u] = k0[std::min<int64_t>(u, last) * sstride];
+      v = _mm256_mul_ps(v, _mm256_load_ps(tmp));
     }
+    // All eight lanes are stored (sc holds bs rounded up to 8); lanes past lim repeat the last valid score,
+    // so the maximum is unchanged and nothing reads them.
+    _mm256_storeu_ps(sc + t0, v);
+    vmax = _mm256_max_ps(vmax, v);
   }
-  return mx;
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
 }
 
 // ac[0..DC) = ac * corr + sum_t sc[t] * v_t, the accumulator held in registers across the tokens.
@@ -396,7 +421,7 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
   const int64_t nslots = first[nreq];
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), ksb(b.bs * b.Hkv), vsb(b.bs * b.Hkv), sc(b.bs),
+    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), ksb(b.bs * b.Hkv), vsb(b.bs * b.Hkv), sc(b.bs + 8),
         qf(max_rows * D);
     const uint8_t* q = static_cast<const uint8_t*>(b.q);
     const int64_t qsize = b.q_enc == F32 ? 4 : 2;
