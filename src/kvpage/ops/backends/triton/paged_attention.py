@@ -115,20 +115,28 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(out_ptr, part_ptr, lse_ptr, rows, head_dim, num_splits,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[row] = sum_s w_s part[s, row] / sum_s w_s with w_s = exp(lse_s - max lse): the flash-decoding merge."""
-    row = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, BLOCK_S)
-    sm = sp < num_splits
-    lse = tl.load(lse_ptr + sp * rows + row, mask=sm, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.where(sm & (lse > float("-inf")), tl.exp(lse - m), 0.0)
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[row] = sum_s w_s part[s, row] / sum_s w_s, w_s = exp(lse_s - max_s lse_s): the flash-decoding merge,
+    folded over the splits with a running maximum (BLOCK_R rows per program)."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = row < rows
     d = tl.arange(0, BLOCK_D)
-    dm = d < head_dim
-    part = tl.load(part_ptr + (sp.to(tl.int64) * rows + row)[:, None] * head_dim + d[None, :],
-                   mask=sm[:, None] & dm[None, :], other=0.0)
-    o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + row * head_dim + d, o, mask=dm)
+    m2 = rm[:, None] & (d < head_dim)[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    wsum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for sp in range(num_splits):
+        lse = tl.load(lse_ptr + sp * rows + row, mask=rm, other=float("-inf"))
+        part = tl.load(part_ptr + (sp * rows + row)[:, None] * head_dim + d[None, :], mask=m2, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe)
+        wsum = wsum * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * part
+        m = m_new
+    o = acc / tl.where(wsum == 0.0, 1.0, wsum)[:, None]
+    tl.store(out_ptr + row[:, None] * head_dim + d[None, :], o, mask=m2)
 
 
 def paged_attention(
@@ -190,6 +198,5 @@ def paged_attention(
     )
     if split:
         rows = num_tokens * num_heads
-        _merge_splits_kernel[(rows,)](out, part, lse, rows, head_dim, num_splits,
-                                      BLOCK_S=triton.next_power_of_2(num_splits),
-                                      BLOCK_D=triton.next_power_of_2(head_dim))
+        _merge_splits_kernel[(triton.cdiv(rows, 16),)](out, part, lse, rows, head_dim, num_splits,
+                                                       BLOCK_R=16, BLOCK_D=triton.next_power_of_2(head_dim))

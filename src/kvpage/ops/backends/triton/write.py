@@ -1,6 +1,7 @@
 """The fused write: quantize a step's new key or value rows and store codes and scales in their slots.
 
-One program per (new token, kv head) codes one row, as vLLM's ``reshape_and_cache`` kernels do, with the
+Each program codes a tile of (new token, kv head) rows, each row on its own (as vLLM's ``reshape_and_cache``
+kernels do per token), with the
 arithmetic of :class:`~kvpage.formats.per_token.PerTokenFormat` (dynamic per-row scale) or of
 :class:`~kvpage.formats.static.StaticScaleFormat` (calibrated per-channel scale). Imports triton; loaded
 lazily by :mod:`kvpage.ops.backends.triton`.
@@ -13,35 +14,41 @@ import triton.language as tl
 
 from kvpage.ops.backends.triton.codes import SCALE_TOKEN, encode_e4m3, encode_int8
 
+#: (token, kv head) rows one program codes.
+ROWS_PER_PROGRAM = 16
+
 
 @triton.jit
 def _write_rows_kernel(
     x_ptr, slots_ptr, codes_ptr, scales_ptr, chan_ptr,
-    kv_heads, head_dim, qmax, limit,
-    ENC: tl.constexpr, SCALE: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_rows, kv_heads, head_dim, qmax, limit,
+    ENC: tl.constexpr, SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
+    # rows are (token, kv head) pairs, BLOCK_R of them per program, each coded on its own
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = r < num_rows
+    h = r % kv_heads
+    slot = tl.load(slots_ptr + r // kv_heads, mask=rm, other=0).to(tl.int64)
+    dst = slot * kv_heads + h                                                        # [BLOCK_R] row of the pool
     d = tl.arange(0, BLOCK_D)
-    dm = d < head_dim
-    x = tl.load(x_ptr + (t * kv_heads + h).to(tl.int64) * head_dim + d, mask=dm, other=0.0)
+    m2 = rm[:, None] & (d < head_dim)[None, :]
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * head_dim + d[None, :], mask=m2, other=0.0)
     if SCALE == 1:
         # PerTokenFormat.quantize: clamp, s16 = fp16(max(amax / qmax, 2**-14)), codes of y / float(s16)
         y = tl.clamp(x, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
-        amax = tl.max(tl.abs(y), axis=0)
+        amax = tl.max(tl.abs(y), axis=1)
         s16 = tl.maximum(tl.math.div_rn(amax, qmax), 0.00006103515625).to(tl.float16)
-        tl.store(scales_ptr + slot * kv_heads + h, s16)
-        y = tl.math.div_rn(y, s16.to(tl.float32))
+        tl.store(scales_ptr + dst, s16, mask=rm)
+        y = tl.math.div_rn(y, s16.to(tl.float32)[:, None])
     else:
         # StaticScaleFormat.quantize: x / s with the bound per-channel scale
-        c = tl.load(chan_ptr + h * head_dim + d, mask=dm, other=1.0)
+        c = tl.load(chan_ptr + h[:, None] * head_dim + d[None, :], mask=m2, other=1.0)
         y = tl.math.div_rn(x, c)
     if ENC == 3:
         code = encode_int8(y)
     else:
         code = encode_e4m3(y)
-    tl.store(codes_ptr + (slot * kv_heads + h) * head_dim + d, code, mask=dm)
+    tl.store(codes_ptr + dst[:, None] * head_dim + d[None, :], code, mask=m2)
 
 
 def write_rows(codes: torch.Tensor, scales: torch.Tensor | None, channels: torch.Tensor | None, rows: torch.Tensor,
@@ -66,9 +73,10 @@ def write_rows(codes: torch.Tensor, scales: torch.Tensor | None, channels: torch
     if n == 0:
         return
     dummy = codes
-    _write_rows_kernel[(n, kv_heads)](
+    num_rows = n * kv_heads
+    _write_rows_kernel[(triton.cdiv(num_rows, ROWS_PER_PROGRAM),)](
         rows, slots, codes, scales if scales is not None else dummy, channels if channels is not None else dummy,
-        kv_heads, head_dim, qmax, qmax * 65504.0,
+        num_rows, kv_heads, head_dim, qmax, qmax * 65504.0,
         ENC=encoding, SCALE=scale_kind if scale_kind == SCALE_TOKEN else 2,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_R=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(head_dim),
     )
