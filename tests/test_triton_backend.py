@@ -137,6 +137,14 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
     pre = [i for i, c in enumerate(cached) if c > 0]
     if pre:  # the prefix-cached part, written (and attended) by each backend's own path
         step(pre, [cached[i] for i in pre], [cached[i] for i in pre], [0] * len(pre))
+    if params.sliding_window is not None:
+        # blocks wholly before every new query's window may hold anything (their slots were reused): poison them
+        for i, c in enumerate(cached):
+            gone = tables[i][: max(0, c - params.sliding_window + 1) // bs]
+            for cache in caches:
+                for t in cache.values():
+                    if t.is_floating_point():
+                        t[gone] = float("nan")
     ref, got = step(list(range(len(lens))), lens, query_lens, cached)
     for name, t in caches[0].items():
         assert torch.equal(t.view(torch.uint8), caches[1][name].view(torch.uint8)), f"{fmt}: {name} bytes differ"
@@ -177,7 +185,8 @@ def test_every_format_in_a_mixed_batch_of_decode_rows_and_chunks(fmt: str) -> No
                                     LayerAttention(scale=0.25, sliding_window=20, logit_softcap=2.0),
                                     LayerAttention(logit_softcap=1.5)], ids=["scale", "window", "all", "softcap"])
 def test_layer_scale_window_and_softcap(fmt: str, params: LayerAttention) -> None:
-    """Gemma's scale and soft-cap and sliding windows shorter and longer than a block, over decode rows and runs."""
+    """Gemma's scale and soft-cap and sliding windows shorter and longer than a block, over decode rows and runs;
+    blocks that fell out of every window are NaN-poisoned first and must not be read."""
     run_batch(fmt, lens=[1, 12, 40, 23, 45], query_lens=[1, 1, 1, 3, 30], heads=6, kv_heads=2, head_dim=64,
               seed=11, params=params)
 
@@ -208,6 +217,19 @@ def test_key_only_layer(fmt: str) -> None:
     """A key-only (MLA-style latent) layer: the keys serve as values."""
     run_batch(fmt, lens=[5, 17, 30], query_lens=[1, 1, 10], heads=4, kv_heads=1, head_dim=64, seed=2,
               has_value=False)
+
+
+def test_c02_a_cache_of_another_dtype_is_refused_naming_layer_expected_and_actual() -> None:
+    """The seed's bug: a kernel must never read a cache allocated in another dtype; nothing is written."""
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, kv_cache_dtype="int8")
+    cache = dict(CacheController(spec).initialize_kv_cache(4)[0])
+    cache["key"] = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    before = {n: t.clone() for n, t in cache.items()}
+    meta = AttentionMetadata.build(block_tables=[[1]], seq_lens=[1], query_lens=[1], slot_mapping=[16], block_size=16)
+    with pytest.raises(KVCacheLayoutError, match=r"layer 7.*key.*uint8.*bfloat16"):
+        TritonBackend().forward(torch.randn(1, 4, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache,
+                                spec.layer(0), meta, layer_index=7)
+    assert all(torch.equal(before[n].view(torch.uint8), t.view(torch.uint8)) for n, t in cache.items())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int8_rotated", "fp8_per_token_head", "int8_static", "fp8_static"])
