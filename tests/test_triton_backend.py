@@ -25,8 +25,16 @@ import sys
 import pytest
 import torch
 
+#: Where the kernels run: the CPU under the interpreter (the suite), or ``cuda`` (compiled; a GPU machine's check,
+#: ``KVPAGE_TRITON_TEST_DEVICE=cuda``, with TRITON_INTERPRET unset).
+DEVICE = torch.device(os.environ.get("KVPAGE_TRITON_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("KVPAGE_TRITON_TEST_DEVICE=cuda but torch sees no CUDA device", allow_module_level=True)
+ON_CPU = DEVICE.type == "cpu"
+
 _BEFORE = os.environ.get("TRITON_INTERPRET")
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if ON_CPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 try:
     triton = pytest.importorskip("triton")
     import triton.language as tl
@@ -72,7 +80,11 @@ LOOSE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3, "int8": 0.06, "fp8"
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter's switch, on for this module's tests only (the backend refuses the CPU without it)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if ON_CPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="about the CPU under the interpreter")
 
 
 def _static_scales(fmt: str, kv_heads: int, head_dim: int) -> StaticScales | None:
@@ -111,7 +123,7 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
                            kv_cache_dtype=fmt, static_scales=_static_scales(fmt, kv_heads, head_dim),
                            has_value=has_value)
     layer = spec.layer(0)
-    caches = [CacheController(spec, fill_value=float("nan")).initialize_kv_cache(nb)[0] for _ in range(2)]
+    caches = [CacheController(spec, DEVICE, fill_value=float("nan")).initialize_kv_cache(nb)[0] for _ in range(2)]
     backends = [ReferenceBackend(), backend or TritonBackend()]
     ids = list(range(nb))
     random.Random(seed).shuffle(ids)
@@ -127,10 +139,10 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
     def step(rows: list[int], seq: list[int], new: list[int], first: list[int]) -> list[torch.Tensor]:
         slots = [tables[i][p // bs] * bs + p % bs for i, f, s in zip(rows, first, seq) for p in range(f, s)]
         meta = AttentionMetadata.build(block_tables=[tables[i] for i in rows], seq_lens=seq, query_lens=new,
-                                       slot_mapping=slots, block_size=bs)
-        cat = lambda j: torch.cat([full[i][j][f:s] for i, f, s in zip(rows, first, seq)])  # noqa: E731
+                                       slot_mapping=slots, block_size=bs, device=DEVICE)
+        cat = lambda j: torch.cat([full[i][j][f:s] for i, f, s in zip(rows, first, seq)]).to(DEVICE)  # noqa: E731
         v = cat(2) if has_value else None
-        return [b.forward(cat(0), cat(1), v, c, layer, meta, layer_index=0, params=params)
+        return [b.forward(cat(0), cat(1), v, c, layer, meta, layer_index=0, params=params).cpu()
                 for b, c in zip(backends, caches)]
 
     cached = [s - n for s, n in zip(lens, query_lens)]
@@ -152,8 +164,11 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
     assert torch.isfinite(got).all() and got.dtype == ref.dtype == dtype
     if dtype == torch.float32:
         assert (got - ref).abs().max().item() <= 1e-5 * scale, fmt
-    else:  # both round a float32 result to the model dtype: at most one rounding step apart
+    elif ON_CPU:  # both round a float32 result to the model dtype: at most one rounding step apart
         step_ = torch.finfo(dtype).eps * ref.float().abs() + 1e-5 * scale
+        assert ((got.float() - ref.float()).abs() <= step_).all(), fmt
+    else:  # on CUDA the reference attends in the model dtype itself
+        step_ = 4 * torch.finfo(dtype).eps * scale
         assert ((got.float() - ref.float()).abs() <= step_).all(), fmt
     a = 0
     for i, s in enumerate(lens):
@@ -197,7 +212,7 @@ def test_long_contexts_split_and_merge(fmt: str) -> None:
     lens, bs = [136, 7], 16
     meta = AttentionMetadata.build(block_tables=[list(range(9)), [9]], seq_lens=lens, query_lens=[1, 1],
                                    slot_mapping=[135, 9 * bs + 6], block_size=bs)
-    tiles = step_tiles(meta, 2, torch.device("cpu"))
+    tiles = step_tiles(meta, 2, DEVICE)
     assert split_count(tiles.items.shape[0] * 2, tiles.longest_tiles, target_programs=64) == 2  # it does split
     run_batch(fmt, lens=lens, query_lens=[1, 1], heads=4, kv_heads=2, head_dim=64, seed=5,
               backend=TritonBackend(target_programs=64))
@@ -222,13 +237,14 @@ def test_key_only_layer(fmt: str) -> None:
 def test_c02_a_cache_of_another_dtype_is_refused_naming_layer_expected_and_actual() -> None:
     """The seed's bug: a kernel must never read a cache allocated in another dtype; nothing is written."""
     spec = CacheSpec.build(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, kv_cache_dtype="int8")
-    cache = dict(CacheController(spec).initialize_kv_cache(4)[0])
-    cache["key"] = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    cache = dict(CacheController(spec, DEVICE).initialize_kv_cache(4)[0])
+    cache["key"] = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE)
     before = {n: t.clone() for n, t in cache.items()}
-    meta = AttentionMetadata.build(block_tables=[[1]], seq_lens=[1], query_lens=[1], slot_mapping=[16], block_size=16)
+    meta = AttentionMetadata.build(block_tables=[[1]], seq_lens=[1], query_lens=[1], slot_mapping=[16], block_size=16,
+                                   device=DEVICE)
+    q, k, v = (torch.randn(1, h, 64, device=DEVICE) for h in (4, 2, 2))
     with pytest.raises(KVCacheLayoutError, match=r"layer 7.*key.*uint8.*bfloat16"):
-        TritonBackend().forward(torch.randn(1, 4, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache,
-                                spec.layer(0), meta, layer_index=7)
+        TritonBackend().forward(q, k, v, cache, spec.layer(0), meta, layer_index=7)
     assert all(torch.equal(before[n].view(torch.uint8), t.view(torch.uint8)) for n, t in cache.items())
 
 
@@ -248,14 +264,14 @@ def test_fused_write_is_byte_identical_to_the_format_quantize(fmt: str) -> None:
     x[4] *= 1e-6
     x[5, 2] = 65504.0 * 500
     x[6] *= 300
-    cache = CacheController(spec).initialize_kv_cache(6)[0]
+    cache = CacheController(spec, DEVICE).initialize_kv_cache(6)[0]
     slots = torch.randperm(48, generator=torch.Generator().manual_seed(2))[:40]
-    TritonBackend()._write_kv(cache, layer, f, x, x.clone(), slots)
+    TritonBackend()._write_kv(cache, layer, f, x.to(DEVICE), x.to(DEVICE), slots.to(DEVICE))
     for kind in ("key", "value"):
         want = f.quantize(x, kind=kind)
-        assert torch.equal(cache[kind].view(-1, kv_heads, head_dim)[slots], want.codes), kind
+        assert torch.equal(cache[kind].cpu().view(-1, kv_heads, head_dim)[slots], want.codes), kind
         if want.scale is not None:
-            got = cache[kind + "_scale"].view(-1, kv_heads)[slots]
+            got = cache[kind + "_scale"].cpu().view(-1, kv_heads)[slots]
             assert torch.equal(got.view(torch.int16), want.scale.view(torch.int16)), kind
 
 
@@ -269,8 +285,9 @@ def test_element_codes_equal_torchs_casts_on_ties_subnormals_and_saturation() ->
     x = torch.cat([finite, mids, -mids, sweep, torch.tensor([500.0, -1e9, 0.0, -0.0, 2.5, -3.5, 126.5, 127.6])])
     x = torch.cat([x, torch.tensor([math.nan])])
     n = x.numel()
-    e, i, dec = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8), torch.empty(n)
-    _codes_kernel[(triton.cdiv(n, 1024),)](x, e, i, dec, n, BLOCK=1024)
+    e, i, dec = (torch.empty(n, dtype=dt, device=DEVICE) for dt in (torch.uint8, torch.uint8, torch.float32))
+    _codes_kernel[(triton.cdiv(n, 1024),)](x.to(DEVICE), e, i, dec, n, BLOCK=1024)
+    e, i, dec = e.cpu(), i.cpu(), dec.cpu()
     want_e = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(e[:-1], want_e[:-1])
     assert e[-1].item() & 0x7F == 0x7F  # NaN stays NaN
@@ -278,6 +295,7 @@ def test_element_codes_equal_torchs_casts_on_ties_subnormals_and_saturation() ->
     assert torch.equal(dec[:-1], want_e[:-1].view(torch.float8_e4m3fn).float()) and math.isnan(dec[-1].item())
 
 
+@cpu_only
 def test_selection_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """``triton`` serves token-wise formats on the CPU under the interpreter; ``auto`` there never picks it (where
     the cpu kernels do not serve, it falls back to the reference as before); the block-wise formats are refused
@@ -294,7 +312,9 @@ def test_selection_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> Non
         TritonBackend().forward_sealed(*([None] * 4), sealed.layer(0), None, None, layer_index=3)
 
 
+@cpu_only
 def test_triton_on_the_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case C27 for ``triton``: refused at selection, naming the backend, format, device and why."""
     monkeypatch.delenv("TRITON_INTERPRET")
     spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"'triton' cannot serve kv_cache_dtype 'fp8' on cpu: .*TRITON_INTERPRET=1"):
@@ -306,7 +326,12 @@ def test_triton_on_the_cpu_without_the_interpreter_is_refused(monkeypatch: pytes
         assert isinstance(select_backend("auto", spec.layer(0), "cuda"), ReferenceBackend)
 
 
+@cpu_only
 def test_the_interpreter_switch_does_not_leak_out_of_this_module() -> None:
+    """Importing this module leaves ``TRITON_INTERPRET`` as it found it; the kernels stay interpreted."""
+    from kvpage.ops.backends.triton import kernels_interpreted
+
+    assert kernels_interpreted() is True
     assert _AFTER == _BEFORE
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Mapping
 from types import ModuleType
 
@@ -51,6 +52,15 @@ def triton_installed() -> bool:
 def interpreting() -> bool:
     """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors, slowly."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_interpreted() -> bool | None:
+    """Whether the kernels were decorated for the interpreter (Triton decides when a kernel module is first
+    imported); ``None`` before they are."""
+    mod = sys.modules.get("kvpage.ops.backends.triton.paged_attention")
+    if mod is None:
+        return None
+    return type(mod._paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
 def _encoding(fmt: TokenFormat) -> tuple[int, int] | None:
@@ -107,6 +117,9 @@ class TritonBackend(AttentionBackend):
             if not interpreting():
                 return ("its kernels run on CUDA devices; on the CPU only under Triton's interpreter "
                         "(TRITON_INTERPRET=1, for tests)")
+            if kernels_interpreted() is False:
+                return ("its kernels were already compiled for CUDA in this process (TRITON_INTERPRET=1 must be set "
+                        "before they are first imported)")
         elif dev.type != "cuda":
             return f"its kernels run on CUDA devices, not on {dev.type}"
         elif not torch.cuda.is_available():
@@ -242,4 +255,4 @@ class TritonBackend(AttentionBackend):
         )
 
 
-__all__ = ["MAX_HEAD_DIM", "TritonBackend", "interpreting", "triton_installed"]
+__all__ = ["MAX_HEAD_DIM", "TritonBackend", "interpreting", "kernels_interpreted", "triton_installed"]
