@@ -102,7 +102,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self, target_programs: int | None = None) -> None:
         self._write, self._attn = _kernels()
         self.target_programs = target_programs
-        self._tiles: tuple[AttentionMetadata, int, StepTiles] | None = None
+        self._tiles: tuple[AttentionMetadata, tuple[int, int], StepTiles] | None = None
         self._chan: dict[tuple[str, str, str], torch.Tensor] = {}
 
     @classmethod
@@ -136,12 +136,12 @@ class TritonBackend(AttentionBackend):
 
     # -- per-step and per-layer state -------------------------------------------------------------
 
-    def _step(self, meta: AttentionMetadata, group: int, device: torch.device) -> StepTiles:
-        """The step's query tiles, built once per step and group size and shared by the group's layers."""
-        if self._tiles is not None and self._tiles[0] is meta and self._tiles[1] == group:
+    def _step(self, meta: AttentionMetadata, group: int, head_dim: int, device: torch.device) -> StepTiles:
+        """The step's query tiles, built once per step and layer shape and shared by the group's layers."""
+        if self._tiles is not None and self._tiles[0] is meta and self._tiles[1] == (group, head_dim):
             return self._tiles[2]
-        tiles = step_tiles(meta, group, device)
-        self._tiles = (meta, group, tiles)
+        tiles = step_tiles(meta, group, head_dim, device)
+        self._tiles = (meta, (group, head_dim), tiles)
         return tiles
 
     def _channels(self, fmt: StaticScaleFormat, spec: LayerSpec, kind: str, device: torch.device) -> torch.Tensor:
@@ -216,7 +216,7 @@ class TritonBackend(AttentionBackend):
         qa = qa.contiguous()
         out = torch.empty_like(qa)
         group = q.shape[1] // spec.kv_heads
-        tiles = self._step(meta, group, q.device)
+        tiles = self._step(meta, group, spec.head_dim, q.device)
         value_name = VALUE if spec.has_value else KEY
         key, value = cache[KEY], cache[value_name]
         if enc[0] == _ENC_BF16:  # read as raw bits: the kernel widens them exactly

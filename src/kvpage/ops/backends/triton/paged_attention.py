@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvpage.ops.backends.triton.codes import dequantize
+from kvpage.ops.backends.triton.step import num_warps
 
 
 @triton.jit
@@ -195,6 +196,7 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), ENC=encoding, SCALE=scale_kind,
         HAS_WINDOW=sliding_window is not None, HAS_CAP=logit_softcap is not None, SPLIT=split,
+        num_warps=num_warps(block_m, head_dim),
     )
     if split:
         rows = num_tokens * num_heads

@@ -18,17 +18,28 @@ BLOCK_N = 16
 MIN_BLOCK_M = 16
 #: Most queries of one request per program for prefill-chunk runs.
 MAX_BLOCK_Q = 16
+#: Most ``rows x padded head_dim`` elements of a program's query tile.
+TILE_BUDGET = 4096
 
 
-def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+def tile_shape(group: int, max_query_len: int, head_dim: int) -> tuple[int, int]:
     """``(block_q, block_m)``: queries per tile and rows per program (a power of two ``>= block_q * group``).
 
-    Decode-only steps take one query per tile; runs take up to :data:`MAX_BLOCK_Q` queries of a request.
+    Decode-only steps take one query per tile; runs take up to :data:`MAX_BLOCK_Q` queries of a request, within
+    :data:`TILE_BUDGET` row-elements (at least one query's heads): larger fp32 tiles spill registers on sm_90
+    (checked by compiling, :mod:`.aot`).
     """
+    g = triton_next_pow2(group)
     if max_query_len <= 1:
-        return 1, max(MIN_BLOCK_M, triton_next_pow2(group))
-    block_m = max(MIN_BLOCK_M, triton_next_pow2(group) * min(MAX_BLOCK_Q, triton_next_pow2(max_query_len)))
+        return 1, max(MIN_BLOCK_M, g)
+    rows = min(MAX_BLOCK_Q * g, g * triton_next_pow2(max_query_len), TILE_BUDGET // triton_next_pow2(head_dim))
+    block_m = max(MIN_BLOCK_M, g, rows)
     return block_m // group, block_m
+
+
+def num_warps(block_m: int, head_dim: int) -> int:
+    """Warps per program: 8 for tiles of 2,048 row-elements or more, else 4 (register pressure on sm_90)."""
+    return 8 if block_m * triton_next_pow2(head_dim) >= 2048 else 4
 
 
 def triton_next_pow2(n: int) -> int:
@@ -65,10 +76,10 @@ class StepTiles:
     longest_tiles: int
 
 
-def step_tiles(meta: AttentionMetadata, group: int, device: torch.device) -> StepTiles:
+def step_tiles(meta: AttentionMetadata, group: int, head_dim: int, device: torch.device) -> StepTiles:
     """The query tiles of ``meta`` for kv heads serving ``group`` query heads each (no side effects)."""
     qsl = meta.query_start_loc
-    block_q, block_m = tile_shape(group, max(meta.query_lens, default=1))
+    block_q, block_m = tile_shape(group, max(meta.query_lens, default=1), head_dim)
     items: list[int] = []
     for i in range(meta.num_requests):
         for q0 in range(0, qsl[i + 1] - qsl[i], block_q):
