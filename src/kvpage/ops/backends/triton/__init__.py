@@ -4,7 +4,8 @@ Serves the token-wise formats -- ``float32``/``bfloat16``/``float16``, ``int8``,
 ``fp8_per_token_head``, ``int8_rotated``, ``int8_static``, ``fp8_static`` -- with one attention launch per
 layer for the whole batch (:mod:`.paged_attention`: decode rows and prefill-chunk runs, GQA, sliding window,
 soft-cap, split-K with a log-sum-exp merge) and one write launch per tensor for the quantized formats
-(:mod:`.write`). Tested on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``); not yet run on a GPU.
+(:mod:`.write`). Tested on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) and compiled for sm_90
+without a GPU (:mod:`.aot`); not yet run on a GPU.
 The block-wise ``int4``/``int2`` formats are refused (:meth:`TritonBackend.unsupported`).
 
 ``triton`` is imported lazily, by :class:`TritonBackend`'s constructor, so ``import kvpage`` and
