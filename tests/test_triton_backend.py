@@ -326,6 +326,15 @@ def test_triton_on_the_cpu_without_the_interpreter_is_refused(monkeypatch: pytes
         assert isinstance(select_backend("auto", spec.layer(0), "cuda"), ReferenceBackend)
 
 
+def test_engine_config_takes_triton_and_lists_it() -> None:
+    """``EngineConfig`` (hence ``LLM``, the CLI and the server) accepts the name and names it among the choices."""
+    from kvpage.engine.config import EngineConfig
+
+    assert EngineConfig(attention_backend="triton", device="cuda").attention_backend == "triton"
+    with pytest.raises(ValueError, match="must be one of auto, reference, cpu, triton"):
+        EngineConfig(attention_backend="flash")
+
+
 @cpu_only
 def test_the_interpreter_switch_does_not_leak_out_of_this_module() -> None:
     """Importing this module leaves ``TRITON_INTERPRET`` as it found it; the kernels stay interpreted."""
