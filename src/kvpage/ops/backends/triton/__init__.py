@@ -210,14 +210,13 @@ class TritonBackend(AttentionBackend):
         enc = _encoding(fmt)
         if enc is None:
             raise KVCacheLayoutError(f"layer {layer_index}: the triton backend does not read format {spec.kv_format}")
-        slots = meta.slot_mapping.to(q.device)
-        self._write_kv(cache, spec, fmt, k, v, slots)
+        group = q.shape[1] // spec.kv_heads
+        tiles = self._step(meta, group, spec.head_dim, q.device)
+        self._write_kv(cache, spec, fmt, k, v, tiles.slot_mapping)
         rot = fmt.rotation(spec.head_dim, torch.float32, q.device)
         qa = q.float() if rot is None else q.float() @ rot                        # [T, H, D]
         qa = qa.contiguous()
         out = torch.empty_like(qa)
-        group = q.shape[1] // spec.kv_heads
-        tiles = self._step(meta, group, spec.head_dim, q.device)
         value_name = VALUE if spec.has_value else KEY
         key, value = cache[KEY], cache[value_name]
         if enc[0] == _ENC_BF16:  # read as raw bits: the kernel widens them exactly
@@ -230,7 +229,7 @@ class TritonBackend(AttentionBackend):
         splits = split_count(num_programs, tiles.longest_tiles, target_programs=self._target(q.device))
         self._attn.paged_attention(
             out, qa, key, value, cache.get(KEY_SCALE), cache.get(VALUE_SCALE if spec.has_value else KEY_SCALE),
-            kchan, vchan, meta.block_tables.to(q.device), tiles.seq_lens, tiles.query_start_loc, tiles.items,
+            kchan, vchan, tiles.block_tables, tiles.seq_lens, tiles.query_start_loc, tiles.items,
             block_q=tiles.block_q, block_m=tiles.block_m, encoding=enc[0], scale_kind=enc[1],
             sm_scale=spec.head_dim**-0.5 if params.scale is None else params.scale,
             sliding_window=params.sliding_window, logit_softcap=params.logit_softcap,

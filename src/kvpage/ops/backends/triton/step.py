@@ -62,6 +62,8 @@ class StepTiles:
 
     Attributes:
         items: ``[num_items, 2]`` int32 ``(request, first query of the tile)`` on the device.
+        block_tables: the step's ``[batch, max_blocks]`` int64 block tables on the device.
+        slot_mapping: the step's ``[num_tokens]`` int64 slots on the device.
         seq_lens: ``[batch]`` int32 on the device.
         query_start_loc: ``[batch + 1]`` int32 on the device.
         block_q: queries per tile; block_m: rows per program.
@@ -69,6 +71,8 @@ class StepTiles:
     """
 
     items: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     block_q: int
@@ -87,6 +91,8 @@ def step_tiles(meta: AttentionMetadata, group: int, head_dim: int, device: torch
     longest = max(meta.seq_lens, default=0)
     return StepTiles(
         items=torch.tensor(items, dtype=torch.int32).view(-1, 2).to(device),
+        block_tables=meta.block_tables.to(device).contiguous(),
+        slot_mapping=meta.slot_mapping.to(device),
         seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32).to(device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
         block_q=block_q, block_m=block_m, longest_tiles=math.ceil(longest / BLOCK_N) + 1,
