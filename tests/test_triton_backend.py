@@ -189,6 +189,16 @@ def test_decode_rows_of_every_length_class(fmt: str, heads: int, kv_heads: int, 
               head_dim=head_dim)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int8_rotated"])
+@pytest.mark.parametrize("block_size", [8, 12, 32])
+def test_block_sizes_other_than_the_key_tile(fmt: str, block_size: int) -> None:
+    """Blocks smaller than, not dividing, and larger than the kernel's 16-position key tile (one tile spans blocks,
+    or lies inside one), with head_dim 96 (not a power of two: a masked tile; block-diagonal Hadamard rotation)."""
+    bs = block_size
+    run_batch(fmt, lens=[1, bs - 1, bs, bs + 1, 3 * bs + 2, 2 * bs + 5], query_lens=[1, 1, 1, 1, 1, bs + 2],
+              heads=4, kv_heads=2, head_dim=96, block_size=bs, seed=bs)
+
+
 @pytest.mark.parametrize("fmt", TOKEN_FORMATS)
 def test_every_format_in_a_mixed_batch_of_decode_rows_and_chunks(fmt: str) -> None:
     """Decode rows, a short run and a prefill chunk over cached prefixes, and a whole prefill, in one launch."""
