@@ -305,6 +305,17 @@ def test_element_codes_equal_torchs_casts_on_ties_subnormals_and_saturation() ->
     assert torch.equal(dec[:-1], want_e[:-1].view(torch.float8_e4m3fn).float()) and math.isnan(dec[-1].item())
 
 
+def test_the_backends_encoding_numbers_are_the_kernels() -> None:
+    """The backend repeats the kernels' constexpr numbers so that it imports no triton; they must not drift."""
+    from kvpage.ops.backends import triton as backend
+    from kvpage.ops.backends.triton import codes
+
+    assert (backend._ENC_F32, backend._ENC_BF16, backend._ENC_F16, backend._ENC_I8, backend._ENC_E4M3) == (
+        codes.ENC_F32, codes.ENC_BF16, codes.ENC_F16, codes.ENC_I8, codes.ENC_E4M3)
+    assert (backend._SCALE_NONE, backend._SCALE_TOKEN, backend._SCALE_CHANNEL) == (
+        codes.SCALE_NONE, codes.SCALE_TOKEN, codes.SCALE_CHANNEL)
+
+
 @cpu_only
 def test_selection_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """``triton`` serves token-wise formats on the CPU under the interpreter; ``auto`` there never picks it (where

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpage.ops.backends.triton.codes import SCALE_TOKEN, encode_e4m3, encode_int8
+from kvpage.ops.backends.triton.codes import encode_e4m3, encode_int8
 
 #: (token, kv head) rows one program codes.
 ROWS_PER_PROGRAM = 16
@@ -77,6 +77,6 @@ def write_rows(codes: torch.Tensor, scales: torch.Tensor | None, channels: torch
     _write_rows_kernel[(triton.cdiv(num_rows, ROWS_PER_PROGRAM),)](
         rows, slots, codes, scales if scales is not None else dummy, channels if channels is not None else dummy,
         num_rows, kv_heads, head_dim, qmax, qmax * 65504.0,
-        ENC=encoding, SCALE=scale_kind if scale_kind == SCALE_TOKEN else 2,
+        ENC=encoding, SCALE=scale_kind,
         BLOCK_R=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(head_dim),
     )
