@@ -257,7 +257,7 @@ def test_fused_write_is_byte_identical_to_the_format_quantize(fmt: str) -> None:
 
 def test_selection_auto_cpu_and_reference() -> None:
     spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int8")
-    assert BACKEND_NAMES == ("auto", "reference", "cpu")
+    assert BACKEND_NAMES == ("auto", "reference", "cpu", "triton")
     assert isinstance(select_backend("auto", spec.layer(0), "cpu"), CpuBackend)
     assert isinstance(select_backend("reference", spec.layer(0), "cpu"), ReferenceBackend)
     assert isinstance(select_backend("auto", spec.layer(0), "cuda"), ReferenceBackend)

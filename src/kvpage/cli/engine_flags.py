@@ -45,9 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--weights-dtype", default="auto", help=WEIGHTS_DTYPE_HELP)
     p.add_argument("--threads", type=positive_int, default=None, help=threads_help())
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
-                   help="attention kernels: auto (kvpage's C++ CPU kernels where they serve the format, else "
-                        "reference), cpu (refused at start-up where they cannot serve), reference (PyTorch SDPA)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference", "triton"],
+                   help="attention kernels: auto (kvpage's C++ kernels on the CPU, Triton kernels on CUDA, where "
+                        "they serve the format; else reference), cpu or triton (refused at start-up where they "
+                        "cannot serve), reference (PyTorch SDPA)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64,

@@ -108,10 +108,11 @@ class EngineConfig:
             (``OMP_NUM_THREADS`` if set, else the usable CPUs minus the machine's other load, at least 1,
             at most torch's default). Applied process-wide when the engine is built.
         device: ``"cpu"`` or ``"cuda"``.
-        attention_backend: ``auto`` (the ``cpu`` kernels where they serve the format on the device,
-            else ``reference``), ``cpu`` (kvpage's C++ kernels; refused at start-up, naming the format
-            and device, where they cannot serve) or ``reference`` (the PyTorch oracle); vLLM's
-            ``attention_backend``. See :mod:`kvpage.ops.backends`.
+        attention_backend: ``auto`` (the ``cpu`` kernels on the CPU, the ``triton`` ones on CUDA, where
+            they serve the format on the device, else ``reference``), ``cpu`` (kvpage's C++ kernels) or
+            ``triton`` (Triton kernels for CUDA; token-wise formats; needs the ``gpu`` extra), each refused at
+            start-up, naming the format and device, where it cannot serve, or ``reference`` (the PyTorch
+            oracle); vLLM's ``attention_backend``. See :mod:`kvpage.ops.backends`.
         max_num_seqs: requests running at once.
         max_num_batched_tokens: tokens per forward pass (the scheduler's per-step budget).
         enable_chunked_prefill: split long prompts across steps.

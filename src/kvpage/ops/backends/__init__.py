@@ -7,8 +7,14 @@ name           what it is
                every device; the oracle of the tests
 ``cpu``        kvpage's C++ kernels (:mod:`.cpu`): fused paged decode over codes and
                scales, fused quantized writes
-``auto``       ``cpu`` where it serves the layer, else ``reference``
+``triton``     Triton kernels (:mod:`.triton`; CUDA, or the CPU under
+               ``TRITON_INTERPRET=1`` for tests): one paged-attention launch per layer
+               over codes and scales, fused quantized writes; token-wise formats only
+``auto``       on the CPU ``cpu`` where it serves the layer; on CUDA ``triton`` where
+               it serves the layer; else ``reference``
 =============  =====================================================================
+
+``triton`` needs the optional ``triton`` package (extra ``gpu``), imported only when the backend is built.
 """
 from __future__ import annotations
 
@@ -17,17 +23,19 @@ import torch
 from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.backends.cpu import CpuBackend, cpu_backend
 from kvpage.ops.backends.reference import ReferenceBackend
+from kvpage.ops.backends.triton import TritonBackend
 from kvpage.spec import LayerSpec
 
 #: Values ``attention_backend`` takes.
-BACKEND_NAMES = ("auto", "reference", "cpu")
+BACKEND_NAMES = ("auto", "reference", "cpu", "triton")
 
 
 def select_backend(name: str, spec: LayerSpec, device: torch.device | str) -> AttentionBackend:
     """The backend ``name`` for layers of ``spec`` on ``device``.
 
-    ``"auto"`` takes ``cpu`` when it serves the layer and ``reference`` otherwise. Side effect: asking
-    for (or auto-selecting on) the CPU compiles the kernels on first use.
+    ``"auto"`` takes ``cpu`` on the CPU and ``triton`` on a CUDA device when it serves the layer, and
+    ``reference`` otherwise (never ``triton`` on the CPU, even under the interpreter). Side effects: asking
+    for (or auto-selecting on) the CPU compiles the kernels on first use; building ``triton`` imports triton.
 
     Raises:
         ValueError: an unknown name, or a named backend that cannot serve the layer's format on
@@ -37,6 +45,15 @@ def select_backend(name: str, spec: LayerSpec, device: torch.device | str) -> At
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
     if name == "reference":
+        return ReferenceBackend()
+    if name == "triton" or (name == "auto" and dev.type == "cuda"):
+        why = TritonBackend.unsupported(spec, dev)
+        if why is None:
+            return TritonBackend()
+        if name == "triton":
+            raise ValueError(
+                f"attention backend 'triton' cannot serve kv_cache_dtype {spec.kv_format!r} on {dev}: {why}"
+            )
         return ReferenceBackend()
     why = CpuBackend.unsupported(spec, dev)
     if why is None:
@@ -49,4 +66,4 @@ def select_backend(name: str, spec: LayerSpec, device: torch.device | str) -> At
     return ReferenceBackend()
 
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "CpuBackend", "ReferenceBackend", "select_backend"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "CpuBackend", "ReferenceBackend", "TritonBackend", "select_backend"]

@@ -1,0 +1,102 @@
+"""Compile the kernels for a GPU target without a GPU: every launch configuration class the backend uses.
+
+``python -m kvpage.ops.backends.triton.aot [--arch 90]`` (``TRITON_INTERPRET`` unset) runs Triton's whole
+pipeline down to a cubin with the ``ptxas`` its wheel ships, so an error that only the GPU compiler sees (a
+type, a layout, an op the interpreter tolerates) shows up on a CPU-only machine. It does not run anything:
+numbers come from the interpreter tests and, on a GPU, from the device check. Imports triton.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvpage.ops.backends.triton import paged_attention, write
+from kvpage.ops.backends.triton.step import BLOCK_N, num_warps, tile_shape
+
+# storage pointer type per encoding (.codes: float32, bfloat16 bits, float16, int8, e4m3)
+_KV_PTR = {0: "*fp32", 1: "*i16", 2: "*fp16", 3: "*u8", 4: "*u8"}
+_ATTN_ARGS = {
+    "out_ptr": "*fp32", "lse_ptr": "*fp32", "q_ptr": "*fp32", "ks_ptr": "*fp16", "vs_ptr": "*fp16",
+    "kc_ptr": "*fp32", "vc_ptr": "*fp32", "block_tables_ptr": "*i64", "seq_lens_ptr": "*i32",
+    "qstart_ptr": "*i32", "items_ptr": "*i32", "num_tokens": "i32", "num_heads": "i32", "kv_heads": "i32",
+    "head_dim": "i32", "block_size": "i32", "bt_stride": "i32", "sm_scale": "fp32", "softcap": "fp32",
+    "window": "i32", "tiles_per_split": "i32",
+}
+_WRITE_ARGS = {"x_ptr": "*fp32", "slots_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp16",
+               "chan_ptr": "*fp32", "num_rows": "i32", "kv_heads": "i32", "head_dim": "i32", "qmax": "fp32",
+               "limit": "fp32"}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compiled configuration: the kernel, its constexprs, the cubin's size and how long it took."""
+
+    kernel: str
+    config: dict[str, object]
+    cubin_bytes: int
+    seconds: float
+
+
+def _compile(fn: object, args: dict[str, str], consts: dict[str, object], warps: int, arch: int) -> Build:
+    signature = {**args, **{k: "constexpr" for k in consts}}
+    t0 = time.perf_counter()
+    k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": warps})
+    return Build(getattr(fn, "__name__", str(fn)), consts, len(k.asm["cubin"]), time.perf_counter() - t0)
+
+
+def configurations(full: bool) -> Iterator[tuple[int, int, int, int, int, bool]]:
+    """``(encoding, scale source, head_dim, group, max query length, knobs)`` to compile: every encoding and scale
+    source at head_dim 128 for decode and runs; with ``full`` also head_dim 64 and 256 and other GQA groups."""
+    codecs = [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (3, 2), (4, 2)]
+    dims = (64, 128, 256) if full else (128,)
+    groups = (1, 4, 8) if full else (4,)
+    for (enc, scale), d, g, qlen, knobs in itertools.product(codecs, dims, groups, (1, 16), (False, True)):
+        yield enc, scale, d, g, qlen, knobs
+
+
+def compile_all(arch: int = 90, *, full: bool = False) -> list[Build]:
+    """Compile the attention kernel for :func:`configurations`, the write kernel for each 8-bit code and scale
+    source, and the split merge, for ``sm_{arch}``.
+
+    Raises:
+        triton.CompilationError (or another error of Triton's pipeline): a configuration does not compile.
+    """
+    builds = []
+    for enc, scale, d, g, qlen, knobs in configurations(full):
+        block_q, block_m = tile_shape(g, qlen, d)
+        consts: dict[str, object] = dict(
+            GROUP=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(d),
+            ENC=enc, SCALE=scale, HAS_WINDOW=knobs, HAS_CAP=knobs, SPLIT=knobs)
+        args = {**_ATTN_ARGS, "k_ptr": _KV_PTR[enc], "v_ptr": _KV_PTR[enc]}
+        builds.append(_compile(paged_attention._paged_attention_kernel, args, consts, num_warps(block_m, d), arch))
+    for enc, scale in ((3, 1), (4, 1), (3, 2), (4, 2)):
+        builds.append(_compile(write._write_rows_kernel, _WRITE_ARGS,
+                               dict(ENC=enc, SCALE=scale, BLOCK_R=write.ROWS_PER_PROGRAM, BLOCK_D=128), 4, arch))
+    merge_args = {"out_ptr": "*fp32", "part_ptr": "*fp32", "lse_ptr": "*fp32", "rows": "i32", "head_dim": "i32",
+                  "num_splits": "i32"}
+    builds.append(_compile(paged_attention._merge_splits_kernel, merge_args, dict(BLOCK_R=16, BLOCK_D=128), 4, arch))
+    return builds
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: compile and print one line per configuration; exit status 0 when all compiled."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90 (H100/H200)")
+    p.add_argument("--full", action="store_true", help="every head_dim and GQA group, not only head_dim 128")
+    a = p.parse_args(argv)
+    for b in compile_all(a.arch, full=a.full):
+        print(f"{b.kernel} {b.config} cubin {b.cubin_bytes} B {b.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
