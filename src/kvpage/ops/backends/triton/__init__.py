@@ -22,14 +22,19 @@ from types import ModuleType
 import torch
 
 from kvpage.errors import KVCacheLayoutError
-from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, FloatFormat, StaticScaleFormat, TokenFormat
+from kvpage.formats import (
+    KEY, KEY_SCALE, VALUE, VALUE_SCALE, FloatFormat, SealedFormat, StaticScaleFormat, TokenFormat,
+)
 from kvpage.formats.codes import E4M3_QMAX, INT8_QMAX
+from kvpage.formats.kivi import value_group_size
 from kvpage.formats.per_token import PerTokenFormat
 from kvpage.ops.attention import AttentionMetadata, check_inputs, token_format
 from kvpage.ops.backends.base import AttentionBackend
-from kvpage.ops.backends.triton.step import BLOCK_N, StepTiles, split_count, step_tiles
+from kvpage.ops.backends.triton.step import (
+    BLOCK_N, SealedStep, StepTiles, sealed_step, split_count, step_tiles,
+)
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
-from kvpage.ops.sealed_attention import SealContext
+from kvpage.ops.sealed_attention import SealContext, sealed_attention_checks, sealed_request, write_sealed_kv
 from kvpage.spec import LayerSpec
 
 #: Largest head_dim the kernels take (one ``[rows, head_dim]`` tile in registers).
@@ -40,6 +45,11 @@ _ENC_F32, _ENC_BF16, _ENC_F16, _ENC_I8, _ENC_E4M3 = 0, 1, 2, 3, 4
 _SCALE_NONE, _SCALE_TOKEN, _SCALE_CHANNEL = 0, 1, 2
 _FLOAT_ENC = {torch.float32: _ENC_F32, torch.bfloat16: _ENC_BF16, torch.float16: _ENC_F16}
 _CODE_ENC = {INT8_QMAX: _ENC_I8, E4M3_QMAX: _ENC_E4M3}
+_TAIL_ENC = {torch.bfloat16: _ENC_BF16, torch.float16: _ENC_F16}
+
+#: Requests of a quantize-on-seal layer with at most this many new tokens attend in the kernel (the ``cpu``
+#: backend's bound); longer runs take the reference path.
+KERNEL_MAX_QUERY = 32
 
 
 def triton_installed() -> bool:
@@ -78,12 +88,12 @@ def _encoding(fmt: TokenFormat) -> tuple[int, int] | None:
     return None
 
 
-def _kernels() -> tuple[ModuleType, ModuleType]:
-    """The kernel modules ``(write, paged_attention)``, importing triton (the first call decorates the kernels,
-    interpreted when ``TRITON_INTERPRET=1`` is set by then)."""
-    from kvpage.ops.backends.triton import paged_attention, write
+def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
+    """The kernel modules ``(write, paged_attention, sealed_attention)``, importing triton (the first call
+    decorates the kernels, interpreted when ``TRITON_INTERPRET=1`` is set by then)."""
+    from kvpage.ops.backends.triton import paged_attention, sealed_attention, write
 
-    return write, paged_attention
+    return write, paged_attention, sealed_attention
 
 
 class TritonBackend(AttentionBackend):
@@ -101,15 +111,16 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, target_programs: int | None = None) -> None:
-        self._write, self._attn = _kernels()
+        self._write, self._attn, self._sealed = _kernels()
         self.target_programs = target_programs
         self._tiles: tuple[AttentionMetadata, tuple[int, int], StepTiles] | None = None
+        self._sealed_tiles: tuple[SealContext, tuple[int, int], SealedStep] | None = None
         self._chan: dict[tuple[str, str, str], torch.Tensor] = {}
 
     @classmethod
     def unsupported(cls, spec: LayerSpec, device: torch.device) -> str | None:
         """Why not: no triton, a device that is neither CUDA nor the CPU under the interpreter, no CUDA device,
-        a format the kernels do not read (the block-wise ``int4``/``int2`` among them), or a head_dim above
+        a format the kernels do not read (block-wise formats other than ``int4``/``int2``), or a head_dim above
         :data:`MAX_HEAD_DIM`. ``None`` when it serves the layer."""
         dev = torch.device(device)
         if not triton_installed():
@@ -126,11 +137,12 @@ class TritonBackend(AttentionBackend):
         elif not torch.cuda.is_available():
             return "no CUDA device is available to torch"
         fmt = spec.format
-        if not isinstance(fmt, TokenFormat):
-            return (f"its kernels do not read the block-wise (quantize-on-seal) format {spec.kv_format} yet "
+        if isinstance(fmt, TokenFormat):
+            if _encoding(fmt) is None:
+                return f"its kernels do not read format {spec.kv_format}"
+        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 4)):
+            return (f"its kernels do not read the block-wise (quantize-on-seal) format {spec.kv_format} "
                     f"(use attention_backend='reference')")
-        if _encoding(fmt) is None:
-            return f"its kernels do not read format {spec.kv_format}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"its kernels take head_dim up to {MAX_HEAD_DIM}, not {spec.head_dim}"
         return None
@@ -244,15 +256,70 @@ class TritonBackend(AttentionBackend):
         spec: LayerSpec, meta: AttentionMetadata, ctx: SealContext, *, layer_index: int,
         params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
-        """Not served yet: :meth:`unsupported` refuses every block-wise format, so selection never reaches this.
+        """See :meth:`AttentionBackend.forward_sealed` (``int4``/``int2``): write and seal, then one attention launch.
+
+        The write is the reference's (:func:`~kvpage.ops.sealed_attention.write_sealed_kv` with the formats' own
+        seal and sink code, byte-identical to the ``reference`` backend): a Triton seal kernel (the least-squares
+        step search) is a later step. The kernel (:mod:`.sealed_attention`) serves the requests
+        :func:`~kvpage.ops.backends.sealed_sources.sealed_sources` admits -- decode rows and runs of up to
+        :data:`KERNEL_MAX_QUERY` new tokens in one block -- of plain layers, reading pool blocks, tail rows and
+        first-block copies through the step's source tables, in float32. The other requests (long runs, runs
+        across a block end, a windowed or soft-capped layer's) attend through the reference path
+        (:func:`~kvpage.ops.sealed_attention.sealed_request`) in float32, as the ``cpu`` backend's SDPA rows do.
+        Returns ``[T, H, D]`` in ``q.dtype``.
 
         Raises:
-            KVCacheLayoutError: always, naming the layer and format.
+            KVCacheLayoutError: as :func:`~kvpage.ops.sealed_attention.sealed_attention` (checked before anything
+                is written), or a block-wise format other than ``int4``/``int2``, or tail rows that are not 16-bit.
         """
-        raise KVCacheLayoutError(
-            f"layer {layer_index}: the triton backend does not read the block-wise format {spec.kv_format} yet; "
-            f"select attention_backend='reference' (or 'cpu') for it"
-        )
+        fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
+        tail_enc = _TAIL_ENC.get(tail[KEY].dtype)
+        if not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 4)) or tail_enc is None:
+            raise KVCacheLayoutError(
+                f"layer {layer_index}: the triton backend reads int4/int2 blocks with 16-bit tail rows, not format "
+                f"{spec.kv_format} with {tail[KEY].dtype} tail rows")
+        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
+        qa = q.float().contiguous()                                                   # [T, H, D]
+        out = torch.empty_like(qa)
+        group = q.shape[1] // spec.kv_heads
+        plan = self._sealed_step(ctx, meta, group, spec.head_dim, q.device)
+        kernel_rows = plan.kernel_rows if params.is_plain else ()
+        sdpa_rows = plan.sdpa_rows if params.is_plain else tuple(range(meta.num_requests))
+        if kernel_rows:  # first: a split launch's merge writes every row of out, the SDPA rows below overwrite theirs
+            vn = VALUE if spec.has_value else KEY
+            key = tuple(cache[n] for n in fmt.names(KEY))
+            value = tuple(cache[n] for n in fmt.names(VALUE)) if spec.has_value else None
+            tk, tv = tail[KEY], tail[vn]
+            if tail_enc == _ENC_BF16:  # read as raw bits: the kernel widens them exactly
+                tk, tv = tk.view(torch.int16), tv.view(torch.int16)
+            sink_k = (tail["sink_" + KEY], tail["sink_" + KEY_SCALE])
+            sink_v = (tail["sink_" + vn], tail["sink_" + (VALUE_SCALE if spec.has_value else KEY_SCALE)])
+            num_programs = plan.items.shape[0] * spec.kv_heads
+            splits = split_count(num_programs, plan.longest_tiles, target_programs=self._target(q.device))
+            self._sealed.sealed_attention(
+                out, qa, (key[0], key[1], key[2]), None if value is None else (value[0], value[1], value[2]),
+                tk, tv, sink_k, sink_v, plan.kind, plan.index, plan.seq_lens, plan.query_start_loc, plan.items,
+                bits=fmt.bits, group_size=value_group_size(spec.head_dim), tail_encoding=tail_enc,
+                block_q=plan.block_q, block_m=plan.block_m,
+                sm_scale=spec.head_dim**-0.5 if params.scale is None else params.scale,
+                num_splits=splits, tiles_per_split=-(-plan.longest_tiles // splits), block_n=BLOCK_N,
+            )
+        qsl = meta.query_start_loc
+        for i in sdpa_rows:
+            a, b = qsl[i], qsl[i + 1]
+            out[a:b] = sealed_request(qa[a:b], cache, tail, fmt, ctx, spec, ctx.plan.reads[i], batch,
+                                      meta.seq_lens[i], params).float()
+        return out.to(q.dtype)
+
+    def _sealed_step(self, ctx: SealContext, meta: AttentionMetadata, group: int, head_dim: int,
+                     device: torch.device) -> SealedStep:
+        """The step's source tables and kernel tiles, built once per step and layer shape (shared by the group)."""
+        key = (group, head_dim)
+        if self._sealed_tiles is not None and self._sealed_tiles[0] is ctx and self._sealed_tiles[1] == key:
+            return self._sealed_tiles[2]
+        st = sealed_step(ctx, meta, group, head_dim, device, max_query=KERNEL_MAX_QUERY)
+        self._sealed_tiles = (ctx, key, st)
+        return st
 
 
-__all__ = ["MAX_HEAD_DIM", "TritonBackend", "interpreting", "kernels_interpreted", "triton_installed"]
+__all__ = ["KERNEL_MAX_QUERY", "MAX_HEAD_DIM", "TritonBackend", "interpreting", "kernels_interpreted", "triton_installed"]

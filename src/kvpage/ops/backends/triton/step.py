@@ -1,4 +1,5 @@
-"""Per-step launch metadata of the Triton backend: query tiles, context splits; torch only (no triton import).
+"""Per-step launch metadata of the Triton backend: query tiles, context splits, sealed source tables; torch only
+(no triton import).
 
 Built once per :class:`~kvpage.ops.attention.AttentionMetadata` from its host-side tuples (no device
 synchronisation) and shared by every layer of the group.
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.ops.attention import AttentionMetadata
+from kvpage.ops.backends.sealed_sources import sealed_sources
+from kvpage.ops.sealed_attention import SealContext
 
 #: Context positions per key/value tile (``tl.dot`` wants at least 16 on a GPU).
 BLOCK_N = 16
@@ -93,6 +96,54 @@ def step_tiles(meta: AttentionMetadata, group: int, head_dim: int, device: torch
         items=torch.tensor(items, dtype=torch.int32).view(-1, 2).to(device),
         block_tables=meta.block_tables.to(device).contiguous(),
         slot_mapping=meta.slot_mapping.to(device),
+        seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32).to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+        block_q=block_q, block_m=block_m, longest_tiles=math.ceil(longest / BLOCK_N) + 1,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SealedStep:
+    """One step's quantize-on-seal batch as the sealed kernel takes it, for one GQA group size.
+
+    Attributes:
+        kind: ``[B, W]`` uint8 source kind of each request's logical block, on the device.
+        index: ``[B, W]`` int64 pool block, tail slot or sink slot of each, on the device.
+        kernel_rows: requests the kernel serves; sdpa_rows: the others (host tuples).
+        items: ``[num_items, 2]`` int32 ``(request, first query of the tile)`` of the kernel rows, on the device.
+        seq_lens: ``[B]`` int32; query_start_loc: ``[B + 1]`` int32, on the device.
+        block_q: queries per tile; block_m: rows per program.
+        longest_tiles: ``BLOCK_N`` tiles of the longest kernel row's context (bounds the splits).
+    """
+
+    kind: torch.Tensor
+    index: torch.Tensor
+    kernel_rows: tuple[int, ...]
+    sdpa_rows: tuple[int, ...]
+    items: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_q: int
+    block_m: int
+    longest_tiles: int
+
+
+def sealed_step(ctx: SealContext, meta: AttentionMetadata, group: int, head_dim: int, device: torch.device, *,
+                max_query: int) -> SealedStep:
+    """The source tables (:func:`~kvpage.ops.backends.sealed_sources.sealed_sources`, runs of up to ``max_query``
+    new tokens) and the kernel rows' query tiles of one step (no side effects)."""
+    src = sealed_sources(ctx, meta, max_query)
+    qsl = meta.query_start_loc
+    qlens = [qsl[i + 1] - qsl[i] for i in src.kernel_rows]
+    block_q, block_m = tile_shape(group, max(qlens, default=1), head_dim)
+    items: list[int] = []
+    for i, n in zip(src.kernel_rows, qlens):
+        for q0 in range(0, n, block_q):
+            items += [i, q0]
+    longest = max((meta.seq_lens[i] for i in src.kernel_rows), default=0)
+    return SealedStep(
+        kind=src.kind.to(device), index=src.index.to(device), kernel_rows=src.kernel_rows, sdpa_rows=src.sdpa_rows,
+        items=torch.tensor(items, dtype=torch.int32).view(-1, 2).to(device),
         seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32).to(device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
         block_q=block_q, block_m=block_m, longest_tiles=math.ceil(longest / BLOCK_N) + 1,

@@ -1,0 +1,147 @@
+"""The ``triton`` backend's quantize-on-seal path (``int4``, ``int2``) under Triton's interpreter, against the
+``reference`` backend and float64 attention.
+
+Both backends get identical inputs, each over its own NaN-filled cache copy (block tables drawn from a shuffled
+pool) and its own tail pool: a prefix written by each backend's own path, then one step of decode rows and query
+runs. Contexts 1, bs-1, bs, bs+1 and a few blocks; int2's 16-bit window copies; the int8 copy of block 0; GQA 1
+and 3; head_dim 64 and 128; mixed decode + chunk batches. What must hold:
+
+* the cache and tail bytes the two write are identical (the write is the reference's own code);
+* the outputs agree within 1e-5 of the output's scale (same decoded values; summation order differs);
+* both are within the format's bound of float64 attention over the unquantized K/V (``tests/test_cpu_backend.py``);
+* the kernel, not the fallback, served the rows it should (decode rows and short runs in one block).
+
+``TRITON_INTERPRET`` is handled as in ``tests/test_triton_backend.py``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+DEVICE = torch.device(os.environ.get("KVPAGE_TRITON_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("KVPAGE_TRITON_TEST_DEVICE=cuda but torch sees no CUDA device", allow_module_level=True)
+ON_CPU = DEVICE.type == "cpu"
+
+_BEFORE = os.environ.get("TRITON_INTERPRET")
+if ON_CPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    triton = pytest.importorskip("triton")
+    from kvpage.ops.backends.triton import sealed_attention as sealed_kernels  # noqa: F401  (decorated interpreted)
+finally:
+    if _BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _BEFORE
+
+from kvpage.cache.controller import CacheController  # noqa: E402
+from kvpage.cache.tail import TailTable  # noqa: E402
+from kvpage.cache.tail.pool import TailPool  # noqa: E402
+from kvpage.errors import KVCacheLayoutError  # noqa: E402
+from kvpage.ops.attention import AttentionMetadata  # noqa: E402
+from kvpage.ops.backends import ReferenceBackend, TritonBackend, select_backend  # noqa: E402
+from kvpage.ops.layer_attention import PLAIN, LayerAttention  # noqa: E402
+from kvpage.spec import CacheSpec, TailLayout  # noqa: E402
+
+#: Output error against float64 attention over the unquantized K/V (unit-normal q/k/v): tests/test_cpu_backend.py's.
+LOOSE = {"int4": 0.35, "int2": 1.2}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's switch, on for this module's tests only."""
+    if ON_CPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
+                      params: LayerAttention = PLAIN) -> torch.Tensor:
+    """Dense causal attention in float64: query ``j`` (position ``first + j``) sees keys ``0 .. first + j``."""
+    n, h, d = q.shape
+    rep = h // k.shape[1]
+    kx, vx = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    sc = torch.einsum("nhd,shd->hns", q.double(), kx) * (d**-0.5 if params.scale is None else params.scale)
+    if params.logit_softcap is not None:
+        sc = params.logit_softcap * torch.tanh(sc / params.logit_softcap)
+    pos = first + torch.arange(n)
+    mask = torch.arange(k.shape[0])[None, :] <= pos[:, None]
+    if params.sliding_window is not None:
+        mask &= torch.arange(k.shape[0])[None, :] > (pos - params.sliding_window)[:, None]
+    return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
+
+
+def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+              block_size: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32, params: LayerAttention = PLAIN,
+              window_blocks: int = 0, sink_slots: int = 8, has_value: bool = True,
+              backend: TritonBackend | None = None) -> tuple[int, ...]:
+    """Write each request's cached part, then one step of ``query_lens`` new tokens, through both backends; check
+    bytes, agreement and the float64 bound. Returns the requests the Triton kernel served in the last step."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = block_size
+    nb = sum(math.ceil(s / bs) for s in lens) + 3
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=bs,
+                           kv_cache_dtype=fmt, has_value=has_value)
+    layer = spec.layer(0)
+    caches = [CacheController(spec, DEVICE, fill_value=float("nan")).initialize_kv_cache(nb)[0] for _ in range(2)]
+    tri = backend or TritonBackend()
+    backends = [ReferenceBackend(), tri]
+    layout = TailLayout(num_slots=24, num_sink_slots=sink_slots, window_blocks=window_blocks)
+    tables_ = [TailTable(bs, num_slots=layout.num_slots, num_sink_slots=layout.num_sink_slots,
+                         window_blocks=layout.window_blocks) for _ in range(2)]
+    pools = [TailPool(spec, layout, dtype, DEVICE) for _ in tables_]
+    ids = list(range(nb))
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for s in lens:
+        tables.append(ids[at:at + math.ceil(s / bs)])
+        at += math.ceil(s / bs)
+    full = [tuple(torch.randn(s, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+            for s in lens]
+    if not has_value:
+        full = [(q, k, k) for q, k, _ in full]
+
+    def step(rows: list[int], seq: list[int], new: list[int], first: list[int]) -> list[torch.Tensor]:
+        bts = [tables[i] for i in rows]
+        slots = [tables[i][p // bs] * bs + p % bs for i, f, s in zip(rows, first, seq) for p in range(f, s)]
+        meta = AttentionMetadata.build(block_tables=bts, seq_lens=seq, query_lens=new, slot_mapping=slots,
+                                       block_size=bs, device=DEVICE)
+        cat = lambda j: torch.cat([full[i][j][f:s] for i, f, s in zip(rows, first, seq)]).to(DEVICE)  # noqa: E731
+        v = cat(2) if has_value else None
+        outs = []
+        for b, c, table, pool in zip(backends, caches, tables_, pools):
+            ctx = pool.context(table.plan(bts, seq, new))
+            outs.append(b.forward_sealed(cat(0), cat(1), v, c, layer, meta, ctx, layer_index=0, params=params).cpu())
+            table.finish()
+        return outs
+
+    cached = [s - n for s, n in zip(lens, query_lens)]
+    pre = [i for i, c in enumerate(cached) if c > 0]
+    if pre:  # the prefix-cached part, written (and attended) by each backend's own path
+        step(pre, [cached[i] for i in pre], [cached[i] for i in pre], [0] * len(pre))
+    ref, got = step(list(range(len(lens))), lens, query_lens, cached)
+    for name, t in caches[0].items():
+        assert torch.equal(t.view(torch.uint8), caches[1][name].view(torch.uint8)), f"{fmt}: {name} bytes differ"
+    for name, t in pools[0].layers[0].items():
+        assert torch.equal(t.view(torch.uint8), pools[1].layers[0][name].view(torch.uint8)), f"{fmt}: tail {name}"
+    scale = ref.abs().max().item()
+    assert torch.isfinite(got).all() and got.dtype == ref.dtype == dtype
+    if dtype == torch.float32:
+        assert (got - ref).abs().max().item() <= 1e-5 * scale, fmt
+    else:  # both round a float32 result to the model dtype: at most one rounding step apart
+        step_ = torch.finfo(dtype).eps * ref.float().abs() + 1e-5 * scale
+        assert ((got.float() - ref.float()).abs() <= step_).all(), fmt
+    a = 0
+    for i, s in enumerate(lens):
+        n = query_lens[i]
+        want = float64_attention(full[i][0][s - n:], full[i][1], full[i][2], s - n, params)
+        for out in (ref, got):
+            assert (out[a:a + n].double() - want).abs().max().item() < LOOSE[fmt] + 2e-2 * (dtype != torch.float32), \
+                (fmt, s, n)
+        a += n
+    assert tri._sealed_tiles is not None
+    return tri._sealed_tiles[2].kernel_rows
