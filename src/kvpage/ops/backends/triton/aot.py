@@ -18,7 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvpage.ops.backends.triton import paged_attention, write
+from kvpage.formats.kivi import value_group_size
+from kvpage.ops.backends.triton import paged_attention, sealed_attention, write
 from kvpage.ops.backends.triton.step import BLOCK_N, num_warps, tile_shape
 
 # storage pointer type per encoding (.codes: float32, bfloat16 bits, float16, int8, e4m3)
@@ -33,6 +34,15 @@ _ATTN_ARGS = {
 _WRITE_ARGS = {"x_ptr": "*fp32", "slots_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp16",
                "chan_ptr": "*fp32", "num_rows": "i32", "kv_heads": "i32", "head_dim": "i32", "qmax": "fp32",
                "limit": "fp32"}
+
+
+_SEALED_ARGS = {
+    "out_ptr": "*fp32", "lse_ptr": "*fp32", "q_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*u8", "kz_ptr": "*i8",
+    "v_ptr": "*u8", "vs_ptr": "*u8", "vz_ptr": "*i8", "sk_ptr": "*u8", "sks_ptr": "*fp16", "sv_ptr": "*u8",
+    "svs_ptr": "*fp16", "kind_ptr": "*u8", "idx_ptr": "*i64", "seq_lens_ptr": "*i32", "qstart_ptr": "*i32",
+    "items_ptr": "*i32", "num_tokens": "i32", "num_heads": "i32", "kv_heads": "i32", "head_dim": "i32",
+    "block_size": "i32", "src_stride": "i32", "sm_scale": "fp32", "tiles_per_split": "i32",
+}
 
 
 @dataclass(frozen=True)
@@ -63,9 +73,21 @@ def configurations(full: bool) -> Iterator[tuple[int, int, int, int, int, bool]]
         yield enc, scale, d, g, qlen, knobs
 
 
+def sealed_configurations(full: bool) -> Iterator[tuple[int, int, int, int, int, bool, bool]]:
+    """``(bits, tail encoding, head_dim, group, max query length, split, has_value)`` of the int4/int2 kernel to
+    compile: both bit widths and 16-bit tail encodings, decode and runs, split or not, at head_dim 128 and GQA 4
+    (a key-only layer once); with ``full`` also head_dim 64 and 256 and GQA 1 and 8."""
+    dims = (64, 128, 256) if full else (128,)
+    groups = (1, 4, 8) if full else (4,)
+    for bits, tail, d, g, qlen, split in itertools.product((4, 2), (1, 2), dims, groups, (1, 16), (False, True)):
+        yield bits, tail, d, g, qlen, split, True
+    yield 4, 1, 128, 4, 1, False, False
+
+
 def compile_all(arch: int = 90, *, full: bool = False) -> list[Build]:
-    """Compile the attention kernel for :func:`configurations`, the write kernel for each 8-bit code and scale
-    source, and the split merge, for ``sm_{arch}``.
+    """Compile the attention kernel for :func:`configurations`, the int4/int2 kernel for
+    :func:`sealed_configurations`, the write kernel for each 8-bit code and scale source, and the split merge,
+    for ``sm_{arch}``.
 
     Raises:
         triton.CompilationError (or another error of Triton's pipeline): a configuration does not compile.
@@ -78,6 +100,14 @@ def compile_all(arch: int = 90, *, full: bool = False) -> list[Build]:
             ENC=enc, SCALE=scale, HAS_WINDOW=knobs, HAS_CAP=knobs, SPLIT=knobs)
         args = {**_ATTN_ARGS, "k_ptr": _KV_PTR[enc], "v_ptr": _KV_PTR[enc]}
         builds.append(_compile(paged_attention._paged_attention_kernel, args, consts, num_warps(block_m, d), arch))
+    for bits, tail, d, g, qlen, split, has_value in sealed_configurations(full):
+        block_q, block_m = tile_shape(g, qlen, d)
+        gs = value_group_size(d)
+        consts = dict(GROUP=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(d),
+                      BITS=bits, PACKED=-(-d * bits // 8), GROUPS=d // gs, GROUP_SIZE=gs, TAIL_ENC=tail,
+                      HAS_VALUE=has_value, SPLIT=split)
+        args = {**_SEALED_ARGS, "tk_ptr": _KV_PTR[tail], "tv_ptr": _KV_PTR[tail]}
+        builds.append(_compile(sealed_attention._sealed_attention_kernel, args, consts, num_warps(block_m, d), arch))
     for enc, scale in ((3, 1), (4, 1), (3, 2), (4, 2)):
         builds.append(_compile(write._write_rows_kernel, _WRITE_ARGS,
                                dict(ENC=enc, SCALE=scale, BLOCK_R=write.ROWS_PER_PROGRAM, BLOCK_D=128), 4, arch))
