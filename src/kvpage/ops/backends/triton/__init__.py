@@ -4,9 +4,10 @@ Serves the token-wise formats -- ``float32``/``bfloat16``/``float16``, ``int8``,
 ``fp8_per_token_head``, ``int8_rotated``, ``int8_static``, ``fp8_static`` -- with one attention launch per
 layer for the whole batch (:mod:`.paged_attention`: decode rows and prefill-chunk runs, GQA, sliding window,
 soft-cap, split-K with a log-sum-exp merge) and one write launch per tensor for the quantized formats
-(:mod:`.write`). Tested on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) and compiled for sm_90
-without a GPU (:mod:`.aot`); not yet run on a GPU.
-The block-wise ``int4``/``int2`` formats are refused (:meth:`TritonBackend.unsupported`).
+(:mod:`.write`); and the block-wise ``int4``/``int2`` with one attention launch per layer over sealed blocks, tail
+rows and first-block copies (:mod:`.sealed_attention`; their write and seal are still the reference's Python code).
+Tested on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) and compiled for sm_90 without a GPU
+(:mod:`.aot`); not yet run on a GPU.
 
 ``triton`` is imported lazily, by :class:`TritonBackend`'s constructor, so ``import kvpage`` and
 :func:`~kvpage.ops.backends.select_backend` work without it.
@@ -97,7 +98,7 @@ def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
 
 
 class TritonBackend(AttentionBackend):
-    """Triton kernels for the token-wise formats (see the module docstring).
+    """Triton kernels for the token-wise formats and ``int4``/``int2`` (see the module docstring).
 
     Args:
         target_programs: programs one attention launch should have before long contexts are split over more
