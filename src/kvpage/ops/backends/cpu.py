@@ -41,6 +41,7 @@ from kvpage.formats.codes import E4M3_QMAX, INT8_QMAX
 from kvpage.formats.per_token import PerTokenFormat
 from kvpage.ops.attention import AttentionMetadata, check_inputs, token_format, window_context, write_kv
 from kvpage.ops.backends.base import AttentionBackend
+from kvpage.ops.backends.sealed_sources import sealed_sources
 from kvpage.ops.causal import request_attention
 from kvpage.ops.cpu.build import load_kernels
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
@@ -271,49 +272,13 @@ class CpuBackend(AttentionBackend):
         return rows
 
     def _sealed_sources(self, ctx: SealContext, meta: AttentionMetadata) -> _SealedSources:
+        """The step's source tables (:func:`~kvpage.ops.backends.sealed_sources.sealed_sources`, shared with the
+        ``triton`` backend), built once per step and shared by the group's layers."""
         if self._sources is not None and self._sources[0] is ctx:
             return self._sources[1]
-        bs = meta.block_size
-        width = max((-(-s // bs) for s in meta.seq_lens), default=0)
-        kinds: list[list[int]] = []
-        index: list[list[int]] = []
-        sdpa: set[int] = set()
-        qsl = meta.query_start_loc
-        for i, read in enumerate(ctx.plan.reads):
-            # the order of read_sealed: pool blocks, then window copies, then the sink copy of block 0
-            ids = read.full_ids.tolist()
-            kind = [0] * len(ids)
-            for j, slot in read.fp_blocks:
-                kind[j], ids[j] = 1, slot
-            if read.sink_slot is not None:
-                kind[0], ids[0] = 2, read.sink_slot
-            s, n = meta.seq_lens[i], qsl[i + 1] - qsl[i]
-            if n and (s - n) // bs != (s - 1) // bs:
-                # Queries in several blocks read different windows (their own, as decoding does) and their own
-                # blocks at full precision (sealed_request_attention): the kernel reads one source per block for
-                # all of a request's queries, so such a request attends through SDPA.
-                sdpa.add(i)
-            elif read.sealed_now:
-                # A query reads its own block at full precision. The kernel serves the request when they all
-                # lie in the one block sealed now and its slot still holds the rows (decode).
-                j, _, own_slot = read.sealed_now[0]
-                if len(read.sealed_now) > 1 or own_slot is None or (s - n) // bs != j:
-                    sdpa.add(i)
-                else:
-                    kind[j], ids[j] = 1, own_slot
-            if read.open_slot is not None:
-                kind.append(1)
-                ids.append(read.open_slot)
-            pad = width - len(ids)
-            kinds.append(kind + [0] * pad)
-            index.append(ids + [0] * pad)
-        rows = self._step_rows(meta)
-        kernel_rows = rows.kernel_rows
-        if sdpa:
-            kernel_rows = torch.tensor([i for i in kernel_rows.tolist() if i not in sdpa], dtype=torch.long)
-        src = _SealedSources(torch.tensor(kinds, dtype=torch.uint8).reshape(len(kinds), width),
-                             torch.tensor(index, dtype=torch.long).reshape(len(index), width),
-                             kernel_rows, tuple(sorted(sdpa.union(rows.sdpa_rows))))
+        tables = sealed_sources(ctx, meta, KERNEL_MAX_QUERY)
+        src = _SealedSources(tables.kind, tables.index, torch.tensor(tables.kernel_rows, dtype=torch.long),
+                             tables.sdpa_rows)
         self._sources = (ctx, src)
         return src
 

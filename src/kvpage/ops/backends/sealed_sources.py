@@ -3,7 +3,7 @@
 For each request and logical block of its context: where its rows live after this step's writes (a sealed pool
 block, a 16-bit tail slot, an 8-bit first-block copy) and at which index; and which requests a fused kernel can
 serve (one source per block for all of a request's queries) and which must attend through the reference path.
-Torch only; the rule is the ``cpu`` backend's (:meth:`kvpage.ops.backends.cpu.CpuBackend._sealed_sources`).
+Torch only; shared by the ``cpu`` and ``triton`` backends, so both kernels serve exactly the same requests.
 """
 from __future__ import annotations
 

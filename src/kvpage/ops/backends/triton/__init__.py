@@ -286,7 +286,8 @@ class TritonBackend(AttentionBackend):
         plan = self._sealed_step(ctx, meta, group, spec.head_dim, q.device)
         kernel_rows = plan.kernel_rows if params.is_plain else ()
         sdpa_rows = plan.sdpa_rows if params.is_plain else tuple(range(meta.num_requests))
-        if kernel_rows:  # first: a split launch's merge writes every row of out, the SDPA rows below overwrite theirs
+        if kernel_rows and plan.items.shape[0]:
+            # first: a split launch's merge writes every row of out; the SDPA rows below overwrite theirs
             vn = VALUE if spec.has_value else KEY
             key = tuple(cache[n] for n in fmt.names(KEY))
             value = tuple(cache[n] for n in fmt.names(VALUE)) if spec.has_value else None
