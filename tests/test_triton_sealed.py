@@ -171,6 +171,17 @@ def test_decode_rows_of_every_length_class(fmt: str, heads: int, kv_heads: int, 
     assert served == tuple(range(len(lens)))
 
 
+@pytest.mark.parametrize("fmt,block_size", [("int2", 12), ("int4", 32)])
+def test_block_sizes_other_than_the_key_tile_and_head_dim_96(fmt: str, block_size: int) -> None:
+    """Blocks not dividing and larger than the kernel's 16-position key tile, head_dim 96 (a masked tile, value
+    groups of 48 channels), with window copies and the sink copy."""
+    bs = block_size
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 2, 2 * bs + 5]
+    served = run_batch(fmt, lens=lens, query_lens=[1, 1, 1, 1, 1, 3], heads=4, kv_heads=2, head_dim=96,
+                       block_size=bs, seed=bs, window_blocks=1)
+    assert served == tuple(range(len(lens)))
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int2"])
 def test_window_copies_and_the_sink_copy_of_block_0(fmt: str) -> None:
     """16-bit window copies of the blocks before a query's own (int2's residual window) and the int8 copy of
