@@ -266,7 +266,8 @@ class TritonBackend(AttentionBackend):
         :data:`KERNEL_MAX_QUERY` new tokens in one block -- of plain layers, reading pool blocks, tail rows and
         first-block copies through the step's source tables, in float32. The other requests (long runs, runs
         across a block end, a windowed or soft-capped layer's) attend through the reference path
-        (:func:`~kvpage.ops.sealed_attention.sealed_request`) in float32, as the ``cpu`` backend's SDPA rows do.
+        (:func:`~kvpage.ops.sealed_attention.sealed_request`), the ``cpu`` backend's SDPA rows -- here always in
+        float32 and without its CPU-only block-split attention.
         Returns ``[T, H, D]`` in ``q.dtype``.
 
         Raises:
