@@ -49,8 +49,9 @@ inline float bf16_bits_to_float(uint16_t b) {
 }
 
 inline float e4m3_to_float(uint8_t c) {
-  // float8_e4m3fn: bias 7, no inf; 0x7f / 0xff are NaN. Exact, in integer ops that vectorize (a float16
-  // route and a lookup table both measured slower here).
+  // float8_e4m3fn: bias 7, no inf; 0x7f / 0xff are NaN. Exact, in integer ops. decode_row's vector loops
+  // take the float16 route instead (bit placement + the hardware conversion, measured 1.4x faster per layer
+  // step); this scalar form serves their remainders and CPUs without F16C.
   // magnitude = m * 2^-9 (subnormal) or (8 + m) * 2^(e - 1) * 2^-9
   const int32_t e = (c >> 3) & 15, m = c & 7;
   const int32_t mag = e ? ((8 + m) << (e - 1)) : m;
