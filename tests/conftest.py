@@ -10,6 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+# Triton's interpreter for the whole session on a CPU run: transformers imports triton when it is installed, and a
+# triton first imported without TRITON_INTERPRET=1 leaves kvpage's @triton.jit helpers compiled while the kernels
+# that call them run interpreted ("Cannot call @triton.jit'd outside of the scope of a kernel" in every Triton
+# test once any transformers test file was collected first). KVPAGE_TRITON_TEST_DEVICE=cuda runs them compiled.
+if os.environ.get("KVPAGE_TRITON_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Never reach for the Hugging Face hub: a missing local path would otherwise hang ~40 s.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
