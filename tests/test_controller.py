@@ -430,9 +430,10 @@ def test_budget_for_unknown_group_is_a_clear_error():
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_per_token_head", "int8_rotated", "int4", "int2"])
 def test_quantized_main_and_draft_layers_never_take_the_model_dtype_on_meta(fmt: str, model_dtype: torch.dtype) -> None:
-    """Case C01 on the ``meta`` device (what issue 31 asks to assert before CUDA): a quantized cache with MTP/draft layers, in a 16-bit
-    model, allocates every main and draft tensor in the dtype and shape its spec says (1-byte codes, the format's
-    scales), never in the model dtype, and a block costs exactly the spec's bytes."""
+    """Case C01 on the ``meta`` device (what issue 31 asks to assert before CUDA): a quantized cache with
+    MTP/draft layers, in a 16-bit model, allocates every main and draft tensor in the dtype and shape its spec
+    says (1-byte codes, the format's scales), never in the model dtype, and a block costs exactly the spec's
+    bytes."""
     spec = CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=64, block_size=32, kv_cache_dtype=fmt,
                            num_draft_layers=2, model_dtype=model_dtype)
     caches = CacheController(spec, device="meta").allocate_device(5)
