@@ -35,8 +35,8 @@ from kvpage.ops.backends import BACKEND_NAMES, CpuBackend, ReferenceBackend, sel
 from kvpage.ops.backends import cpu as cpu_module
 from kvpage.ops.cpu import build as cpu_build
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
-from kvpage.scales import StaticScales
 from kvpage.spec import CacheSpec, TailLayout
+from _attention_oracle import float64_attention, static_scales
 
 TOKEN_FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
                  "int8_static", "fp8_static"]
@@ -54,37 +54,12 @@ def test_the_kernels_build_here() -> None:
     assert cpu_module.cpu_backend() is not None, "kvpage's CPU kernels did not build (see the RuntimeWarning)"
 
 
-def _static_scales(fmt: str, kv_heads: int, head_dim: int) -> StaticScales | None:
-    """Calibrated-looking absolute maxima (unit-normal data stays below 4.5 but for rare samples)."""
-    if not fmt.endswith("_static"):
-        return None
-    absmax = 4.5 + torch.rand(kv_heads, head_dim, generator=torch.Generator().manual_seed(9))
-    return StaticScales({0: absmax}, {0: absmax}, kind="absmax")
-
-
-def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
-                      params: LayerAttention = PLAIN) -> torch.Tensor:
-    """Dense causal attention in float64: query ``j`` (position ``first + j``) sees keys ``0 .. first + j``
-    (those after ``first + j - sliding_window`` only), scores scaled then soft-capped as ``params`` say."""
-    n, h, d = q.shape
-    rep = h // k.shape[1]
-    kx, vx = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    sc = torch.einsum("nhd,shd->hns", q.double(), kx) * (d**-0.5 if params.scale is None else params.scale)
-    if params.logit_softcap is not None:
-        sc = params.logit_softcap * torch.tanh(sc / params.logit_softcap)
-    pos = first + torch.arange(n)
-    mask = torch.arange(k.shape[0])[None, :] <= pos[:, None]
-    if params.sliding_window is not None:
-        mask &= torch.arange(k.shape[0])[None, :] > (pos - params.sliding_window)[:, None]
-    return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
-
-
 class Pair:
     """The same layer, cache and tail state twice: once for the reference backend, once for the cpu one."""
 
     def __init__(self, fmt: str, *, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  window_blocks: int = 1) -> None:
-        scales = _static_scales(fmt, kv_heads, head_dim)
+        scales = static_scales(fmt, kv_heads, head_dim)
         self.spec = CacheSpec.build(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                                     kv_cache_dtype=fmt, static_scales=scales)
         self.layer = self.spec.layer(0)

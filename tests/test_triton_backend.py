@@ -66,8 +66,8 @@ from kvpage.ops.attention import AttentionMetadata  # noqa: E402
 from kvpage.ops.backends import CpuBackend, ReferenceBackend, TritonBackend, select_backend  # noqa: E402
 from kvpage.ops.backends.triton.step import split_count, step_tiles  # noqa: E402
 from kvpage.ops.layer_attention import PLAIN, LayerAttention  # noqa: E402
-from kvpage.scales import StaticScales  # noqa: E402
 from kvpage.spec import CacheSpec  # noqa: E402
+from _attention_oracle import float64_attention, static_scales  # noqa: E402
 
 TOKEN_FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
                  "int8_static", "fp8_static"]
@@ -87,30 +87,6 @@ def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="about the CPU under the interpreter")
 
 
-def _static_scales(fmt: str, kv_heads: int, head_dim: int) -> StaticScales | None:
-    if not fmt.endswith("_static"):
-        return None
-    absmax = 4.5 + torch.rand(kv_heads, head_dim, generator=torch.Generator().manual_seed(9))
-    return StaticScales({0: absmax}, {0: absmax}, kind="absmax")
-
-
-def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
-                      params: LayerAttention = PLAIN) -> torch.Tensor:
-    """Dense causal attention in float64: query ``j`` (position ``first + j``) sees keys ``0 .. first + j`` (those
-    after ``first + j - sliding_window`` only), scores scaled then soft-capped as ``params`` say."""
-    n, h, d = q.shape
-    rep = h // k.shape[1]
-    kx, vx = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    sc = torch.einsum("nhd,shd->hns", q.double(), kx) * (d**-0.5 if params.scale is None else params.scale)
-    if params.logit_softcap is not None:
-        sc = params.logit_softcap * torch.tanh(sc / params.logit_softcap)
-    pos = first + torch.arange(n)
-    mask = torch.arange(k.shape[0])[None, :] <= pos[:, None]
-    if params.sliding_window is not None:
-        mask &= torch.arange(k.shape[0])[None, :] > (pos - params.sliding_window)[:, None]
-    return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
-
-
 def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
               block_size: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32, params: LayerAttention = PLAIN,
               has_value: bool = True, backend: TritonBackend | None = None) -> None:
@@ -120,7 +96,7 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
     bs = block_size
     nb = sum(math.ceil(s / bs) for s in lens) + 3
     spec = CacheSpec.build(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=bs,
-                           kv_cache_dtype=fmt, static_scales=_static_scales(fmt, kv_heads, head_dim),
+                           kv_cache_dtype=fmt, static_scales=static_scales(fmt, kv_heads, head_dim),
                            has_value=has_value)
     layer = spec.layer(0)
     caches = [CacheController(spec, DEVICE, fill_value=float("nan")).initialize_kv_cache(nb)[0] for _ in range(2)]
@@ -262,7 +238,7 @@ def test_c02_a_cache_of_another_dtype_is_refused_naming_layer_expected_and_actua
 def test_fused_write_is_byte_identical_to_the_format_quantize(fmt: str) -> None:
     """Extremes included: zeros (the scale floor), +-inf (saturation), huge and tiny magnitudes."""
     kv_heads, head_dim = 3, 64
-    scales = _static_scales(fmt, kv_heads, head_dim)
+    scales = static_scales(fmt, kv_heads, head_dim)
     spec = CacheSpec.build(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=8,
                            kv_cache_dtype=fmt, static_scales=scales)
     layer = spec.layer(0)

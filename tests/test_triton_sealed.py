@@ -49,6 +49,7 @@ from kvpage.ops.attention import AttentionMetadata  # noqa: E402
 from kvpage.ops.backends import ReferenceBackend, TritonBackend, select_backend  # noqa: E402
 from kvpage.ops.layer_attention import PLAIN, LayerAttention  # noqa: E402
 from kvpage.spec import CacheSpec, TailLayout  # noqa: E402
+from _attention_oracle import float64_attention  # noqa: E402
 
 #: Output error against float64 attention over the unquantized K/V (unit-normal q/k/v): tests/test_cpu_backend.py's.
 LOOSE = {"int4": 0.35, "int2": 1.2}
@@ -60,21 +61,6 @@ def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     if ON_CPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
-
-def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
-                      params: LayerAttention = PLAIN) -> torch.Tensor:
-    """Dense causal attention in float64: query ``j`` (position ``first + j``) sees keys ``0 .. first + j``."""
-    n, h, d = q.shape
-    rep = h // k.shape[1]
-    kx, vx = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    sc = torch.einsum("nhd,shd->hns", q.double(), kx) * (d**-0.5 if params.scale is None else params.scale)
-    if params.logit_softcap is not None:
-        sc = params.logit_softcap * torch.tanh(sc / params.logit_softcap)
-    pos = first + torch.arange(n)
-    mask = torch.arange(k.shape[0])[None, :] <= pos[:, None]
-    if params.sliding_window is not None:
-        mask &= torch.arange(k.shape[0])[None, :] > (pos - params.sliding_window)[:, None]
-    return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
 
 
 def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
