@@ -429,7 +429,7 @@ def test_budget_for_unknown_group_is_a_clear_error():
 
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_per_token_head", "int8_rotated", "int4", "int2"])
-def test_quantized_main_and_draft_layers_never_take_the_model_dtype_on_meta(fmt: str, model_dtype: torch.dtype) -> None:
+def test_c01_quantized_main_and_draft_layers_never_take_the_model_dtype_on_meta(fmt: str, model_dtype: torch.dtype) -> None:
     """Case C01 on the ``meta`` device (what issue 31 asks to assert before CUDA): a quantized cache with
     MTP/draft layers, in a 16-bit model, allocates every main and draft tensor in the dtype and shape its spec
     says (1-byte codes, the format's scales), never in the model dtype, and a block costs exactly the spec's
