@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kvpage.ops.backends.triton.codes import dequantize
 from kvpage.ops.backends.triton.step import num_warps
+from kvpage.ops.backends.triton.tile import online_softmax_step, query_tile, store_tile
 
 
 @triton.jit
@@ -46,25 +47,10 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, ENC: tl.constexpr, SCALE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    item = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(items_ptr + 2 * item)
-    q0 = tl.load(items_ptr + 2 * item + 1)          # the tile's first query, counted within the request
-    seq_len = tl.load(seq_lens_ptr + req)
-    qa = tl.load(qstart_ptr + req)
-    n = tl.load(qstart_ptr + req + 1) - qa          # the request's new tokens
-    # rows: query t of the tile x head g of the kv head's group
-    r = tl.arange(0, BLOCK_M)
-    t = r // GROUP
-    row_ok = (t < BLOCK_Q) & (q0 + t < n)
-    tok = (qa + q0 + t).to(tl.int64)
-    head = kvh * GROUP + r % GROUP
-    qpos = seq_len - n + q0 + t                     # each query's position in its context
-    d = tl.arange(0, BLOCK_D)
-    dm = d < head_dim
-    qrow = tok * num_heads + head                                                     # [BLOCK_M]
-    q = tl.load(q_ptr + qrow[:, None] * head_dim + d[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+    req, q0, seq_len, n, row_ok, qrow, qpos, d, dm, q = query_tile(
+        q_ptr, items_ptr, seq_lens_ptr, qstart_ptr, num_heads, head_dim, GROUP, BLOCK_Q, BLOCK_M, BLOCK_D)
     # keys the tile's queries read: [lo, hi)
     first = seq_len - n + q0
     hi = seq_len - n + tl.minimum(q0 + BLOCK_Q, n)
@@ -96,22 +82,8 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             ok = ok & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    omask = row_ok[:, None] & dm[None, :]
-    if SPLIT:
-        part = split.to(tl.int64) * num_tokens * num_heads + qrow
-        tl.store(out_ptr + part[:, None] * head_dim + d[None, :], o, mask=omask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(lse_ptr + part, lse, mask=row_ok)
-    else:
-        tl.store(out_ptr + qrow[:, None] * head_dim + d[None, :], o, mask=omask)
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc)
+    store_tile(out_ptr, lse_ptr, acc, m_i, l_i, qrow, row_ok, d, dm, num_tokens, num_heads, head_dim, SPLIT)
 
 
 @triton.jit
