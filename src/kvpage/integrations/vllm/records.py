@@ -78,9 +78,9 @@ class RecordSpecs:
 def record_specs(layout: VLLMLayout, storage: str) -> RecordSpecs:
     """The kvpage specs of ``layout``'s records in storage format ``storage`` (no side effects).
 
-    Each spec's fingerprint covers the model name (prefixed ``vllm:``), layer count, KV heads, head size, block
-    size and the format's name and version (for ``auto`` vLLM's dtype), so a deployment with any other of these
-    asks for other keys. ``int4`` stores blocks 1.. in kvpage's ``int4`` and a request's first block in ``int8``
+    Each spec's fingerprint covers the model name (as ``vllm:<model>|<vLLM dtype>``), layer count, KV heads, head
+    size, block size and the format's name and version, so a deployment with any other of these asks for other
+    keys. ``int4`` stores blocks 1.. in kvpage's ``int4`` and a request's first block in ``int8``
     under a spec of its own (model name marked :data:`FIRST_BLOCK_MARK`).
 
     Raises:
@@ -90,7 +90,8 @@ def record_specs(layout: VLLMLayout, storage: str) -> RecordSpecs:
         raise ValueError(f"storage format {storage!r} is not one of {list(STORAGE_FORMATS)}")
     common = dict(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_size,
                   model_dtype=layout.dtype, block_size=layout.block_size)
-    name = MODEL_PREFIX + layout.model
+    # the compute dtype too: a quantized record does not depend on it, but the KV it was coded from does
+    name = f"{MODEL_PREFIX}{layout.model}|{str(layout.dtype).removeprefix('torch.')}"
     blocks = CacheSpec.build(kv_cache_dtype=storage, model_name=name, **common)
     if storage != "int4":
         return RecordSpecs(blocks, blocks)
