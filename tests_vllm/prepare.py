@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 #: What kvpage's connector needs in vLLM's environment beyond what vLLM brings (torch, safetensors, numpy, cbor2):
-#: redis-py for a Redis store; pytest to run the tests.
-PEER_PACKAGES = ("redis>=5", "pytest>=8")
+#: redis-py for a Redis store; pytest (and pytest-timeout, which pyproject.toml's timeout setting names) for the tests.
+PEER_PACKAGES = ("redis>=5", "pytest>=8", "pytest-timeout>=2.3")
 TORCH_PIN = "torch==2.13.0+cpu"
 
 
