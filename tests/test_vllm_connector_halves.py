@@ -169,6 +169,26 @@ def test_async_saves_are_written_by_close(tmp_path):
     worker2.close()
 
 
+def test_a_preempted_request_resumes_from_the_store_into_its_new_blocks(tmp_path):
+    """Preempted after its first 40 tokens (blocks 0-1 saved), a request comes back with other block ids: vLLM asks
+    again, the store holds 2 blocks, they load into the new ids, and the blocks it computes next are read from the
+    new ids, not the freed ones."""
+    sched, worker, caches = _engine(tmp_path, caches=_caches(seed=6))
+    assert sched.get_num_new_matched_tokens("r", PROMPT, 0) == 0
+    sched.update_state_after_alloc("r", [0, 1, 2], 0)
+    step = sched.build_connector_meta([("r", [0, 1, 2], 0)], [], {"r": 40})
+    assert [t.block_ids for t in step.saves] == [(0, 1)]
+    worker.save(step.saves)
+    # preempted: vLLM frees blocks 0-2; on resume it asks again from 0 computed tokens
+    assert sched.get_num_new_matched_tokens("r", PROMPT, 0) == 2 * BS
+    new_ids = [9, 10, 11, 4, 5, 6]
+    sched.update_state_after_alloc("r", new_ids, 2 * BS)
+    step = sched.build_connector_meta([], [("r", new_ids, True, 2 * BS)], {"r": len(PROMPT) - 2 * BS})
+    assert [(t.block_ids, t.first_index) for t in step.loads] == [((9, 10), 0)]
+    assert [(t.block_ids, t.first_index) for t in step.saves] == [((11, 4, 5), 2)]
+    worker.close()
+
+
 # -- vLLM stays optional -----------------------------------------------------------------------------
 
 def _run(code: str) -> subprocess.CompletedProcess:

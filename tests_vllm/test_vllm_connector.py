@@ -193,3 +193,26 @@ def test_redis_store_cold_warm_and_killed(runs: Runs, redis_url):
     down = runs.get("redis_down", store=url, forced=False)
     assert down["num_cached_tokens"] == [0, 0]
     assert down["answers"] == cold["prime_answers"]                  # both computed the whole prompt
+
+
+# -- layouts the connector refuses -----------------------------------------------------------------
+
+def test_sliding_window_model_is_refused_with_a_message(workdir: Path, prompts):
+    """A sliding-window model (the same weights declared as Mistral with a 256-token window): vLLM gives its
+    layers a sliding-window KV spec, which this connector (not ``SupportsHMA``, full attention only) refuses at
+    start-up with a message naming what it found, rather than storing blocks a window may already have dropped."""
+    import json as _json
+
+    src = Path(model_path())
+    folder = workdir / "swa_model"
+    folder.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f)
+    cfg = _json.loads((src / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
+    (folder / "config.json").write_text(_json.dumps(cfg))
+    with pytest.raises(RuntimeError) as e:
+        run_engine(workdir, "swa", model=str(folder), prompts=[prompts[0]],
+                   connector={"kv_store": str(workdir / "swa_store"), "kv_cache_dtype": "auto"})
+    assert "KVPageConnector" in str(e.value) and ("full-attention" in str(e.value) or "SupportsHMA" in str(e.value))
