@@ -3,7 +3,8 @@
 Workload: ``--docs`` documents of ``--doc-tokens`` tokens (deterministic text, ``_text.py``), each asked
 ``--questions`` short questions (prompt = document + question). Rows: vLLM with no connector, with its
 ``ExampleConnector`` (disk, bf16 safetensors per layer and prompt) and with ``KVPageConnector`` storing ``auto``,
-``int8`` and ``int4`` records on disk. Each connector row first runs a *warm* engine (every prompt once, one
+``int8`` and ``int4`` records on disk (``--rows ...,kvpage-int4-first4``: ``int4`` with the first block in 4
+bits too). Each connector row first runs a *warm* engine (every prompt once, one
 token: the store fills), then a fresh *measure* engine with vLLM's own prefix cache off, so every hit is a store
 hit: TTFT of each document's first question alone (median, min-max), then every prompt in one batch
 (``--max-tokens`` greedy tokens each; tokens/s = generated tokens / wall seconds, prefill included). Also: bytes
@@ -44,7 +45,11 @@ def connector(row: str, store: Path) -> dict[str, Any] | None:
         return None
     if row == "example":
         return {"name": "ExampleConnector", "extra": {"shared_storage_path": str(store)}}
-    return {"name": "KVPageConnector", "extra": {"kv_store": str(store), "kv_cache_dtype": row.split("-")[1]}}
+    parts = row.split("-")                                        # kvpage-<format>[-first4]
+    extra = {"kv_store": str(store), "kv_cache_dtype": parts[1]}
+    if parts[2:] == ["first4"]:
+        extra["int4_first_block"] = "int4"
+    return {"name": "KVPageConnector", "extra": extra}
 
 
 def run_worker(python: str, spec: dict[str, Any], work: Path, name: str, threads: int) -> dict[str, Any]:

@@ -202,3 +202,22 @@ def test_extra_config_is_checked():
         ConnectorConfig.from_extra_config({"kv_store": "/tmp/x", "kv_cache_dtype": "int2"})
     with pytest.raises(ValueError, match="kv_stor"):
         ConnectorConfig.from_extra_config({"kv_store": "/tmp/x", "kv_stor": "typo"})
+    assert ConnectorConfig.from_extra_config({"kv_store": "/tmp/x", "int4_first_block": "int4"}).int4_first_block == "int4"
+    with pytest.raises(ValueError, match="int4_first_block"):
+        ConnectorConfig.from_extra_config({"kv_store": "/tmp/x", "int4_first_block": "int2"})
+
+
+def test_int4_first_block_option_stores_every_block_at_4_bits():
+    """``int4_first_block="int4"``: one spec for every block (about 0.26x of bf16), the first-block spec of the
+    default never used; the default's first-block records live under another fingerprint, so neither setting
+    reads the other's first blocks."""
+    plain = record_specs(LAYOUT, "int4", "int4")
+    default = record_specs(LAYOUT, "int4")
+    assert plain.first_block is plain.blocks and plain.blocks == default.blocks
+    assert default.first_block.fingerprint != plain.for_block(0).fingerprint
+    auto = record_specs(LAYOUT, "auto").blocks.bytes_per_block
+    # per token and head: 32 B of 4-bit keys + a key step and zero per channel per block, 32 B of values + one
+    # value step and zero, against 256 B of bf16 K and V
+    assert plain.blocks.bytes_per_block / auto == pytest.approx((32 + 2 * 64 / LAYOUT.block_size + 32 + 2) / 256)
+    with pytest.raises(ValueError, match="int4_first_block"):
+        record_specs(LAYOUT, "int4", "fp8")

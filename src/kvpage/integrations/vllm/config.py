@@ -17,7 +17,7 @@ STORAGE_FORMATS: tuple[str, ...] = ("auto", "int8", "fp8", "int4")
 #: Keys the connector reads from ``kv_connector_extra_config``; any other key is refused (a typo would otherwise
 #: silently fall back to a default).
 EXTRA_CONFIG_KEYS: tuple[str, ...] = (
-    "kv_store", "kv_cache_dtype", "kv_store_options", "save_async", "model_name",
+    "kv_store", "kv_cache_dtype", "kv_store_options", "save_async", "model_name", "int4_first_block",
 )
 
 
@@ -36,6 +36,9 @@ class ConnectorConfig:
             blocks are never held); ``False`` writes them before ``wait_for_save`` returns.
         model_name: the model's name in the layout fingerprint; default vLLM's ``model`` argument. Two deployments
             of the same weights under different paths set the same name to share records.
+        int4_first_block: with ``kv_cache_dtype`` ``int4``, the format of a request's first block: ``int8`` (kvpage's
+            int4 semantics: an 8-bit copy for attention sinks; about 0.30x of ``auto`` on 1,000-token prompts) or
+            ``int4`` (every block 4-bit: about 0.27x, a larger error on the tokens every later one attends to).
     """
 
     kv_store: str
@@ -43,6 +46,7 @@ class ConnectorConfig:
     kv_store_options: tuple[tuple[str, Any], ...] = ()
     save_async: bool = True
     model_name: str | None = None
+    int4_first_block: str = "int8"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -50,8 +54,8 @@ class ConnectorConfig:
 
         Raises:
             ValueError: ``kv_store`` missing or empty, an unknown key, a ``kv_cache_dtype`` outside
-                :data:`STORAGE_FORMATS`, ``kv_store_options`` not a dict, ``save_async`` not a bool; the message says
-                what is accepted.
+                :data:`STORAGE_FORMATS`, ``kv_store_options`` not a dict, ``save_async`` not a bool,
+                ``int4_first_block`` not ``int8``/``int4``; the message says what is accepted.
         """
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
@@ -75,4 +79,7 @@ class ConnectorConfig:
         name = extra.get("model_name")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"KVPageConnector: model_name must be a non-empty string, got {name!r}")
-        return cls(store.strip(), dtype, tuple(sorted(opts.items())), save_async, name)
+        first = str(extra.get("int4_first_block", "int8")).strip().lower()
+        if first not in ("int8", "int4"):
+            raise ValueError(f"KVPageConnector: int4_first_block must be 'int8' or 'int4', got {first!r}")
+        return cls(store.strip(), dtype, tuple(sorted(opts.items())), save_async, name, first)

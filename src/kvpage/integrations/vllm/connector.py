@@ -79,7 +79,9 @@ def vllm_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_n
             f"layers) need a connector that supports vLLM's hybrid allocator (SupportsHMA), which this one does not")
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) is not None:
-        raise UnsupportedCacheLayoutError(f"KVPageConnector stores full-attention caches only, got {spec}")
+        raise UnsupportedCacheLayoutError(
+            f"KVPageConnector stores full-attention caches only (it does not support vLLM's hybrid allocator, "
+            f"SupportsHMA, nor windows that drop blocks); this model's layers have {spec}")
     if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise UnsupportedCacheLayoutError(f"keys of {spec.head_size} and values of {spec.head_size_v} channels: "
                                           f"KVPageConnector needs them equal")
@@ -127,7 +129,7 @@ class KVPageConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.layout, self.layer_names = vllm_layout(vllm_config, kv_cache_config, self.config.model_name)
-        self.specs = record_specs(self.layout, self.config.kv_cache_dtype)
+        self.specs = record_specs(self.layout, self.config.kv_cache_dtype, self.config.int4_first_block)
         self.stores = RecordStores(self.config.kv_store, self.specs, **dict(self.config.kv_store_options))
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None

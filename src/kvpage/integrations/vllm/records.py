@@ -75,17 +75,20 @@ class RecordSpecs:
         return self.first_block if index == 0 else self.blocks
 
 
-def record_specs(layout: VLLMLayout, storage: str) -> RecordSpecs:
+def record_specs(layout: VLLMLayout, storage: str, int4_first_block: str = "int8") -> RecordSpecs:
     """The kvpage specs of ``layout``'s records in storage format ``storage`` (no side effects).
 
     Each spec's fingerprint covers the model name (as ``vllm:<model>|<vLLM dtype>``), layer count, KV heads, head
     size, block size and the format's name and version, so a deployment with any other of these asks for other
     keys. ``int4`` stores blocks 1.. in kvpage's ``int4`` and a request's first block in ``int8``
-    under a spec of its own (model name marked :data:`FIRST_BLOCK_MARK`).
+    under a spec of its own (model name marked :data:`FIRST_BLOCK_MARK`), unless ``int4_first_block`` is ``"int4"``.
 
     Raises:
-        ValueError: ``storage`` is not one of :data:`~kvpage.integrations.vllm.config.STORAGE_FORMATS`.
+        ValueError: ``storage`` is not one of :data:`~kvpage.integrations.vllm.config.STORAGE_FORMATS`, or
+            ``int4_first_block`` is neither ``"int8"`` nor ``"int4"``.
     """
+    if int4_first_block not in ("int8", "int4"):
+        raise ValueError(f"int4_first_block must be 'int8' or 'int4', got {int4_first_block!r}")
     if storage not in STORAGE_FORMATS:
         raise ValueError(f"storage format {storage!r} is not one of {list(STORAGE_FORMATS)}")
     common = dict(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_size,
@@ -93,7 +96,7 @@ def record_specs(layout: VLLMLayout, storage: str) -> RecordSpecs:
     # the compute dtype too: a quantized record does not depend on it, but the KV it was coded from does
     name = f"{MODEL_PREFIX}{layout.model}|{str(layout.dtype).removeprefix('torch.')}"
     blocks = CacheSpec.build(kv_cache_dtype=storage, model_name=name, **common)
-    if storage != "int4":
+    if storage != "int4" or int4_first_block == "int4":
         return RecordSpecs(blocks, blocks)
     first = CacheSpec.build(kv_cache_dtype="int8", model_name=name + FIRST_BLOCK_MARK, **common)
     return RecordSpecs(blocks, first)
