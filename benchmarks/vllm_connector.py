@@ -87,7 +87,7 @@ def main() -> None:
     from vs_vllm import build_peer, export_hf_folder, VLLM_RECIPE
     from _text import token_prompt
 
-    work = Path(args.work_dir)
+    work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     if not build_peer("vllm", args.vllm_python, VLLM_RECIPE, work):
         sys.exit("no vLLM environment")
