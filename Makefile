@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test install clean
+.PHONY: demo test test-vllm install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,18 @@ TEST_WORKERS ?= auto
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# kvpage inside vLLM (issue 33): the KV connector against the real vLLM CPU build, in vLLM's own environment
+# (VLLM_PYTHON; built by benchmarks/vs_vllm.py's VLLM_RECIPE when missing, tens of minutes once), where this
+# checkout is installed with `pip install --no-deps -e .` plus redis and pytest (torch stays 2.13.0+cpu). The
+# bundled model is exported there as a bf16 Hugging Face folder (nothing downloaded). Each vLLM engine is a fresh
+# process: ~10 engines, several minutes. Not part of `make test`.
+VLLM_PYTHON   ?= /work/peers/vllm/bin/python
+VLLM_TEST_DIR ?= .vllm-test
+
+test-vllm: $(STAMP)
+	$(PY) tests_vllm/prepare.py $(VLLM_PYTHON) $(VLLM_TEST_DIR)
+	env $$(cat $(VLLM_TEST_DIR)/env) $(VLLM_PYTHON) -m pytest -q -p no:cacheprovider tests_vllm
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

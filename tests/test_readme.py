@@ -30,8 +30,8 @@ from kvpage.formats import available_formats, format_aliases
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
-#: pip's flags, not kvpage's.
-NOT_KVPAGE = {"--no-deps"}
+#: pip's and vLLM's flags, not kvpage's (the vLLM connector's section quotes vLLM's command line).
+NOT_KVPAGE = {"--no-deps", "--kv-transfer-config"}
 
 
 def _section(text: str, title: str) -> str:
