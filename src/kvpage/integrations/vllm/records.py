@@ -74,6 +74,15 @@ class RecordSpecs:
         """The spec of block ``index`` of a request (0: its first block)."""
         return self.first_block if index == 0 else self.blocks
 
+    def runs(self, first_index: int, n: int) -> list[tuple[int, int]]:
+        """``n`` consecutive blocks of a request, from its block ``first_index``, cut into ``(start, stop)`` runs
+        (offsets into those ``n``) that each share one spec: a first block with a spec of its own is a run alone."""
+        if n == 0:
+            return []
+        if first_index == 0 and n > 1 and self.first_block is not self.blocks:
+            return [(0, 1), (1, n)]
+        return [(0, n)]
+
 
 def record_specs(layout: VLLMLayout, storage: str, int4_first_block: str = "int8") -> RecordSpecs:
     """The kvpage specs of ``layout``'s records in storage format ``storage`` (no side effects).

@@ -35,11 +35,7 @@ class RecordStores:
 
     def _split(self, first_index: int, n: int) -> list[tuple[KVStore, slice]]:
         """``(store, slice of the n blocks)`` runs: block ``first_index + i`` belongs to ``store_for(first_index + i)``."""
-        if n == 0:
-            return []
-        if first_index == 0 and self.first is not self.blocks:
-            return [(self.first, slice(0, 1)), (self.blocks, slice(1, n))]
-        return [(self.blocks, slice(0, n))]
+        return [(self.store_for(first_index + a), slice(a, b)) for a, b in self.specs.runs(first_index, n)]
 
     def store_for(self, index: int) -> KVStore:
         """The store of a request's block ``index``."""

@@ -93,9 +93,8 @@ class ConnectorWorker:
     def _write(self, t: BlockTransfer, blocks: Sequence[dict]) -> None:
         """Decode ``blocks`` (the first ``len(blocks)`` of ``t``) and scatter them into every layer."""
         assert self.view is not None, "register() first"
-        runs = [(0, 1), (1, len(blocks))] if t.first_index == 0 and len(blocks) > 1 else [(0, len(blocks))]
         decoded: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = []
-        for a, b in runs:   # decode everything before writing anything
+        for a, b in self.specs.runs(t.first_index, len(blocks)):   # decode everything before writing anything
             keys, values = self._codec(t.first_index + a).decode(blocks[a:b])
             decoded.append((list(t.block_ids[a:b]), keys, values))
         for ids, keys, values in decoded:
@@ -116,8 +115,7 @@ class ConnectorWorker:
         assert self.view is not None, "register() first"
         jobs = []
         for t in saves:
-            runs = [(0, 1), (1, len(t.block_ids))] if t.first_index == 0 and len(t.block_ids) > 1 else [(0, len(t.block_ids))]
-            for a, b in runs:
+            for a, b in self.specs.runs(t.first_index, len(t.block_ids)):
                 ids = list(t.block_ids[a:b])
                 gathered = [self.view.gather(c, ids) for c in self.caches]         # per layer ([n,bs,h,d], [n,bs,h,d])
                 jobs.append((t.first_index + a, t.block_hashes[a:b], [k for k, _ in gathered], [v for _, v in gathered]))
