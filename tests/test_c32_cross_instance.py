@@ -182,20 +182,26 @@ def test_c32_producer_writes_before_answering_and_consumer_decodes_from_the_stor
 
 
 @pytest.mark.slow
-def test_c32_int4_first_block_copy_does_not_travel_the_consumer_recomputes(smollm2, redis_server) -> None:
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_c32_sealed_formats_consumer_computes_the_first_block_and_loads_the_rest(smollm2, redis_server,
+                                                                                 fmt: str) -> None:
+    """int4/int2: the sealed blocks travel, the first block's 8-bit copy does not (it stays beside the device
+    pool). The consumer computes block 0 (making its copy as it seals), matches again and loads blocks 1.. from
+    the store; its greedy output equals a single instance's."""
     url = redis_server.url
-    single = _llm(smollm2, "int4", enable_prefix_caching=False)
+    single = _llm(smollm2, fmt, enable_prefix_caching=False)
     ids = single.encode(PROMPT)[1]
     ref = single.generate([{"prompt_token_ids": ids}], GREEDY)[0].outputs[0].token_ids
-    producer = _llm(smollm2, "int4", kv_transfer_config=_transfer("kv_producer", url))
+    producer = _llm(smollm2, fmt, kv_transfer_config=_transfer("kv_producer", url))
     producer.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0))
-    n = (len(ids) - 1) // producer.spec.block_size
-    assert n >= 2 and _redis(producer).stats.puts == n  # the sealed blocks travel, their 8-bit first copy does not
-    consumer = _llm(smollm2, "int4", kv_transfer_config=_transfer("kv_consumer", url))
+    bs = producer.spec.block_size
+    n = (len(ids) - 1) // bs
+    assert n >= 2 and _redis(producer).stats.puts == n
+    consumer = _llm(smollm2, fmt, kv_transfer_config=_transfer("kv_consumer", url))
     out = consumer.generate([{"prompt_token_ids": ids}], GREEDY)[0]
-    # a first block read at 4 bits without its 8-bit copy would answer differently: the prompt is recomputed
-    assert out.metrics.cached_tokens == 0 and consumer.engine.stats().kv.tier_hits["redis"] == 0
+    assert out.metrics.cached_tokens == (n - 1) * bs and consumer.engine.stats().kv.tier_hits["redis"] == n - 1
     assert out.outputs[0].token_ids == ref
+    assert consumer.engine.scheduler.num_preemptions == 0  # matching again is no preemption
     for llm in (producer, consumer):
         llm.close()
 

@@ -514,7 +514,8 @@ def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -
 def test_int4_prefix_from_a_tier_never_reads_the_first_block_without_its_8bit_copy(smollm2, tmp_path) -> None:
     """Regression (new-user run): after a restart, an int4 prefix found in the disk store was read with its
     first block at 4 bits (its 8-bit copy lives beside the pool and does not travel) and the greedy answer
-    changed. The KV cache now matches tiers only behind a device-resident first block with its copy."""
+    changed. The KV cache now matches tiers only behind a device-resident first block with its copy: the
+    second engine computes block 0 (making its copy), then loads blocks 1-2 from the disk store."""
     from kvpage.engine.llm import LLM
     from kvpage.engine.sampling import SamplingParams
 
@@ -526,7 +527,7 @@ def test_int4_prefix_from_a_tier_never_reads_the_first_block_without_its_8bit_co
     second = LLM(smollm2, kv_cache_dtype="int4", progress=False, max_num_seqs=2, kv_disk_dir=str(tmp_path / "kv"))
     again = second.generate([prompt], params)[0]
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert second.kv_cache_stats().tier_hits.get("disk", 0) == 0
+    assert second.kv_cache_stats().tier_hits.get("disk", 0) == 2 and again.metrics.cached_tokens == 64
     # On the device, with the first block's copy held, the prefix is a hit as usual.
     hit = second.generate([prompt], params)[0]
     assert hit.metrics.cached_tokens == 96 and hit.outputs[0].token_ids == cold.outputs[0].token_ids
@@ -552,16 +553,24 @@ def test_sealed_group_uses_a_match_only_behind_a_first_block_with_its_copy() -> 
     blocks = m.allocate(a, 10, m.match(a))
     assert blocks is not None
     m.cache(a, 10)
+    tiers.asked.clear()
     b = KVRequest("b", list(range(14)))  # a's two cached blocks, then one more full block a tier could load
     match = m.match(b)
-    assert match.block_ids == () and match.loads == () and not tiers.asked  # no copy yet: no tier asked either
+    # no copy yet: no hit and no load; the tier is asked (as if block 0 were on the device) only whether it holds
+    # block 1, which makes it worth computing block 0 first and matching again (PrefixMatch.compute_first)
+    assert match.block_ids == () and match.loads == () and tiers.asked == [("b", 4)] and match.compute_first == 4
     # the pass that wrote a's blocks made the first block's copy
     m.commit(m.plan_pass([PassRequest("a", 0, 10, blocks.block_ids)]))
     match = m.match(b)
-    assert len(match.block_ids) == 2 and tiers.asked == [("b", 8)] and match.num_loaded_tokens == 4
+    assert len(match.block_ids) == 2 and tiers.asked[1:] == [("b", 8)] and match.num_loaded_tokens == 4
+    assert match.compute_first == 0
     group.on_blocks_dead([blocks.block_ids[0]])  # handed out anew: the copy is gone with the content
     match = m.match(b)
-    assert match.block_ids == () and match.loads == () and len(tiers.asked) == 1
+    assert match.block_ids == () and match.loads == () and match.compute_first == 4
+    tiers.max_blocks = 0  # a tier without block 1: nothing gained by computing block 0 first
+    assert m.match(b).compute_first == 0
+    short = KVRequest("s", list(range(8)))  # one full block before the last token: no block after the first
+    assert m.match(short).compute_first == 0 and tiers.asked[-1] == ("b", 4)
     c = KVRequest("c", list(range(100, 110)), num_prompt_tokens=5)
     m.allocate(c, 10)
     assert m.cache(c, 10) == 1  # one full prompt block; block 2 holds generated tokens

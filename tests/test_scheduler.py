@@ -168,3 +168,53 @@ def test_config_rejects_nonsense():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError):
         SchedulerConfig(max_num_batched_tokens=-1)
+
+
+def test_a_sealed_format_computes_its_first_block_alone_then_loads_the_rest():
+    """int4/int2 (tiers serve a prefix only behind a device-resident first block, whose 8-bit copy never leaves the
+    device): a request whose first block is on no device but whose next blocks a tier holds computes block 0
+    alone, goes back to the front of the queue without being preempted, and is matched again: block 0 is a
+    device hit and blocks 1-2 are loads. It is done once: if block 0 is gone by then, the prompt is computed."""
+    from _kv_kinds import OfferingConnector
+
+    from kvpage.cache.groups import manager_for
+    from kvpage.cache.step_plan import PassRequest
+    from kvpage.spec import CacheSizing, CacheSpec
+
+    def setup() -> tuple[KVCache, Scheduler, OfferingConnector, Request]:
+        spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int4")
+        tiers = OfferingConnector(4, max_blocks=8)
+        kv = KVCache(16, 4, groups=[manager_for(spec.main, CacheSizing(max_num_seqs=2, residual_tokens=0))],
+                     connector=tiers)
+        s = Scheduler(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+        r = make_request("r", 14)
+        s.add_request(r)
+        return kv, s, tiers, r
+
+    def step(kv: KVCache, s: Scheduler) -> list[tuple[int, int]]:
+        out = s.schedule()
+        kv.commit(kv.plan_pass([PassRequest(c.request.request_id, c.num_computed, c.num_new_tokens, c.block_ids)
+                                for c in out.scheduled]))  # the pass seals block 0 and makes its 8-bit copy
+        run_step(s, out)
+        return [(c.num_computed, c.num_new_tokens) for c in out.scheduled]
+
+    kv, s, tiers, r = setup()
+    assert step(kv, s) == [(0, 4)] and not tiers.issued    # block 0 alone, no load yet
+    assert step(kv, s) == [(12, 2)]                        # matched again: 4 device + 8 loaded tokens
+    assert tiers.issued == [("r", tiers.issued[0][1], 8)] and r.num_cached_tokens == 8
+    assert s.num_preemptions == 0 and r.num_preemptions == 0
+    check_accounting(kv)
+
+    kv, s, tiers, r = setup()
+    assert step(kv, s) == [(0, 4)]
+    free = kv.free
+
+    def free_and_evict(request: Request) -> bool:  # block 0 is evicted before the request is matched again
+        held = free(request)
+        assert kv.reset_prefix_cache()
+        return held
+
+    kv.free = free_and_evict  # type: ignore[method-assign]
+    assert step(kv, s) == [(0, 14)] and not tiers.issued  # computed whole: block 0 is not computed alone twice
+    assert r.num_cached_tokens == 0
+    check_accounting(kv)

@@ -63,10 +63,15 @@ class PrefixMatch:
     Attributes:
         device: the device hits.
         external: what the connector can load after them.
+        compute_first: tokens to compute before matching again, else 0. A group may let tiers serve a prefix only
+            behind device-resident first blocks (``int4``/``int2``: the first block's 8-bit copy never leaves the
+            device); when the tiers hold the blocks after those, computing the first ones (their copy is made as
+            they seal) and matching again turns the rest into loads instead of a whole recompute.
     """
 
     device: MatchResult = MatchResult()
     external: ExternalMatch = ExternalMatch()
+    compute_first: int = 0
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -293,10 +298,12 @@ class KVCache:
             usable = min(g.usable_prefix(out) for g in self.groups)
             device = MatchResult(tuple(out[:usable]), usable * self.block_size)
         c = self.connector
-        if c is None or not external or not all(g.allows_external_prefix(len(device.block_ids)) for g in self.groups):
+        if c is None or not external:
             return PrefixMatch(device)
         n = len(request.all_token_ids)
         d = len(device.block_ids)
+        if not all(g.allows_external_prefix(d) for g in self.groups):
+            return PrefixMatch(device, compute_first=self._compute_first(request, d, max_blocks))
         # hashed lookups (host tier, stores) only with prefix caching; a swapped-out request's own blocks always
         hashes: list[bytes] = []
         if self.enable_caching and max_blocks > d:
@@ -308,6 +315,19 @@ class KVCache:
             if usable < ext.num_tokens:
                 ext = ExternalMatch(ext.loads[: -(-usable // self.block_size)], usable)
         return PrefixMatch(device, ext)
+
+    def _compute_first(self, request: SupportsKVCache, num_device_blocks: int, max_blocks: int) -> int:
+        """Tokens to compute before tiers may serve the request's prefix (see :attr:`PrefixMatch.compute_first`):
+        the first block when the groups allow tiers behind one device block and a tier holds the next block
+        by hash (a swapped-out request's own blocks are not looked for: freeing it would drop them); else 0.
+        One lookup in the tiers, no other side effects."""
+        c = self.connector
+        if (c is None or num_device_blocks or not self.enable_caching or max_blocks < 2
+                or not all(g.allows_external_prefix(1) for g in self.groups)):
+            return 0
+        hashes = self.index.block_hashes(request, max_blocks)[1:2]
+        ext = c.get_num_new_matched_tokens(request.request_id, hashes, self.block_size, 2 * self.block_size)
+        return self.block_size if ext.loads and ext.loads[0].tier != "swap" else 0
 
     @staticmethod
     def _split(match: PrefixMatch | MatchResult | None) -> tuple[MatchResult, ExternalMatch]:

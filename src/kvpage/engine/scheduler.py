@@ -12,7 +12,10 @@ Each :meth:`Scheduler.schedule` call builds one step (vLLM v1's scheduler):
    blocks allow (none when this step preempted someone). Each is first matched against the prefix cache and the
    tiers; only the uncached tokens are computed. With chunked prefill a long prompt is split across steps. A tier
    load that raises at admission falls back to recomputing that request's prefix (it is matched against the device
-   only from then on): a failing tier never fails a request.
+   only from then on): a failing tier never fails a request. When a group lets the tiers serve a prefix only
+   behind device-resident first blocks (``int4``/``int2``) and they hold the blocks after those, the request
+   computes its first block alone, then goes back to the front of the queue (no preemption: its first block
+   stays cached) and is matched again, loading the rest (:attr:`~kvpage.cache.kv_cache.PrefixMatch.compute_first`).
 
 The step's KV work goes out as data: :meth:`~kvpage.cache.kv_cache.KVCache.step_plan` at the end of the pass
 (tier transfers, copy-on-write copies). A request admitted with tier loads computes only once the worker reports
@@ -206,6 +209,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.kv.begin_step()
+        self._rematch()
         # 1. running: decodes first, then unfinished prefills, each in admission order.
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -250,6 +254,9 @@ class Scheduler:
             # device hits, then host / store / swapped-out blocks (device only once a tier load failed for it)
             match = self.kv.match(req, external=not req.tier_load_failed)
             n = req.num_tokens - match.num_computed_tokens
+            first = 0 if req.num_first_computed else match.compute_first  # once: no loop if its block is evicted
+            if first:
+                n = min(n, first)
             if n > budget:
                 if self.config.enable_chunked_prefill:
                     n = budget
@@ -267,14 +274,27 @@ class Scheduler:
             self.waiting.popleft()
             computed = blocks.num_computed_tokens if blocks.num_computed_tokens is not None else match.num_cached_tokens
             req.num_computed_tokens = computed
+            req.rematch_at = first
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = computed
+                req.num_cached_tokens = max(computed - req.num_first_computed, 0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequestChunk(req, n, req.num_computed_tokens, blocks.block_ids))
             budget -= n
         out.kv = self.kv.step_plan()
         return out
+
+    def _rematch(self) -> None:
+        """Requests that computed the first blocks :attr:`~kvpage.cache.kv_cache.PrefixMatch.compute_first` asked
+        for go back to the front of the queue, their blocks freed (the first ones stay cached, with what the tiers
+        need behind them): admitted again, they hit those on the device and load the rest from the tiers."""
+        for req in [r for r in self.running if r.rematch_at and r.num_computed_tokens >= r.rematch_at]:
+            self.running.remove(req)
+            self.kv.free(req)
+            req.num_first_computed = req.num_computed_tokens
+            req.rematch_at = 0
+            req.num_cached_tokens = -1
+            self._requeue(req, preempted=False)
 
     def update_from_kv(self, update: KVUpdate, output: SchedulerOutput | None = None) -> None:
         """What the worker's transfers came to (:meth:`~kvpage.cache.kv_cache.KVCache.poll`), before a pass runs: a

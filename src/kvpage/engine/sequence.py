@@ -51,6 +51,9 @@ class Request:
         first_token_time, finish_time: ``perf_counter`` stamps, or ``None``.
         num_preemptions: times this request was preempted.
         tier_load_failed: loading its prefix from a tier raised once; it is matched against the device only.
+        rematch_at: with a chunk admitted under :attr:`~kvpage.cache.kv_cache.PrefixMatch.compute_first`, the
+            computed tokens at which it is matched again (tiers serve the rest); 0 when none is pending.
+        num_first_computed: tokens it computed itself before that second match (they are not counted as cached).
     """
 
     request_id: str
@@ -75,6 +78,8 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     tier_load_failed: bool = False
+    rematch_at: int = 0
+    num_first_computed: int = 0
     _emitted_tokens: int = 0
     _emitted_text: int = 0
 

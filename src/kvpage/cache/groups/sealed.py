@@ -70,7 +70,8 @@ class SealedGroupManager(GroupManager):
         return len(block_ids)
 
     def allows_external_prefix(self, num_device_blocks: int) -> bool:
-        """Only after a device hit on the first block (the tiers carry no first-block copy)."""
+        """Only after a device hit on the first block (the tiers carry no first-block copy; the KV cache then has
+        the first block computed before it matches again: :attr:`~kvpage.cache.kv_cache.PrefixMatch.compute_first`)."""
         return num_device_blocks > 0 or not self.table.num_sink_slots
 
     def max_indexable_tokens(self, request: SupportsKVCache, num_computed_tokens: int) -> int:
