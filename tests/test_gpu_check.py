@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_every_part_to_json_and_markdown(tmp_path: Path) -> None:
     pytest.importorskip("triton")
+    from kvpage.ops.cpu.build import load_kernels
+
+    load_kernels()  # a fresh machine compiles the CPU kernels (minutes) here, not inside a part's timeout
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, KVPAGE_GPU_CHECK_BUDGET_S="300")
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=400)
