@@ -11,6 +11,7 @@ from kvpage.errors import KVPageError
 from kvpage.formats import TensorSpec, get_format
 from kvpage.ops.attention import read_kv, write_kv
 from kvpage.spec import CacheSpec
+from _spec_alloc import check_quantized_main_and_draft_allocation
 
 
 FORMATS = ["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "block_wise_fp8",
@@ -430,20 +431,8 @@ def test_budget_for_unknown_group_is_a_clear_error():
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_per_token_head", "int8_rotated", "int4", "int2"])
 def test_c01_quantized_main_and_draft_layers_never_take_the_model_dtype_on_meta(fmt: str, model_dtype: torch.dtype) -> None:
-    """Case C01 on the ``meta`` device (what issue 31 asks to assert before CUDA): a quantized cache with
-    MTP/draft layers, in a 16-bit model, allocates every main and draft tensor in the dtype and shape its spec
-    says (1-byte codes, the format's scales), never in the model dtype, and a block costs exactly the spec's
-    bytes."""
-    spec = CacheSpec.build(num_layers=3, num_kv_heads=2, head_dim=64, block_size=32, kv_cache_dtype=fmt,
-                           num_draft_layers=2, model_dtype=model_dtype)
-    caches = CacheController(spec, device="meta").allocate_device(5)
-    assert sorted(caches) == [0, 1, 2, 3, 4]  # three model layers, then the two draft layers
-    for i, cache in caches.items():
-        ls = spec.layer(i)
-        want = {t.name: t for t in ls.tensors}
-        assert set(cache) == set(want), i
-        for name, tensor in cache.items():
-            assert tensor.device.type == "meta"
-            assert tensor.dtype == want[name].dtype and tuple(tensor.shape) == (5, *want[name].shape), (i, name)
-        assert cache["key"].dtype == torch.uint8 and cache["key"].dtype != model_dtype
-        assert sum(t.element_size() * t[0].numel() for t in cache.values()) == ls.bytes_per_block, i
+    """Case C01 on the ``meta`` device: a quantized cache with MTP/draft layers, in a 16-bit model, allocates every
+    main and draft tensor in the dtype and shape its spec says (1-byte codes, the format's scales), never in the
+    model dtype, and a block costs exactly the spec's bytes. The same check serves case C29 on CUDA
+    (``tests/test_c29_gpu_dtypes.py``)."""
+    check_quantized_main_and_draft_allocation(fmt, model_dtype, "meta")

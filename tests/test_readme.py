@@ -31,7 +31,7 @@ from kvpage.formats import available_formats, format_aliases
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 #: pip's and vLLM's flags, not kvpage's (the vLLM connector's section quotes vLLM's command line).
-NOT_KVPAGE = {"--no-deps", "--kv-transfer-config"}
+NOT_KVPAGE = {"--no-deps", "--no-build-isolation", "--kv-transfer-config"}  # pip's and vLLM's flags
 
 
 def _section(text: str, title: str) -> str:
