@@ -53,7 +53,7 @@ test: $(STAMP)
 # (VLLM_PYTHON; built by benchmarks/vs_vllm.py's VLLM_RECIPE when missing, tens of minutes once), where this
 # checkout is installed with `pip install --no-deps -e .` plus redis and pytest (torch stays 2.13.0+cpu). The
 # bundled model is exported there as a bf16 Hugging Face folder (nothing downloaded). Each vLLM engine is a fresh
-# process: ~10 engines, several minutes. Not part of `make test`.
+# process: ~10 engines, several minutes. Not part of `make test`; CI (.ci/run) runs it after `make test`.
 VLLM_PYTHON   ?= /work/peers/vllm/bin/python
 VLLM_TEST_DIR ?= .vllm-test
 
