@@ -181,12 +181,12 @@ def test_a_sealed_format_computes_its_first_block_alone_then_loads_the_rest():
     from kvpage.cache.step_plan import PassRequest
     from kvpage.spec import CacheSizing, CacheSpec
 
-    def setup() -> tuple[KVCache, Scheduler, OfferingConnector, Request]:
+    def setup(budget: int = 64) -> tuple[KVCache, Scheduler, OfferingConnector, Request]:
         spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int4")
         tiers = OfferingConnector(4, max_blocks=8)
         kv = KVCache(16, 4, groups=[manager_for(spec.main, CacheSizing(max_num_seqs=2, residual_tokens=0))],
                      connector=tiers)
-        s = Scheduler(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+        s = Scheduler(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget))
         r = make_request("r", 14)
         s.add_request(r)
         return kv, s, tiers, r
@@ -204,6 +204,10 @@ def test_a_sealed_format_computes_its_first_block_alone_then_loads_the_rest():
     assert tiers.issued == [("r", tiers.issued[0][1], 8)] and r.num_cached_tokens == 8
     assert s.num_preemptions == 0 and r.num_preemptions == 0
     check_accounting(kv)
+
+    kv, s, tiers, r = setup(budget=3)  # block 0 takes two steps; the second stops at its end
+    assert step(kv, s) == [(0, 3)] and step(kv, s) == [(3, 1)]
+    assert step(kv, s) == [(12, 2)] and tiers.issued[0][2] == 8
 
     kv, s, tiers, r = setup()
     assert step(kv, s) == [(0, 4)]

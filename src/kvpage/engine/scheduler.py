@@ -219,6 +219,8 @@ class Scheduler:
             if req not in self.running or self.kv.is_loading(req):  # preempted earlier in this loop; KV not here
                 continue
             want = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.rematch_at:  # its first block in several chunks (a small budget): none past it
+                want = min(want, req.rematch_at - req.num_computed_tokens)
             look = self._lookahead(req, budget) if want == 1 else 0
             while True:
                 n = 0

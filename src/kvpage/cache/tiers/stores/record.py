@@ -75,7 +75,6 @@ def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
-
 def record_checksum(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 hex of a record's metadata (minus ``sha256``) and tensors, in a canonical order.
 
