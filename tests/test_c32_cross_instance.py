@@ -24,6 +24,7 @@ import httpx
 import pytest
 import torch
 from test_tiers_store import block_hash, make_spec, random_block, scales_for
+from _forced import assert_greedy_agrees_up_to_a_near_tie
 from test_tiers_engine import SYSTEM
 
 from kvpage import LLM, SamplingParams
@@ -34,6 +35,9 @@ from kvpage.cache.tiers.stores.redis import RedisStore
 from kvpage.engine.config import EngineConfig
 from kvpage.spec import CacheSpec
 
+#: Top-2 logit gap under which another computation order (block 0 computed alone, then loads) may flip a 4/2-bit
+#: cache's greedy token: its codes are rounded from rows that differ in the last bits.
+NEAR_TIE = 0.25
 PROMPT = SYSTEM + "Question: on which days is the library closed, and when does it open on Saturdays? Answer:"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -187,7 +191,7 @@ def test_c32_sealed_formats_consumer_computes_the_first_block_and_loads_the_rest
                                                                                  fmt: str) -> None:
     """int4/int2: the sealed blocks travel, the first block's 8-bit copy does not (it stays beside the device
     pool). The consumer computes block 0 (making its copy as it seals), matches again and loads blocks 1.. from
-    the store; its greedy output equals a single instance's."""
+    the store; its greedy output equals a single instance's up to a near-tie."""
     url = redis_server.url
     single = _llm(smollm2, fmt, enable_prefix_caching=False)
     ids = single.encode(PROMPT)[1]
@@ -200,7 +204,8 @@ def test_c32_sealed_formats_consumer_computes_the_first_block_and_loads_the_rest
     consumer = _llm(smollm2, fmt, kv_transfer_config=_transfer("kv_consumer", url))
     out = consumer.generate([{"prompt_token_ids": ids}], GREEDY)[0]
     assert out.metrics.cached_tokens == (n - 1) * bs and consumer.engine.stats().kv.tier_hits["redis"] == n - 1
-    assert out.outputs[0].token_ids == ref
+    # the consumer computes block 0 alone, a single instance the prompt in one pass: float rounding may flip a tie
+    assert_greedy_agrees_up_to_a_near_tie(single, ids, ref, out.outputs[0].token_ids, margin=NEAR_TIE)
     assert consumer.engine.scheduler.num_preemptions == 0  # matching again is no preemption
     for llm in (producer, consumer):
         llm.close()

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from kvpage.cache.kv_cache import KVCache
+from kvpage.cache.requests import KVUpdate
 from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.engine.sequence import Request, RequestStatus
@@ -203,7 +204,15 @@ def test_a_sealed_format_computes_its_first_block_alone_then_loads_the_rest():
     assert step(kv, s) == [(12, 2)]                        # matched again: 4 device + 8 loaded tokens
     assert tiers.issued == [("r", tiers.issued[0][1], 8)] and r.num_cached_tokens == 8
     assert s.num_preemptions == 0 and r.num_preemptions == 0
+    st = kv.stats()  # one request; block 0, which it computed itself, is no device hit
+    assert (st.requests, st.prefix_queries, st.prefix_hits, st.tier_hits["device"]) == (1, 14, 0, 0)
     check_accounting(kv)
+
+    kv, s, tiers, r = setup()  # the loads cut short at block 1: only block 0 is there, computed by r itself
+    step(kv, s)
+    out = s.schedule()
+    s.update_from_kv(KVUpdate(cut_short={"r": 4}), out)
+    assert r.num_computed_tokens == 4 and r.num_cached_tokens == 0
 
     kv, s, tiers, r = setup(budget=3)  # block 0 takes two steps; the second stops at its end
     assert step(kv, s) == [(0, 3)] and step(kv, s) == [(3, 1)]
@@ -211,14 +220,14 @@ def test_a_sealed_format_computes_its_first_block_alone_then_loads_the_rest():
 
     kv, s, tiers, r = setup()
     assert step(kv, s) == [(0, 4)]
-    free = kv.free
+    rematch = kv.rematch
 
-    def free_and_evict(request: Request) -> bool:  # block 0 is evicted before the request is matched again
-        held = free(request)
+    def rematch_and_evict(request: Request, num_computed_tokens: int) -> bool:  # block 0 is evicted in between
+        held = rematch(request, num_computed_tokens)
         assert kv.reset_prefix_cache()
         return held
 
-    kv.free = free_and_evict  # type: ignore[method-assign]
+    kv.rematch = rematch_and_evict  # type: ignore[method-assign]
     assert step(kv, s) == [(0, 14)] and not tiers.issued  # computed whole: block 0 is not computed alone twice
     assert r.num_cached_tokens == 0
     check_accounting(kv)

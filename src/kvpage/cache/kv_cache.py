@@ -187,6 +187,7 @@ class KVCache:
         self._holder_ids = itertools.count()
         self._requests = self._queries = self._hits = self._stored = self._preemptions = 0
         self._device_hit_blocks = 0
+        self._rematching: dict[str, int] = {}  # freed by rematch(): request id -> tokens it computed itself
 
     @classmethod
     def from_spec(cls, spec: CacheSpec, num_blocks: int, sizing: CacheSizing | None = None, *,
@@ -547,10 +548,13 @@ class KVCache:
         self._tables[rid] = st
         for g in self.groups:  # the hit ends after the loads: a window starts there
             g.on_request_blocks(rid, st.block_ids, device.num_cached_tokens + ext.num_tokens)
-        self._device_hit_blocks += len(device.block_ids)
-        self._requests += 1
-        self._queries += len(request.all_token_ids)
-        self._hits += device.num_cached_tokens
+        own = self._rematching.pop(rid, None)  # admitted again after rematch(): counted once, its own blocks no hit
+        if own is None:
+            self._requests += 1
+            self._queries += len(request.all_token_ids)
+        hit_blocks = max(len(device.block_ids) - (own or 0) // self.block_size, 0)
+        self._device_hit_blocks += hit_blocks
+        self._hits += hit_blocks * self.block_size
         return KVCacheBlocks(tuple(st.block_ids), tuple(new), st.num_tokens)
 
     def _take(self, n: int) -> list[int]:
@@ -861,7 +865,18 @@ class KVCache:
         blocks become evictable, others free. ``block_hashes`` are kept (a preempted request re-hits its prefix).
         Blocks still receiving loads stay referenced until their loads end or their deadline passes (C10).
         """
+        self._rematching.pop(request if isinstance(request, str) else request.request_id, None)
         return self._free(request, preempted=False)
+
+    def rematch(self, request: SupportsKVCache | str, num_computed_tokens: int) -> bool:
+        """Release the request's blocks to admit it again at once (:attr:`PrefixMatch.compute_first`: its first
+        ``num_computed_tokens`` tokens were computed so that the tiers may serve the rest); returns whether it held
+        any. As :meth:`free`, except that the next admission counts in the stats neither as another request nor
+        as a device hit on the blocks it computed itself."""
+        rid = request if isinstance(request, str) else request.request_id
+        held = self._free(request, preempted=False)
+        self._rematching[rid] = num_computed_tokens
+        return held
 
     def _free(self, request: SupportsKVCache | str, *, preempted: bool) -> bool:
         rid = request if isinstance(request, str) else request.request_id

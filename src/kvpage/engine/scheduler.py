@@ -292,7 +292,7 @@ class Scheduler:
         need behind them): admitted again, they hit those on the device and load the rest from the tiers."""
         for req in [r for r in self.running if r.rematch_at and r.num_computed_tokens >= r.rematch_at]:
             self.running.remove(req)
-            self.kv.free(req)
+            self.kv.rematch(req, req.num_computed_tokens)
             req.num_first_computed = req.num_computed_tokens
             req.rematch_at = 0
             req.num_cached_tokens = -1
@@ -310,7 +310,7 @@ class Scheduler:
                 req = by_id.get(rid)
                 if req is not None:
                     req.num_computed_tokens = computed
-                    req.num_cached_tokens = min(req.num_cached_tokens, computed)
+                    req.num_cached_tokens = min(req.num_cached_tokens, max(computed - req.num_first_computed, 0))
             for rid in update.recompute:
                 req = by_id.get(rid)
                 if req is not None:  # (the cache freed it already)
