@@ -75,6 +75,16 @@ def test_single_node_url_at_a_cluster_member_is_refused_with_one_clear_message(c
     assert f"127.0.0.1:{member.port}" in str(e.value)
 
 
+def test_cluster_url_at_a_standalone_server_is_refused_with_one_clear_message(redis_server) -> None:
+    """Regression (new-user run): ``redis+cluster://`` at a standalone server warned "Cluster mode is not enabled"
+    on every use and never recovered; it is refused when the store opens, naming ``redis://``."""
+    spec = make_spec("int8", draft=0, head_dim=64)
+    node = f"127.0.0.1:{redis_server.port}"
+    with pytest.raises(ValueError, match=r"standalone Redis server \(cluster_enabled:0\).*Use redis://") as e:
+        open_store(f"redis+cluster://127.0.0.1:1,{node}", spec)  # an unreachable node first: skipped
+    assert node in str(e.value)
+
+
 def test_moved_met_after_creation_is_one_warning_naming_redis_cluster(cluster, caplog) -> None:
     """The member was unreachable when the store opened (no check possible): MOVED replies later say the same."""
     spec = make_spec("int8", draft=0, head_dim=64)

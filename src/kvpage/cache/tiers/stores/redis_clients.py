@@ -60,6 +60,12 @@ def cluster_member_message(url: str) -> str:
             f"(any reachable members; the rest are discovered)")
 
 
+def standalone_server_message(node: str) -> str:
+    """The one message for a ``redis+cluster://`` URL whose node is a standalone server (``node``: ``host:port``)."""
+    return (f"{node} is a standalone Redis server (cluster_enabled:0), not a Redis Cluster node: a "
+            f"redis+cluster:// store would find no hash slots there. Use redis://{node}/0")
+
+
 class RedisClient(ABC):
     """One way of reaching Redis for a :class:`~kvpage.cache.tiers.stores.redis.RedisStore` (thread-safe).
 
@@ -240,6 +246,23 @@ class ClusterClient(RedisClient):
                     **self._options,
                 )
             return self._client
+
+    def check(self) -> None:
+        """Raise ``ValueError`` when the first listed node that answers ``INFO cluster`` says
+        ``cluster_enabled:0`` (the cluster client would report it down forever); unreachable nodes are not
+        checked (their first use is a miss)."""
+        for host, port in self.startup_nodes:
+            client = redis.Redis(host=host, port=port, socket_timeout=self.timeout_s,
+                                 socket_connect_timeout=self.timeout_s, retry=_no_retry(), **self._options)
+            try:
+                enabled = client.info("cluster").get("cluster_enabled")
+            except IO_ERRORS:
+                continue
+            finally:
+                client.close()
+            if str(enabled) == "0":
+                raise ValueError(standalone_server_message(f"{host}:{port}"))
+            return
 
     def targets(self, names: Sequence[str]) -> list[str]:
         """``host:port`` of the node owning each key's hash slot (the cached slot table)."""
