@@ -66,6 +66,15 @@ def standalone_server_message(node: str) -> str:
             f"redis+cluster:// store would find no hash slots there. Use redis://{node}/0")
 
 
+def cluster_enabled(client: redis.Redis) -> str | None:
+    """The server's ``cluster_enabled`` field of ``INFO cluster`` (``"0"`` or ``"1"``), or ``None`` when it cannot
+    be reached now."""
+    try:
+        return str(client.info("cluster").get("cluster_enabled"))
+    except IO_ERRORS:
+        return None
+
+
 class RedisClient(ABC):
     """One way of reaching Redis for a :class:`~kvpage.cache.tiers.stores.redis.RedisStore` (thread-safe).
 
@@ -154,11 +163,7 @@ class SingleNodeClient(RedisClient):
     def check(self) -> None:
         """Raise ``ValueError`` when the server answers ``INFO cluster`` with ``cluster_enabled:1``; an
         unreachable server is not checked (its first use is a miss, and a later ``MOVED`` says the same)."""
-        try:
-            enabled = self._client.info("cluster").get("cluster_enabled")
-        except IO_ERRORS:
-            return
-        if str(enabled) == "1":
+        if cluster_enabled(self._client) == "1":
             raise ValueError(cluster_member_message(self.shown_url))
 
     def disconnect(self, target: str) -> None:
@@ -255,14 +260,13 @@ class ClusterClient(RedisClient):
             client = redis.Redis(host=host, port=port, socket_timeout=self.timeout_s,
                                  socket_connect_timeout=self.timeout_s, retry=_no_retry(), **self._options)
             try:
-                enabled = client.info("cluster").get("cluster_enabled")
-            except IO_ERRORS:
-                continue
+                enabled = cluster_enabled(client)
             finally:
                 client.close()
-            if str(enabled) == "0":
+            if enabled == "0":
                 raise ValueError(standalone_server_message(f"{host}:{port}"))
-            return
+            if enabled is not None:
+                return
 
     def targets(self, names: Sequence[str]) -> list[str]:
         """``host:port`` of the node owning each key's hash slot (the cached slot table)."""
