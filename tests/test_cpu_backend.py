@@ -12,7 +12,9 @@ What must hold:
 * the cache bytes each backend writes are identical (the fused write quantizes as the
   Python formats do, bit for bit);
 * the outputs agree within 1e-5 relative to the output's scale: both read the same stored
-  values and differ only in summation order and the kernel's polynomial exp;
+  values and differ only in summation order and the kernel's polynomial exp (int8 keys: the
+  kernel codes q as int16 for its integer dot products, so the reference is given q coded the
+  same way for the rows the kernel serves, :func:`int16_coded_q`);
 * each backend's output is within the format's bound of float64 attention over the
   unquantized K/V (the bounds of ``tests/test_attention.py`` and ``tests/test_kivi.py``).
 """
@@ -54,6 +56,24 @@ def test_the_kernels_build_here() -> None:
     assert cpu_module.cpu_backend() is not None, "kvpage's CPU kernels did not build (see the RuntimeWarning)"
 
 
+#: Formats whose keys the kernel reads as int8 codes with per-row scales: q . k as integer dot products.
+INT8_KEYED = ("int8", "int8_rotated")
+
+
+def int16_coded_q(q: torch.Tensor, fmt: str, head_dim: int) -> torch.Tensor:
+    """``q`` [T, H, D] as the kernel sees it for ``fmt``'s int8 keys: each (token, head) row of q (rotated
+    first for a rotated format) coded to int16 with the scale ``max|q| / 32767``, rounded to nearest, then
+    rotated back; any other format's q, or a head_dim the kernel reads otherwise, unchanged."""
+    if fmt not in INT8_KEYED or not cpu_module.cpu_backend().kernels.int8_keys_as_codes(head_dim):
+        return q
+    rot = get_format(fmt).rotation(head_dim, torch.float32, q.device)
+    x = q.float() if rot is None else q.float() @ rot
+    mx = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
+    coded = torch.round((x * inv).clamp(-32767, 32767)) * (mx / 32767.0)
+    return (coded if rot is None else coded @ rot.T).to(q.dtype)
+
+
 class Pair:
     """The same layer, cache and tail state twice: once for the reference backend, once for the cpu one."""
 
@@ -74,7 +94,9 @@ class Pair:
             self.pools = [TailPool(self.spec, layout, torch.float32) for _ in self.tables]
 
     def step(self, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
-             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: LayerAttention = PLAIN) -> list[torch.Tensor]:
+             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: LayerAttention = PLAIN,
+             q_ref: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One step through both backends (``q_ref``, when given, is the reference backend's q)."""
         bs = self.spec.block_size
         slots = [tables[i][p // bs] * bs + p % bs for i in range(len(tables))
                  for p in range(seq_lens[i] - query_lens[i], seq_lens[i])]
@@ -82,13 +104,14 @@ class Pair:
                                        slot_mapping=slots, block_size=bs)
         outs = []
         for i, backend in enumerate(self.backends):
+            q_in = q_ref if i == 0 and q_ref is not None else q
             if self.sealed:
                 ctx = self.pools[i].context(self.tables[i].plan(tables, seq_lens, query_lens))
-                outs.append(backend.forward_sealed(q, k, v, self.caches[i], self.layer, meta, ctx, layer_index=0,
+                outs.append(backend.forward_sealed(q_in, k, v, self.caches[i], self.layer, meta, ctx, layer_index=0,
                                                    params=params))
                 self.tables[i].finish()
             else:
-                outs.append(backend.forward(q, k, v, self.caches[i], self.layer, meta, layer_index=0,
+                outs.append(backend.forward(q_in, k, v, self.caches[i], self.layer, meta, layer_index=0,
                                             params=params))
         return outs
 
@@ -126,7 +149,10 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
         pair.step([tables[i] for i in pre], [cached[i] for i in pre], [cached[i] for i in pre], cat(0), cat(1), cat(2),
                   params)
     cat = lambda j: torch.cat([full[i][j][cached[i]:] for i in range(len(lens))])  # noqa: E731
-    ref, got = pair.step(tables, lens, query_lens, cat(0), cat(1), cat(2), params)
+    q = cat(0)
+    in_kernel = torch.cat([torch.full((n,), n <= cpu_module.KERNEL_MAX_QUERY and params.is_plain) for n in query_lens])
+    q_ref = torch.where(in_kernel[:, None, None], int16_coded_q(q, fmt, head_dim), q)
+    ref, got = pair.step(tables, lens, query_lens, q, cat(1), cat(2), params, q_ref=q_ref)
     pair.assert_same_bytes()
     scale = ref.abs().max().item()
     assert torch.isfinite(got).all() and got.dtype == ref.dtype == dtype
@@ -374,3 +400,31 @@ def test_kernel_decodes_every_code_exactly(fmt: str, head_dim: int) -> None:
         cpu_module.token_encoding(ls.format), head_dim**-0.5)
     expected = decoded * scales.float()[:, None] if scaled else decoded
     torch.testing.assert_close(out[:, 0], expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_int8_keys_as_codes_at_the_extremes(head_dim: int) -> None:
+    """The integer q . k path at its extremes: an all-zero q row (scale 0), a q row with one dominant channel
+    (the others code to 0 or +-1), keys coded at +-127 in every channel and a q row coded at +-32767 aligned with
+    them (the largest int32 sums, head_dim * 32767 * 127): it agrees with the reference given the same int16-coded
+    q, and with float64 attention within the int8 bound."""
+    if not cpu_module.cpu_backend().kernels.int8_keys_as_codes(head_dim):
+        pytest.skip("this build reads int8 keys as floats at this head_dim")
+    heads, kv_heads, bs, s = 4, 2, 16, 37
+    pair = Pair("int8", kv_heads=kv_heads, head_dim=head_dim, block_size=bs, num_blocks=6)
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(s, kv_heads, head_dim, generator=gen)
+    k[:8] = torch.where(k[:8] >= 0, 1.0, -1.0)  # every channel at the row's max: codes +-127
+    v = torch.randn(s, kv_heads, head_dim, generator=gen)
+    q = torch.randn(1, heads, head_dim, generator=gen)
+    q[0, 0] = 0.0
+    q[0, 1] = 1e-3 * torch.randn(head_dim, generator=gen)
+    q[0, 1, 3] = 40.0
+    q[0, 2] = 0.5 * k[0, 1]  # q head 2 reads kv head 1: codes +-32767 against +-127 in every channel
+    tables = [[4, 0, 2]]
+    pair.step(tables, [s - 1], [s - 1], q.expand(s - 1, -1, -1).contiguous(), k[: s - 1], v[: s - 1])
+    ref, got = pair.step(tables, [s], [1], q, k[s - 1:], v[s - 1:], q_ref=int16_coded_q(q, "int8", head_dim))
+    assert torch.isfinite(got).all()
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert (got[0, 0] - v[:, 0].mean(dim=0)).abs().max() < 0.02  # zero q: uniform weights over the values
+    assert (got.double() - float64_attention(q, k, v, s - 1)).abs().max().item() < LOOSE["int8"]

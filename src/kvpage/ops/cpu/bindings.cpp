@@ -9,6 +9,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor va
                      c10::optional<at::Tensor> key_chan, c10::optional<at::Tensor> value_chan,
                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs,
                      int64_t enc, double sm_scale);
+bool int8_keys_as_codes(int64_t head_dim);
 void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor key_scale, at::Tensor key_zero,
                       at::Tensor value, at::Tensor value_scale, at::Tensor value_zero, at::Tensor tail_key,
                       at::Tensor tail_value, at::Tensor sink_key, at::Tensor sink_key_scale, at::Tensor sink_value,
@@ -29,6 +30,8 @@ at::Tensor silu_mul(at::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over token-wise format blocks (CPU)");
+  m.def("int8_keys_as_codes", &int8_keys_as_codes,
+        "whether paged_attention reads int8 keys as codes, q coded as int16, at this head_dim (CPU)");
   m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
   m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
   m.def("seal_blocks", &seal_blocks, "quantize-on-seal of whole int4/int2 blocks into the pool (CPU)");

@@ -1,14 +1,15 @@
 // kvpage CPU kernels: paged attention that reads KV codes and scales straight from the blocks.
 //
 // Attention (decode rows and short query runs, e.g. speculative verification): one call per layer for
-// the whole batch. Work items are (request, kv head, context split); each walks its blocks through the
-// block table, decodes one block at a time into a small float buffer (never a float copy of the
-// context), and folds it into an online softmax (Milakov & Gimelshein 2018; FlashAttention's
-// running max / running sum) for every query head of its GQA group. Long contexts are split over the
+// the whole batch. Work items are (request, context split); each walks its blocks through the
+// block table, decodes a chunk of up to 64 tokens at a time into a small float buffer (never a float
+// copy of the context), and folds it into an online softmax (Milakov & Gimelshein 2018; FlashAttention's
+// running max / running sum) for every query head of its GQA group. int8 keys are not decoded: their
+// scores are integer dot products of the codes with q coded as int16 (scores_i8). Long contexts are split over the
 // context when there are fewer work items than threads and merged afterwards (flash-decoding).
 // Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them.
 //
-// Numerics: float32 throughout; exp is a Cephes-style polynomial (relative error ~2e-7) so the
+// Numerics: float32 throughout (but int8 keys' q . k: exact in int32, q rounded to 16 bits); exp is a Cephes-style polynomial (relative error ~2e-7) so the
 // compiler can vectorize it; dot products are vectorized reductions (another summation order than
 // SDPA's, within float32 rounding).
 #include <torch/extension.h>
@@ -50,6 +51,29 @@ struct TokenSource {
   const float* value_chan;
   const int64_t* tables;       // [B, W]
   int64_t W, bs, Hkv, D, esize;
+
+  // int8 codes with per-(token, head) scales can be read in place by scores_i8 (see int8_keys).
+  static constexpr bool kInt8Keys = E == I8;
+
+  // Whether int8_keys may serve this layer: int8 codes, per-row key and value scales, no static channel scales.
+  bool int8_keys_ok(bool has_value) const {
+    return E == I8 && has_value && key_scale && value_scale && !key_chan && !value_chan;
+  }
+
+  // The int8 path (int8_keys_ok): values decoded into vb with their scales left out (vsb), the key scales into
+  // ksb; the keys stay in the pool. Returns the block's first key code row ([nt][Hkv][D] int8 from there).
+  template <int DC>
+  const int8_t* int8_keys(int64_t r, int64_t blk, int64_t off, int64_t nt, float* vb, float* ksb, float* vsb) const {
+    const int64_t D = DC ? DC : this->D;
+    const int64_t first = (tables[r * W + blk] * bs + off) * Hkv;
+    for (int64_t i = 0; i < nt * Hkv; ++i) {
+      const int64_t row = first + i;
+      ksb[i] = static_cast<float>(key_scale[row]);
+      vsb[i] = static_cast<float>(value_scale[row]);
+      decode_row<E, DC, false>(value + row * D, 1.0f, vb + i * D, D);
+    }
+    return reinterpret_cast<const int8_t*>(key + first * D);
+  }
 
   // With ksb / vsb given, per-(token, head) scales go there instead of into the rows (the attention applies
   // them to scores and weights: two multiplies per token and query head instead of one per element);
@@ -117,6 +141,11 @@ struct SealedSource {
   const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 sink slot
   const int64_t* src_idx;      // [B, W]
   int64_t W, bs, Hkv, D, P, Gv;
+
+  static constexpr bool kInt8Keys = false;
+  bool int8_keys_ok(bool) const { return false; }
+  template <int DC>
+  const int8_t* int8_keys(int64_t, int64_t, int64_t, int64_t, float*, float*, float*) const { return nullptr; }
 
   template <int DC>
   static inline void unpack_row(const uint8_t* row, int64_t Drt, float* codes) {
@@ -305,8 +334,8 @@ inline float sum_floats(const float* x, int64_t n) {
 
 #ifdef KVPAGE_SIMD
 // ---- AVX2 micro-kernels over a decoded block: one query row against up to bs float32 rows `stride` apart ----
-// (Reading codes in place instead, converting per query head, measured slower in the engine: the decoded
-// block is read sequentially once per block, which a single core's prefetchers stream best.)
+// (Float codes converted per query head measured slower in the engine than this decode-once layout; int8 keys
+// are the exception, see scores_i8: sign-extending to 16 bits costs less than decoding to float.)
 
 // [sum(a0), ..., sum(a7)]: eight horizontal sums at once.
 inline __m256 hsum8(const __m256* a) {
@@ -391,28 +420,160 @@ inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t
     }
   }
 }
+
+// ---- int8 keys read in place: q . k as an integer dot product ----
+// Each query row is coded once per work item as int16 with one scale (q_hat = qs * qi, |qi| <= 32767; the
+// error, half a step of max|q| / 32767, is 1/258 of the int8 keys' own), and its scores are
+// qs * k_scale * sum_d qi[d] * k_code[d]: 16 channels per instruction on the codes as stored (sign-extended to
+// 16 bits), exact in int32 for head_dim <= 512, instead of decoding the keys to float32 first. llama.cpp's
+// q8_0 x q8_0 path codes q to 8 bits; 16 keeps q's rounding far below the cache's.
+
+// acc + a[0]*b[0] + a[1]*b[1] per int32 lane (pairs of int16): VNNI's one instruction where the CPU has it.
+inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// [sum(a0), ..., sum(a7)] of eight int32 vectors (hsum8's integer twin).
+inline __m256i hsum8_i32(const __m256i* a) {
+  const __m256i s01 = _mm256_hadd_epi32(a[0], a[1]), s23 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i s45 = _mm256_hadd_epi32(a[4], a[5]), s67 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20), _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+// Scores sc[t] = qs * ks[t] * sm_scale * (qi . k_t) for t < lim over int8 key rows `stride` bytes apart, eight
+// tokens at a time (lanes past lim repeat the last token, as scores_simd's do); returns their maximum.
+template <int DC>
+inline float scores_i8(const int16_t* qi, float qs, const int8_t* kbase, int64_t stride, int64_t lim, float sm_scale,
+                       const float* ks, int64_t sstride, float* sc) {
+  __m256 vmax = _mm256_set1_ps(NEG_INF);
+  const __m256 f = _mm256_set1_ps(qs * sm_scale);
+  alignas(32) float tmp[8];
+  for (int64_t t0 = 0; t0 < lim; t0 += 8) {
+    __m256i a[8];
+    const int8_t* rows[8];
+    const int64_t last = lim - 1 - t0;
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      a[u] = _mm256_setzero_si256();
+      rows[u] = kbase + std::min<int64_t>(u, last) * stride + t0 * stride;
+    }
+#pragma GCC unroll 8
+    for (int64_t d = 0; d < DC; d += 16) {
+      const __m256i qd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + d));
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m256i k = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[u] + d)));
+        a[u] = dot_i16(a[u], k, qd);
+      }
+    }
+    const float* k0 = ks + t0 * sstride;
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) tmp[u] = k0[std::min<int64_t>(u, last) * sstride];
+    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_i32(a)), f), _mm256_load_ps(tmp));
+    _mm256_storeu_ps(sc + t0, v);
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// block_simd with the keys read in place as int8 codes (kc: the block's rows [nt][Hkv][D]); the values are
+// decoded in vb, their scales in vs, the keys' in ks.
+template <int DC>
+inline void block_i8(const int16_t* qi, const float* qs, int64_t n, int64_t H, int64_t G, int64_t s, int64_t a,
+                     int64_t e, const int8_t* kc, const float* vb, const float* ks, const float* vs, int64_t Hkv,
+                     float sm_scale, float* m, float* l, float* acc, float* sc) {
+  const int64_t stride = Hkv * DC;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
+    if (lim <= 0) continue;
+    for (int64_t qh = 0; qh < H; ++qh) {
+      const int64_t row = j * H + qh, h = qh / G;
+      const float mx = scores_i8<DC>(qi + row * DC, qs[row], kc + h * DC, stride, lim, sm_scale, ks + h, Hkv, sc);
+      const float corr = softmax_update(sc, lim, mx, m[row], l[row]);
+      accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, vs + h, Hkv);
+    }
+  }
+}
 #endif  // KVPAGE_SIMD
+
+// q rows [rows, D] float32 -> int16 codes qi and one scale per row qs (qs * qi ~ q; see scores_i8): the code of
+// max|q| is 32767, rounded to nearest; an all-zero row gets scale 0 and zero codes.
+inline void quantize_rows_i16(const float* q, int64_t rows, int64_t D, int16_t* qi, float* qs) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = q + r * D;
+    float mx = 0.0f;
+    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(x[d]));
+    qs[r] = mx / 32767.0f;
+    const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+    for (int64_t d = 0; d < D; ++d) qi[r * D + d] = static_cast<int16_t>(std::nearbyint(std::min(std::max(x[d] * inv, -32767.0f), 32767.0f)));
+  }
+}
 
 // Online-softmax attention of request r's queries (all n of them) over context tokens [t0, t1), every
 // head. State rows are (query j, head qh) -> j * H + qh: m/l [n*H], acc [n*H, D], updated in place.
 // GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does.
+// Tokens the SIMD paths gather before attending to them (whole blocks: at least one).
+constexpr int64_t kChunkTokens = 64;
+inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
+
 template <int DC, class Src>
-void attend_range(const Src& src, const Batch& b, const float* qf, int64_t r, int64_t t0, int64_t t1, float* m,
-                  float* l, float* acc, float* kb, float* vb, float* ksb, float* vsb, float* sc, bool has_value) {
+void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t* qi, const float* qs, int64_t r,
+                  int64_t t0, int64_t t1, float* m, float* l, float* acc, float* kb, float* vb, float* ksb, float* vsb,
+                  float* sc, bool has_value) {
   const int64_t D = DC ? DC : b.D, bs = b.bs, H = b.H, Hkv = b.Hkv, G = H / Hkv;
   const int64_t s = b.seq_lens[r], q0 = b.qsl[r], n = b.qsl[r + 1] - q0;
   const int64_t stride = Hkv * D;  // between one token's rows of a head
+#ifdef KVPAGE_SIMD
+  if constexpr (DC > 0 && DC % 8 == 0) {
+    // Blocks gathered into chunks of up to kChunkTokens tokens: the per-(block, query head) costs of the
+    // online softmax (its rescale, the accumulator's load and store) are paid once per chunk.
+    const int64_t per = chunk_blocks(bs);
+    for (int64_t blk = t0 / bs; blk * bs < t1; blk += per) {
+      const int64_t a = std::max(t0, blk * bs), e = std::min(t1, (blk + per) * bs);
+      // block k's tokens [k*bs + off, +nt) go to rows `at` .. of the chunk's buffers
+      auto each_block = [&](auto&& f) {
+        for (int64_t k = a / bs; k * bs < e; ++k) {
+          const int64_t x = std::max(a, k * bs), y = std::min(e, (k + 1) * bs);
+          f(k, x - k * bs, y - x, x - a);
+        }
+      };
+      if constexpr (Src::kInt8Keys && DC % 16 == 0) {
+        if (qi) {  // int8 keys read as codes (run_d coded q as int16 for it)
+          int8_t* kc = reinterpret_cast<int8_t*>(kb);
+          each_block([&](int64_t k, int64_t off, int64_t nt, int64_t at) {
+            const int8_t* codes = src.template int8_keys<DC>(r, k, off, nt, vb + at * stride, ksb + at * Hkv,
+                                                             vsb + at * Hkv);
+            // copied front to back (the prefetchers stream it), then read by every query head from L1
+            std::memcpy(kc + at * stride, codes, nt * stride);
+          });
+          block_i8<DC>(qi, qs, n, H, G, s, a, e, kc, vb, ksb, vsb, Hkv, b.sm_scale, m, l, acc, sc);
+          continue;
+        }
+      }
+      bool folded = false;
+      each_block([&](int64_t k, int64_t off, int64_t nt, int64_t at) {
+        folded = src.template load<DC>(r, k, off, nt, kb + at * stride, vb + at * stride, has_value, ksb + at * Hkv,
+                                       vsb + at * Hkv);
+      });
+      block_simd<DC>(qf, n, H, G, s, a, e, kb, has_value ? vb : kb, stride, folded ? ksb : nullptr,
+                     folded ? (has_value ? vsb : ksb) : nullptr, Hkv, b.sm_scale, m, l, acc, sc);
+    }
+    return;
+  }
+#endif
   for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
     const int64_t a = std::max(t0, blk * bs), e = std::min(t1, (blk + 1) * bs);
     const int64_t nt = e - a;
-#ifdef KVPAGE_SIMD
-    if constexpr (DC > 0 && DC % 8 == 0) {
-      const bool folded = src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value, ksb, vsb);
-      block_simd<DC>(qf, n, H, G, s, a, e, kb, has_value ? vb : kb, stride, folded ? ksb : nullptr,
-                     folded ? (has_value ? vsb : ksb) : nullptr, Hkv, b.sm_scale, m, l, acc, sc);
-      continue;
-    }
-#endif
     src.template load<DC>(r, blk, a - blk * bs, nt, kb, vb, has_value, nullptr, nullptr);
     const float* vals = has_value ? vb : kb;
     for (int64_t j = 0; j < n; ++j) {
@@ -471,17 +632,25 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
     for (int64_t p = 0; p < splits; ++p) items.push_back({r, p * chunk, std::min(s, (p + 1) * chunk), first[i] + p});
   }
   const int64_t nslots = first[nreq];
+#ifdef KVPAGE_SIMD
+  const bool int8_keys = DC > 0 && DC % 16 == 0 && src.int8_keys_ok(has_value);
+#else
+  const bool int8_keys = false;
+#endif
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kb(b.bs * b.Hkv * D), vb(b.bs * b.Hkv * D), ksb(b.bs * b.Hkv), vsb(b.bs * b.Hkv), sc(b.bs + 8),
-        qf(max_rows * D);
+    const int64_t ct = chunk_blocks(b.bs) * b.bs;  // tokens per chunk (attend_range)
+    std::vector<float> kb(ct * b.Hkv * D), vb(ct * b.Hkv * D), ksb(ct * b.Hkv), vsb(ct * b.Hkv), sc(ct + 8),
+        qf(max_rows * D), qs(int8_keys ? max_rows : 0);
+    std::vector<int16_t> qi(int8_keys ? max_rows * D : 0);
     const uint8_t* q = static_cast<const uint8_t*>(b.q);
     const int64_t qsize = b.q_enc == F32 ? 4 : 2;
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w];
       const int64_t q0 = b.qsl[it.r], n = b.qsl[it.r + 1] - q0;
       rows_to_float(b.q_enc, q + q0 * H * D * qsize, qf.data(), n * H * D);
-      attend_range<DC>(src, b, qf.data(), it.r, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
+      if (int8_keys) quantize_rows_i16(qf.data(), n * H, D, qi.data(), qs.data());
+      attend_range<DC>(src, b, qf.data(), int8_keys ? qi.data() : nullptr, qs.data(), it.r, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
                        A.data() + it.slot * max_rows * D, kb.data(), vb.data(), ksb.data(), vsb.data(), sc.data(),
                        has_value);
     }
@@ -544,6 +713,17 @@ Batch make_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& s
 }
 
 }  // namespace
+
+// Whether paged_attention reads int8 keys (with per-row scales) as codes at this head_dim in this build: q is
+// then coded as int16 per (token, head) row (scores_i8), which tests reproduce to compare with the reference.
+bool int8_keys_as_codes(int64_t head_dim) {
+#ifdef KVPAGE_SIMD
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128;  // run()'s fixed widths
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
 
 // Attention over token-wise format blocks (float32/bf16/fp16 rows, int8/e4m3 codes with optional float16
 // per-(token, head) scales and optional float32 per-channel static scales [Hkv, D]).
