@@ -586,3 +586,27 @@ def test_c30_redis_store_events_are_remote_stores_only(tmp_path, ctx, redis_url)
     finally:
         sub.close()
         llm.close()
+
+
+def test_c30_store_writes_a_store_drops_are_neither_announced_nor_counted(tmp_path, ctx):
+    """A disk store capped below one record drops every write (its ``put`` says so): no ``"DISK"`` BlockStored goes
+    out and the tiers count no ``store_write`` bytes, while the device's events are unchanged. (Before, every
+    save was announced and counted whatever the store did, so a router saw records no store held.)"""
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
+    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
+              attention_backend="reference", progress=False, kv_events_config=cfg,
+              kv_disk_dir=str(tmp_path / "disk"), kv_disk_max_bytes=100)
+    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+    time.sleep(0.2)
+    disk = llm.kv_connector.offload.stores[0][1]
+    try:
+        llm.generate(_workload(random.Random(35), 20), SamplingParams(max_tokens=3, temperature=0.0))
+        _settle(llm, sub)
+        assert sub.hashes == _index(llm) and len(sub.hashes) > 5  # device events as ever
+        assert len(disk) == 0 and disk.stats.puts == 0
+        assert "DISK" not in sub.by_medium
+        assert llm.kv_cache_stats().tiers.tier_bytes["store_write"] == 0
+    finally:
+        sub.close()
+        llm.close()

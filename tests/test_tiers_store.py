@@ -372,10 +372,10 @@ def test_disk_put_skips_existing_record_and_too_big_records(tmp_path: Path) -> N
     spec = make_spec("float16", draft=0, head_dim=64)
     store = DiskStore(tmp_path / "kv", spec)
     key, data = store.key(block_hash(1)), random_block(spec, 1)
-    store.put([(key, data), (key, data)])
+    assert store.put([(key, data), (key, data)]) == [True, True]  # written, then held already
     assert store.stats.puts == 1 and len(record_files(tmp_path / "kv")) == 1
     tiny = DiskStore(tmp_path / "tiny", spec, max_bytes=100)
-    tiny.put([(key, data)])
+    assert tiny.put([(key, data)]) == [False]
     assert tiny.exists([key]) == [False] and tiny.used_bytes == 0 and tiny.stats.errors == 0
 
 
@@ -402,7 +402,7 @@ def test_disk_write_failure_is_counted_not_raised(tmp_path: Path, caplog: pytest
     blocker.write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="kvpage.cache.tiers.stores.disk"):
         for _ in range(3):
-            store.put([(store.key(block_hash(99)), random_block(spec, 99))])
+            assert store.put([(store.key(block_hash(99)), random_block(spec, 99)), (key, data)]) == [False, True]
     assert store.stats.errors == 3 and store.stats.puts == 1
     assert sum("failed" in r.getMessage() for r in caplog.records) == 1  # once per failure episode
 
@@ -454,14 +454,14 @@ def test_redis_killed_mid_run_misses_fast_counts_errors_and_recovers(
     store = RedisStore(redis_server.url, spec, timeout_s=0.5, reconnect_interval_s=0.3)
     keys = [store.key(block_hash(n)) for n in range(8)]
     items = [(k, random_block(spec, n)) for n, k in enumerate(keys)]
-    store.put(items)
+    assert store.put(items) == [True] * 8
     assert store.exists(keys) == [True] * 8
 
     redis_server.kill()
     with caplog.at_level(logging.WARNING, logger="kvpage.cache.tiers.stores.redis"):
         for _ in range(3):
             for op, expect in ((lambda: store.get(keys), [None] * 8), (lambda: store.exists(keys), [False] * 8),
-                               (lambda: store.put(items), None)):
+                               (lambda: store.put(items), [False] * 8)):
                 t0 = time.monotonic()
                 assert op() == expect
                 assert time.monotonic() - t0 < 2.0

@@ -210,10 +210,14 @@ class TransferReport:
         written: op id -> the leading blocks it wrote, for ops that wrote fewer than they named (a store record
             missing or rejected at read time cuts a load there; a transfer that raised wrote none); an op not named
             here wrote all its blocks.
+        unsaved: op id -> ``(block index in the op, store index)`` of each record a ``device_to_store`` save
+            named but its store did not take (:meth:`~kvpage.cache.tiers.stores.KVStore.put` returned ``False``:
+            an outage, a refused write, a size cap); an op not named here saved every record it named.
     """
 
     done: tuple[int, ...] = ()
     written: dict[int, int] = field(default_factory=dict)
+    unsaved: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,8 +149,8 @@ class TieredWorker(KVConnectorWorker):
 
     Ops run in issue order, one copy stream (a save that reads a device block runs before a later load that
     writes it). A ``store_to_device`` load writes the leading blocks whose records arrive and stops at the first
-    one that does not (missing, rejected, unreachable), reporting how many it wrote; a transfer that raises is
-    reported as having written nothing.
+    one that does not (missing, rejected, unreachable), reporting how many it wrote; a ``device_to_store`` save
+    reports the records its stores did not take; a transfer that raises is reported as having written nothing.
 
     Args:
         tier: moves blocks between the controller's device and host tensors and records.
@@ -171,6 +171,7 @@ class TieredWorker(KVConnectorWorker):
         self.load_delay = load_delay
         self._done: list[int] = []
         self._written: dict[int, int] = {}
+        self._unsaved: dict[int, tuple[tuple[int, int], ...]] = {}
         self._deferred: list[list[TransferOp]] = []  # loads waiting, one list per get_finished call to come
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
@@ -208,10 +209,14 @@ class TieredWorker(KVConnectorWorker):
             self.tier.host_to_device(op.host_ids, op.device_ids, rows)
         elif op.kind == "device_to_store":
             datas = self.tier.gather(op.device_ids, rows)
+            unsaved: list[tuple[int, int]] = []
             for k, store in enumerate(self.stores):
-                items = [(store.key(h), d) for h, d, t in zip(op.block_hashes, datas, op.targets) if k in t]
-                if items:
-                    store.put(items)
+                named = [i for i, t in enumerate(op.targets) if k in t]
+                if named:
+                    held = store.put([(store.key(op.block_hashes[i]), datas[i]) for i in named])
+                    unsaved += [(i, k) for i, ok in zip(named, held) if not ok]
+            if unsaved:
+                self._unsaved[op.op_id] = tuple(sorted(unsaved))
         elif op.kind == "store_to_device":
             store = self.stores[op.store]
             got = store.get([store.key(h) for h in op.block_hashes])
@@ -229,8 +234,8 @@ class TieredWorker(KVConnectorWorker):
         if self._deferred:
             for op in self._deferred.pop(0):
                 self._run(op)
-        report = TransferReport(tuple(self._done), dict(self._written))
-        self._done, self._written = [], {}
+        report = TransferReport(tuple(self._done), dict(self._written), dict(self._unsaved))
+        self._done, self._written, self._unsaved = [], {}, {}
         return report
 
     @property

@@ -147,13 +147,14 @@ class OffloadManager:
         return TransferOp(self.queue.new_id(), kind, tuple(int(d) for d in device_ids), **fields)
 
     def _submit(self, op: TransferOp, direction: str, *, on_ack: Callable[[Transfer], None] | None = None,
-                on_cancel: Callable[[], None] | None = None, blocks: int | None = None) -> Transfer:
-        """Issue ``op``; once acknowledged its bytes are counted in ``direction`` (``blocks`` blocks, default the ones
-        it wrote) and ``on_ack`` runs; ``on_cancel`` runs if it is cancelled instead."""
+                on_cancel: Callable[[], None] | None = None,
+                blocks: Callable[[Transfer], int] | None = None) -> Transfer:
+        """Issue ``op``; once acknowledged its bytes are counted in ``direction`` (``blocks(transfer)`` blocks, default
+        the ones it wrote) and ``on_ack`` runs; ``on_cancel`` runs if it is cancelled instead."""
 
         def acked(t: Transfer) -> None:
             self._on_cancel.pop(t.transfer_id, None)
-            self._bytes[direction] += (t.num_done if blocks is None else blocks) * self.bytes_per_block
+            self._bytes[direction] += (t.num_done if blocks is None else blocks(t)) * self.bytes_per_block
             if on_ack is not None:
                 on_ack(t)
 
@@ -387,7 +388,12 @@ class OffloadManager:
         op = self._op("device_to_store", [device_ids[i] for i in need],
                       window_rows=None if rows is None else tuple(rows[i] for i in need),
                       block_hashes=tuple(block_hashes[i] for i in need), targets=tuple(targets[i] for i in need))
-        written = sum(len(targets[i]) for i in need)
+        saved_targets = [targets[i] for i in need]
+
+        def records_saved(t: Transfer) -> int:
+            """Records the stores took: those of the blocks the worker got to, less the ones a store dropped."""
+            return sum(len(tg) for tg in saved_targets[: t.num_done]) - len(t.unsaved)
+
         on_ack = None
         if self._on_event is not None:
             record = self._on_event
@@ -395,11 +401,11 @@ class OffloadManager:
 
             def on_ack(t: Transfer) -> None:
                 for k, (name, _) in enumerate(self.stores):  # one run per store, in the op's order
-                    for d, h, tg in wrote[: t.num_done]:
-                        if k in tg:
+                    for j, (d, h, tg) in enumerate(wrote[: t.num_done]):
+                        if k in tg and (j, k) not in t.unsaved:
                             record(name, BlockStored(h, None, (), d))
 
-        self._submit(op, "store_write", blocks=written, on_ack=on_ack)
+        self._submit(op, "store_write", blocks=records_saved, on_ack=on_ack)
 
     def on_device_hits(self, device_ids: Sequence[int], block_hashes: Sequence[bytes]) -> None:
         """A request reused cached device blocks (counts a use for ``write_through_selective``)."""

@@ -42,6 +42,8 @@ class Transfer:
         state: :class:`TransferState`.
         num_done: leading blocks the worker wrote (fewer than the op names when a store record was missing at read
             time or the transfer failed; set on acknowledgement).
+        unsaved: of a ``device_to_store`` save, the ``(block index, store index)`` records the stores did not take
+            (set on acknowledgement; see :class:`~kvpage.cache.step_plan.TransferReport`).
     """
 
     op: TransferOp
@@ -49,6 +51,7 @@ class Transfer:
     _on_ack: list[Callable[[Transfer], None]] = field(default_factory=list, repr=False)
     state: TransferState = TransferState.PENDING
     num_done: int = 0
+    unsaved: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def transfer_id(self) -> int:
@@ -143,6 +146,7 @@ class TransferQueue:
             if t is None:
                 continue
             t.num_done = report.written.get(op_id, len(t.op.device_ids))
+            t.unsaved = frozenset(report.unsaved.get(op_id, ()))
             t.state = TransferState.ACKNOWLEDGED
             self.num_acknowledged += 1
             callbacks, t._on_ack = t._on_ack, []

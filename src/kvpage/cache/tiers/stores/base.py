@@ -200,12 +200,17 @@ class KVStore(ABC):
         """
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[StoreKey, BlockData]]) -> None:
+    def put(self, items: Sequence[tuple[StoreKey, BlockData]]) -> list[bool]:
         """Store blocks; each is written whole or not at all.
 
         Every block is validated against the spec before anything is written;
-        an I/O failure drops (part of) the batch silently, apart from the log
-        and the ``errors`` counter.
+        an I/O failure drops (part of) the batch without raising, apart from the
+        log and the ``errors`` counter.
+
+        Returns:
+            Per item, whether the store holds it now (written, or held already):
+            ``False`` for one an I/O failure or a size cap dropped, so callers
+            count and announce (KV events) only what was stored.
 
         Raises:
             ValueError: a key has another spec's fingerprint.

@@ -228,15 +228,17 @@ class DiskStore(KVStore):
             out.append(data)
         return out
 
-    def put(self, items: Sequence[tuple[StoreKey, BlockData]]) -> None:
+    def put(self, items: Sequence[tuple[StoreKey, BlockData]]) -> list[bool]:
         """Write each block as a record file (temp file + ``os.replace``), evicting LRU records to stay under the cap.
 
         A key whose file already exists is not rewritten (records are content
-        addressed); it becomes the most recently used one. See :meth:`KVStore.put`.
+        addressed); it becomes the most recently used one. See :meth:`KVStore.put`
+        (``False`` for a record over ``max_bytes`` or a failed write).
         """
         self._check_keys([k for k, _ in items])
         blobs = [(k, encode_record(k, data, self.spec)) for k, data in items]  # validates all before writing
-        for k, blob in blobs:
+        held = [False] * len(blobs)
+        for i, (k, blob) in enumerate(blobs):
             path, rel = self.path_for(k), self._rel(k)
             with self._lock:
                 try:
@@ -245,6 +247,7 @@ class DiskStore(KVStore):
                     size = None
                 if size is not None:  # already stored (possibly by another process): keep it, mark it used
                     self._remember(rel, size)
+                    held[i] = True
                     continue
                 if self.max_bytes is not None and len(blob) > self.max_bytes:
                     if not self._warned_too_big:
@@ -265,6 +268,8 @@ class DiskStore(KVStore):
                 self._touch(path)
             self._failures.succeeded()
             self._count(puts=1, bytes_written=len(blob))
+            held[i] = True
+        return held
 
     def _touch(self, path: Path) -> None:
         """Set ``path``'s mtime to now, with nanosecond precision and strictly increasing within this

@@ -248,18 +248,20 @@ class RedisStore(KVStore):
             self._run("delete", [("delete", (name,), {}) for name in bad])
         return out
 
-    def put(self, items: Sequence[tuple[StoreKey, BlockData]]) -> None:
-        """Pipelined ``SET key record [EX ttl]`` per block; dropped when its server is unreachable.
+    def put(self, items: Sequence[tuple[StoreKey, BlockData]]) -> list[bool]:
+        """Pipelined ``SET key record [EX ttl]`` per block; dropped (``False``) when its server is unreachable or
+        refuses it.
 
         Every block is validated and encoded before anything is sent. See :meth:`KVStore.put`.
         """
         self._check_keys([k for k, _ in items])
         blobs = [(self.redis_key(k), encode_record(k, data, self.spec)) for k, data in items]
         if not blobs:
-            return
+            return []
         kwargs = {} if self.ttl_seconds is None else {"ex": self.ttl_seconds}
         res = self._run("put", [("set", (name, blob), kwargs) for name, blob in blobs])
-        for (name, blob), r in zip(blobs, res):
+        held = [False] * len(blobs)
+        for i, ((name, blob), r) in enumerate(zip(blobs, res)):
             if isinstance(r, (_NotSent, *OUTAGE_REPLIES)):
                 continue  # counted and logged by the episode
             if isinstance(r, Exception) or not r:
@@ -267,6 +269,8 @@ class RedisStore(KVStore):
                 self._count(errors=1)
             else:
                 self._count(puts=1, bytes_written=len(blob))
+                held[i] = True
+        return held
 
     def close(self) -> None:
         """Close the connections."""
