@@ -5,7 +5,8 @@ Usage::
     python benchmarks/ab_commits.py --base 8441d79 [--head WORKTREE] [--rounds 3] [--formats float32,int8]
                                     [--batch 1,8] [--tokens 48] [--prompt-tokens 0 | --mix]
 
-``--base`` is checked out into a temporary ``git worktree``; ``--head`` defaults to this checkout. Each round
+``--base`` is checked out into a temporary ``git worktree`` (or, naming a checkout folder, used as it is:
+its kernels, built once into its ``.kvpage-extensions``, then serve every run); ``--head`` defaults to this checkout. Each round
 runs every (format, batch) once at the base and once at the head, alternating which goes first, each in a fresh
 subprocess (``PYTHONPATH`` set to that commit's ``src``) on the bundled SmolLM2 with the same thread count.
 Decode tokens/s excludes prefill: ``(output_tokens - 1) / (finish time - first token time)`` per request,
@@ -81,7 +82,7 @@ def run(src: Path, fmt: str, batch: int, tokens: int, threads: int, prompt_token
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="git revision to compare against")
+    p.add_argument("--base", required=True, help="git revision to compare against, or a checkout folder of it")
     p.add_argument("--head", type=Path, default=ROOT, help="checkout of the new code (default: this one)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--formats", default="float32,int8")
@@ -100,9 +101,12 @@ def main() -> None:
         args.prompt_tokens = -1
     cases = [(f, int(b)) for f in args.formats.split(",") for b in args.batch.split(",")]
     print(f"load average before: {os.getloadavg()}")
+    given = Path(args.base)
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base], check=True)
+        base = given if (given / "src" / "kvpage").is_dir() else Path(tmp) / "base"
+        if base != given:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base],
+                           check=True)
         try:
             res: dict[tuple[str, int, str], list[float]] = {}
             for r in range(args.rounds):
@@ -112,7 +116,8 @@ def main() -> None:
                         res.setdefault((fmt, batch, name), []).append(
                             run(src, fmt, batch, args.tokens, args.threads, args.prompt_tokens))
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
+            if base != given:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
     print(f"load average after: {os.getloadavg()}")
     what = ("mix (output tokens/s of the whole run, prompts 64-512 tokens)" if args.mix
             else f"prefill (prompt tokens/s of the run, {args.prompt_tokens}-token prompts)" if args.prompt_tokens
