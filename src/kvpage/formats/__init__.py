@@ -44,7 +44,7 @@ from kvpage.formats.base import (
     TokenFormat,
 )
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
-from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int4Format, SealedFormat
+from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int3Format, Int4Format, SealedFormat
 from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8RotatedFormat
 from kvpage.formats.static import (
     Fp8StaticFormat,
@@ -83,6 +83,7 @@ register_format(Fp8PerTokenHeadFormat)
 register_format(Int8StaticFormat)
 register_format(Fp8StaticFormat)
 register_format(Int4Format)
+register_format(Int3Format)
 register_format(Int2Format)
 
 
@@ -149,6 +150,7 @@ __all__ = [
     "Int8Format",
     "Int4Format",
     "Int2Format",
+    "Int3Format",
     "SealedFormat",
     "KEY_ZERO",
     "VALUE_ZERO",

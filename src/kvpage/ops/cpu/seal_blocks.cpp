@@ -1,4 +1,4 @@
-// kvpage CPU kernels: the seal of the quantize-on-seal formats (int4, int2) -- kvpage.formats.kivi's
+// kvpage CPU kernels: the seal of the quantize-on-seal formats (int4, int3, int2) -- kvpage.formats.kivi's
 // quantize_searched, pack and the pool write in one call, byte-identical to the Python format.
 //
 // Bit-exactness rests on doing every float32 operation the Python format does, in its order and rounding:
@@ -14,6 +14,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kv_common.h"
@@ -185,16 +186,16 @@ void seal_group(const Search& s, const float* x, int64_t n, uint8_t* codes, uint
   *zero = offset_byte(off[b]);
 }
 
-// [n] codes of `bits` bits -> ceil(n * bits / 8) bytes, value i at bit bits * (i % per) of byte i / per.
+// [n] codes of `bits` bits -> ceil(n * bits / 8) bytes: one little-endian bit stream, code j at bit bits * j
+// (kivi.pack). 2 and 4 bits never straddle a byte; 3 bits do (code j spills into the next byte when its bit
+// offset in its byte is above 5, a byte that exists since bit 3 * j + 2 < 3 * n <= 8 * P).
 inline void pack_row(const uint8_t* codes, int64_t n, int bits, uint8_t* out, int64_t P) {
-  const int per = 8 / bits;
-  for (int64_t p = 0; p < P; ++p) {
-    uint8_t byte = 0;
-    for (int i = 0; i < per; ++i) {
-      const int64_t j = p * per + i;
-      if (j < n) byte |= static_cast<uint8_t>(codes[j] << (bits * i));
-    }
-    out[p] = byte;
+  std::fill(out, out + P, static_cast<uint8_t>(0));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t bit = bits * j;
+    const int sh = static_cast<int>(bit & 7);
+    out[bit >> 3] |= static_cast<uint8_t>(codes[j] << sh);
+    if (sh + bits > 8) out[(bit >> 3) + 1] |= static_cast<uint8_t>(codes[j] >> (8 - sh));
   }
 }
 
@@ -207,7 +208,7 @@ inline void pack_row(const uint8_t* codes, int64_t n, int bits, uint8_t* out, in
 // min/max step's.
 void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor blocks, at::Tensor ids, bool key,
                  int64_t bits, int64_t group, double max_error, int64_t step_lo, int64_t step_hi) {
-  TORCH_CHECK(bits == 2 || bits == 4, "bits must be 2 or 4");
+  TORCH_CHECK(bits == 2 || bits == 3 || bits == 4, "bits must be 2, 3 or 4");
   TORCH_CHECK(blocks.is_contiguous() && blocks.dim() == 4, "blocks must be contiguous [m, bs, Hkv, D]");
   TORCH_CHECK(step_hi > step_lo && 2 * (step_hi - step_lo) + 1 <= kMaxCandidates, "step search range too wide");
   const int64_t xenc = float_encoding(blocks.scalar_type());
