@@ -433,15 +433,24 @@ class Int4Format(SealedFormat):
 class Int3Format(SealedFormat):
     """``int3``: 3-bit asymmetric KIVI codes, 8 per 3 bytes (a little-endian bit stream, see :func:`pack`).
 
-    Between ``int4`` and ``int2``: ``P = ceil(head_dim * 3 / 8)`` bytes per packed row (24 at head_dim 64).
-    DEFAULTS_PLACEHOLDER
+    Between ``int4`` and ``int2``: ``P = ceil(head_dim * 3 / 8)`` bytes per packed row (24 at head_dim 64), the
+    metadata of ``int4``. At SmolLM2's geometry (3 kv heads, head_dim 64, blocks of 32) a sequence costs 3.375
+    bits per value in the pool, plus the 8-bit first-block copy: 3.633 at exactly 1,024 tokens, 3.584 averaged
+    over the evaluation set's tuning members (``benchmarks/ACCURACY.md``), 3.44 at 4,096.
+
+    Chosen on the tuning members (chunked-32, ``kvpage eval --suite``; ``benchmarks/ACCURACY.md``): no
+    full-precision window (one 32-token block would add 0.5 bits at 1,024 tokens), and the first-block copy kept:
+    without it KLD was 1.6-3x as high (gpl3 0.082 against 0.026 with the search below), for 0.26 bits.
     """
 
     name = "int3"
     aliases = ("kivi3", "int3_kivi", "int3_zp")
     bits = 3
     default_residual_tokens = 0
-    step_search = range(-3, 9)
+    #: int4's candidates. Wider searches clip more and measured worse, as at 2 bits (tuning members gpl3 /
+    #: matplotlibrc KLD: -1..2 0.026 / 0.025, 0..2 0.033 / 0.028, -2..4 0.040 / 0.032, -3..8 0.049 / 0.038);
+    #: int4's ``max_error`` of 0.6 steps gained nothing here (0.031 / 0.025).
+    step_search = range(-1, 3)
 
 
 class Int2Format(SealedFormat):
