@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 GPL3 = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files; `dpkg -L base-files | grep GPL-3`
 GPL3_VENDORED = ROOT / "tests" / "data" / "GPL-3"  # a verbatim copy, for machines without base-files
-DEFAULT_FORMATS = "auto,int8,fp8,int4,int2,int8_rotated"
+DEFAULT_FORMATS = "auto,int8,fp8,int4,int3,int2,int8_rotated"
 DEFAULT_OUT = ROOT / "benchmarks" / "accuracy"            # one text: results.json and plots
 DEFAULT_SUITE_OUT = DEFAULT_OUT / "suite"                  # --suite: results.json, <member>/*.png
 DEFAULT_TEXT_TOKENS = 1024
@@ -181,7 +181,7 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
         "",
         f"- Machine: {_cpu_name(payload)}, {payload.get('cpu_count')} CPUs, {payload['threads']} torch thread(s); "
         f"torch {payload['torch']}, Python {payload.get('python')}; {payload['date']}.",
-        f"- Block size {payload['block_size'] or 'per format (16; 32 for int4/int2)'}; total eval time {payload['total_seconds']:.0f} s"
+        f"- Block size {payload['block_size'] or 'per format (16; 32 for int4/int3/int2)'}; total eval time {payload['total_seconds']:.0f} s"
         + (f" (script wall time {wall_s:.0f} s, model load included)" if wall_s is not None else "")
         + ". Seconds per format are wall time on a shared machine, so compare them only roughly.",
         f"- Raw numbers: [`{out_rel}/results.json`]({out_rel}/results.json).",
@@ -196,6 +196,7 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
 SUITE_TARGETS: dict[str, tuple[float, float | None]] = {
     "int8": (0.15, None),
     "int4": (0.5, 4.75),
+    "int3": (2.5, 3.6),
     "int2": (10.0, 3.0),
 }
 
@@ -268,7 +269,7 @@ def _feeding(payload: dict) -> str:
         return "one per forward pass"
     c = payload.get("chunk_size")
     return (f"{c} per forward pass (chunked prefill; a query reads its own block at full precision, so for "
-            f"`int4`/`int2` with {c}-token blocks this is decode mode's arithmetic up to float rounding, and for the "
+            f"`int4`/`int3`/`int2` with {c}-token blocks this is decode mode's arithmetic up to float rounding, and for the "
             f"token-wise formats it differs from decode only in the rounding of K/V computed in a batch)")
 def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str, wall_s: float | None) -> str:
     """ACCURACY.md from a suite ``results.json`` payload (``kvpage eval --suite``; suite schema 1 or 2).
@@ -347,7 +348,7 @@ def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str
         f"{_load(payload.get('load_average_end'))} at the end.",
         f"- Total eval time {float(payload.get('total_seconds', 0)):.0f} s"
         + (f" (script wall time {wall_s:.0f} s, model load included)" if wall_s is not None else "")
-        + "; block size " + str(payload.get("block_size") or "per format (16; 32 for int4/int2)") + ".",
+        + "; block size " + str(payload.get("block_size") or "per format (16; 32 for int4/int3/int2)") + ".",
         f"- Raw numbers: [`results.json`]({_rel(suite_dir / 'results.json', note_dir)}).",
         "- The members' texts (sha256 of the UTF-8 text as resolved on the measuring machine):", "",
     ]
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mode", choices=("decode", "chunked"), default="decode",
                     help="with --suite: kvpage eval's feeding mode (default decode; chunked with --chunk-size 32 is "
-                         "decode's arithmetic for int4/int2 and about 7x faster; benchmarks/ACCURACY.md used it)")
+                         "decode's arithmetic for int4/int3/int2 and about 7x faster; benchmarks/ACCURACY.md used it)")
     ap.add_argument("--chunk-size", type=int, default=32, help="with --suite --mode chunked: tokens per step (default 32)")
     ap.add_argument("--text", default=None, help=f"one text: default {GPL3} (or the vendored copy {GPL3_VENDORED.relative_to(ROOT)})")
     ap.add_argument("--out", default=None,

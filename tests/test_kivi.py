@@ -530,12 +530,13 @@ def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -
     # Close to the float32 cache, teacher-forced on its 12-token answer (not exact greedy agreement: on
     # this token-range prompt the top-2 logits nearly tie, so a flip depends on the CPU's rounding).
     # Measured (default AVX-512 dispatch / forced AVX2): int4 flips 0 / 0, KL 0.0029 / 0.0039;
-    # int2 flips 1 / 4, KL 0.114 / 0.130. A broken read (wrong block or scale) gives KL of whole nats.
+    # int2 flips 1 / 4, KL 0.114 / 0.130; int3 (default dispatch) flips 0, KL 0.0064. A broken read (wrong block
+    # or scale) gives KL of whole nats.
     ref_llm = LLM(smollm2, kv_cache_dtype="float32", progress=False, max_num_seqs=4)
     answer = ref_llm.generate([prompt], params)[0].outputs[0].token_ids
     ids = prompt["prompt_token_ids"]
     flips, kl = divergence(teacher_forced_logits(llm, ids, answer), teacher_forced_logits(ref_llm, ids, answer))
-    max_flips, max_kl = {"int4": (2, 0.01), "int2": (6, 0.3)}[name]
+    max_flips, max_kl = {"int4": (2, 0.01), "int3": (3, 0.03), "int2": (6, 0.3)}[name]
     assert flips <= max_flips and kl < max_kl, (name, flips, kl)
 
 
