@@ -201,6 +201,34 @@ SUITE_TARGETS: dict[str, tuple[float, float | None]] = {
 }
 
 
+#: How ``int3``'s defaults were chosen (issue 34.2): screening runs on the tuning members only, chunked-32 as the note,
+#: each variant a scratch subclass of ``Int3Format`` (2026-12-04; the kept row is the format's default).
+INT3_CHOICE = """\
+### How `int3`'s defaults were chosen
+
+Screening on the tuning members only (the held-back member was not run), chunked-32 as above; every variant
+has no full-precision window (one 32-token block would cost 0.5 bits at 1,024 tokens: over the 3.6-bit
+budget). The search int2 uses (-3..8) clips too deep at 3 bits, as deeper clipping did at 2; without the
+8-bit copy of the first block KLD is 1.5-3x as high, which its 0.26 bits (at 1,024 tokens) pay for. Kept:
+int4's candidates -1..2 without int4's `max_error`, and the first-block copy; ranges -1..1 and -1..4 were
+within the noise of it.
+
+| step search (UE5M3 codes around the min/max step) | 8-bit first block | bits at 1,024 tokens | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl |
+|---|---|---|---|---|---|---|
+| -3..8 (int2's) | yes | 3.633 | 0.0490 / +4.26% | 0.0492 / +6.10% | 0.0375 / +4.84% | 0.2713 / +0.53% |
+| -3..8 | no | 3.375 | 0.0998 / +1.81% | 0.1003 / +10.43% | 0.0696 / +7.26% | 0.2942 / -0.34% |
+| -2..4 | no | 3.375 | 0.0945 / +1.38% | 0.0875 / +10.36% | 0.0569 / +6.58% | 0.2896 / +4.50% |
+| -1..2 | no | 3.375 | 0.0815 / +0.16% | 0.0738 / +8.61% | 0.0544 / +6.23% | 0.2030 / -1.25% |
+| **-1..2 (int4's): kept** | yes | 3.633 | 0.0263 / +2.18% | 0.0376 / +5.21% | 0.0253 / +3.88% | 0.1952 / -3.66% |
+| -1..2, max_error 0.6 (int4's) | yes | 3.633 | 0.0313 / +3.52% | — | 0.0254 / +3.55% | 0.1866 / -4.47% |
+| 0..2 | yes | 3.633 | 0.0332 / +4.84% | — | 0.0281 / +1.97% | 0.2090 / -5.88% |
+| -2..4 | yes | 3.633 | 0.0404 / +3.83% | — | 0.0324 / +4.78% | 0.2219 / -1.02% |
+| -1..1 | yes | 3.633 | 0.0254 / +1.84% | 0.0387 / +5.42% | 0.0258 / +3.13% | — |
+| -1..4 | yes | 3.633 | 0.0269 / +3.04% | 0.0377 / +5.06% | 0.0245 / +2.52% | — |
+
+"""
+
+
 def _rel(path: Path, start: Path) -> str:
     """``path`` relative to folder ``start``, with forward slashes (a Markdown link)."""
     return Path(os.path.relpath(path, start)).as_posix()
@@ -306,6 +334,7 @@ def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str
         + (f"`{held['name']}` is held back and reported on its own." if held else "no held-back member was run."), "",
         "## Summary", "",
         summary_markdown(payload), *_targets_table(payload),
+        *([INT3_CHOICE] if any(s["name"] == "int3" for s in payload["summary"]) else []),
         "Each format per member (Δppl / KLD):", "", grid_markdown(payload),
     ]
     if held is not None:

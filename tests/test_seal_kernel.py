@@ -103,10 +103,10 @@ def test_extreme_groups_code_as_documented(fmt_name: str) -> None:
     assert got["key_zero"][0, 0, 0].item() == 0
     steps = decode_scale(got["key_scale"])
     assert steps.min().item() >= SCALE_MIN and steps.max().item() <= SCALE_MAX
-    # a group beyond the largest step takes one within the search's lowest candidate of the largest (int4: one of
-    # the two largest, its -1 candidate clips more; int3/int2 search down to -3, so 1.5 * 2**15 at least)
+    # a group beyond the largest step takes one at least the search's lowest candidate below the largest (int4 and
+    # int3: one of the two largest, their -1 candidate clips more; int2 searches down to -3: 1.5 * 2**15 at least)
     lowest = decode_scale(torch.tensor([255 + fmt.step_search.start], dtype=torch.uint8)).item()
-    assert lowest == (1.75 * 2.0**15 if fmt_name == "int4" else 1.5 * 2.0**15)
+    assert lowest == {"int4": 1.75, "int3": 1.75, "int2": 1.5}[fmt_name] * 2.0**15
     assert steps[3, 0, 3].item() >= lowest and steps[2, 0, 2].item() == SCALE_MIN
 
 
