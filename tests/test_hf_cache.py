@@ -288,7 +288,7 @@ def test_beam_search_reorders_the_cache(fmt: str) -> None:
 def test_unknown_format_lists_the_valid_names() -> None:
     model = tiny_model("llama", num_hidden_layers=1)
     with pytest.raises(UnknownKVFormatError, match="int4"):
-        KVPageCache(model.config, "int3")
+        KVPageCache(model.config, "int5")
 
 
 def test_import_does_not_import_the_engine_or_server() -> None:
