@@ -209,7 +209,8 @@ INT3_CHOICE = """\
 Screening on the tuning members only (the held-back member was not run), chunked-32 as above; every variant
 has no full-precision window (one 32-token block would cost 0.5 bits at 1,024 tokens: over the 3.6-bit
 budget). The search int2 uses (-3..8) clips too deep at 3 bits, as deeper clipping did at 2; without the
-8-bit copy of the first block KLD is 1.5-3x as high, which its 0.26 bits (at 1,024 tokens) pay for. Kept:
+8-bit copy of the first block KLD is 2-3x as high on three members (about equal on `torch_readme`), which
+its 0.26 bits (at 1,024 tokens) pay for. Kept:
 int4's candidates -1..2 without int4's `max_error`, and the first-block copy; ranges -1..1 and -1..4 were
 within the noise of it.
 
@@ -434,6 +435,8 @@ def _main_suite(args: argparse.Namespace) -> int:
         eval_args += ["--tokens", str(args.tokens)] if args.tokens else []
         command = "python benchmarks/accuracy.py --suite" \
             + (f" --formats {args.formats}" if args.formats != DEFAULT_FORMATS else "") \
+            + (f" --mode {args.mode}" if args.mode != "decode" else "") \
+            + (f" --chunk-size {args.chunk_size}" if args.mode == "chunked" else "") \
             + (f" --suite-members {args.suite_members}" if args.suite_members else "") \
             + (f" --tokens {args.tokens}" if args.tokens else "") \
             + (f" --threads {args.threads}" if args.threads != 1 else "") \

@@ -440,7 +440,8 @@ class Int3Format(SealedFormat):
 
     Chosen on the tuning members (chunked-32, ``kvpage eval --suite``; ``benchmarks/ACCURACY.md``): no
     full-precision window (one 32-token block would add 0.5 bits at 1,024 tokens), and the first-block copy kept:
-    without it KLD was 1.6-3x as high (gpl3 0.082 against 0.026 with the search below), for 0.26 bits.
+    without it KLD was 2-3x as high on three of the four members (gpl3 0.082 against 0.026 with the search below),
+    for 0.26 bits.
     """
 
     name = "int3"

@@ -171,10 +171,13 @@ struct SealedSource {
                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
       return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
     } else if constexpr (BITS == 3) {
-      // the 3 bytes of codes c .. c+7 start at byte 3c/8; copied into the low bytes of a zeroed word, so no
-      // byte past them (nor past the row end) is read
-      uint32_t w = 0;
-      std::memcpy(&w, row + 3 * c / 8, 3);
+      // the 3 bytes of codes c .. c+7 start at byte 3c/8: read as a 2-byte and a 1-byte load and combined in
+      // registers, so no byte past them (nor past the row end) is read. (A 3-byte memcpy into a zeroed word
+      // went through the stack and stalled on store forwarding: the int3 decode step ran 5-10x int4's.)
+      const uint8_t* b = row + 3 * c / 8;
+      uint16_t lo;
+      std::memcpy(&lo, b, 2);
+      const uint32_t w = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(b[2]) << 16);
       const __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
                                           _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
       return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(7)));
