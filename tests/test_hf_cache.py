@@ -158,7 +158,7 @@ def test_calibrated_scales_round_trip_through_a_file(tmp_path) -> None:
 # -- rollback: crop ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4", "int3", "int2"])
 def test_crop_then_continue_equals_never_having_generated(fmt: str) -> None:
     """Feed 13 prompt tokens and 30 decode tokens, then 25 more that are cropped away, then 6 more: every
     logit after the crop equals a cache that never saw the 25 (the state was restored exactly; block size 8,
