@@ -14,7 +14,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "kv_common.h"
@@ -187,15 +186,29 @@ void seal_group(const Search& s, const float* x, int64_t n, uint8_t* codes, uint
 }
 
 // [n] codes of `bits` bits -> ceil(n * bits / 8) bytes: one little-endian bit stream, code j at bit bits * j
-// (kivi.pack). 2 and 4 bits never straddle a byte; 3 bits do (code j spills into the next byte when its bit
-// offset in its byte is above 5, a byte that exists since bit 3 * j + 2 < 3 * n <= 8 * P).
+// (kivi.pack). 2 and 4 bits: value i of byte p at bit bits * i (no code straddles a byte); 3 bits: eight codes per
+// three bytes, code 8p + i at bit 3i of the 24-bit little-endian word of bytes 3p .. 3p+2, the last word cut to
+// the row's P bytes. (One loop over the bit stream for every width measured 5-10% slower seals of int4/int2.)
 inline void pack_row(const uint8_t* codes, int64_t n, int bits, uint8_t* out, int64_t P) {
-  std::fill(out, out + P, static_cast<uint8_t>(0));
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t bit = bits * j;
-    const int sh = static_cast<int>(bit & 7);
-    out[bit >> 3] |= static_cast<uint8_t>(codes[j] << sh);
-    if (sh + bits > 8) out[(bit >> 3) + 1] |= static_cast<uint8_t>(codes[j] >> (8 - sh));
+  if (bits == 3) {
+    for (int64_t p = 0; 8 * p < n; ++p) {
+      uint32_t w = 0;
+      for (int i = 0; i < 8; ++i) {
+        const int64_t j = 8 * p + i;
+        if (j < n) w |= static_cast<uint32_t>(codes[j]) << (3 * i);
+      }
+      for (int k = 0; k < 3 && 3 * p + k < P; ++k) out[3 * p + k] = static_cast<uint8_t>(w >> (8 * k));
+    }
+    return;
+  }
+  const int per = 8 / bits;
+  for (int64_t p = 0; p < P; ++p) {
+    uint8_t byte = 0;
+    for (int i = 0; i < per; ++i) {
+      const int64_t j = p * per + i;
+      if (j < n) byte |= static_cast<uint8_t>(codes[j] << (bits * i));
+    }
+    out[p] = byte;
   }
 }
 
