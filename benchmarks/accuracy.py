@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 GPL3 = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files; `dpkg -L base-files | grep GPL-3`
 GPL3_VENDORED = ROOT / "tests" / "data" / "GPL-3"  # a verbatim copy, for machines without base-files
-DEFAULT_FORMATS = "auto,int8,fp8,int4,int2,int8_rotated"
+DEFAULT_FORMATS = "auto,int8,fp8,int4,int3,int2,int8_rotated"
 DEFAULT_OUT = ROOT / "benchmarks" / "accuracy"            # one text: results.json and plots
 DEFAULT_SUITE_OUT = DEFAULT_OUT / "suite"                  # --suite: results.json, <member>/*.png
 DEFAULT_TEXT_TOKENS = 1024
@@ -181,7 +181,7 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
         "",
         f"- Machine: {_cpu_name(payload)}, {payload.get('cpu_count')} CPUs, {payload['threads']} torch thread(s); "
         f"torch {payload['torch']}, Python {payload.get('python')}; {payload['date']}.",
-        f"- Block size {payload['block_size'] or 'per format (16; 32 for int4/int2)'}; total eval time {payload['total_seconds']:.0f} s"
+        f"- Block size {payload['block_size'] or 'per format (16; 32 for int4/int3/int2)'}; total eval time {payload['total_seconds']:.0f} s"
         + (f" (script wall time {wall_s:.0f} s, model load included)" if wall_s is not None else "")
         + ". Seconds per format are wall time on a shared machine, so compare them only roughly.",
         f"- Raw numbers: [`{out_rel}/results.json`]({out_rel}/results.json).",
@@ -196,8 +196,38 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
 SUITE_TARGETS: dict[str, tuple[float, float | None]] = {
     "int8": (0.15, None),
     "int4": (0.5, 4.75),
+    "int3": (2.5, 3.6),
     "int2": (10.0, 3.0),
 }
+
+
+#: How ``int3``'s defaults were chosen (issue 34.2): screening runs on the tuning members only, chunked-32 as the note,
+#: each variant a scratch subclass of ``Int3Format`` (2026-12-04; the kept row is the format's default).
+INT3_CHOICE = """\
+### How `int3`'s defaults were chosen
+
+Screening on the tuning members only (the held-back member was not run), chunked-32 as above; every variant
+has no full-precision window (one 32-token block would cost 0.5 bits at 1,024 tokens: over the 3.6-bit
+budget). The search int2 uses (-3..8) clips too deep at 3 bits, as deeper clipping did at 2; without the
+8-bit copy of the first block KLD is 2-3x as high on three members (about equal on `torch_readme`), which
+its 0.26 bits (at 1,024 tokens) pay for. Kept:
+int4's candidates -1..2 without int4's `max_error`, and the first-block copy; ranges -1..1 and -1..4 were
+within the noise of it.
+
+| step search (UE5M3 codes around the min/max step) | 8-bit first block | bits at 1,024 tokens | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl |
+|---|---|---|---|---|---|---|
+| -3..8 (int2's) | yes | 3.633 | 0.0490 / +4.26% | 0.0492 / +6.10% | 0.0375 / +4.84% | 0.2713 / +0.53% |
+| -3..8 | no | 3.375 | 0.0998 / +1.81% | 0.1003 / +10.43% | 0.0696 / +7.26% | 0.2942 / -0.34% |
+| -2..4 | no | 3.375 | 0.0945 / +1.38% | 0.0875 / +10.36% | 0.0569 / +6.58% | 0.2896 / +4.50% |
+| -1..2 | no | 3.375 | 0.0815 / +0.16% | 0.0738 / +8.61% | 0.0544 / +6.23% | 0.2030 / -1.25% |
+| **-1..2 (int4's): kept** | yes | 3.633 | 0.0263 / +2.18% | 0.0376 / +5.21% | 0.0253 / +3.88% | 0.1952 / -3.66% |
+| -1..2, max_error 0.6 (int4's) | yes | 3.633 | 0.0313 / +3.52% | — | 0.0254 / +3.55% | 0.1866 / -4.47% |
+| 0..2 | yes | 3.633 | 0.0332 / +4.84% | — | 0.0281 / +1.97% | 0.2090 / -5.88% |
+| -2..4 | yes | 3.633 | 0.0404 / +3.83% | — | 0.0324 / +4.78% | 0.2219 / -1.02% |
+| -1..1 | yes | 3.633 | 0.0254 / +1.84% | 0.0387 / +5.42% | 0.0258 / +3.13% | — |
+| -1..4 | yes | 3.633 | 0.0269 / +3.04% | 0.0377 / +5.06% | 0.0245 / +2.52% | — |
+
+"""
 
 
 def _rel(path: Path, start: Path) -> str:
@@ -268,7 +298,7 @@ def _feeding(payload: dict) -> str:
         return "one per forward pass"
     c = payload.get("chunk_size")
     return (f"{c} per forward pass (chunked prefill; a query reads its own block at full precision, so for "
-            f"`int4`/`int2` with {c}-token blocks this is decode mode's arithmetic up to float rounding, and for the "
+            f"`int4`/`int3`/`int2` with {c}-token blocks this is decode mode's arithmetic up to float rounding, and for the "
             f"token-wise formats it differs from decode only in the rounding of K/V computed in a batch)")
 def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str, wall_s: float | None) -> str:
     """ACCURACY.md from a suite ``results.json`` payload (``kvpage eval --suite``; suite schema 1 or 2).
@@ -305,6 +335,7 @@ def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str
         + (f"`{held['name']}` is held back and reported on its own." if held else "no held-back member was run."), "",
         "## Summary", "",
         summary_markdown(payload), *_targets_table(payload),
+        *([INT3_CHOICE] if any(s["name"] == "int3" for s in payload["summary"]) else []),
         "Each format per member (Δppl / KLD):", "", grid_markdown(payload),
     ]
     if held is not None:
@@ -347,7 +378,7 @@ def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str
         f"{_load(payload.get('load_average_end'))} at the end.",
         f"- Total eval time {float(payload.get('total_seconds', 0)):.0f} s"
         + (f" (script wall time {wall_s:.0f} s, model load included)" if wall_s is not None else "")
-        + "; block size " + str(payload.get("block_size") or "per format (16; 32 for int4/int2)") + ".",
+        + "; block size " + str(payload.get("block_size") or "per format (16; 32 for int4/int3/int2)") + ".",
         f"- Raw numbers: [`results.json`]({_rel(suite_dir / 'results.json', note_dir)}).",
         "- The members' texts (sha256 of the UTF-8 text as resolved on the measuring machine):", "",
     ]
@@ -404,6 +435,8 @@ def _main_suite(args: argparse.Namespace) -> int:
         eval_args += ["--tokens", str(args.tokens)] if args.tokens else []
         command = "python benchmarks/accuracy.py --suite" \
             + (f" --formats {args.formats}" if args.formats != DEFAULT_FORMATS else "") \
+            + (f" --mode {args.mode}" if args.mode != "decode" else "") \
+            + (f" --chunk-size {args.chunk_size}" if args.mode == "chunked" else "") \
             + (f" --suite-members {args.suite_members}" if args.suite_members else "") \
             + (f" --tokens {args.tokens}" if args.tokens else "") \
             + (f" --threads {args.threads}" if args.threads != 1 else "") \
@@ -442,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mode", choices=("decode", "chunked"), default="decode",
                     help="with --suite: kvpage eval's feeding mode (default decode; chunked with --chunk-size 32 is "
-                         "decode's arithmetic for int4/int2 and about 7x faster; benchmarks/ACCURACY.md used it)")
+                         "decode's arithmetic for int4/int3/int2 and about 7x faster; benchmarks/ACCURACY.md used it)")
     ap.add_argument("--chunk-size", type=int, default=32, help="with --suite --mode chunked: tokens per step (default 32)")
     ap.add_argument("--text", default=None, help=f"one text: default {GPL3} (or the vendored copy {GPL3_VENDORED.relative_to(ROOT)})")
     ap.add_argument("--out", default=None,

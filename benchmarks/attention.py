@@ -7,7 +7,7 @@ Usage::
     python benchmarks/attention.py --batch 32 --depth 1024 --formats int8,int4 --repeats 9 --json out.json
 
 Shape: SmolLM2's attention (9 query heads, 3 KV heads, head_dim 64), one layer;
-block_size 16, or 32 for ``int4``/``int2`` (the engine's preferred size). Each
+block_size 16, or 32 for ``int4``/``int3``/``int2`` (the engine's preferred size). Each
 request has ``depth`` cached tokens and decodes one new token, so the step writes
 ``batch`` K/V rows and attends over ``depth + 1`` tokens per request.
 
@@ -15,7 +15,7 @@ request has ``depth`` cached tokens and decodes one new token, so the step write
   float16 scales in ``[0.01, 0.02]``) or unit-normal floats; static formats get
   ``absmax`` scales of ~5 (:class:`kvpage.scales.StaticScales`). Re-running the
   step rewrites the same rows with the same K/V, so repeats see the same state.
-* ``int4``/``int2``: the cache is filled by a real prefill through the cpu
+* ``int4``/``int3``/``int2``: the cache is filled by a real prefill through the cpu
   backend's ``forward_sealed`` (1,024-token chunks per request, so sealed blocks,
   the sink copy of block 0 and, for ``int2``, the 32-token 16-bit window are real;
   tail slots sized as the engine sizes them). The decode step is then planned
@@ -63,8 +63,8 @@ from kvpage.spec import CacheSpec, TailLayout  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
-           "int8_static", "fp8_static", "int4", "int2"]
-SEALED = ("int4", "int2")
+           "int8_static", "fp8_static", "int4", "int3", "int2"]
+SEALED = ("int4", "int3", "int2")
 PREFILL_CHUNK = 1024
 SAMPLE_S = 0.002  # target seconds of one timed sample (a loop of calls)
 
@@ -146,7 +146,7 @@ def token_case(fmt: str, batch: int, depth: int, gen: torch.Generator) -> Case:
 
 
 def sealed_case(fmt: str, batch: int, depth: int, gen: torch.Generator, setup_threads: int) -> Case:
-    """``int4``/``int2``: a real chunked prefill through the cpu backend, then one planned decode step."""
+    """``int4``/``int3``/``int2``: a real chunked prefill through the cpu backend, then one planned decode step."""
     spec = build_spec(fmt)
     ls, bs = spec.layer(0), spec.block_size
     window = -(-ls.format.default_residual_tokens // bs)

@@ -36,7 +36,7 @@ def test_cross_field_rules_and_unknown_formats() -> None:
     with pytest.raises(ValueError, match="kv_disk_dir"):
         EngineConfig(kv_disk_max_bytes=10)
     with pytest.raises(UnknownKVFormatError):
-        EngineConfig(kv_cache_dtype="int3")
+        EngineConfig(kv_cache_dtype="int5")
     with pytest.raises(StaticScalesError, match="calibrated static scales"):
         EngineConfig(kv_cache_dtype="int8_static")  # fails before any model would load
 

@@ -110,10 +110,10 @@ def test_memory_fraction_excludes_the_other_sizes(other) -> None:
 
 # -- block sizes of quantize-on-seal formats ----------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ["int4", "int2", "kivi4"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2", "kivi4"])
 def test_sealed_formats_need_blocks_of_at_least_8_tokens(fmt) -> None:
     for bs in (1, 7):
-        with pytest.raises(ValueError, match=rf"block_size={bs} is too small for kv_cache_dtype='int[42]'"):
+        with pytest.raises(ValueError, match=rf"block_size={bs} is too small for kv_cache_dtype='int[432]'"):
             EngineConfig(kv_cache_dtype=fmt, block_size=bs)
     assert EngineConfig(kv_cache_dtype=fmt, block_size=MIN_SEALED_BLOCK_SIZE).block_size_resolved == 8
     assert EngineConfig(kv_cache_dtype="int8", block_size=1).block_size_resolved == 1  # token-wise: any size

@@ -42,10 +42,10 @@ from _attention_oracle import float64_attention, static_scales
 
 TOKEN_FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
                  "int8_static", "fp8_static"]
-SEALED_FORMATS = ["int4", "int2"]
+SEALED_FORMATS = ["int4", "int3", "int2"]
 # Output error against float64 attention over the unquantized K/V (unit-normal q/k/v), per format.
 LOOSE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3, "int8": 0.06, "fp8": 0.25, "int8_rotated": 0.06,
-         "fp8_per_token_head": 0.25, "int8_static": 0.08, "fp8_static": 0.3, "int4": 0.35, "int2": 1.2}
+         "fp8_per_token_head": 0.25, "int8_static": 0.08, "fp8_static": 0.3, "int4": 0.35, "int3": 0.7, "int2": 1.2}
 
 # The kernels must build wherever `make test` runs (a fresh machine has the compiler and ninja); only an
 # explicit KVPAGE_CPU_KERNELS=0 skips the tests that need them.
@@ -187,6 +187,18 @@ def test_c27_decode_batch_matches_reference_and_float64(fmt: str, heads: int, kv
               block_size=bs)
 
 
+@pytest.mark.parametrize("fmt", SEALED_FORMATS)
+@pytest.mark.parametrize("head_dim", [44, 21, 8])
+def test_c27_sealed_head_dims_off_the_simd_width(fmt: str, head_dim: int) -> None:
+    """Head sizes that are no multiple of 8 codes: the portable unpacking's last codes (int3: 44 and 21 channels end
+    in codes straddling two bytes of a row that ends mid-byte; nothing past the row may be read) and 8 channels
+    (one 3-byte word per int3 row)."""
+    bs = 8
+    lens = [1, bs - 1, bs + 1, 5 * bs + 3, 40]
+    run_batch(fmt, lens=lens, query_lens=[1, 1, 1, 1, 8], heads=4, kv_heads=2, head_dim=head_dim, block_size=bs,
+              seed=head_dim)
+
+
 @pytest.mark.parametrize("fmt", TOKEN_FORMATS + SEALED_FORMATS)
 def test_c27_mixed_batch_of_decode_chunks_and_prefill(fmt: str) -> None:
     """Decode rows, short query runs over cached prefixes (kernel), a long chunk and a whole prefill (SDPA)."""
@@ -196,7 +208,7 @@ def test_c27_mixed_batch_of_decode_chunks_and_prefill(fmt: str) -> None:
     run_batch(fmt, lens=lens, query_lens=query_lens, heads=9, kv_heads=3, head_dim=64, block_size=bs, seed=3)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "fp8", "int8_rotated", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "fp8", "int8_rotated", "int4", "int3", "int2"])
 @pytest.mark.parametrize("params", [LayerAttention(scale=0.06), LayerAttention(sliding_window=11),
                                     LayerAttention(scale=0.25, sliding_window=16, logit_softcap=2.0),
                                     LayerAttention(logit_softcap=1.5)], ids=["scale", "window", "all", "softcap"])

@@ -124,7 +124,7 @@ def test_prompt_longer_than_cache_is_a_clear_error(smollm2):
 
 def test_unknown_format_fails_before_loading_the_model():
     with pytest.raises(UnknownKVFormatError, match="int8") as e:
-        LLM("/nonexistent/model.gguf", kv_cache_dtype="int3")
+        LLM("/nonexistent/model.gguf", kv_cache_dtype="int5")
     assert "fp8" in str(e.value)
 
 

@@ -33,6 +33,7 @@ from kvpage.formats import (
     Int8RotatedFormat,
     KVFormat,
     Int2Format,
+    Int3Format,
     Int4Format,
     available_formats,
     canonical_format_name,
@@ -69,6 +70,10 @@ ALIASES = {
     "block_wise_fp8": "fp8_per_token_head",  # FastDeploy: per-(token, head) scales, unrotated
     "int4": "int4",
     "int4_zp": "int4",  # FastDeploy
+    "int3": "int3",
+    "kivi3": "int3",
+    "int3_kivi": "int3",
+    "int3_zp": "int3",
     "int2": "int2",
     # unquantized
     "float32": "float32",
@@ -86,6 +91,7 @@ CLASS_OF = {
     "int8": Int8Format,
     "fp8_per_token_head": Fp8PerTokenHeadFormat,
     "int4": Int4Format,
+    "int3": Int3Format,
     "int2": Int2Format,
 }
 
@@ -129,7 +135,7 @@ def test_format_aliases_table_matches_docs() -> None:
     assert available_formats() == [
         "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
         "int8_static", "fp8_static",  # static calibrated scales: tests/test_static_scales.py
-        "int4", "int2",  # quantize on seal: tests/test_kivi.py
+        "int4", "int3", "int2",  # quantize on seal: tests/test_kivi.py
     ]
 
 
@@ -733,9 +739,9 @@ def test_formats_are_kvformat_instances() -> None:
         f = get_format(name)
         assert isinstance(f, KVFormat)
         # exactly one of the two interfaces: block-wise for the quantize-on-seal formats, token-wise for the rest
-        block_wise = name in ("int4", "int2")
+        block_wise = name in ("int4", "int3", "int2")
         assert isinstance(f, BlockFormat) == block_wise and isinstance(f, TokenFormat) == (not block_wise)
-        assert f.quantized == (name in QUANTIZED or name.endswith("_static") or name in ("int4", "int2"))
+        assert f.quantized == (name in QUANTIZED or name.endswith("_static") or name in ("int4", "int3", "int2"))
         assert isinstance(f.version, int) and f.version >= 1
         if isinstance(f, TokenFormat):
             assert (f.rotation(8, torch.float32, "cpu") is not None) == (name in ROTATED)

@@ -158,7 +158,7 @@ def test_calibrated_scales_round_trip_through_a_file(tmp_path) -> None:
 # -- rollback: crop ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4", "int3", "int2"])
 def test_crop_then_continue_equals_never_having_generated(fmt: str) -> None:
     """Feed 13 prompt tokens and 30 decode tokens, then 25 more that are cropped away, then 6 more: every
     logit after the crop equals a cache that never saw the 25 (the state was restored exactly; block size 8,
@@ -288,7 +288,7 @@ def test_beam_search_reorders_the_cache(fmt: str) -> None:
 def test_unknown_format_lists_the_valid_names() -> None:
     model = tiny_model("llama", num_hidden_layers=1)
     with pytest.raises(UnknownKVFormatError, match="int4"):
-        KVPageCache(model.config, "int3")
+        KVPageCache(model.config, "int5")
 
 
 def test_import_does_not_import_the_engine_or_server() -> None:

@@ -1,4 +1,4 @@
-"""The C++ seal of ``int4``/``int2`` blocks (``seal_blocks``) writes exactly the bytes of the Python format.
+"""The C++ seal of ``int4``/``int3``/``int2`` blocks (``seal_blocks``) writes exactly the bytes of the Python format.
 
 Blocks are drawn by hypothesis: shapes (block sizes 1..64, head_dim 8..256 with value groups that divide it,
 1..4 kv heads), storage dtypes (float32, bfloat16, float16), magnitudes from subnormal to float32's largest,
@@ -67,7 +67,7 @@ def _pools(fmt_name: str, kind: str, bs: int, kv: int, d: int, nb: int) -> list[
     return [pool, {n: t.clone() for n, t in pool.items()}]
 
 
-@pytest.mark.parametrize("fmt_name", ["int4", "int2"])
+@pytest.mark.parametrize("fmt_name", ["int4", "int3", "int2"])
 @pytest.mark.parametrize("kind", ["key", "value"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(drawn=blocks())
@@ -85,15 +85,16 @@ def test_kernel_seal_is_byte_identical_to_the_format(fmt_name: str, kind: str,
         assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), (name, x.dtype)
 
 
-def test_extreme_groups_code_as_documented() -> None:
+@pytest.mark.parametrize("fmt_name", ["int4", "int3", "int2"])
+def test_extreme_groups_code_as_documented(fmt_name: str) -> None:
     """Hand-picked groups through the kernel: NaN codes and offsets store 0, steps stay in UE5M3's range."""
-    fmt = get_format("int4")
+    fmt = get_format(fmt_name)
     x = torch.zeros(4, 32, 1, 64)
     x[0, :, 0, 0] = float("nan")                   # a NaN channel
     x[1, 3, 0, 1] = float("inf")                   # one infinite value
     x[2, :, 0, 2] = 1e-30                           # below the smallest step
     x[3, :, 0, 3] = torch.linspace(-3e38, 3e38, 32)  # beyond the largest step
-    ref, got = _pools("int4", "key", 32, 1, 64, 4)
+    ref, got = _pools(fmt_name, "key", 32, 1, 64, 4)
     ids = torch.arange(4)
     REFERENCE_WRITER.write_blocks(ref, fmt, "key", x, ids)
     _writer().write_blocks(got, fmt, "key", x, ids)
@@ -102,8 +103,11 @@ def test_extreme_groups_code_as_documented() -> None:
     assert got["key_zero"][0, 0, 0].item() == 0
     steps = decode_scale(got["key_scale"])
     assert steps.min().item() >= SCALE_MIN and steps.max().item() <= SCALE_MAX
-    # a group beyond the largest step takes one of the two largest (the search's -1 candidate clips more)
-    assert steps[3, 0, 3].item() >= 1.75 * 2.0**15 and steps[2, 0, 2].item() == SCALE_MIN
+    # a group beyond the largest step takes one at least the search's lowest candidate below the largest (int4 and
+    # int3: one of the two largest, their -1 candidate clips more; int2 searches down to -3: 1.5 * 2**15 at least)
+    lowest = decode_scale(torch.tensor([255 + fmt.step_search.start], dtype=torch.uint8)).item()
+    assert lowest == {"int4": 1.75, "int3": 1.75, "int2": 1.5}[fmt_name] * 2.0**15
+    assert steps[3, 0, 3].item() >= lowest and steps[2, 0, 2].item() == SCALE_MIN
 
 
 @settings(max_examples=30, deadline=None)

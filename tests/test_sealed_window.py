@@ -139,7 +139,7 @@ def _serve_all(folder: Path, fmt: str, prompts: list[list[int]], **kw: Any) -> t
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen2_window"])
-@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 def test_window_slots_read_what_keeping_every_block_reads(folders: dict[str, Path], family: str, fmt: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Three requests sharing a 32-token prefix, served twice: every logits row equals the run whose windowed
@@ -214,7 +214,7 @@ def long_folders(tmp_path_factory: pytest.TempPathFactory, smollm2) -> dict[str,
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
-@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 def test_c26_a_long_request_pins_only_its_window_and_capacity_is_what_is_allocated(
         long_folders: dict[str, Path], family: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1,000-token request on a 32-token window: at most the window plus one step's chunk is pinned; the
@@ -272,7 +272,7 @@ def test_speculative_rollback_over_window_slots_gives_everything_back(folders: d
     llm.close()
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 def test_windowed_layers_dequantize_only_their_window(folders: dict[str, Path], fmt: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A windowed sealed layer reads from the first block of its queries' windows (``first_read_block``): every

@@ -199,6 +199,8 @@ PINNED = {
     # int4/int2 version 2 (int8 offsets instead of float16 minima): records of version 1 no longer match
     ("int4", 32, True, 0): "a55605fbb732ee3e9943a554f27755740880144b60b25a4a00ba4904be2583b1",
     ("int2", 32, True, 0): "61ba09972a93ae0c67a4d246992bd71a0912786259c97ee0925dfe267d6b6d52",
+    # int3 (issue 34.2), first released at version 2 of the quantize-on-seal layout
+    ("int3", 32, True, 0): "6d74005e15397f91800added40c691347cb43a601ce472440e4f185b6c12e785",
     ("float32", 16, False, 0): "63b15f60f8fddef181fc923f9f42d4c57fb8270b8629d49ab1229d839115a388",
 }
 
@@ -222,7 +224,7 @@ def test_layer_spec_holds_the_format_object() -> None:
     assert by_name.describe() == by_object.describe()
     assert LayerSpec(2, 16, 4, "fp8") != by_name
     with pytest.raises(UnknownKVFormatError):
-        LayerSpec(2, 16, 4, "int3")
+        LayerSpec(2, 16, 4, "int5")
 # -- C04: draft bf16 beside fp8 main ------------------------------------------------------------
 
 
@@ -395,7 +397,7 @@ def test_construction_errors() -> None:
     with pytest.raises(ValueError, match="block_size"):
         CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=0)
     with pytest.raises(UnknownKVFormatError):
-        CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, kv_cache_dtype="int3")
+        CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, kv_cache_dtype="int5")
     with pytest.raises(UnknownKVFormatError):
         CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, num_draft_layers=1, draft_kv_cache_dtype="nope")
 

@@ -1,4 +1,4 @@
-"""The ``triton`` backend's quantize-on-seal path (``int4``, ``int2``) under Triton's interpreter, against the
+"""The ``triton`` backend's quantize-on-seal path (``int4``, ``int3``, ``int2``) under Triton's interpreter, against the
 ``reference`` backend and float64 attention.
 
 Both backends get identical inputs, each over its own NaN-filled cache copy (block tables drawn from a shuffled
@@ -52,7 +52,7 @@ from kvpage.spec import CacheSpec, TailLayout  # noqa: E402
 from _attention_oracle import float64_attention  # noqa: E402
 
 #: Output error against float64 attention over the unquantized K/V (unit-normal q/k/v): tests/test_cpu_backend.py's.
-LOOSE = {"int4": 0.35, "int2": 1.2}
+LOOSE = {"int4": 0.35, "int3": 0.7, "int2": 1.2}
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +145,7 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
     return launched[-1] if launched else ()
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (6, 2, 128)], ids=["gqa1-d64", "gqa3-d128"])
 def test_decode_rows_of_every_length_class(fmt: str, heads: int, kv_heads: int, head_dim: int) -> None:
     """Decode rows of contexts 1, bs-1, bs, bs+1 and a few blocks in one launch (a row whose block seals this step
@@ -157,7 +157,7 @@ def test_decode_rows_of_every_length_class(fmt: str, heads: int, kv_heads: int, 
     assert served == tuple(range(len(lens)))
 
 
-@pytest.mark.parametrize("fmt,block_size", [("int2", 12), ("int4", 32)])
+@pytest.mark.parametrize("fmt,block_size", [("int2", 12), ("int4", 32), ("int3", 12)])
 def test_block_sizes_other_than_the_key_tile_and_head_dim_96(fmt: str, block_size: int) -> None:
     """Blocks not dividing and larger than the kernel's 16-position key tile, head_dim 96 (a masked tile, value
     groups of 48 channels), with window copies and the sink copy."""
@@ -168,7 +168,7 @@ def test_block_sizes_other_than_the_key_tile_and_head_dim_96(fmt: str, block_siz
     assert served == tuple(range(len(lens)))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 def test_window_copies_and_the_sink_copy_of_block_0(fmt: str) -> None:
     """16-bit window copies of the blocks before a query's own (int2's residual window) and the int8 copy of
     block 0, read by decode rows through the kernel; with and without sink slots."""
@@ -180,7 +180,7 @@ def test_window_copies_and_the_sink_copy_of_block_0(fmt: str) -> None:
         assert served == tuple(range(len(lens)))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
 def test_mixed_batch_of_decode_short_runs_and_chunks(fmt: str) -> None:
     """Decode rows and short runs within one block (kernel, tiles of several queries) beside a run crossing a block
     end, a long chunk and a whole prefill (reference path), in one step, with window copies."""
@@ -191,6 +191,15 @@ def test_mixed_batch_of_decode_short_runs_and_chunks(fmt: str) -> None:
     served = run_batch(fmt, lens=lens, query_lens=query_lens, heads=6, kv_heads=2, head_dim=64, block_size=bs,
                        seed=3, window_blocks=1)
     assert served == (0, 1, 5, 6), served
+
+
+def test_int3_head_dims_whose_codes_straddle_bytes() -> None:
+    """int3 rows of 44 and 20 channels end mid-byte, with codes straddling two bytes up to the row's last one: the
+    kernel reads each code's high bits from the next byte only where the row holds it (masked loads)."""
+    for head_dim in (44, 20):
+        served = run_batch("int3", lens=[1, 9, 30], query_lens=[1, 1, 2], heads=4, kv_heads=2, head_dim=head_dim,
+                           seed=head_dim)
+        assert served == (0, 1, 2)
 
 
 def test_key_only_layer_and_a_16_bit_model() -> None:
@@ -220,8 +229,8 @@ def test_layer_knobs(params: LayerAttention) -> None:
 
 
 def test_selection_serves_int4_and_int2_and_refuses_a_cache_of_another_dtype() -> None:
-    """``unsupported`` no longer refuses int4/int2; a pool tensor of the wrong dtype is refused before any write."""
-    for fmt in ("int4", "int2"):
+    """``unsupported`` no longer refuses int4/int3/int2; a pool tensor of the wrong dtype is refused before any write."""
+    for fmt in ("int4", "int3", "int2"):
         spec = CacheSpec.build(num_layers=1, num_kv_heads=2, head_dim=64, block_size=8, kv_cache_dtype=fmt)
         assert TritonBackend.unsupported(spec.layer(0), DEVICE) is None
         assert isinstance(select_backend("triton", spec.layer(0), DEVICE), TritonBackend)

@@ -30,12 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-scales", default=None,
                    help="static K/V scales file (safetensors from `kvpage calibrate`); required by int8_static / fp8_static")
     p.add_argument("--block-size", type=positive_int, default=None,
-                   help="tokens per KV block (default 16; 32 for int4/int2, whose key group is the block: "
+                   help="tokens per KV block (default 16; 32 for int4/int3/int2, whose key group is the block: "
                         "they need >= 8)")
     p.add_argument("--kv-quant-residual-tokens", type=nonnegative_int, default=None,
-                   help="int4/int2: recent tokens whose sealed blocks keep a 16-bit copy (default: int4 0, int2 32)")
+                   help="int4/int3/int2: recent tokens whose sealed blocks keep a 16-bit copy (default: int4 0, int3 0, int2 32)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache budget in bytes, side pools of int4/int2 included (default 512 MiB)")
+                   help="KV cache budget in bytes, side pools of int4/int3/int2 included (default 512 MiB)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="KV budget as a fraction in (0, 1] of the memory left: CUDA free memory after the weights "
                         "and a profiled forward pass, or available RAM on the CPU (not vLLM's "
@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64,
-                   help="requests running at once (default 64; sizes the side pools of int4/int2)")
+                   help="requests running at once (default 64; sizes the side pools of int4/int3/int2)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    type=json_object_arg("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'),
                    help='speculative decoding, as vLLM\'s flag: a JSON object such as \'{"method": "ngram", '

@@ -23,9 +23,9 @@ def add_formats_parser(sub: Any) -> argparse.ArgumentParser:
     f.add_argument("--num-kv-heads", type=positive_int, default=None, help="KV heads (default: the bundled model's, 3)")
     f.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default: the bundled model's, 64)")
     f.add_argument("--max-num-seqs", type=positive_int, default=64,
-                   help="requests at once, which size int4/int2's side pools (default 64)")
+                   help="requests at once, which size int4/int3/int2's side pools (default 64)")
     f.add_argument("--block-size", type=positive_int, default=None,
-                   help="tokens per block (default: each format's, 16; 32 for int4/int2)")
+                   help="tokens per block (default: each format's, 16; 32 for int4/int3/int2)")
     f.set_defaults(func=run_formats)
     return f
 
@@ -46,7 +46,7 @@ def run_formats(args: argparse.Namespace) -> int:
         aliases.setdefault(c, []).append(a)
     rows = {r.name: r.report for r in format_rows(shape, args.budget_bytes, block_size=args.block_size,
                                                                max_num_seqs=args.max_num_seqs)}
-    block = ("each format's default block size (16; 32 for int4/int2)" if args.block_size is None
+    block = ("each format's default block size (16; 32 for int4/int3/int2)" if args.block_size is None
              else f"block {args.block_size}")
     default = ("" if (args.num_layers, args.num_kv_heads, args.head_dim) != (None, None, None) else
                " (SmolLM2-135M)" if args.model is None else f" ({args.model})")

@@ -77,16 +77,16 @@ class EngineConfig:
             :class:`~kvpage.scales.StaticScales`; required by those formats, ignored by others
             (vLLM's ``k_scale``/``v_scale``, FastDeploy's ``cache_int8`` scales).
         kv_quant_residual_tokens: full-precision window of quantize-on-seal formats
-            (``int4``, ``int2``) in tokens: the sealed blocks covering the most recent
+            (``int4``, ``int3``, ``int2``) in tokens: the sealed blocks covering the most recent
             ``kv_quant_residual_tokens`` tokens keep a 16-bit copy that attention reads
-            (KIVI's residual). ``None`` = the format's measured default (int4 0, int2 32);
+            (KIVI's residual). ``None`` = the format's measured default (int4 0, int3 0, int2 32);
             ignored by other formats.
         block_size: tokens per block; ``None`` = 16, or the format's preferred size
-            (32 for ``int4``/``int2``, whose key quantization group is the block; they need
+            (32 for ``int4``/``int3``/``int2``, whose key quantization group is the block; they need
             at least :data:`MIN_SEALED_BLOCK_SIZE` tokens).
         kv_cache_memory_bytes: KV budget in bytes (vLLM's ``kv_cache_memory_bytes``);
             the block count is the largest that fits, scales and the side pools of
-            ``int4``/``int2`` included (see :mod:`kvpage.cache.capacity`). Default 512 MiB.
+            ``int4``/``int3``/``int2`` included (see :mod:`kvpage.cache.capacity`). Default 512 MiB.
         kv_cache_memory_fraction: KV budget as a fraction in ``(0, 1]`` of the memory left
             for it: on CUDA, of the device's free memory after the weights are loaded and a
             forward pass of ``max_num_batched_tokens`` tokens has been profiled

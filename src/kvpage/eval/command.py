@@ -50,7 +50,7 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--chunk-size", type=positive_int, default=128, help="tokens per step in chunked mode (default 128)")
     e.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     e.add_argument("--block-size", type=positive_int, default=None,
-                   help="tokens per KV block (default: each format's, 16; 32 for int4/int2)")
+                   help="tokens per KV block (default: each format's, 16; 32 for int4/int3/int2)")
     e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     e.add_argument("--weights-dtype", default="auto", help=WEIGHTS_DTYPE_HELP)
     e.add_argument("--threads", type=positive_int, default=None, help=threads_help())

@@ -14,6 +14,7 @@ name                  aliases                                     bits/value (he
 ``int8_static``       ``cache_int8`` (static per-channel scales)  8
 ``fp8_static``        ``fp8_per_tensor`` (static per-tensor)      8
 ``int4``              ``int4_zp``, ``int4_kivi``, ``kivi4``       4.38 (+ tail, sink)
+``int3``              ``int3_zp``, ``int3_kivi``, ``kivi3``       3.38 (+ tail, sink)
 ``int2``              ``int2_zp``, ``int2_kivi``, ``kivi2``       2.38 (+ tail, window, sink)
 ====================  ==========================================  ============================
 
@@ -25,7 +26,7 @@ Every format is a :class:`KVFormat` (layout) and exactly one of
 :class:`TokenFormat` (rows coded when written: float, ``int8``/``fp8`` and the
 static-scale formats, whose calibrated scales are bound to the instance with
 :meth:`StaticScaleFormat.bind`) or :class:`BlockFormat` (blocks coded whole when
-they fill: ``int4``, ``int2``). This package imports only :mod:`kvpage.errors`.
+they fill: ``int4``, ``int3``, ``int2``). This package imports only :mod:`kvpage.errors`.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from kvpage.formats.base import (
     TokenFormat,
 )
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
-from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int4Format, SealedFormat
+from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int3Format, Int4Format, SealedFormat
 from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8RotatedFormat
 from kvpage.formats.static import (
     Fp8StaticFormat,
@@ -83,6 +84,7 @@ register_format(Fp8PerTokenHeadFormat)
 register_format(Int8StaticFormat)
 register_format(Fp8StaticFormat)
 register_format(Int4Format)
+register_format(Int3Format)
 register_format(Int2Format)
 
 
@@ -149,6 +151,7 @@ __all__ = [
     "Int8Format",
     "Int4Format",
     "Int2Format",
+    "Int3Format",
     "SealedFormat",
     "KEY_ZERO",
     "VALUE_ZERO",

@@ -1,4 +1,4 @@
-"""Quantize-on-seal formats ``int4`` (``int4_zp``) and ``int2``: KIVI mapped onto pages.
+"""Quantize-on-seal formats ``int4`` (``int4_zp``), ``int3`` and ``int2``: KIVI mapped onto pages.
 
 KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
 Cache", ICML 2024) quantizes **keys per channel** (over a group of tokens) and
@@ -35,7 +35,7 @@ Per-block tensors (``P = ceil(head_dim * bits / 8)`` packed bytes per row,
 =============== ============================ ========= ================================
 name            shape                        dtype     meaning
 =============== ============================ ========= ================================
-``key``         ``[block_size, kv_heads, P]`` uint8     packed codes, channel ``2i`` in the low nibble (int4)
+``key``         ``[block_size, kv_heads, P]`` uint8     packed codes, channel ``i`` at bit ``bits*i`` (:func:`pack`)
 ``key_scale``   ``[kv_heads, head_dim]``      uint8     UE5M3 per-channel step           
 ``key_zero``    ``[kv_heads, head_dim]``      int8      per-channel offset, in steps
 ``value``       ``[block_size, kv_heads, P]`` uint8     packed codes, as for keys          
@@ -197,26 +197,57 @@ def covering_step(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``[..., n]`` uint8 codes of ``bits`` (2 or 4) bits into ``[..., ceil(n * bits / 8)]`` bytes.
+    """Pack ``[..., n]`` uint8 codes of ``bits`` (2, 3 or 4) bits into ``[..., ceil(n * bits / 8)]`` uint8 bytes.
 
-    Value ``i`` of each byte group sits at bit ``bits * i`` (low bits first); padding lanes are 0.
+    The row is one little-endian bit stream: code ``i`` sits at bit ``bits * i`` of it (2 and 4 bits: value ``i``
+    of each byte at bit ``bits * i``, low bits first; 3 bits: eight codes in three bytes, code ``8j + i`` at bit
+    ``3i`` of the 24-bit little-endian word of bytes ``3j .. 3j + 2``, so codes may straddle a byte). Padding
+    lanes are 0.
+
+    Raises:
+        ValueError: ``bits`` not 2, 3 or 4.
     """
-    per = 8 // bits
-    pad = (-codes.shape[-1]) % per
+    if bits not in (2, 3, 4):
+        raise ValueError(f"bits must be 2, 3 or 4, got {bits}")
+    n = codes.shape[-1]
+    per = 8 if bits == 3 else 8 // bits                                         # codes per group of whole bytes
+    pad = (-n) % per
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
-    c = codes.reshape(*codes.shape[:-1], -1, per)
-    out = c[..., 0].clone()
-    for i in range(1, per):
-        out |= c[..., i] << (bits * i)
-    return out
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)         # (explicit: empty inputs too)
+    if bits != 3:
+        out = c[..., 0].clone()
+        for i in range(1, per):
+            out |= c[..., i] << (bits * i)
+        return out
+    word = c[..., 0].to(torch.int32)                                            # [..., n / 8] 24-bit words
+    for i in range(1, 8):
+        word |= c[..., i].to(torch.int32) << (3 * i)
+    shifts = torch.tensor([0, 8, 16], dtype=torch.int32, device=codes.device)
+    out = ((word.unsqueeze(-1) >> shifts) & 255).to(torch.uint8).flatten(-2)   # [..., 3 * n / 8]
+    return out[..., : math.ceil(n * 3 / 8)]
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``[..., P]`` bytes -> ``[..., n]`` uint8 codes."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    vals = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)                  # [..., P, per]
-    return vals.flatten(-2)[..., :n]
+    """Inverse of :func:`pack`: ``[..., P]`` uint8 bytes -> ``[..., n]`` uint8 codes (``P >= ceil(n * bits / 8)``).
+
+    Raises:
+        ValueError: ``bits`` not 2, 3 or 4.
+    """
+    if bits not in (2, 3, 4):
+        raise ValueError(f"bits must be 2, 3 or 4, got {bits}")
+    if bits != 3:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        vals = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)              # [..., P, per]
+        return vals.flatten(-2)[..., :n]
+    pad = (-packed.shape[-1]) % 3
+    if pad:
+        packed = torch.nn.functional.pad(packed, (0, pad))
+    b = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 3, 3).to(torch.int32)  # [..., P / 3, 3]
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)                     # [..., P / 3] 24-bit words
+    shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)
+    vals = (word.unsqueeze(-1) >> shifts) & 7                                   # [..., P / 3, 8]
+    return vals.flatten(-2)[..., :n].to(torch.uint8)
 
 
 class SealedFormat(BlockFormat):
@@ -228,7 +259,7 @@ class SealedFormat(BlockFormat):
     keeps the open block's tokens in the tail pool (:mod:`kvpage.cache.tail`).
 
     Attributes:
-        bits: code width (4 or 2).
+        bits: code width (4, 3 or 2).
         default_residual_tokens: the full-precision window (``kv_quant_residual_tokens``)
             used when none is configured, chosen by measurement (``benchmarks/ACCURACY.md``).
         preferred_block_size: the block size ``LLM`` uses for this format when none is given:
@@ -396,6 +427,30 @@ class Int4Format(SealedFormat):
     #: min/max one (they clip) or above 1.2 times it (half a step is 0.6) cannot; on bell-shaped groups
     #: 99.8% choose codes -1..2 around it, so only those are searched (sealing is on the decode path).
     max_error = 0.6
+    step_search = range(-1, 3)
+
+
+class Int3Format(SealedFormat):
+    """``int3``: 3-bit asymmetric KIVI codes, 8 per 3 bytes (a little-endian bit stream, see :func:`pack`).
+
+    Between ``int4`` and ``int2``: ``P = ceil(head_dim * 3 / 8)`` bytes per packed row (24 at head_dim 64), the
+    metadata of ``int4``. At SmolLM2's geometry (3 kv heads, head_dim 64, blocks of 32) a sequence costs 3.375
+    bits per value in the pool, plus the 8-bit first-block copy: 3.633 at exactly 1,024 tokens, 3.584 averaged
+    over the evaluation set's tuning members (``benchmarks/ACCURACY.md``), 3.44 at 4,096.
+
+    Chosen on the tuning members (chunked-32, ``kvpage eval --suite``; ``benchmarks/ACCURACY.md``): no
+    full-precision window (one 32-token block would add 0.5 bits at 1,024 tokens), and the first-block copy kept:
+    without it KLD was 2-3x as high on three of the four members (gpl3 0.082 against 0.026 with the search below),
+    for 0.26 bits.
+    """
+
+    name = "int3"
+    aliases = ("kivi3", "int3_kivi", "int3_zp")
+    bits = 3
+    default_residual_tokens = 0
+    #: int4's candidates. Wider searches clip more and measured worse, as at 2 bits (tuning members gpl3 /
+    #: matplotlibrc KLD: -1..2 0.026 / 0.025, 0..2 0.033 / 0.028, -2..4 0.040 / 0.032, -3..8 0.049 / 0.038);
+    #: int4's ``max_error`` of 0.6 steps gained nothing here (0.031 / 0.025).
     step_search = range(-1, 3)
 
 

@@ -1,4 +1,4 @@
-"""Attention over quantize-on-seal layers (``int4``, ``int2``): sealed blocks plus the full-precision tail.
+"""Attention over quantize-on-seal layers (``int4``, ``int3``, ``int2``): sealed blocks plus the full-precision tail.
 
 Write (once per layer, following the step's :class:`~kvpage.ops.seal_plan.SealPlan`):
 

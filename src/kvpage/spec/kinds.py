@@ -142,8 +142,8 @@ def blocks_per_slot(layer: LayerSpec) -> int | None:
     """Pool blocks whose key codes hold one 16-bit tail slot of ``layer`` exactly, or ``None`` when none do.
 
     ``r = 2 * head_dim / P`` for a block-wise format whose key (and value) codes are ``uint8 [block_size,
-    kv_heads, P]`` (int4: 4, int2: 8); ``None`` when ``P`` does not divide ``2 * head_dim`` or the layout differs
-    (the tail then keeps its own tensors). No side effects.
+    kv_heads, P]`` (int4: 4, int2: 8); ``None`` when ``P`` does not divide ``2 * head_dim`` (int3: ``P = 24`` at
+    head_dim 64) or the layout differs (the tail then keeps its own tensors). No side effects.
     """
     if not isinstance(layer.format, BlockFormat):
         return None

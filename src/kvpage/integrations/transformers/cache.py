@@ -64,18 +64,18 @@ class KVPageCache(Cache):
             ``layer_types``/``sliding_window``).
         kv_cache_dtype: a kvpage format name or alias (:func:`kvpage.formats.available_formats`: ``auto``,
             ``float32``, ``bfloat16``, ``float16``, ``int8``, ``fp8``, ``int8_rotated``, ``fp8_per_token_head``,
-            ``int8_static``, ``fp8_static``, ``int4``, ``int2``). ``auto`` is the model's dtype (taken from the
+            ``int8_static``, ``fp8_static``, ``int4``, ``int3``, ``int2``). ``auto`` is the model's dtype (taken from the
             first keys the cache sees).
         max_cache_tokens: the most tokens one layer's pool holds, over all batch rows (beams included), in
             whole blocks; the pool is allocated at once on the first update, plus one block per batch row for
             partial blocks. ``None`` (default): each layer's pool grows on demand.
         block_size: tokens per block; default the format's preferred size (16 token-wise, 32 for
-            ``int4``/``int2``, whose key groups are the block).
+            ``int4``/``int3``/``int2``, whose key groups are the block).
         kv_cache_scales: calibrated static scales (a :class:`~kvpage.scales.StaticScales` or a scales file from
             ``kvpage calibrate`` / :func:`~kvpage.integrations.transformers.calibrate_static_scales`); required by
             ``int8_static``/``fp8_static``, ignored by the other formats.
-        residual_tokens: the full-precision window of ``int4``/``int2`` in tokens (``None``: the format's
-            default, 0 for ``int4`` and 32 for ``int2``); ignored by token-wise formats.
+        residual_tokens: the full-precision window of ``int4``/``int3``/``int2`` in tokens (``None``: the format's
+            default, 0 for ``int4`` and ``int3``, 32 for ``int2``); ignored by token-wise formats.
         dtype: the model's compute dtype, for ``auto`` before the first update (default: the config's, else
             float32).
 

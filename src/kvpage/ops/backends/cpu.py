@@ -17,7 +17,7 @@ tensor (``seal_blocks``, byte-identical to :meth:`~kvpage.formats.BlockFormat.se
 first-block copies with the fused 8-bit write (:class:`KernelSealWriter`).
 
 Formats the kernels read: ``float32``/``bfloat16``/``float16``, every per-token and
-static 8-bit format, ``int4``/``int2`` (sealed blocks, 16-bit tail and window
+static 8-bit format, ``int4``/``int3``/``int2`` (sealed blocks, 16-bit tail and window
 copies, int8 first-block copies). Anything else is refused by
 :meth:`CpuBackend.unsupported` with the reason.
 
@@ -189,7 +189,7 @@ class KernelSealWriter(SealWriter):
     """Sealed blocks and first-block copies through the C++ kernels (``seal_blocks``, ``write_rows``).
 
     Bytes are those of the formats' own code (:class:`~kvpage.ops.sealed_attention.SealWriter`), which is
-    the fallback for what the kernels do not code: a block-wise format other than ``int4``/``int2``, a
+    the fallback for what the kernels do not code: a block-wise format other than ``int4``/``int3``/``int2``, a
     rotated or non-8-bit sink format, non-contiguous destination tensors.
     """
 
@@ -198,9 +198,9 @@ class KernelSealWriter(SealWriter):
 
     def write_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, blocks: torch.Tensor,
                      ids: torch.Tensor) -> None:
-        """See :meth:`SealWriter.write_blocks`: the int4/int2 step search, codes and pool write in one call."""
+        """See :meth:`SealWriter.write_blocks`: the int4/int3/int2 step search, codes and pool write in one call."""
         names = fmt.names(kind) if isinstance(fmt, SealedFormat) else ()
-        if not (names and fmt.bits in (2, 4) and blocks.dtype in _FLOAT_ENC and fmt.step_search.step == 1
+        if not (names and fmt.bits in (2, 3, 4) and blocks.dtype in _FLOAT_ENC and fmt.step_search.step == 1
                 and all(cache[n].is_contiguous() for n in names)):
             super().write_blocks(cache, fmt, kind, blocks, ids)
             return
@@ -247,7 +247,7 @@ class CpuBackend(AttentionBackend):
         if isinstance(fmt, TokenFormat):
             if token_encoding(fmt) is None:
                 return f"its kernels do not read format {spec.kv_format}"
-        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 4)):
+        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 3, 4)):
             return f"its kernels do not read format {spec.kv_format}"
         if spec.head_dim > 512:
             return f"its kernels take head_dim up to 512, not {spec.head_dim}"

@@ -122,7 +122,7 @@ struct TokenSource {
   }
 };
 
-// Quantize-on-seal formats (KIVI int4/int2): sealed pool blocks, 16-bit tail rows (window copies and the
+// Quantize-on-seal formats (KIVI int4/int3/int2): sealed pool blocks, 16-bit tail rows (window copies and the
 // open block) and int8 sink copies of first blocks, chosen per logical block by src_kind / src_idx.
 template <int BITS, int TAIL>
 struct SealedSource {
@@ -157,6 +157,24 @@ struct SealedSource {
         codes[2 * p + 1] = static_cast<float>(row[p] >> 4);
       }
       if (D & 1) codes[D - 1] = static_cast<float>(row[(D - 1) >> 1] & 15);
+    } else if constexpr (BITS == 3) {
+      // eight codes per three bytes: code 8p + i at bit 3i of the 24-bit little-endian word of bytes 3p .. 3p+2
+      for (int64_t p = 0; p < D / 8; ++p) {
+        const uint8_t* b = row + 3 * p;
+        const uint32_t w = static_cast<uint32_t>(b[0]) | (static_cast<uint32_t>(b[1]) << 8) |
+                           (static_cast<uint32_t>(b[2]) << 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) codes[8 * p + i] = static_cast<float>((w >> (3 * i)) & 7);
+      }
+      // the last D % 8 codes: a code whose bits straddle two bytes reads the next one, which the row holds
+      // (bit 3c + 2 < 3D <= 8P); no byte past the row end is read
+      for (int64_t c = D / 8 * 8; c < D; ++c) {
+        const int64_t bit = 3 * c;
+        const int sh = static_cast<int>(bit & 7);
+        uint32_t v = static_cast<uint32_t>(row[bit >> 3]) >> sh;
+        if (sh > 5) v |= static_cast<uint32_t>(row[(bit >> 3) + 1]) << (8 - sh);
+        codes[c] = static_cast<float>(v & 7);
+      }
     } else {
 #pragma omp simd
       for (int64_t p = 0; p < D / 4; ++p) {
@@ -171,8 +189,8 @@ struct SealedSource {
   }
 
 #ifdef KVPAGE_SIMD
-  // Codes c .. c+7 of a packed row (c % 8 == 0) as float32: the 4 (8 x 4 bits) or 2 (8 x 2 bits) bytes that hold
-  // them broadcast to eight lanes and shifted right by each lane's bit offset (code i sits at bit BITS * i of the
+  // Codes c .. c+7 of a packed row (c % 8 == 0) as float32: the 4 (8 x 4 bits), 3 (8 x 3 bits) or 2 (8 x 2 bits)
+  // bytes that hold them broadcast to eight lanes and shifted right by each lane's bit offset (code i sits at bit BITS * i of the
   // little-endian word, as unpack_row reads it).
   static inline __m256 codes8(const uint8_t* row, int64_t c) {
     if constexpr (BITS == 4) {
@@ -181,6 +199,17 @@ struct SealedSource {
       const __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
       return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
+    } else if constexpr (BITS == 3) {
+      // the 3 bytes of codes c .. c+7 start at byte 3c/8: read as a 2-byte and a 1-byte load and combined in
+      // registers, so no byte past them (nor past the row end) is read. (A 3-byte memcpy into a zeroed word
+      // went through the stack and stalled on store forwarding: the int3 decode step ran 5-10x int4's.)
+      const uint8_t* b = row + 3 * c / 8;
+      uint16_t lo;
+      std::memcpy(&lo, b, 2);
+      const uint32_t w = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(b[2]) << 16);
+      const __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
+                                          _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+      return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(7)));
     } else {
       uint16_t w;
       std::memcpy(&w, row + c / 4, 2);
@@ -788,10 +817,13 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
         src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), src_kind.size(1), bs, Hkv, D, P, Gv};
     run(src, b, reqs.data_ptr<int64_t>(), reqs.numel(), has_value);
   };
-  TORCH_CHECK(bits == 4 || bits == 2, "bits must be 4 or 2");
+  TORCH_CHECK(bits == 4 || bits == 3 || bits == 2, "bits must be 4, 3 or 2");
+  TORCH_CHECK(P == (D * bits + 7) / 8, "packed rows of ", P, " bytes do not hold ", D, " codes of ", bits, " bits");
   TORCH_CHECK(tail_enc == F16 || tail_enc == BF16, "tail rows must be float16 or bfloat16");
   if (bits == 4 && tail_enc == F16) go(std::integral_constant<int, 4>{}, std::integral_constant<int, F16>{});
   else if (bits == 4) go(std::integral_constant<int, 4>{}, std::integral_constant<int, BF16>{});
+  else if (bits == 3 && tail_enc == F16) go(std::integral_constant<int, 3>{}, std::integral_constant<int, F16>{});
+  else if (bits == 3) go(std::integral_constant<int, 3>{}, std::integral_constant<int, BF16>{});
   else if (tail_enc == F16) go(std::integral_constant<int, 2>{}, std::integral_constant<int, F16>{});
   else go(std::integral_constant<int, 2>{}, std::integral_constant<int, BF16>{});
 }

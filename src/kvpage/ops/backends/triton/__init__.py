@@ -4,7 +4,7 @@ Serves the token-wise formats -- ``float32``/``bfloat16``/``float16``, ``int8``,
 ``fp8_per_token_head``, ``int8_rotated``, ``int8_static``, ``fp8_static`` -- with one attention launch per
 layer for the whole batch (:mod:`.paged_attention`: decode rows and prefill-chunk runs, GQA, sliding window,
 soft-cap, split-K with a log-sum-exp merge) and one write launch per tensor for the quantized formats
-(:mod:`.write`); and the block-wise ``int4``/``int2`` with one attention launch per layer over sealed blocks, tail
+(:mod:`.write`); and the block-wise ``int4``/``int3``/``int2`` with one attention launch per layer over sealed blocks, tail
 rows and first-block copies (:mod:`.sealed_attention`; their write and seal are still the reference's Python code).
 Tested on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) and compiled for sm_90 without a GPU
 (:mod:`.aot`); not yet run on a GPU.
@@ -98,7 +98,7 @@ def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
 
 
 class TritonBackend(AttentionBackend):
-    """Triton kernels for the token-wise formats and ``int4``/``int2`` (see the module docstring).
+    """Triton kernels for the token-wise formats and ``int4``/``int3``/``int2`` (see the module docstring).
 
     Args:
         target_programs: programs one attention launch should have before long contexts are split over more
@@ -121,7 +121,7 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def unsupported(cls, spec: LayerSpec, device: torch.device) -> str | None:
         """Why not: no triton, a device that is neither CUDA nor the CPU under the interpreter, no CUDA device,
-        a format the kernels do not read (block-wise formats other than ``int4``/``int2``), or a head_dim above
+        a format the kernels do not read (block-wise formats other than ``int4``/``int3``/``int2``), or a head_dim above
         :data:`MAX_HEAD_DIM`. ``None`` when it serves the layer."""
         dev = torch.device(device)
         if not triton_installed():
@@ -141,7 +141,7 @@ class TritonBackend(AttentionBackend):
         if isinstance(fmt, TokenFormat):
             if _encoding(fmt) is None:
                 return f"its kernels do not read format {spec.kv_format}"
-        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 4)):
+        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 3, 4)):
             return (f"its kernels do not read the block-wise (quantize-on-seal) format {spec.kv_format} "
                     f"(use attention_backend='reference')")
         if spec.head_dim > MAX_HEAD_DIM:
@@ -257,7 +257,7 @@ class TritonBackend(AttentionBackend):
         spec: LayerSpec, meta: AttentionMetadata, ctx: SealContext, *, layer_index: int,
         params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward_sealed` (``int4``/``int2``): write and seal, then one attention launch.
+        """See :meth:`AttentionBackend.forward_sealed` (``int4``/``int3``/``int2``): write and seal, then one attention launch.
 
         The write is the reference's (:func:`~kvpage.ops.sealed_attention.write_sealed_kv` with the formats' own
         seal and sink code, byte-identical to the ``reference`` backend): a Triton seal kernel (the least-squares
@@ -272,13 +272,13 @@ class TritonBackend(AttentionBackend):
 
         Raises:
             KVCacheLayoutError: as :func:`~kvpage.ops.sealed_attention.sealed_attention` (checked before anything
-                is written), or a block-wise format other than ``int4``/``int2``, or tail rows that are not 16-bit.
+                is written), or a block-wise format other than ``int4``/``int3``/``int2``, or tail rows that are not 16-bit.
         """
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
         tail_enc = _TAIL_ENC.get(tail[KEY].dtype)
-        if not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 4)) or tail_enc is None:
+        if not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 3, 4)) or tail_enc is None:
             raise KVCacheLayoutError(
-                f"layer {layer_index}: the triton backend reads int4/int2 blocks with 16-bit tail rows, not format "
+                f"layer {layer_index}: the triton backend reads int4/int3/int2 blocks with 16-bit tail rows, not format "
                 f"{spec.kv_format} with {tail[KEY].dtype} tail rows")
         batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
         qa = q.float().contiguous()                                                   # [T, H, D]

@@ -1,4 +1,4 @@
-"""The paged attention kernel of the quantize-on-seal formats (``int4``, ``int2``): decode rows and short runs.
+"""The paged attention kernel of the quantize-on-seal formats (``int4``, ``int3``, ``int2``): decode rows and short runs.
 
 The token-wise kernel's structure (:mod:`.paged_attention`: one program per query tile and kv head with all its
 GQA heads, online softmax, split-K merged by log-sum-exp), reading each context position through the step's
@@ -32,10 +32,18 @@ def decode_ue5m3(c):
 @triton.jit
 def _unpack(ptr, row, d, m2, BITS: tl.constexpr, PACKED: tl.constexpr):
     """Codes (float32) of channels ``d`` of packed rows ``row`` (``[BLOCK_N]`` int64): int4 channel ``2i`` in the
-    low nibble of byte ``i``; int2 channel ``4i + j`` in bits ``2j`` of byte ``i``."""
+    low nibble of byte ``i``; int3 channel ``i`` at bit ``3i`` of the row's little-endian bit stream (a code whose
+    bit offset in its byte is above 5 takes its high bits from the next byte, which the row holds: no load past
+    it); int2 channel ``4i + j`` in bits ``2j`` of byte ``i``."""
     if BITS == 4:
         byte = tl.load(ptr + row[:, None] * PACKED + (d // 2)[None, :], mask=m2, other=0).to(tl.int32)
         code = (byte >> ((d % 2) * 4)[None, :]) & 15
+    elif BITS == 3:
+        at = row[:, None] * PACKED + ((d * 3) // 8)[None, :]
+        sh = ((d * 3) % 8)[None, :]
+        lo = tl.load(ptr + at, mask=m2, other=0).to(tl.int32)
+        hi = tl.load(ptr + at + 1, mask=m2 & (sh > 5), other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> sh) & 7
     else:
         byte = tl.load(ptr + row[:, None] * PACKED + (d // 4)[None, :], mask=m2, other=0).to(tl.int32)
         code = (byte >> ((d % 4) * 2)[None, :]) & 3
@@ -143,7 +151,7 @@ def sealed_attention(
         src_kind: ``[B, W]`` uint8, src_index: ``[B, W]`` int64 (:mod:`kvpage.ops.backends.sealed_sources`).
         seq_lens: ``[B]`` int32 context lengths after this step; query_start_loc: ``[B + 1]`` int32.
         items: ``[num_items, 2]`` int32 ``(request, first query)`` of each query tile (only kernel rows).
-        bits: 4 or 2; group_size: value channels per group (:func:`~kvpage.formats.kivi.value_group_size`).
+        bits: 4, 3 or 2; group_size: value channels per group (:func:`~kvpage.formats.kivi.value_group_size`).
         tail_encoding: ``ENC_BF16`` or ``ENC_F16`` (:mod:`.codes`).
         block_q, block_m, sm_scale, num_splits, tiles_per_split, block_n: as
             :func:`.paged_attention.paged_attention` (no window, no soft-cap: such layers take the SDPA path).
