@@ -142,10 +142,7 @@ struct SealedSource {
   const int64_t* src_idx;      // [B, W]
   int64_t W, bs, Hkv, D, P, Gv;
 
-  static constexpr bool kInt8Keys = false;
-  bool int8_keys_ok(bool) const { return false; }
-  template <int DC>
-  const int8_t* int8_keys(int64_t, int64_t, int64_t, int64_t, float*, float*, float*) const { return nullptr; }
+  static constexpr bool kInt8Keys = false;  // (TokenSource<I8>'s int8_keys path)
 
   template <int DC>
   static inline void unpack_row(const uint8_t* row, int64_t Drt, float* codes) {
@@ -374,6 +371,14 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// max(v[0], ..., v[7]).
+inline float hmax8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
 // Scores sc[t] = (q . k_t) * sm_scale for t < lim, eight tokens at a time; returns their maximum.
 template <int DC>
 inline float scores_simd(const float* qv, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
@@ -402,15 +407,12 @@ inline float scores_simd(const float* qv, const float* kbase, int64_t stride, in
       for (int u = 0; u < 8; ++u) tmp[u] = k0[std::min<int64_t>(u, last) * sstride];
       v = _mm256_mul_ps(v, _mm256_load_ps(tmp));
     }
-    // All eight lanes are stored (sc holds bs rounded up to 8); lanes past lim repeat the last valid score,
-    // so the maximum is unchanged and nothing reads them.
+    // All eight lanes are stored (sc holds a chunk's tokens rounded up to 8); lanes past lim repeat the last
+    // valid score, so the maximum is unchanged and nothing reads them.
     _mm256_storeu_ps(sc + t0, v);
     vmax = _mm256_max_ps(vmax, v);
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
+  return hmax8(vmax);
 }
 
 // ac[0..DC) = ac * corr + sum_t sc[t] * v_t, the accumulator held in registers across the tokens.
@@ -432,19 +434,19 @@ inline void accumulate_simd(float* ac, float corr, const float* vbase, int64_t s
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(ac + 8 * i, acc[i]);
 }
 
-// One decoded block (rows [nt][Hkv][D]) of one request: every query row (j, qh), online-softmax update.
-template <int DC>
-inline void block_simd(const float* qf, int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e,
-                       const float* kb, const float* vb, int64_t stride, const float* ks, const float* vs,
-                       int64_t Hkv, float sm_scale, float* m, float* l, float* acc, float* sc) {
+// A chunk of one request's context, tokens a .. e-1 (value rows [nt][Hkv][D] decoded in vb, `stride` floats
+// apart, their per-token scales in vs or folded in): every query row (j, qh) gets its scores from
+// scores(row, h, lim) (into sc, returning their maximum) and its online-softmax update.
+template <int DC, class Scores>
+inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e, const float* vb,
+                         int64_t stride, const float* vs, int64_t Hkv, float* m, float* l, float* acc, float* sc,
+                         Scores&& scores) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
     if (lim <= 0) continue;
     for (int64_t qh = 0; qh < H; ++qh) {
       const int64_t row = j * H + qh, h = qh / G;
-      const float mx = scores_simd<DC>(qf + row * DC, kb + h * DC, stride, lim, sm_scale, ks ? ks + h : nullptr,
-                                       Hkv, sc);
-      const float corr = softmax_update(sc, lim, mx, m[row], l[row]);
+      const float corr = softmax_update(sc, lim, scores(row, h, lim), m[row], l[row]);
       accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, vs ? vs + h : nullptr, Hkv);
     }
   }
@@ -509,30 +511,9 @@ inline float scores_i8(const int16_t* qi, float qs, const int8_t* kbase, int64_t
     _mm256_storeu_ps(sc + t0, v);
     vmax = _mm256_max_ps(vmax, v);
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
+  return hmax8(vmax);
 }
 
-// block_simd with the keys read in place as int8 codes (kc: the block's rows [nt][Hkv][D]); the values are
-// decoded in vb, their scales in vs, the keys' in ks.
-template <int DC>
-inline void block_i8(const int16_t* qi, const float* qs, int64_t n, int64_t H, int64_t G, int64_t s, int64_t a,
-                     int64_t e, const int8_t* kc, const float* vb, const float* ks, const float* vs, int64_t Hkv,
-                     float sm_scale, float* m, float* l, float* acc, float* sc) {
-  const int64_t stride = Hkv * DC;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
-    if (lim <= 0) continue;
-    for (int64_t qh = 0; qh < H; ++qh) {
-      const int64_t row = j * H + qh, h = qh / G;
-      const float mx = scores_i8<DC>(qi + row * DC, qs[row], kc + h * DC, stride, lim, sm_scale, ks + h, Hkv, sc);
-      const float corr = softmax_update(sc, lim, mx, m[row], l[row]);
-      accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, vs + h, Hkv);
-    }
-  }
-}
 #endif  // KVPAGE_SIMD
 
 // q rows [rows, D] float32 -> int16 codes qi and one scale per row qs (qs * qi ~ q; see scores_i8): the code of
@@ -544,7 +525,9 @@ inline void quantize_rows_i16(const float* q, int64_t rows, int64_t D, int16_t* 
     for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(x[d]));
     qs[r] = mx / 32767.0f;
     const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
-    for (int64_t d = 0; d < D; ++d) qi[r * D + d] = static_cast<int16_t>(std::nearbyint(std::min(std::max(x[d] * inv, -32767.0f), 32767.0f)));
+    for (int64_t d = 0; d < D; ++d) {
+      qi[r * D + d] = static_cast<int16_t>(std::nearbyint(std::min(std::max(x[d] * inv, -32767.0f), 32767.0f)));
+    }
   }
 }
 
@@ -588,7 +571,11 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
             // copied front to back (the prefetchers stream it), then read by every query head from L1
             std::memcpy(kc + at * stride, codes, nt * stride);
           });
-          block_i8<DC>(qi, qs, n, H, G, s, a, e, kc, vb, ksb, vsb, Hkv, b.sm_scale, m, l, acc, sc);
+          block_update<DC>(n, H, G, s, a, e, vb, stride, vsb, Hkv, m, l, acc, sc,
+                           [&](int64_t row, int64_t h, int64_t lim) {
+                             return scores_i8<DC>(qi + row * DC, qs[row], kc + h * DC, stride, lim, b.sm_scale,
+                                                  ksb + h, Hkv, sc);
+                           });
           continue;
         }
       }
@@ -597,8 +584,12 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
         folded = src.template load<DC>(r, k, off, nt, kb + at * stride, vb + at * stride, has_value, ksb + at * Hkv,
                                        vsb + at * Hkv);
       });
-      block_simd<DC>(qf, n, H, G, s, a, e, kb, has_value ? vb : kb, stride, folded ? ksb : nullptr,
-                     folded ? (has_value ? vsb : ksb) : nullptr, Hkv, b.sm_scale, m, l, acc, sc);
+      const float* ks = folded ? ksb : nullptr;
+      block_update<DC>(n, H, G, s, a, e, has_value ? vb : kb, stride, folded ? (has_value ? vsb : ksb) : nullptr, Hkv,
+                       m, l, acc, sc, [&](int64_t row, int64_t h, int64_t lim) {
+                         return scores_simd<DC>(qf + row * DC, kb + h * DC, stride, lim, b.sm_scale,
+                                                ks ? ks + h : nullptr, Hkv, sc);
+                       });
     }
     return;
   }
@@ -664,10 +655,9 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
     for (int64_t p = 0; p < splits; ++p) items.push_back({r, p * chunk, std::min(s, (p + 1) * chunk), first[i] + p});
   }
   const int64_t nslots = first[nreq];
+  bool int8_keys = false;
 #ifdef KVPAGE_SIMD
-  const bool int8_keys = DC > 0 && DC % 16 == 0 && src.int8_keys_ok(has_value);
-#else
-  const bool int8_keys = false;
+  if constexpr (Src::kInt8Keys && DC > 0 && DC % 16 == 0) int8_keys = src.int8_keys_ok(has_value);
 #endif
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -682,9 +672,9 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
       const int64_t q0 = b.qsl[it.r], n = b.qsl[it.r + 1] - q0;
       rows_to_float(b.q_enc, q + q0 * H * D * qsize, qf.data(), n * H * D);
       if (int8_keys) quantize_rows_i16(qf.data(), n * H, D, qi.data(), qs.data());
-      attend_range<DC>(src, b, qf.data(), int8_keys ? qi.data() : nullptr, qs.data(), it.r, it.t0, it.t1, M.data() + it.slot * max_rows, L.data() + it.slot * max_rows,
-                       A.data() + it.slot * max_rows * D, kb.data(), vb.data(), ksb.data(), vsb.data(), sc.data(),
-                       has_value);
+      attend_range<DC>(src, b, qf.data(), int8_keys ? qi.data() : nullptr, qs.data(), it.r, it.t0, it.t1,
+                       M.data() + it.slot * max_rows, L.data() + it.slot * max_rows, A.data() + it.slot * max_rows * D,
+                       kb.data(), vb.data(), ksb.data(), vsb.data(), sc.data(), has_value);
     }
   });
   // merge the splits of each request and write out
