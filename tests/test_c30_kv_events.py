@@ -483,6 +483,17 @@ class MediumSubscriber(Subscriber):
                 got.difference_update(ev.block_hashes)
 
 
+def _tier_llm(tmp_path, ctx, **tiers: Any) -> tuple[LLM, MediumSubscriber]:
+    """The tiny engine with events on (hashes as bytes) and ``tiers`` (its tier arguments), and a subscriber to it."""
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
+    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
+              attention_backend="reference", progress=False, kv_events_config=cfg, **tiers)
+    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
+    time.sleep(0.2)
+    return llm, sub
+
+
 def test_c30_tier_events_rebuild_device_host_and_disk_indexes(tmp_path, ctx):
     """With a host tier (write_through, smaller than the workload: it evicts) and a disk store, a subscriber's
     per-medium sets equal the device index ("GPU"), the host tier's index ("CPU") and the disk store's records
@@ -491,13 +502,8 @@ def test_c30_tier_events_rebuild_device_host_and_disk_indexes(tmp_path, ctx):
                 attention_backend="reference")
     host_gib = 40 * probe.spec.bytes_per_block / (1 << 30)  # 40 host blocks
     probe.close()
-    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
-           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
-    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
-              attention_backend="reference", progress=False, kv_events_config=cfg, swap_space=host_gib,
-              kv_offload_policy="write_through", kv_disk_dir=str(tmp_path / "disk"))
-    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
-    time.sleep(0.2)
+    llm, sub = _tier_llm(tmp_path, ctx, swap_space=host_gib, kv_offload_policy="write_through",
+                         kv_disk_dir=str(tmp_path / "disk"))
     rng = random.Random(33)
     params = SamplingParams(max_tokens=3, temperature=0.0)
     offload = llm.kv_connector.offload
@@ -569,12 +575,7 @@ def test_c30_serve_shutdown_flushes_and_closes_the_publisher(tmp_path, ctx, monk
 def test_c30_redis_store_events_are_remote_stores_only(tmp_path, ctx, redis_url):
     """The Redis store's writes go out as ``BlockStored`` of medium ``"REMOTE"`` (hashes alone), each one a record
     the store holds; no removal is sent (Redis expires and evicts keys unseen), and no host tier: no ``"CPU"``."""
-    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
-           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
-    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
-              attention_backend="reference", progress=False, kv_events_config=cfg, kv_store=redis_url)
-    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
-    time.sleep(0.2)
+    llm, sub = _tier_llm(tmp_path, ctx, kv_store=redis_url)
     store = llm.kv_connector.offload.stores[0][1]
     try:
         llm.generate(_workload(random.Random(34), 40), SamplingParams(max_tokens=3, temperature=0.0))
@@ -592,13 +593,7 @@ def test_c30_store_writes_a_store_drops_are_neither_announced_nor_counted(tmp_pa
     """A disk store capped below one record drops every write (its ``put`` says so): no ``"DISK"`` BlockStored goes
     out and the tiers count no ``store_write`` bytes, while the device's events are unchanged. (Before, every
     save was announced and counted whatever the store did, so a router saw records no store held.)"""
-    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub", "block_hash_format": "bytes",
-           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv"}
-    llm = LLM(tiny_loaded(0), kv_cache_dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4,
-              attention_backend="reference", progress=False, kv_events_config=cfg,
-              kv_disk_dir=str(tmp_path / "disk"), kv_disk_max_bytes=100)
-    sub = MediumSubscriber(ctx, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "tagged", topic=b"kv")
-    time.sleep(0.2)
+    llm, sub = _tier_llm(tmp_path, ctx, kv_disk_dir=str(tmp_path / "disk"), kv_disk_max_bytes=100)
     disk = llm.kv_connector.offload.stores[0][1]
     try:
         llm.generate(_workload(random.Random(35), 20), SamplingParams(max_tokens=3, temperature=0.0))
