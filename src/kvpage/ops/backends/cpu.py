@@ -58,6 +58,8 @@ KERNEL_MAX_QUERY = 32
 # element encodings of the kernels (paged_attention.cpp: enum Enc)
 _F32, _BF16, _F16, _I8, _E4M3 = 0, 1, 2, 3, 4
 _FLOAT_ENC = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
+#: Code widths of the block-wise formats the kernels seal and read (int4, int3, int2).
+_SEALED_BITS = (2, 3, 4)
 
 
 def _code_encoding(qmax: float) -> int | None:
@@ -200,7 +202,7 @@ class KernelSealWriter(SealWriter):
                      ids: torch.Tensor) -> None:
         """See :meth:`SealWriter.write_blocks`: the int4/int3/int2 step search, codes and pool write in one call."""
         names = fmt.names(kind) if isinstance(fmt, SealedFormat) else ()
-        if not (names and fmt.bits in (2, 3, 4) and blocks.dtype in _FLOAT_ENC and fmt.step_search.step == 1
+        if not (names and fmt.bits in _SEALED_BITS and blocks.dtype in _FLOAT_ENC and fmt.step_search.step == 1
                 and all(cache[n].is_contiguous() for n in names)):
             super().write_blocks(cache, fmt, kind, blocks, ids)
             return
@@ -247,7 +249,7 @@ class CpuBackend(AttentionBackend):
         if isinstance(fmt, TokenFormat):
             if token_encoding(fmt) is None:
                 return f"its kernels do not read format {spec.kv_format}"
-        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 3, 4)):
+        elif not (isinstance(fmt, SealedFormat) and fmt.bits in _SEALED_BITS):
             return f"its kernels do not read format {spec.kv_format}"
         if spec.head_dim > 512:
             return f"its kernels take head_dim up to 512, not {spec.head_dim}"

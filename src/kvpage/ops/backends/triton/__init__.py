@@ -45,6 +45,8 @@ MAX_HEAD_DIM = 256
 _ENC_F32, _ENC_BF16, _ENC_F16, _ENC_I8, _ENC_E4M3 = 0, 1, 2, 3, 4
 _SCALE_NONE, _SCALE_TOKEN, _SCALE_CHANNEL = 0, 1, 2
 _FLOAT_ENC = {torch.float32: _ENC_F32, torch.bfloat16: _ENC_BF16, torch.float16: _ENC_F16}
+#: Code widths of the block-wise formats the kernels seal and read (int4, int3, int2).
+_SEALED_BITS = (2, 3, 4)
 _CODE_ENC = {INT8_QMAX: _ENC_I8, E4M3_QMAX: _ENC_E4M3}
 _TAIL_ENC = {torch.bfloat16: _ENC_BF16, torch.float16: _ENC_F16}
 
@@ -141,7 +143,7 @@ class TritonBackend(AttentionBackend):
         if isinstance(fmt, TokenFormat):
             if _encoding(fmt) is None:
                 return f"its kernels do not read format {spec.kv_format}"
-        elif not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 3, 4)):
+        elif not (isinstance(fmt, SealedFormat) and fmt.bits in _SEALED_BITS):
             return (f"its kernels do not read the block-wise (quantize-on-seal) format {spec.kv_format} "
                     f"(use attention_backend='reference')")
         if spec.head_dim > MAX_HEAD_DIM:
@@ -276,7 +278,7 @@ class TritonBackend(AttentionBackend):
         """
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
         tail_enc = _TAIL_ENC.get(tail[KEY].dtype)
-        if not (isinstance(fmt, SealedFormat) and fmt.bits in (2, 3, 4)) or tail_enc is None:
+        if not (isinstance(fmt, SealedFormat) and fmt.bits in _SEALED_BITS) or tail_enc is None:
             raise KVCacheLayoutError(
                 f"layer {layer_index}: the triton backend reads int4/int3/int2 blocks with 16-bit tail rows, not format "
                 f"{spec.kv_format} with {tail[KEY].dtype} tail rows")
