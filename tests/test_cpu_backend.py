@@ -4,7 +4,7 @@ Every format is run through both backends on identical inputs, each over its own
 of the cache, for batches that mix context lengths 1, block_size - 1, block_size,
 block_size + 1 and longer ones, decode rows with prefix-cached contexts, short query runs
 (chunked prefill, speculative verification) and long ones (which the cpu backend sends to
-SDPA), GQA ratios 1, 3 and 4 and head_dim 64, 96 and 128. Block tables come from a
+SDPA), GQA ratios 1 to 8 and head_dim 64 to 128. Block tables come from a
 shuffled pool and caches are NaN-filled, so a read of an unwritten slot shows up.
 
 What must hold:
@@ -175,11 +175,14 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
 
 
 @pytest.mark.parametrize("fmt", TOKEN_FORMATS + SEALED_FORMATS)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 96), (8, 2, 128), (6, 2, 80), (6, 3, 72)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 96), (8, 2, 128), (6, 2, 80), (6, 3, 72),
+                                                    (14, 2, 64), (8, 1, 128)])
 def test_c27_decode_batch_matches_reference_and_float64(fmt: str, heads: int, kv_heads: int, head_dim: int) -> None:
     """Case C27: decode rows of contexts 1, bs-1, bs, bs+1 and longer, in one batch.
 
-    Head sizes 64/80/96/128 take the kernels' fixed-width (SIMD) paths, 72 the portable loops.
+    Head sizes 64/80/96/128 take the kernels' fixed-width (SIMD) paths, 72 the portable loops. GQA ratios 1 to 8
+    cover every split of a kv head's query heads into the kernels' groups (AVX-512: up to 3 per pass; 4 -> 2 + 2,
+    7 -> 3 + 2 + 2, 8 -> 3 + 3 + 2).
     """
     bs = 8 if fmt in SEALED_FORMATS else 16
     lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3, 70]

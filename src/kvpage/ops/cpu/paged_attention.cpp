@@ -4,8 +4,10 @@
 // the whole batch. Work items are (request, context split); each walks its blocks through the
 // block table, decodes a chunk of up to 32 tokens at a time into a small float buffer (never a float
 // copy of the context), and folds it into an online softmax (Milakov & Gimelshein 2018; FlashAttention's
-// running max / running sum) for every query head of its GQA group. int8 keys are not decoded: their
-// scores are integer dot products of the codes with q coded as int16 (scores_i8). Long contexts are split over the
+// running max / running sum) for every query head of its GQA group, up to three query heads per pass over a
+// kv head's rows (register blocking: each row is loaded once for all of them). int8 keys and values are not
+// decoded: their scores are integer dot products of the codes with q coded as int16 (scores_i8), and the
+// value codes are converted in registers as they are accumulated. Long contexts are split over the
 // context when there are fewer work items than threads and merged afterwards (flash-decoding).
 // Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them.
 //
@@ -28,6 +30,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kv_common.h"
@@ -52,27 +56,24 @@ struct TokenSource {
   const int64_t* tables;       // [B, W]
   int64_t W, bs, Hkv, D, esize;
 
-  // int8 codes with per-(token, head) scales can be read in place by scores_i8 (see int8_keys).
-  static constexpr bool kInt8Keys = E == I8;
+  // int8 codes with per-(token, head) scales can be read as codes by the attention (see int8_rows).
+  static constexpr bool kInt8Codes = E == I8;
 
-  // Whether int8_keys may serve this layer: int8 codes, per-row key and value scales, no static channel scales.
-  bool int8_keys_ok(bool has_value) const {
+  // Whether int8_rows may serve this layer: int8 codes, per-row key and value scales, no static channel scales.
+  bool int8_codes_ok(bool has_value) const {
     return E == I8 && has_value && key_scale && value_scale && !key_chan && !value_chan;
   }
 
-  // The int8 path (int8_keys_ok): values decoded into vb with their scales left out (vsb), the key scales into
-  // ksb; the keys stay in the pool. Returns the block's first key code row ([nt][Hkv][D] int8 from there).
-  template <int DC>
-  const int8_t* int8_keys(int64_t r, int64_t blk, int64_t off, int64_t nt, float* vb, float* ksb, float* vsb) const {
-    const int64_t D = DC ? DC : this->D;
+  // The int8 path (int8_codes_ok): the key and value scales of the block's rows into ksb / vsb; returns the
+  // block's first key and value code rows ([nt][Hkv][D] int8 from there, read as codes by the attention).
+  std::pair<const int8_t*, const int8_t*> int8_rows(int64_t r, int64_t blk, int64_t off, int64_t nt, float* ksb,
+                                                    float* vsb) const {
     const int64_t first = (tables[r * W + blk] * bs + off) * Hkv;
     for (int64_t i = 0; i < nt * Hkv; ++i) {
-      const int64_t row = first + i;
-      ksb[i] = static_cast<float>(key_scale[row]);
-      vsb[i] = static_cast<float>(value_scale[row]);
-      decode_row<E, DC, false>(value + row * D, 1.0f, vb + i * D, D);
+      ksb[i] = static_cast<float>(key_scale[first + i]);
+      vsb[i] = static_cast<float>(value_scale[first + i]);
     }
-    return reinterpret_cast<const int8_t*>(key + first * D);
+    return {reinterpret_cast<const int8_t*>(key + first * D), reinterpret_cast<const int8_t*>(value + first * D)};
   }
 
   // With ksb / vsb given, per-(token, head) scales go there instead of into the rows (the attention applies
@@ -142,7 +143,8 @@ struct SealedSource {
   const int64_t* src_idx;      // [B, W]
   int64_t W, bs, Hkv, D, P, Gv;
 
-  static constexpr bool kInt8Keys = false;  // (TokenSource<I8>'s int8_keys path)
+  static constexpr bool kInt8Codes = false;  // (TokenSource<I8>'s int8_rows path)
+
 
   template <int DC>
   static inline void unpack_row(const uint8_t* row, int64_t Drt, float* codes) {
@@ -359,9 +361,64 @@ inline float sum_floats(const float* x, int64_t n) {
 }
 
 #ifdef KVPAGE_SIMD
-// ---- AVX2 micro-kernels over a decoded block: one query row against up to bs float32 rows `stride` apart ----
-// (Float codes converted per query head measured slower in the engine than this decode-once layout; int8 keys
-// are the exception, see scores_i8: sign-extending to 16 bits costs less than decoding to float.)
+// ---- SIMD micro-kernels over a gathered chunk: GB query heads of one kv head against its rows ----
+// GQA register blocking: each key or value row is loaded (and, for int8 codes, converted) once for the GB
+// query heads that read it, instead of once per query head. GB is what the register file holds: up to 3 with
+// AVX-512's 32 registers (8 tokens x 3 heads of score accumulators; head_dim / 16 x 3 output accumulators up to
+// head_dim 128), 1 with AVX2's 16.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVPAGE_AVX512 1
+constexpr int kMaxGroup = 3;
+
+// Float lanes of the micro-kernels (zmm here; ymm on AVX2), with int8 codes converted on load.
+struct VecF {
+  using T = __m512;
+  static constexpr int N = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  // the sums of lanes i and i + 8, eight lanes
+  static __m256 fold(T v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#else
+constexpr int kMaxGroup = 1;
+
+struct VecF {
+  using T = __m256;
+  static constexpr int N = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static __m256 fold(T v) { return v; }
+};
+#endif
+
+// Calls f(std::integral_constant<int, gb>{}) for a run-time group size 1 <= gb <= kMaxGroup.
+template <class F>
+inline void with_group(int64_t gb, F&& f) {
+  if constexpr (kMaxGroup >= 3) {
+    if (gb == 3) return f(std::integral_constant<int, 3>{});
+  }
+  if constexpr (kMaxGroup >= 2) {
+    if (gb == 2) return f(std::integral_constant<int, 2>{});
+  }
+  f(std::integral_constant<int, 1>{});
+}
 
 // [sum(a0), ..., sum(a7)]: eight horizontal sums at once.
 inline __m256 hsum8(const __m256* a) {
@@ -379,75 +436,121 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
-// Scores sc[t] = (q . k_t) * sm_scale for t < lim, eight tokens at a time; returns their maximum.
-template <int DC>
-inline float scores_simd(const float* qv, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
-                         const float* ks, int64_t sstride, float* sc) {
-  __m256 vmax = _mm256_set1_ps(NEG_INF);
+// The key scales of tokens t0 .. t0+7 (ks[t * sstride]; lanes past lim - 1 repeat the last token's) times f.
+inline __m256 scaled_lanes(const float* ks, int64_t sstride, int64_t t0, int64_t lim, __m256 f) {
+  if (!ks) return f;
   alignas(32) float tmp[8];
+  const int64_t last = lim - 1 - t0;
+#pragma GCC unroll 8
+  for (int u = 0; u < 8; ++u) tmp[u] = ks[(t0 + std::min<int64_t>(u, last)) * sstride];
+  return _mm256_mul_ps(f, _mm256_load_ps(tmp));
+}
+
+// Scores of GB query rows q + g*DC against float key rows kbase + t*stride, t < lim, eight tokens at a time:
+// sc[g*ldsc + t] = (q_g . k_t) * sm_scale (times the token's key scale ks[t*sstride] if ks), mx[g] their maximum.
+// All eight lanes are stored (a score row holds lim rounded up to 8): lanes past lim repeat the last token's
+// score, so the maximum is unchanged and nothing reads them.
+template <int DC, int GB>
+inline void scores_f32(const float* q, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
+                       const float* ks, int64_t sstride, float* sc, int64_t ldsc, float* mx) {
+  using V = VecF;
+  __m256 vmax[GB];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) vmax[g] = _mm256_set1_ps(NEG_INF);
   for (int64_t t0 = 0; t0 < lim; t0 += 8) {
-    __m256 a[8];
+    typename V::T a[GB][8];
     const float* rows[8];
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
-      a[u] = _mm256_setzero_ps();
-      rows[u] = kbase + std::min<int64_t>(t0 + u, lim - 1) * stride;  // past the end: repeat the last row
+      rows[u] = kbase + (t0 + std::min<int64_t>(u, lim - 1 - t0)) * stride;  // past the end: the last row again
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) a[g][u] = V::zero();
     }
 #pragma GCC unroll 16
-    for (int64_t d = 0; d < DC; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(qv + d);
+    for (int64_t d = 0; d < DC; d += V::N) {
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[u] + d), a[u]);
+      for (int u = 0; u < 8; ++u) {
+        const typename V::T k = V::load(rows[u] + d);
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) a[g][u] = V::fma(V::load(q + g * DC + d), k, a[g][u]);
+      }
     }
-    __m256 v = _mm256_mul_ps(hsum8(a), _mm256_set1_ps(sm_scale));
-    if (ks) {  // times the token's key scale (lanes past the end repeat the last token's, as their rows do)
-      const float* k0 = ks + t0 * sstride;
-      const int64_t last = lim - 1 - t0;
+    const __m256 f = scaled_lanes(ks, sstride, t0, lim, _mm256_set1_ps(sm_scale));
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+      __m256 r[8];
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) tmp[u] = k0[std::min<int64_t>(u, last) * sstride];
-      v = _mm256_mul_ps(v, _mm256_load_ps(tmp));
+      for (int u = 0; u < 8; ++u) r[u] = V::fold(a[g][u]);
+      const __m256 v = _mm256_mul_ps(hsum8(r), f);
+      _mm256_storeu_ps(sc + g * ldsc + t0, v);
+      vmax[g] = _mm256_max_ps(vmax[g], v);
     }
-    // All eight lanes are stored (sc holds a chunk's tokens rounded up to 8); lanes past lim repeat the last
-    // valid score, so the maximum is unchanged and nothing reads them.
-    _mm256_storeu_ps(sc + t0, v);
-    vmax = _mm256_max_ps(vmax, v);
   }
-  return hmax8(vmax);
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) mx[g] = hmax8(vmax[g]);
 }
 
-// ac[0..DC) = ac * corr + sum_t sc[t] * v_t, the accumulator held in registers across the tokens.
-template <int DC>
-inline void accumulate_simd(float* ac, float corr, const float* vbase, int64_t stride, int64_t lim, const float* sc,
-                            const float* vs, int64_t sstride) {
-  constexpr int NV = DC / 8;
-  __m256 acc[NV];
-  const __m256 c = _mm256_set1_ps(corr);
+// ac_g = ac_g * corr[g] + sum_{t < lim} w_g[t] * v_t for the GB accumulator rows ac + g*DC, held in registers
+// across the tokens: weights w_g[t] = sc[g*ldsc + t] (times the token's value scale vs[t*sstride] if vs), value
+// rows vbase + t*stride as float32 or as int8 codes (converted in registers).
+template <int DC, int GB, class R>
+inline void accumulate(float* ac, const float* corr, const R* vbase, int64_t stride, int64_t lim, const float* sc,
+                       int64_t ldsc, const float* vs, int64_t sstride) {
+  using V = VecF;
+  constexpr int NV = DC / V::N;
+  typename V::T acc[GB][NV];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    const typename V::T c = V::set1(corr[g]);
 #pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(ac + 8 * i), c);
+    for (int i = 0; i < NV; ++i) acc[g][i] = V::mul(V::load(ac + g * DC + V::N * i), c);
+  }
   for (int64_t t = 0; t < lim; ++t) {
-    const __m256 w = _mm256_set1_ps(vs ? sc[t] * vs[t * sstride] : sc[t]);  // times the token's value scale
-    const float* row = vbase + t * stride;
+    const float s = vs ? vs[t * sstride] : 1.0f;
+    typename V::T w[GB];
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) w[g] = V::set1(sc[g * ldsc + t] * s);
+    const R* row = vbase + t * stride;
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * i), acc[i]);
+    for (int i = 0; i < NV; ++i) {
+      const typename V::T v = V::load(row + V::N * i);
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) acc[g][i] = V::fma(w[g], v, acc[g][i]);
+    }
   }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
 #pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(ac + 8 * i, acc[i]);
+    for (int i = 0; i < NV; ++i) V::store(ac + g * DC + V::N * i, acc[g][i]);
+  }
 }
 
-// A chunk of one request's context, tokens a .. e-1 (value rows [nt][Hkv][D] decoded in vb, `stride` floats
-// apart, their per-token scales in vs or folded in): every query row (j, qh) gets its scores from
-// scores(row, h, lim) (into sc, returning their maximum) and its online-softmax update.
-template <int DC, class Scores>
-inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e, const float* vb,
+// A chunk of one request's context, tokens a .. e-1 (value rows [nt][Hkv][D] in vb, float32 or int8 codes,
+// `stride` elements apart, their per-token scales in vs or folded in): every query row (j, qh) gets its
+// scores and its online-softmax update, GB query heads of a kv head at a time (groups as even as kMaxGroup
+// allows: a group of 4 is 2 + 2). scores(GB constant, first row, kv head, lim, mx) fills the score rows
+// sc + g*ldsc and their maxima mx[g].
+template <int DC, class R, class Scores>
+inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e, const R* vb,
                          int64_t stride, const float* vs, int64_t Hkv, float* m, float* l, float* acc, float* sc,
-                         Scores&& scores) {
+                         int64_t ldsc, Scores&& scores) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
     if (lim <= 0) continue;
-    for (int64_t qh = 0; qh < H; ++qh) {
-      const int64_t row = j * H + qh, h = qh / G;
-      const float corr = softmax_update(sc, lim, scores(row, h, lim), m[row], l[row]);
-      accumulate_simd<DC>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, vs ? vs + h : nullptr, Hkv);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t g0 = 0; g0 < G;) {
+        const int64_t left = G - g0, groups = (left + kMaxGroup - 1) / kMaxGroup, gb = (left + groups - 1) / groups;
+        with_group(gb, [&](auto group) {
+          constexpr int GB = decltype(group)::value;
+          const int64_t row = j * H + h * G + g0;  // query head h*G + g0 + g reads kv head h
+          float mx[GB], corr[GB];
+          scores(group, row, h, lim, mx);
+#pragma GCC unroll 4
+          for (int g = 0; g < GB; ++g) corr[g] = softmax_update(sc + g * ldsc, lim, mx[g], m[row + g], l[row + g]);
+          accumulate<DC, GB>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, ldsc, vs ? vs + h : nullptr, Hkv);
+        });
+        g0 += gb;
+      }
     }
   }
 }
@@ -455,9 +558,9 @@ inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, 
 // ---- int8 keys read in place: q . k as an integer dot product ----
 // Each query row is coded once per work item as int16 with one scale (q_hat = qs * qi, |qi| <= 32767; the
 // error, half a step of max|q| / 32767, is 1/258 of the int8 keys' own), and its scores are
-// qs * k_scale * sum_d qi[d] * k_code[d]: 16 channels per instruction on the codes as stored (sign-extended to
-// 16 bits), exact in int32 for head_dim <= 512, instead of decoding the keys to float32 first. llama.cpp's
-// q8_0 x q8_0 path codes q to 8 bits; 16 keeps q's rounding far below the cache's.
+// qs * k_scale * sum_d qi[d] * k_code[d]: 16 (32 with AVX-512) channels per instruction on the codes as stored
+// (sign-extended to 16 bits), exact in int32 for head_dim <= 512, instead of decoding the keys to float32 first.
+// llama.cpp's q8_0 x q8_0 path codes q to 8 bits; 16 keeps q's rounding far below the cache's.
 
 // acc + a[0]*b[0] + a[1]*b[1] per int32 lane (pairs of int16): VNNI's one instruction where the CPU has it.
 inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
@@ -470,6 +573,41 @@ inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// 16 int16 lanes: int8 codes sign-extended on load.
+struct VecI16x16 {
+  using T = __m256i;
+  static constexpr int N = 16;
+  static T zero() { return _mm256_setzero_si256(); }
+  static T codes(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static T load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static T dot(T acc, T a, T b) { return dot_i16(acc, a, b); }
+  static __m256i fold(T v) { return v; }
+};
+
+#ifdef KVPAGE_AVX512
+// 32 int16 lanes (zmm).
+struct VecI16x32 {
+  using T = __m512i;
+  static constexpr int N = 32;
+  static T zero() { return _mm512_setzero_si512(); }
+  static T codes(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static T load(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static T dot(T acc, T a, T b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+  }
+  static __m256i fold(T v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+};
+template <int DC>
+using VecI16 = std::conditional_t<DC % 32 == 0, VecI16x32, VecI16x16>;
+#else
+template <int DC>
+using VecI16 = VecI16x16;
+#endif
+
 // [sum(a0), ..., sum(a7)] of eight int32 vectors (hsum8's integer twin).
 inline __m256i hsum8_i32(const __m256i* a) {
   const __m256i s01 = _mm256_hadd_epi32(a[0], a[1]), s23 = _mm256_hadd_epi32(a[2], a[3]);
@@ -478,40 +616,49 @@ inline __m256i hsum8_i32(const __m256i* a) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20), _mm256_permute2x128_si256(s0123, s4567, 0x31));
 }
 
-// Scores sc[t] = qs * ks[t] * sm_scale * (qi . k_t) for t < lim over int8 key rows `stride` bytes apart, eight
-// tokens at a time (lanes past lim repeat the last token, as scores_simd's do); returns their maximum.
-template <int DC>
-inline float scores_i8(const int16_t* qi, float qs, const int8_t* kbase, int64_t stride, int64_t lim, float sm_scale,
-                       const float* ks, int64_t sstride, float* sc) {
-  __m256 vmax = _mm256_set1_ps(NEG_INF);
-  const __m256 f = _mm256_set1_ps(qs * sm_scale);
-  alignas(32) float tmp[8];
+// scores_f32 for int8 key rows (`stride` bytes apart, per-token scales ks) and int16-coded query rows qi + g*DC
+// with scales qs[g]: sc[g*ldsc + t] = qs[g] * ks[t*sstride] * sm_scale * (qi_g . k_t).
+template <int DC, int GB>
+inline void scores_i8(const int16_t* qi, const float* qs, const int8_t* kbase, int64_t stride, int64_t lim,
+                      float sm_scale, const float* ks, int64_t sstride, float* sc, int64_t ldsc, float* mx) {
+  using V = VecI16<DC>;
+  __m256 vmax[GB], f[GB];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    vmax[g] = _mm256_set1_ps(NEG_INF);
+    f[g] = _mm256_set1_ps(qs[g] * sm_scale);
+  }
   for (int64_t t0 = 0; t0 < lim; t0 += 8) {
-    __m256i a[8];
+    typename V::T a[GB][8];
     const int8_t* rows[8];
-    const int64_t last = lim - 1 - t0;
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
-      a[u] = _mm256_setzero_si256();
-      rows[u] = kbase + std::min<int64_t>(u, last) * stride + t0 * stride;
+      rows[u] = kbase + (t0 + std::min<int64_t>(u, lim - 1 - t0)) * stride;
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) a[g][u] = V::zero();
     }
 #pragma GCC unroll 8
-    for (int64_t d = 0; d < DC; d += 16) {
-      const __m256i qd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + d));
+    for (int64_t d = 0; d < DC; d += V::N) {
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        const __m256i k = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[u] + d)));
-        a[u] = dot_i16(a[u], k, qd);
+        const typename V::T k = V::codes(rows[u] + d);
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) a[g][u] = V::dot(a[g][u], k, V::load(qi + g * DC + d));
       }
     }
-    const float* k0 = ks + t0 * sstride;
+    const __m256 kscale = scaled_lanes(ks, sstride, t0, lim, _mm256_set1_ps(1.0f));
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+      __m256i r[8];
 #pragma GCC unroll 8
-    for (int u = 0; u < 8; ++u) tmp[u] = k0[std::min<int64_t>(u, last) * sstride];
-    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_i32(a)), f), _mm256_load_ps(tmp));
-    _mm256_storeu_ps(sc + t0, v);
-    vmax = _mm256_max_ps(vmax, v);
+      for (int u = 0; u < 8; ++u) r[u] = V::fold(a[g][u]);
+      const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_i32(r)), f[g]), kscale);
+      _mm256_storeu_ps(sc + g * ldsc + t0, v);
+      vmax[g] = _mm256_max_ps(vmax[g], v);
+    }
   }
-  return hmax8(vmax);
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) mx[g] = hmax8(vmax[g]);
 }
 
 #endif  // KVPAGE_SIMD
@@ -540,6 +687,8 @@ inline void quantize_rows_i16(const float* q, int64_t rows, int64_t D, int16_t* 
 // each for K and V) no longer fit L1 and cost int4 5%.
 constexpr int64_t kChunkTokens = 32;
 inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
+// Floats between the score rows of a query-head group (a chunk's tokens rounded up to 8).
+inline int64_t score_ld(int64_t bs) { return chunk_blocks(bs) * bs + 8; }
 
 template <int DC, class Src>
 void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t* qi, const float* qs, int64_t r,
@@ -549,7 +698,7 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
   const int64_t s = b.seq_lens[r], q0 = b.qsl[r], n = b.qsl[r + 1] - q0;
   const int64_t stride = Hkv * D;  // between one token's rows of a head
 #ifdef KVPAGE_SIMD
-  if constexpr (DC > 0 && DC % 8 == 0) {
+  if constexpr (DC > 0 && DC % VecF::N == 0) {
     // Blocks gathered into chunks of up to kChunkTokens tokens: the per-(block, query head) costs of the
     // online softmax (its rescale, the accumulator's load and store) are paid once per chunk.
     const int64_t per = chunk_blocks(bs);
@@ -562,19 +711,21 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
           f(k, x - k * bs, y - x, x - a);
         }
       };
-      if constexpr (Src::kInt8Keys && DC % 16 == 0) {
-        if (qi) {  // int8 keys read as codes (run_d coded q as int16 for it)
+      const int64_t ldsc = score_ld(bs);
+      if constexpr (Src::kInt8Codes && DC % 16 == 0) {
+        if (qi) {  // int8 keys and values read as codes (run_d coded q as int16 for it)
           int8_t* kc = reinterpret_cast<int8_t*>(kb);
+          int8_t* vc = reinterpret_cast<int8_t*>(vb);
           each_block([&](int64_t k, int64_t off, int64_t nt, int64_t at) {
-            const int8_t* codes = src.template int8_keys<DC>(r, k, off, nt, vb + at * stride, ksb + at * Hkv,
-                                                             vsb + at * Hkv);
-            // copied front to back (the prefetchers stream it), then read by every query head from L1
-            std::memcpy(kc + at * stride, codes, nt * stride);
+            const auto [kr, vr] = src.int8_rows(r, k, off, nt, ksb + at * Hkv, vsb + at * Hkv);
+            // copied front to back (the prefetchers stream them), then read by every query head from L1
+            std::memcpy(kc + at * stride, kr, nt * stride);
+            std::memcpy(vc + at * stride, vr, nt * stride);
           });
-          block_update<DC>(n, H, G, s, a, e, vb, stride, vsb, Hkv, m, l, acc, sc,
-                           [&](int64_t row, int64_t h, int64_t lim) {
-                             return scores_i8<DC>(qi + row * DC, qs[row], kc + h * DC, stride, lim, b.sm_scale,
-                                                  ksb + h, Hkv, sc);
+          block_update<DC>(n, H, G, s, a, e, static_cast<const int8_t*>(vc), stride, vsb, Hkv, m, l, acc, sc, ldsc,
+                           [&](auto group, int64_t row, int64_t h, int64_t lim, float* mx) {
+                             scores_i8<DC, decltype(group)::value>(qi + row * DC, qs + row, kc + h * DC, stride, lim,
+                                                                   b.sm_scale, ksb + h, Hkv, sc, ldsc, mx);
                            });
           continue;
         }
@@ -585,10 +736,11 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
                                        vsb + at * Hkv);
       });
       const float* ks = folded ? ksb : nullptr;
-      block_update<DC>(n, H, G, s, a, e, has_value ? vb : kb, stride, folded ? (has_value ? vsb : ksb) : nullptr, Hkv,
-                       m, l, acc, sc, [&](int64_t row, int64_t h, int64_t lim) {
-                         return scores_simd<DC>(qf + row * DC, kb + h * DC, stride, lim, b.sm_scale,
-                                                ks ? ks + h : nullptr, Hkv, sc);
+      block_update<DC>(n, H, G, s, a, e, static_cast<const float*>(has_value ? vb : kb), stride,
+                       folded ? (has_value ? vsb : ksb) : nullptr, Hkv, m, l, acc, sc, ldsc,
+                       [&](auto group, int64_t row, int64_t h, int64_t lim, float* mx) {
+                         scores_f32<DC, decltype(group)::value>(qf + row * DC, kb + h * DC, stride, lim, b.sm_scale,
+                                                                ks ? ks + h : nullptr, Hkv, sc, ldsc, mx);
                        });
     }
     return;
@@ -631,6 +783,12 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
   }
 }
 
+#ifdef KVPAGE_SIMD
+constexpr int64_t kScoreRows = kMaxGroup;  // score rows a work item holds: one query-head group's
+#else
+constexpr int64_t kScoreRows = 1;
+#endif
+
 template <int DC, class Src>
 void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bool has_value) {
   const int64_t D = b.D, H = b.H;
@@ -657,12 +815,12 @@ void run_d(const Src& src, const Batch& b, const int64_t* reqs, int64_t nreq, bo
   const int64_t nslots = first[nreq];
   bool int8_keys = false;
 #ifdef KVPAGE_SIMD
-  if constexpr (Src::kInt8Keys && DC > 0 && DC % 16 == 0) int8_keys = src.int8_keys_ok(has_value);
+  if constexpr (Src::kInt8Codes && DC > 0 && DC % VecF::N == 0) int8_keys = src.int8_codes_ok(has_value);
 #endif
   std::vector<float> M(nslots * max_rows, NEG_INF), L(nslots * max_rows, 0.0f), A(nslots * max_rows * D, 0.0f);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t ct = chunk_blocks(b.bs) * b.bs;  // tokens per chunk (attend_range)
-    std::vector<float> kb(ct * b.Hkv * D), vb(ct * b.Hkv * D), ksb(ct * b.Hkv), vsb(ct * b.Hkv), sc(ct + 8),
+    std::vector<float> kb(ct * b.Hkv * D), vb(ct * b.Hkv * D), ksb(ct * b.Hkv), vsb(ct * b.Hkv), sc(score_ld(b.bs) * kScoreRows),
         qf(max_rows * D), qs(int8_keys ? max_rows : 0);
     std::vector<int16_t> qi(int8_keys ? max_rows * D : 0);
     const uint8_t* q = static_cast<const uint8_t*>(b.q);
@@ -736,8 +894,9 @@ Batch make_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& s
 
 }  // namespace
 
-// Whether paged_attention reads int8 keys (with per-row scales) as codes at this head_dim in this build: q is
-// then coded as int16 per (token, head) row (scores_i8), which tests reproduce to compare with the reference.
+// Whether paged_attention reads int8 keys and values (with per-row scales) as codes at this head_dim in this
+// build: q is then coded as int16 per (token, head) row (scores_i8), which tests reproduce to compare with the
+// reference.
 bool int8_keys_as_codes(int64_t head_dim) {
 #ifdef KVPAGE_SIMD
   return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128;  // run()'s fixed widths
