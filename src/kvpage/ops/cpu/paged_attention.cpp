@@ -25,6 +25,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVPAGE_SIMD 1  // the AVX2 micro-kernels below; other CPUs take the portable loops
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVPAGE_AVX512 1  // wider registers, and twice as many, where the CPU has them
+#endif
 #endif
 
 #include <cstdint>
@@ -218,6 +221,37 @@ struct SealedSource {
   }
 #endif
 
+#ifdef KVPAGE_AVX512
+  // Codes c .. c+15 of a packed row (c % 16 == 0) as float32, in one 512-bit register: int4 as the 8 bytes' low
+  // and high nibbles interleaved, int3 as two 24-bit words (8 codes each) shifted per lane, int2 as one 32-bit
+  // word shifted per lane (codes8's layout, twice as many per instruction).
+  static inline __m512 codes16(const uint8_t* row, int64_t c) {
+    if constexpr (BITS == 4) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
+      const __m128i m = _mm_set1_epi8(15);
+      const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+    } else if constexpr (BITS == 3) {
+      const uint8_t* b = row + 3 * c / 8;
+      uint16_t lo0, lo1;
+      std::memcpy(&lo0, b, 2);
+      std::memcpy(&lo1, b + 3, 2);
+      const uint32_t w0 = static_cast<uint32_t>(lo0) | (static_cast<uint32_t>(b[2]) << 16);
+      const uint32_t w1 = static_cast<uint32_t>(lo1) | (static_cast<uint32_t>(b[5]) << 16);
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(static_cast<int>(w0))),
+                                           _mm256_set1_epi32(static_cast<int>(w1)), 1);
+      const __m512i x = _mm512_srlv_epi32(w, _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21));
+      return _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(7)));
+    } else {
+      uint32_t w;
+      std::memcpy(&w, row + c / 4, 4);
+      const __m512i x = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)),
+                                          _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+      return _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(3)));
+    }
+  }
+#endif
+
   // Rows come out fully scaled (ksb / vsb are not used); returns false.
   template <int DC>
   bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value, float*,
@@ -256,6 +290,35 @@ struct SealedSource {
     // Codes unpacked, converted and scaled in registers, each output row written once: the portable loop below
     // stores the float codes and reads them straight back to scale them, and those loads stalled on the
     // stores (over half of the int4 load's time in a profile).
+#ifdef KVPAGE_AVX512
+    if constexpr (DC > 0 && DC % 16 == 0) {
+      if (fits && gs % 16 == 0) {
+        for (int64_t i = 0; i < nt * Hkv; ++i) {
+          const int64_t row = first + i, h = i % Hkv;
+          const uint8_t* kc = key + row * P;
+          const float* s = ks + h * D;
+          const float* z = kz + h * D;
+          float* kr = kb + i * D;
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < DC; c += 16) {
+            _mm512_storeu_ps(kr + c, _mm512_fmadd_ps(codes16(kc, c), _mm512_loadu_ps(s + c), _mm512_loadu_ps(z + c)));
+          }
+          if (!has_value) continue;
+          const uint8_t* vc = value + row * P;
+          float* vr = vb + i * D;
+          for (int64_t g = 0; g < Gv; ++g) {
+            const float st = lut[value_scale[row * Gv + g]];
+            const __m512 vs = _mm512_set1_ps(st);
+            const __m512 vz = _mm512_set1_ps(st * static_cast<float>(value_zero[row * Gv + g]));
+            for (int64_t c = g * gs; c < (g + 1) * gs; c += 16) {
+              _mm512_storeu_ps(vr + c, _mm512_fmadd_ps(codes16(vc, c), vs, vz));
+            }
+          }
+        }
+        return false;
+      }
+    }
+#endif
     if constexpr (DC > 0 && DC % 8 == 0) {
       if (fits && gs % 8 == 0) {
         for (int64_t i = 0; i < nt * Hkv; ++i) {
@@ -367,8 +430,7 @@ inline float sum_floats(const float* x, int64_t n) {
 // AVX-512's 32 registers (8 tokens x 3 heads of score accumulators; head_dim / 16 x 3 output accumulators up to
 // head_dim 128), 1 with AVX2's 16.
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define KVPAGE_AVX512 1
+#ifdef KVPAGE_AVX512
 constexpr int kMaxGroup = 3;
 
 // Float lanes of the micro-kernels (zmm here; ymm on AVX2), with int8 codes converted on load.
