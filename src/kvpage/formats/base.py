@@ -285,8 +285,8 @@ class BlockFormat(KVFormat):
         """The orthonormal ``[head_dim, head_dim]`` matrix ``R`` rows are stored rotated by, or ``None`` (no side effects).
 
         When not ``None`` the pool, the tail and the first-block copies all hold ``x @ R``: the attention ops
-        rotate q (by ``R``), k and v (by :meth:`to_stored_basis`) when a layer's pass enters them and the output
-        back by ``R.T``, so their kernels never see the original basis (``(q R) . (k R) = q . k``). :meth:`seal` and
+        rotate q, k and v (:meth:`to_stored_basis`) when a layer's pass enters them and the output back by
+        ``R.T``, so their kernels never see the original basis (``(q R) . (k R) = q . k``). :meth:`seal` and
         :meth:`unseal` still take and return the original basis; :meth:`seal_rotated` and
         :meth:`unseal_rotated` are the stored-basis pair the attention ops call.
         """

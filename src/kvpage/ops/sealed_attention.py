@@ -1,7 +1,7 @@
 """Attention over quantize-on-seal layers (``int4``, ``int3``, ``int2``): sealed blocks plus the full-precision tail.
 
 A format that stores rotated rows (``int4_rotated`` etc., :meth:`~kvpage.formats.BlockFormat.rotation`) enters
-first: q, k and v in its stored basis, everything below in that basis, the output rotated back
+first: q, k and v in its stored basis (row by row), everything below in that basis, the output rotated back
 (:func:`enter_stored_basis`).
 
 Write (once per layer, following the step's :class:`~kvpage.ops.seal_plan.SealPlan`):
@@ -382,21 +382,21 @@ class StoredBasis:
     and returns :meth:`leave` of its output.
 
     Attributes:
-        q: ``[T, H, D]``: ``q`` itself, or ``q @ R`` in float32 (never stored: one matmul).
-        k, v: ``[T, Hkv, D]``: as given, or rotated row by row (stored: bit for bit whatever the batch).
-        rotation: ``R`` float32 ``[D, D]``, or ``None`` for a format that stores the original basis.
+        q: ``[T, H, D]``: ``q`` itself, or ``q @ R`` in float32.
+        k, v: ``[T, Hkv, D]``: as given, or ``k @ R``, ``v @ R`` in float32.
+        rotate: the row rotation that made them (``x -> x @ R``, each row from itself alone), or ``None`` for a
+            format that stores the original basis.
     """
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor | None
-    rotation: torch.Tensor | None
+    rotate: Callable[[torch.Tensor], torch.Tensor] | None
 
     def leave(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``out`` ``[T, H, D]`` in the original basis (``out @ R.T``) and ``dtype``; ``out`` is not modified."""
-        if self.rotation is None:
-            return out.to(dtype)
-        return (out.float() @ self.rotation.T).to(dtype)
+        """``out`` ``[T, H, D]`` in the original basis (``out @ R.T``: ``R`` is symmetric and orthonormal, so the
+        same rotation) and ``dtype``; ``out`` is not modified."""
+        return (out if self.rotate is None else self.rotate(out)).to(dtype)
 
 
 def enter_stored_basis(
@@ -405,14 +405,15 @@ def enter_stored_basis(
 ) -> StoredBasis:
     """``q``, ``k``, ``v`` in ``fmt``'s stored basis (no side effects; unrotated formats pass them through).
 
-    ``rotate_rows``: a backend's own row rotation, bit-identical to ``fmt.to_stored_basis`` (its kernels);
-    default the format's.
+    All four (q, k, v and, in :meth:`StoredBasis.leave`, the output) turn row by row (``fmt.to_stored_basis``,
+    butterflies, no matmul): a row's bits never depend on the rows beside it, so decode, chunks and speculative
+    verification read and write alike. ``rotate_rows``: a backend's own kernel for it, bit-identical to
+    ``fmt.to_stored_basis``; default the format's.
     """
-    rot = fmt.rotation(q.shape[-1], torch.float32, q.device)
-    if rot is None:
+    if fmt.rotation(q.shape[-1], torch.float32, "cpu") is None:
         return StoredBasis(q, k, v, None)
     rows = fmt.to_stored_basis if rotate_rows is None else rotate_rows
-    return StoredBasis(q.float() @ rot, rows(k), None if v is None else rows(v), rot)
+    return StoredBasis(rows(q), rows(k), None if v is None else rows(v), rows)
 
 
 def sealed_attention(

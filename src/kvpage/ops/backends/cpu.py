@@ -18,8 +18,8 @@ first-block copies with the fused 8-bit write (:class:`KernelSealWriter`).
 
 Formats the kernels read: ``float32``/``bfloat16``/``float16``, every per-token and
 static 8-bit format, ``int4``/``int3``/``int2`` (sealed blocks, 16-bit tail and window
-copies, int8 first-block copies) and their ``_rotated`` variants (q, k, v rotated on entry and the output back:
-:func:`~kvpage.ops.sealed_attention.enter_stored_basis`).
+copies, int8 first-block copies) and their ``_rotated`` variants (q, k, v rotated on entry -- k and v by the
+``hadamard_rows`` kernel -- and the output back: :func:`~kvpage.ops.sealed_attention.enter_stored_basis`).
 Anything else is refused by :meth:`CpuBackend.unsupported` with the reason.
 
 Per-step tensors (context lengths, query offsets, which rows the kernel takes,
@@ -366,6 +366,11 @@ class CpuBackend(AttentionBackend):
 
     # -- quantize-on-seal formats -----------------------------------------------------------------
 
+    def _rotate_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ R`` of a rotated format's k or v rows in one kernel call (``hadamard_rows``: the format's own
+        butterflies, bit for bit), float32 ``[..., D]``; ``x`` is not modified."""
+        return self.kernels.hadamard_rows(x.float().contiguous())
+
     def forward_sealed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
         spec: LayerSpec, meta: AttentionMetadata, ctx: SealContext, *, layer_index: int,
@@ -373,7 +378,7 @@ class CpuBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward_sealed` (rotated formats: in their stored basis, as the reference)."""
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
-        basis = enter_stored_basis(fmt, q, k, v)
+        basis = enter_stored_basis(fmt, q, k, v, self._rotate_rows)
         k, v = basis.k, basis.v
         batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v, self._seal_writer)
         rows = self._step_rows(meta)

@@ -193,3 +193,41 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   });
   return out;
 }
+
+// x @ R along the last dim of float32 rows, R the block-diagonal Sylvester-Hadamard matrix of
+// kvpage.formats.rotation (blocks of the binary decomposition of D, largest first): the very butterflies of
+// hadamard_transform (stage h = 1, 2, 4, ...: a + b, a - b; then one multiply by float32(1/sqrt(n))), so each
+// row's result is bit-identical to the Python one and depends on that row alone. Returns a new tensor.
+at::Tensor hadamard_rows(at::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0,
+              "hadamard_rows: contiguous float32 [..., D]");
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  at::Tensor out = x.clone();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = y + r * D;
+      int64_t start = 0;
+      for (int b = 62; b >= 0; --b) {
+        const int64_t n = int64_t{1} << b;
+        if (!(D & n)) continue;
+        float* a = row + start;
+        for (int64_t h = 1; h < n; h *= 2) {
+          for (int64_t j = 0; j < n; j += 2 * h) {
+#pragma omp simd
+            for (int64_t i = j; i < j + h; ++i) {
+              const float u = a[i], w = a[i + h];
+              a[i] = u + w;
+              a[i + h] = u - w;
+            }
+          }
+        }
+        const float s = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) a[i] *= s;
+        start += n;
+      }
+    }
+  });
+  return out;
+}
