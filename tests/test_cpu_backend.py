@@ -273,7 +273,7 @@ def test_fused_write_is_byte_identical_to_the_format_quantize(fmt: str) -> None:
     assert torch.equal(cache["key_scale"].view(-1, 3)[slots].view(torch.int16), want.scale.view(torch.int16))
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 80, 128, 7, 1])
+@pytest.mark.parametrize("head_dim", [64, 96, 80, 128, 7, 1, 512, 1027])
 def test_hadamard_rows_kernel_is_the_formats_butterflies_bit_for_bit(head_dim: int) -> None:
     """The rotated sealed formats' k/v rotation in the kernel (``hadamard_rows``) is ``hadamard_transform``'s
     float32 result exactly, one row or a batch alike (stored codes must not depend on the batch), extremes too."""

@@ -410,7 +410,7 @@ def enter_stored_basis(
     verification read and write alike. ``rotate_rows``: a backend's own kernel for it, bit-identical to
     ``fmt.to_stored_basis``; default the format's.
     """
-    if fmt.rotation(q.shape[-1], torch.float32, "cpu") is None:
+    if fmt.rotation(q.shape[-1], torch.float32, q.device) is None:
         return StoredBasis(q, k, v, None)
     rows = fmt.to_stored_basis if rotate_rows is None else rotate_rows
     return StoredBasis(rows(q), rows(k), None if v is None else rows(v), rows)
