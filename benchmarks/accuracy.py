@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 GPL3 = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files; `dpkg -L base-files | grep GPL-3`
 GPL3_VENDORED = ROOT / "tests" / "data" / "GPL-3"  # a verbatim copy, for machines without base-files
-DEFAULT_FORMATS = "auto,int8,fp8,int4,int3,int2,int8_rotated"
+DEFAULT_FORMATS = "auto,int8,fp8,int4,int3,int2,int8_rotated,int4_rotated,int3_rotated,int2_rotated"
 DEFAULT_OUT = ROOT / "benchmarks" / "accuracy"            # one text: results.json and plots
 DEFAULT_SUITE_OUT = DEFAULT_OUT / "suite"                  # --suite: results.json, <member>/*.png
 DEFAULT_TEXT_TOKENS = 1024
@@ -198,6 +198,10 @@ SUITE_TARGETS: dict[str, tuple[float, float | None]] = {
     "int4": (0.5, 4.75),
     "int3": (2.5, 3.6),
     "int2": (10.0, 3.0),
+    # the rotated variants store the same bytes: the same targets
+    "int4_rotated": (0.5, 4.75),
+    "int3_rotated": (2.5, 3.6),
+    "int2_rotated": (10.0, 3.0),
 }
 
 
@@ -226,6 +230,25 @@ within the noise of it.
 | -2..4 | yes | 3.633 | 0.0404 / +3.83% | — | 0.0324 / +4.78% | 0.2219 / -1.02% |
 | -1..1 | yes | 3.633 | 0.0254 / +1.84% | 0.0387 / +5.42% | 0.0258 / +3.13% | — |
 | -1..4 | yes | 3.633 | 0.0269 / +3.04% | 0.0377 / +5.06% | 0.0245 / +2.52% | — |
+
+"""
+
+
+#: What the ``_rotated`` quantize-on-seal formats are and what they cost (issue 34, item 1a).
+ROTATED_NOTE = """\
+### The `_rotated` quantize-on-seal formats
+
+`int4_rotated`, `int3_rotated` and `int2_rotated` store the bytes of `int4`, `int3` and `int2` (same block
+layout, step search, window and first-block copy) of Hadamard-rotated rows: the attention ops rotate q, k and v
+by the per-head orthonormal Hadamard matrix when a layer's pass enters them and the output back, so the pool, the
+16-bit tail and window and the 8-bit first-block copy all hold rotated rows and the kernels run unchanged
+(`kvpage/formats/kivi_rotated.py`). The rotation spreads the keys' outlier channels over the head before the
+per-channel key steps and per-token value steps are chosen. Compare each with its base format in the tables
+above: same bits, lower KLD. They are separate names, not a new version of `int4`: a value group with a large
+common offset (case C21: values in [5, 6] at head_dim 96) loses `int4`'s 0.04 bound, since the rotation
+gathers the offset into one coordinate; their own bound is the base bound in the rotated basis, an L2 bound
+in the original one (`tests/test_kivi.py`). Engine decode speed against the base format:
+`benchmarks/ab_formats.py` (README, "KV formats").
 
 """
 
@@ -336,6 +359,8 @@ def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str
         "## Summary", "",
         summary_markdown(payload), *_targets_table(payload),
         *([INT3_CHOICE] if any(s["name"] == "int3" for s in payload["summary"]) else []),
+        *([ROTATED_NOTE] if any(s["name"].endswith("_rotated") and s["name"] != "int8_rotated"
+                                for s in payload["summary"]) else []),
         "Each format per member (Δppl / KLD):", "", grid_markdown(payload),
     ]
     if held is not None:

@@ -129,7 +129,7 @@ def _speculate(target: LoadedModel, fmt: str, extra: dict[str, Any], spec: dict[
 
 def test_c31_cases_cover_every_format() -> None:
     assert len(FORMATS) >= 11 and {"float32", "bfloat16", "int8", "fp8", "int4", "int2"} <= set(FORMATS)
-    assert set(SEALED) == {"int4", "int3", "int2"}
+    assert set(SEALED) == {"int4", "int3", "int2", "int4_rotated", "int3_rotated", "int2_rotated"}
     assert set(METHODS) == {"ngram", "draft_model", "layer_skip"}
 
 

@@ -98,7 +98,7 @@ def test_c26_capacity_equals_the_real_allocation(tiny, tiny_bf16, case, budget) 
     assert c.max_concurrency == pytest.approx(blocks / math.ceil(llm.max_model_len / llm.spec.block_size))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "fp8_static"])
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "fp8_static", "int4_rotated"])
 def test_c26_ratio_is_the_real_token_ratio_at_the_same_budget(tiny, fmt) -> None:
     from kvpage.engine.llm import LLM
 
@@ -110,7 +110,7 @@ def test_c26_ratio_is_the_real_token_ratio_at_the_same_budget(tiny, fmt) -> None
     real_ratio = _real(llm)[2] * llm.spec.block_size / (_real(ref)[2] * ref.spec.block_size)
     assert llm.capacity.ratio == pytest.approx(real_ratio, rel=0.01)
     assert llm.capacity.reference_tokens == pytest.approx(ref.max_cache_tokens, rel=0.01)
-    if fmt in ("int4", "int2"):  # the side pools make it less than the bytes-per-token ratio
+    if isinstance(get_format(fmt), BlockFormat):  # the side pools make it less than the bytes-per-token ratio
         assert llm.capacity.ratio < 0.97 * llm.model_dtype_kv_bytes_per_token / llm.kv_bytes_per_token
 
 
@@ -152,6 +152,16 @@ def test_c26_smollm2_figures_of_the_issue() -> None:
     c = rows["int4"].report
     assert (f"| `int4` | 32 | {c.bytes_per_token:,.0f} | {c.side_pool_bytes / MiB:.1f} | {c.tokens:,} "
             f"| {c.ratio:.2f}x |") in table
+
+
+def test_rotated_sealed_formats_hold_what_their_base_formats_hold() -> None:
+    """Same bytes per block and side pools as int4/int3/int2 (only the rows' basis differs): the same capacity."""
+    rows = {r.name: r.report for r in format_rows(SMOLLM2_SHAPE, 256 * MiB)}
+    for base in ("int4", "int3", "int2"):
+        rot, plain = rows[base + "_rotated"], rows[base]
+        assert rot is not None and plain is not None
+        assert (rot.tokens, rot.bytes_per_block, rot.side_pool_bytes, rot.total_bytes) == (
+            plain.tokens, plain.bytes_per_block, plain.side_pool_bytes, plain.total_bytes)
 
 
 @pytest.mark.parametrize(("fmt", "floor"), [("int4", 3.3), ("int2", 5.5)])

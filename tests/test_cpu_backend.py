@@ -32,6 +32,7 @@ from kvpage.cache.controller import CacheController
 from kvpage.cache.tail import TailTable
 from kvpage.cache.tail.pool import TailPool
 from kvpage.formats import get_format
+from kvpage.formats.rotation import hadamard_transform
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.ops.backends import BACKEND_NAMES, CpuBackend, ReferenceBackend, select_backend
 from kvpage.ops.backends import cpu as cpu_module
@@ -42,10 +43,11 @@ from _attention_oracle import float64_attention, static_scales
 
 TOKEN_FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
                  "int8_static", "fp8_static"]
-SEALED_FORMATS = ["int4", "int3", "int2"]
+SEALED_FORMATS = ["int4", "int3", "int2", "int4_rotated", "int3_rotated", "int2_rotated"]
 # Output error against float64 attention over the unquantized K/V (unit-normal q/k/v), per format.
 LOOSE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3, "int8": 0.06, "fp8": 0.25, "int8_rotated": 0.06,
-         "fp8_per_token_head": 0.25, "int8_static": 0.08, "fp8_static": 0.3, "int4": 0.35, "int3": 0.7, "int2": 1.2}
+         "fp8_per_token_head": 0.25, "int8_static": 0.08, "fp8_static": 0.3, "int4": 0.35, "int3": 0.7, "int2": 1.2,
+         "int4_rotated": 0.35, "int3_rotated": 0.7, "int2_rotated": 1.2}
 
 # The kernels must build wherever `make test` runs (a fresh machine has the compiler and ninja); only an
 # explicit KVPAGE_CPU_KERNELS=0 skips the tests that need them.
@@ -211,7 +213,7 @@ def test_c27_mixed_batch_of_decode_chunks_and_prefill(fmt: str) -> None:
     run_batch(fmt, lens=lens, query_lens=query_lens, heads=9, kv_heads=3, head_dim=64, block_size=bs, seed=3)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "fp8", "int8_rotated", "int4", "int3", "int2"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "fp8", "int8_rotated", "int4", "int3", "int2", "int4_rotated"])
 @pytest.mark.parametrize("params", [LayerAttention(scale=0.06), LayerAttention(sliding_window=11),
                                     LayerAttention(scale=0.25, sliding_window=16, logit_softcap=2.0),
                                     LayerAttention(logit_softcap=1.5)], ids=["scale", "window", "all", "softcap"])
@@ -234,7 +236,7 @@ def test_window_and_softcap_change_the_output() -> None:
         assert (float64_attention(q, k, v, 29, p) - base).abs().max() > 1e-3, p
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "fp8_static", "int4"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "fp8_static", "int4", "int2_rotated"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_models_read_q_and_write_the_output_in_their_dtype(fmt: str, dtype: torch.dtype) -> None:
     """A bfloat16/float16 model hands q/k/v in its dtype; the kernel converts them itself."""
@@ -272,6 +274,23 @@ def test_fused_write_is_byte_identical_to_the_format_quantize(fmt: str) -> None:
     want = f.quantize(x, kind="key")
     assert torch.equal(cache["key"].view(-1, 3, 64)[slots], want.codes)
     assert torch.equal(cache["key_scale"].view(-1, 3)[slots].view(torch.int16), want.scale.view(torch.int16))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 80, 128, 7, 1, 512, 1027])
+def test_hadamard_rows_kernel_is_the_formats_butterflies_bit_for_bit(head_dim: int) -> None:
+    """The rotated sealed formats' k/v rotation in the kernel (``hadamard_rows``) is ``hadamard_transform``'s
+    float32 result exactly, one row or a batch alike (stored codes must not depend on the batch), extremes too."""
+    kernels = cpu_module.cpu_backend().kernels
+    x = torch.randn(37, 3, head_dim) * torch.logspace(-6, 6, 37)[:, None, None]
+    x[0] = 0
+    x[1, 0, 0] = math.inf
+    before = x.clone()
+    want = hadamard_transform(x)
+    torch.testing.assert_close(kernels.hadamard_rows(x), want, rtol=0, atol=0, equal_nan=True)
+    for i in (2, 20, 36):
+        assert torch.equal(kernels.hadamard_rows(x[i:i + 1].contiguous()).view(torch.int32),
+                           want[i:i + 1].view(torch.int32))
+    torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)  # not modified
 
 
 def test_selection_auto_cpu_and_reference() -> None:

@@ -46,6 +46,8 @@ from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 
 
 ROTATED = ["int8_rotated", "fp8"]
+#: The block-wise (quantize-on-seal) formats.
+SEALED = ("int4", "int3", "int2", "int4_rotated", "int3_rotated", "int2_rotated")
 PLAIN = ["int8", "fp8_per_token_head"]
 QUANTIZED = ROTATED + PLAIN
 #: the code each quantized format uses
@@ -136,6 +138,7 @@ def test_format_aliases_table_matches_docs() -> None:
         "auto", "float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
         "int8_static", "fp8_static",  # static calibrated scales: tests/test_static_scales.py
         "int4", "int3", "int2",  # quantize on seal: tests/test_kivi.py
+        "int4_rotated", "int3_rotated", "int2_rotated",  # the same on Hadamard-rotated rows: tests/test_kivi.py
     ]
 
 
@@ -739,19 +742,22 @@ def test_formats_are_kvformat_instances() -> None:
         f = get_format(name)
         assert isinstance(f, KVFormat)
         # exactly one of the two interfaces: block-wise for the quantize-on-seal formats, token-wise for the rest
-        block_wise = name in ("int4", "int3", "int2")
+        block_wise = name in SEALED
         assert isinstance(f, BlockFormat) == block_wise and isinstance(f, TokenFormat) == (not block_wise)
-        assert f.quantized == (name in QUANTIZED or name.endswith("_static") or name in ("int4", "int3", "int2"))
+        assert f.quantized == (name in QUANTIZED or name.endswith("_static") or name in SEALED)
         assert isinstance(f.version, int) and f.version >= 1
         if isinstance(f, TokenFormat):
             assert (f.rotation(8, torch.float32, "cpu") is not None) == (name in ROTATED)
-        else:  # the token interface is not there at all (it used to raise TypeError)
-            assert not hasattr(f, "quantize") and not hasattr(f, "rotation")
+        else:  # the token interface is not there at all (it used to raise TypeError); rotation is the block one's
+            assert not hasattr(f, "quantize") and not hasattr(f, "dequantize_rotated")
+            assert (f.rotation(8, torch.float32, "cpu") is not None) == name.endswith("_rotated")
         # equal when they store the same bytes the same way
         assert f == get_format(name) and hash(f) == hash(get_format(name))
     # the rotated formats store different bytes under the names int8/fp8 used for plain rows before:
     # their version (part of the layout fingerprint) moved on, so old stores are never read as rotated
     assert get_format("fp8").version == 2 and get_format("int8").version == 3  # int8: plain again, after 2 = rotated
     assert get_format("int8_rotated").version == get_format("fp8_per_token_head").version == 1
+    # the rotated sealed formats carry their base coding's version; their name tells the rotation apart
+    assert all(get_format(n + "_rotated").version == get_format(n).version for n in ("int4", "int3", "int2"))
     assert math.isclose(QMAX["fp8"], float(torch.finfo(torch.float8_e4m3fn).max))
     assert math.isclose(QMAX["int8"], float(torch.iinfo(torch.int8).max))

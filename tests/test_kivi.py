@@ -18,6 +18,7 @@ from kvpage.cache.tail import TailTable
 from kvpage.cache.tail.pool import TailPool
 from kvpage.errors import KVCacheLayoutError, KVPageError, OutOfBlocksError
 from kvpage.formats import get_format
+from kvpage.formats.rotation import hadamard_rotation, hadamard_transform
 from kvpage.formats.kivi import (
     SCALE_MAX,
     SCALE_MIN,
@@ -35,6 +36,8 @@ from _forced import assert_greedy_agrees_up_to_a_near_tie, divergence, teacher_f
 from _kv_kinds import OfferingConnector
 
 SEALED = ["int4", "int3", "int2"]
+#: Their Hadamard-rotated variants: the same coding of ``x @ R`` (their own, L2 bound: _check_rotated_bound).
+ROTATED = ["int4_rotated", "int3_rotated", "int2_rotated"]
 
 
 def _max_step(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
@@ -67,6 +70,23 @@ def _check_bound(name: str, x: torch.Tensor) -> None:
     assert (_rms(v_err.unflatten(-1, (d // g, g)), -1) <= step / 2 + 1e-6).all()
 
 
+def _check_rotated_bound(name: str, x: torch.Tensor) -> None:
+    """x: [m, bs, kv, D] float32. The rotated formats' documented bound: the plain formats' in the rotated basis
+    ``y = x @ R`` (R here the float64 matrix, not the format's butterflies), carried to the original basis as an L2
+    bound by the orthonormal R: per key block, head, ``||err||_F <= sqrt(bs * sum_c (c_c / 2)^2)``; per value row
+    and head, ``||err||_2 <= sqrt(sum_G g (c_G / 2)^2)``; plus float32 rounding (1e-5 of the row's norm)."""
+    bits, d = get_format(name).bits, x.shape[-1]
+    y = x.double() @ hadamard_rotation(d, torch.float64)
+    k_err = (_roundtrip(name, x, "key") - x.double()).square().sum((1, -1)).sqrt()              # [m, kv]
+    k_bound = (x.shape[1] * (_max_step(y, 1, bits) / 2).square().sum(-1)).sqrt().squeeze(1)     # [m, kv]
+    assert (k_err <= k_bound + 1e-5 * x.double().square().sum((1, -1)).sqrt() + 1e-9).all()
+    g = value_group_size(d)
+    v_err = (_roundtrip(name, x, "value") - x.double()).square().sum(-1).sqrt()                 # [m, bs, kv]
+    step = _max_step(y.unflatten(-1, (d // g, g)), -1, bits)                                 # [m, bs, kv, G, 1]
+    v_bound = (g * (step / 2).square()).sum((-2, -1)).sqrt()                                  # [m, bs, kv]
+    assert (v_err <= v_bound + 1e-5 * x.double().norm(dim=-1) + 1e-9).all()
+
+
 # -- error bounds (property tests) ----------------------------------------------------------------
 
 
@@ -88,10 +108,56 @@ def test_roundtrip_within_documented_bound(name: str, head_dim: int, bs: int, se
     _check_bound(name, x)
 
 
-@pytest.mark.parametrize("name", SEALED)
+@pytest.mark.parametrize("name", ROTATED)
+@settings(max_examples=25, deadline=None)
+@given(
+    head_dim=st.sampled_from([8, 64, 96, 80, 7, 130]),
+    bs=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    outlier=st.booleans(),
+    offset=st.sampled_from([0.0, 5.0]),
+    magnitude=st.sampled_from([1e-3, 1.0, 30.0]),
+)
+def test_rotated_roundtrip_within_documented_l2_bound(name: str, head_dim: int, bs: int, seed: int, outlier: bool,
+                                                     offset: float, magnitude: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((2, bs, 3, head_dim), generator=g) * magnitude + offset * magnitude
+    if outlier:
+        x[..., head_dim // 2] *= 100
+    _check_rotated_bound(name, x)
+
+
+@pytest.mark.parametrize("name", ROTATED)
+def test_rotated_formats_code_the_rotated_rows_with_the_base_coding(name: str) -> None:
+    """Same bytes as the base format given ``x @ R`` (so the same bytes per block and the same kernels), and
+    ``unseal`` returns the original basis: the stored basis rotated back."""
+    fmt, base = get_format(name), get_format(name.removesuffix("_rotated"))
+    x = torch.randn(3, 8, 2, 96)
+    x[..., 7] *= 40
+    for kind in ("key", "value"):
+        t = fmt.seal(x, kind)
+        want = base.seal(hadamard_transform(x), kind)
+        assert t.keys() == want.keys() and all(torch.equal(t[n], want[n]) for n in t)
+        stored = fmt.unseal_rotated(t, kind, torch.float64, 96)
+        assert torch.equal(stored, base.unseal(t, kind, torch.float64, 96))
+        back = stored @ hadamard_rotation(96, torch.float64)
+        torch.testing.assert_close(fmt.unseal(t, kind, torch.float64, 96), back, rtol=0, atol=1e-4)
+    assert fmt.tensor_specs(block_size=32, kv_heads=3, head_dim=96) == base.tensor_specs(block_size=32, kv_heads=3,
+                                                                                      head_dim=96)
+
+
+def test_c21_rotated_int4_trades_the_offset_bound_for_its_l2_bound() -> None:
+    """int4_rotated does not keep case C21's 0.04 (documented: the rotation gathers a common offset into one
+    coordinate per Sylvester block, whose range sets the group's step), int4 does; its own L2 bound holds."""
+    x = 5 + torch.rand(3, 16, 2, 96)
+    assert (_roundtrip("int4_rotated", x, "value") - x.double()).abs().max() > 0.04
+    _check_rotated_bound("int4_rotated", x)
+
+
+@pytest.mark.parametrize("name", SEALED + ROTATED)
 def test_roundtrip_bound_at_large_magnitudes(name: str) -> None:
     x = torch.randn(2, 4, 3, 8) * 3000  # a step of hundreds: within UE5M3's range
-    _check_bound(name, x)
+    (_check_rotated_bound if name in ROTATED else _check_bound)(name, x)
 
 
 @pytest.mark.parametrize("name", SEALED)
@@ -136,7 +202,7 @@ def test_c21_head_dim_96_int4_values_5_to_6() -> None:
     assert (_roundtrip("int4", y, "key") - y.double()).abs().max() <= 0.04
 
 
-@pytest.mark.parametrize("name", SEALED)
+@pytest.mark.parametrize("name", SEALED + ROTATED)
 def test_c23_extreme_values_stay_finite_and_zero_decodes_to_zero(name: str) -> None:
     x = torch.zeros(1, 4, 2, 64)
     x[0, 1] = 1e6
@@ -198,7 +264,7 @@ def test_int3_codes_straddle_bytes_as_documented() -> None:
 # -- determinism ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", SEALED)
+@pytest.mark.parametrize("name", SEALED + ROTATED)
 def test_sealing_is_deterministic_and_independent_of_the_batch(name: str) -> None:
     fmt = get_format(name)
     blocks = torch.randn(6, 16, 3, 64)
@@ -215,7 +281,8 @@ def test_sealing_is_deterministic_and_independent_of_the_batch(name: str) -> Non
 # -- layout ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,bits", [("int4", 4), ("int3", 3), ("int2", 2)])
+@pytest.mark.parametrize("name,bits", [("int4", 4), ("int3", 3), ("int2", 2), ("int4_rotated", 4), ("int3_rotated", 3),
+                                       ("int2_rotated", 2)])
 def test_layout_bytes_hand_counted(name: str, bits: int) -> None:
     # C05 geometry: 32 layers, 8 kv heads, head_dim 128, block 16.
     spec = CacheSpec.build(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, kv_cache_dtype=name)
@@ -232,7 +299,7 @@ def test_layout_bytes_hand_counted(name: str, bits: int) -> None:
     assert ctrl.device_bytes == 2 * spec.bytes_per_block
 
 
-@pytest.mark.parametrize("name", SEALED)
+@pytest.mark.parametrize("name", SEALED + ROTATED)
 def test_c01_draft_and_host_follow_the_spec(name: str) -> None:
     spec = CacheSpec.build(num_layers=2, num_kv_heads=2, head_dim=24, block_size=4, kv_cache_dtype=name,
                            model_dtype=torch.bfloat16, num_draft_layers=1, draft_kv_cache_dtype="bfloat16")
@@ -315,7 +382,8 @@ def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int
     return torch.einsum("hns,shd->nhd", sc.masked_fill(~mask, -math.inf).softmax(-1), vx)
 
 
-@pytest.mark.parametrize("name,residual", [("int4", 0), ("int2", 16), ("int4", 5), ("int3", 0), ("int3", 8)])
+@pytest.mark.parametrize("name,residual", [("int4", 0), ("int2", 16), ("int4", 5), ("int3", 0), ("int3", 8),
+                                           ("int4_rotated", 0), ("int2_rotated", 16), ("int3_rotated", 8)])
 @pytest.mark.parametrize("bs,head_dim", [(8, 64), (5, 96)])
 @pytest.mark.parametrize("steps", [[13] + [1] * 32, [45], [7, 9, 3, 26]])  # prefill+decode, one prefill, chunks
 def test_attention_matches_float64_reference(name: str, residual: int, bs: int, head_dim: int,
@@ -341,11 +409,19 @@ def test_attention_matches_float64_reference(name: str, residual: int, bs: int, 
         out = sealed_attention(q[pos:s], k[pos:s], v[pos:s], caches[0], spec.layer(0), meta, pool.context(plan),
                                layer_index=0)
         table.finish()
-        # Each query reads the blocks before its own as stored and its own block in full (16-bit) precision.
+        # Each query reads the blocks before its own as stored and its own block in full (16-bit) precision;
+        # a rotated format all of it in its stored basis (k, v by its butterflies), q and the output by R in float64.
         for p in range(pos, s):
-            kp = _reference_context(k, p, s, bs, name, "key", w)
-            vp = _reference_context(v, p, s, bs, name, "value", w)
-            ref = _ref_attention(q[p:p + 1], kp, vp, p)
+            if name in ROTATED:
+                r = hadamard_rotation(head_dim, torch.float64)
+                base = name.removesuffix("_rotated")
+                kp = _reference_context(hadamard_transform(k), p, s, bs, base, "key", w)
+                vp = _reference_context(hadamard_transform(v), p, s, bs, base, "value", w)
+                ref = _ref_attention(q[p:p + 1].double() @ r, kp, vp, p) @ r.T
+            else:
+                kp = _reference_context(k, p, s, bs, name, "key", w)
+                vp = _reference_context(v, p, s, bs, name, "value", w)
+                ref = _ref_attention(q[p:p + 1], kp, vp, p)
             assert (out[p - pos].double() - ref[0]).abs().max() < 1e-4, (s, n, p)
         pos = s
     # Exact slot accounting after the step: an open tail iff the context ends mid-block, plus the window
@@ -354,7 +430,7 @@ def test_attention_matches_float64_reference(name: str, residual: int, bs: int, 
     assert table.num_sink_used == 1
 
 
-@pytest.mark.parametrize("name", SEALED)
+@pytest.mark.parametrize("name", SEALED + ROTATED)
 def test_c22_sealed_blocks_identical_whatever_the_path(name: str) -> None:
     """Case C22 for quantize-on-seal formats: prefill, chunked prefill and decode write the same pool bytes
     (each path's attention output is checked against the float64 reference in the test above)."""
@@ -514,7 +590,7 @@ def test_int2_shared_prefix_reads_like_computed(smollm2) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SEALED)
+@pytest.mark.parametrize("name", SEALED + ROTATED)
 def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -> None:
     from kvpage.engine.llm import LLM
     from kvpage.engine.sampling import SamplingParams
@@ -536,7 +612,7 @@ def test_llm_greedy_same_with_prefix_hit_and_tail_released(smollm2, name: str) -
     answer = ref_llm.generate([prompt], params)[0].outputs[0].token_ids
     ids = prompt["prompt_token_ids"]
     flips, kl = divergence(teacher_forced_logits(llm, ids, answer), teacher_forced_logits(ref_llm, ids, answer))
-    max_flips, max_kl = {"int4": (2, 0.01), "int3": (3, 0.03), "int2": (6, 0.3)}[name]
+    max_flips, max_kl = {"int4": (2, 0.01), "int3": (3, 0.03), "int2": (6, 0.3)}[name.removesuffix("_rotated")]
     assert flips <= max_flips and kl < max_kl, (name, flips, kl)
 
 

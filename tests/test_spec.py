@@ -155,6 +155,19 @@ def test_rotated_formats_record_their_format_version() -> None:
         assert rot.fingerprint != old.fingerprint
 
 
+@pytest.mark.parametrize("base", ["int4", "int3", "int2"])
+def test_rotated_sealed_formats_never_share_a_fingerprint_with_their_base(base: str) -> None:
+    """int4_rotated & co. store the very tensors of int4 & co. (same bytes per block) with another meaning:
+    their name in describe() keeps records of one from ever matching the other."""
+    kw = {**BASE, "block_size": 32, "num_draft_layers": 0}
+    rot = CacheSpec.build(**{**kw, "kv_cache_dtype": base + "_rotated"})
+    plain = CacheSpec.build(**{**kw, "kv_cache_dtype": base})
+    d_rot, d_plain = rot.main.layer.describe(), plain.main.layer.describe()
+    assert (d_rot["format"], d_plain["format"]) == (base + "_rotated", base)
+    assert d_rot["tensors"] == d_plain["tensors"] and rot.bytes_per_block == plain.bytes_per_block
+    assert rot.fingerprint != plain.fingerprint
+
+
 def test_fingerprint_ignores_spelling_only() -> None:
     a = CacheSpec.build(**{**BASE, "kv_cache_dtype": "fp8"})
     b = CacheSpec.build(**{**BASE, "kv_cache_dtype": "FP8_E4M3"})

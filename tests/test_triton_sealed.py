@@ -1,4 +1,4 @@
-"""The ``triton`` backend's quantize-on-seal path (``int4``, ``int3``, ``int2``) under Triton's interpreter, against the
+"""The ``triton`` backend's quantize-on-seal path (``int4``, ``int3``, ``int2``, their ``_rotated`` variants) under Triton's interpreter, against the
 ``reference`` backend and float64 attention.
 
 Both backends get identical inputs, each over its own NaN-filled cache copy (block tables drawn from a shuffled
@@ -52,7 +52,7 @@ from kvpage.spec import CacheSpec, TailLayout  # noqa: E402
 from _attention_oracle import float64_attention  # noqa: E402
 
 #: Output error against float64 attention over the unquantized K/V (unit-normal q/k/v): tests/test_cpu_backend.py's.
-LOOSE = {"int4": 0.35, "int3": 0.7, "int2": 1.2}
+LOOSE = {"int4": 0.35, "int3": 0.7, "int2": 1.2, "int4_rotated": 0.35, "int3_rotated": 0.7, "int2_rotated": 1.2}
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +157,8 @@ def test_decode_rows_of_every_length_class(fmt: str, heads: int, kv_heads: int, 
     assert served == tuple(range(len(lens)))
 
 
-@pytest.mark.parametrize("fmt,block_size", [("int2", 12), ("int4", 32), ("int3", 12)])
+@pytest.mark.parametrize("fmt,block_size", [("int2", 12), ("int4", 32), ("int3", 12), ("int4_rotated", 12),
+                                            ("int2_rotated", 12)])
 def test_block_sizes_other_than_the_key_tile_and_head_dim_96(fmt: str, block_size: int) -> None:
     """Blocks not dividing and larger than the kernel's 16-position key tile, head_dim 96 (a masked tile, value
     groups of 48 channels), with window copies and the sink copy."""
@@ -180,7 +181,7 @@ def test_window_copies_and_the_sink_copy_of_block_0(fmt: str) -> None:
         assert served == tuple(range(len(lens)))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int3", "int2"])
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int2", "int3_rotated"])
 def test_mixed_batch_of_decode_short_runs_and_chunks(fmt: str) -> None:
     """Decode rows and short runs within one block (kernel, tiles of several queries) beside a run crossing a block
     end, a long chunk and a whole prefill (reference path), in one step, with window copies."""

@@ -16,6 +16,9 @@ name                  aliases                                     bits/value (he
 ``int4``              ``int4_zp``, ``int4_kivi``, ``kivi4``       4.38 (+ tail, sink)
 ``int3``              ``int3_zp``, ``int3_kivi``, ``kivi3``       3.38 (+ tail, sink)
 ``int2``              ``int2_zp``, ``int2_kivi``, ``kivi2``       2.38 (+ tail, window, sink)
+``int4_rotated``      ``int4`` of Hadamard-rotated rows           4.38 (+ tail, sink)
+``int3_rotated``      ``int3`` of Hadamard-rotated rows           3.38 (+ tail, sink)
+``int2_rotated``      ``int2`` of Hadamard-rotated rows           2.38 (+ tail, window, sink)
 ====================  ==========================================  ============================
 
 :func:`get_format` resolves any accepted spelling (case-insensitive) to a
@@ -26,7 +29,7 @@ Every format is a :class:`KVFormat` (layout) and exactly one of
 :class:`TokenFormat` (rows coded when written: float, ``int8``/``fp8`` and the
 static-scale formats, whose calibrated scales are bound to the instance with
 :meth:`StaticScaleFormat.bind`) or :class:`BlockFormat` (blocks coded whole when
-they fill: ``int4``, ``int3``, ``int2``). This package imports only :mod:`kvpage.errors`.
+they fill: ``int4``, ``int3``, ``int2`` and their ``_rotated`` variants). This package imports only :mod:`kvpage.errors`.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from kvpage.formats.base import (
 )
 from kvpage.formats.dtype import FLOAT_ALIASES, FLOAT_DTYPES, FloatFormat
 from kvpage.formats.kivi import KEY_ZERO, VALUE_ZERO, Int2Format, Int3Format, Int4Format, SealedFormat
+from kvpage.formats.kivi_rotated import Int2RotatedFormat, Int3RotatedFormat, Int4RotatedFormat, RotatedSealedFormat
 from kvpage.formats.per_token import Fp8Format, Fp8PerTokenHeadFormat, Int8Format, Int8RotatedFormat
 from kvpage.formats.static import (
     Fp8StaticFormat,
@@ -86,6 +90,9 @@ register_format(Fp8StaticFormat)
 register_format(Int4Format)
 register_format(Int3Format)
 register_format(Int2Format)
+register_format(Int4RotatedFormat)
+register_format(Int3RotatedFormat)
+register_format(Int2RotatedFormat)
 
 
 def available_formats() -> list[str]:
@@ -152,6 +159,10 @@ __all__ = [
     "Int4Format",
     "Int2Format",
     "Int3Format",
+    "Int4RotatedFormat",
+    "Int3RotatedFormat",
+    "Int2RotatedFormat",
+    "RotatedSealedFormat",
     "SealedFormat",
     "KEY_ZERO",
     "VALUE_ZERO",

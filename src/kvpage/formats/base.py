@@ -280,3 +280,32 @@ class BlockFormat(KVFormat):
         Returns:
             ``[..., block_size, kv_heads, head_dim]`` in ``dtype``.
         """
+
+    def rotation(self, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+        """The orthonormal ``[head_dim, head_dim]`` matrix ``R`` rows are stored rotated by, or ``None`` (no side effects).
+
+        When not ``None`` the pool, the tail and the first-block copies all hold ``x @ R``: the attention ops
+        rotate q, k and v (:meth:`to_stored_basis`) when a layer's pass enters them and the output back by
+        ``R.T``, so their kernels never see the original basis (``(q R) . (k R) = q . k``). :meth:`seal` and
+        :meth:`unseal` still take and return the original basis; :meth:`seal_rotated` and
+        :meth:`unseal_rotated` are the stored-basis pair the attention ops call.
+        """
+        return None
+
+    def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``[..., head_dim]`` in the stored basis (``x @ R``; ``x`` itself when :meth:`rotation` is ``None``).
+
+        Each row's result depends on that row alone, bit for bit, whatever the batch (stored codes must not
+        depend on which tokens were written together). ``x`` is not modified.
+        """
+        return x
+
+    def seal_rotated(self, blocks: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+        """:meth:`seal` of blocks already in the stored basis (:meth:`to_stored_basis`); same arguments and result."""
+        return self.seal(blocks, kind)
+
+    def unseal_rotated(
+        self, tensors: Mapping[str, torch.Tensor], kind: str, dtype: torch.dtype, head_dim: int
+    ) -> torch.Tensor:
+        """:meth:`unseal` returning the stored basis (``x @ R``); same arguments and result shape."""
+        return self.unseal(tensors, kind, dtype, head_dim)

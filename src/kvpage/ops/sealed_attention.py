@@ -1,5 +1,9 @@
 """Attention over quantize-on-seal layers (``int4``, ``int3``, ``int2``): sealed blocks plus the full-precision tail.
 
+A format that stores rotated rows (``int4_rotated`` etc., :meth:`~kvpage.formats.BlockFormat.rotation`) enters
+first: q, k and v in its stored basis (row by row), everything below in that basis, the output rotated back
+(:func:`enter_stored_basis`).
+
 Write (once per layer, following the step's :class:`~kvpage.ops.seal_plan.SealPlan`):
 
 1. blocks that fill this step are gathered whole -- earlier tokens from their tail
@@ -32,7 +36,7 @@ the layers' tail tensors, the sink format); this module imports nothing from
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +82,9 @@ class SealWriter:
 
     def write_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, blocks: torch.Tensor,
                      ids: torch.Tensor) -> None:
-        """Seal ``blocks`` (``[m, block_size, kv_heads, head_dim]``, any float dtype) of ``kind`` into pool blocks
-        ``ids`` (``[m]`` int64) of ``cache`` (in place)."""
-        for name, t in fmt.seal(blocks, kind).items():
+        """Seal ``blocks`` (``[m, block_size, kv_heads, head_dim]``, any float dtype, in the format's stored basis)
+        of ``kind`` into pool blocks ``ids`` (``[m]`` int64) of ``cache`` (in place)."""
+        for name, t in fmt.seal_rotated(blocks, kind).items():
             cache[name].index_copy_(0, ids, t)
 
     def write_sink(self, codes: torch.Tensor, scales: torch.Tensor, sink_format: TokenFormat, kind: str,
@@ -281,7 +285,7 @@ def read_sealed(
     bs, d = spec.block_size, spec.head_dim
     rows = tail[kind]
     ids = read.full_ids[first:]
-    full = fmt.unseal({n: cache[n][ids] for n in fmt.names(kind)}, kind, dtype, d)  # [nf - first, bs, Hkv, D]
+    full = fmt.unseal_rotated({n: cache[n][ids] for n in fmt.names(kind)}, kind, dtype, d)  # [nf-first, bs, Hkv, D]
     for j, slot in read.fp_blocks if copies else ():
         if j >= first:
             full[j - first] = rows[slot * bs:(slot + 1) * bs]
@@ -370,6 +374,48 @@ def sealed_attention_checks(
     return fmt, tail
 
 
+@dataclass(frozen=True, slots=True)
+class StoredBasis:
+    """A pass's queries, keys and values in the layer format's stored basis (:meth:`~kvpage.formats.BlockFormat.rotation`).
+
+    Built by :func:`enter_stored_basis`; every backend's ``forward_sealed`` writes, reads and attends with these
+    and returns :meth:`leave` of its output.
+
+    Attributes:
+        q: ``[T, H, D]``: ``q`` itself, or ``q @ R`` in float32.
+        k, v: ``[T, Hkv, D]``: as given, or ``k @ R``, ``v @ R`` in float32.
+        rotate: the row rotation that made them (``x -> x @ R``, each row from itself alone), or ``None`` for a
+            format that stores the original basis.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor | None
+    rotate: Callable[[torch.Tensor], torch.Tensor] | None
+
+    def leave(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``out`` ``[T, H, D]`` in the original basis (``out @ R.T``: ``R`` is symmetric and orthonormal, so the
+        same rotation) and ``dtype``; ``out`` is not modified."""
+        return (out if self.rotate is None else self.rotate(out)).to(dtype)
+
+
+def enter_stored_basis(
+    fmt: BlockFormat, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+    rotate_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> StoredBasis:
+    """``q``, ``k``, ``v`` in ``fmt``'s stored basis (no side effects; unrotated formats pass them through).
+
+    All four (q, k, v and, in :meth:`StoredBasis.leave`, the output) turn row by row (``fmt.to_stored_basis``,
+    butterflies, no matmul): a row's bits never depend on the rows beside it, so decode, chunks and speculative
+    verification read and write alike. ``rotate_rows``: a backend's own kernel for it, bit-identical to
+    ``fmt.to_stored_basis``; default the format's.
+    """
+    if fmt.rotation(q.shape[-1], torch.float32, q.device) is None:
+        return StoredBasis(q, k, v, None)
+    rows = fmt.to_stored_basis if rotate_rows is None else rotate_rows
+    return StoredBasis(rows(q), rows(k), None if v is None else rows(v), rows)
+
+
 def sealed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -386,7 +432,8 @@ def sealed_attention(
 
     Args and result as :func:`~kvpage.ops.attention.paged_attention` (``q`` ``[T, H, D]``,
     ``k``/``v`` ``[T, Hkv, D]``, result ``[T, H, D]`` in ``q.dtype``), plus ``ctx``: the
-    step's plan, tail tensors and sink format; ``params`` the layer's scale, window and soft-cap.
+    step's plan, tail tensors and sink format; ``params`` the layer's scale, window and soft-cap. A format that
+    stores rotated rows is written, read and attended in its stored basis (:func:`enter_stored_basis`).
     ``meta.slot_mapping`` is not read: the
     plan says where every token goes. Writes the pool tensors in ``cache`` and the
     layer's tail tensors in ``ctx`` in place.
@@ -398,13 +445,14 @@ def sealed_attention(
             requests than ``meta``; checked before anything is written.
     """
     fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
+    basis = enter_stored_basis(fmt, q, k, v)
     plan = ctx.plan
-    batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
-    adtype = torch.float32 if q.device.type == "cpu" else q.dtype
-    qa = q.to(adtype)
+    batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, basis.k, basis.v)
+    adtype = torch.float32 if q.device.type == "cpu" else basis.q.dtype
+    qa = basis.q.to(adtype)
     out = torch.empty_like(qa)
     qsl = meta.query_start_loc
     for i, read in enumerate(plan.reads):
         a, b = qsl[i], qsl[i + 1]
         out[a:b] = sealed_request(qa[a:b], cache, tail, fmt, ctx, spec, read, batch, meta.seq_lens[i], params)
-    return out.to(q.dtype)
+    return basis.leave(out, q.dtype)

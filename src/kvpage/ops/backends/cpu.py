@@ -18,8 +18,9 @@ first-block copies with the fused 8-bit write (:class:`KernelSealWriter`).
 
 Formats the kernels read: ``float32``/``bfloat16``/``float16``, every per-token and
 static 8-bit format, ``int4``/``int3``/``int2`` (sealed blocks, 16-bit tail and window
-copies, int8 first-block copies). Anything else is refused by
-:meth:`CpuBackend.unsupported` with the reason.
+copies, int8 first-block copies) and their ``_rotated`` variants (q, k, v rotated on entry -- k and v by the
+``hadamard_rows`` kernel -- and the output back: :func:`~kvpage.ops.sealed_attention.enter_stored_basis`).
+Anything else is refused by :meth:`CpuBackend.unsupported` with the reason.
 
 Per-step tensors (context lengths, query offsets, which rows the kernel takes,
 the sealed formats' per-block source table) are built once per step and shared
@@ -48,7 +49,8 @@ from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.formats.kivi import value_group_size
 from kvpage.ops.seal_plan import RequestRead
 from kvpage.ops.sealed_attention import (
-    SealContext, SealWriter, read_sealed_context, sealed_attention_checks, sealed_request, write_sealed_kv,
+    SealContext, SealWriter, enter_stored_basis, read_sealed_context, sealed_attention_checks, sealed_request,
+    write_sealed_kv,
 )
 from kvpage.spec import LayerSpec
 
@@ -364,16 +366,23 @@ class CpuBackend(AttentionBackend):
 
     # -- quantize-on-seal formats -----------------------------------------------------------------
 
+    def _rotate_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ R`` of a rotated format's k or v rows in one kernel call (``hadamard_rows``: the format's own
+        butterflies, bit for bit), float32 ``[..., D]``; ``x`` is not modified."""
+        return self.kernels.hadamard_rows(x.float().contiguous())
+
     def forward_sealed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: Mapping[str, torch.Tensor],
         spec: LayerSpec, meta: AttentionMetadata, ctx: SealContext, *, layer_index: int,
         params: LayerAttention = PLAIN,
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward_sealed`."""
+        """See :meth:`AttentionBackend.forward_sealed` (rotated formats: in their stored basis, as the reference)."""
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
+        basis = enter_stored_basis(fmt, q, k, v, self._rotate_rows)
+        k, v = basis.k, basis.v
         batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v, self._seal_writer)
         rows = self._step_rows(meta)
-        qa = q.contiguous()
+        qa = basis.q.contiguous()
         out = torch.empty_like(qa)
         src = self._sealed_sources(ctx, meta)  # once per step, shared by the group's layers
         kernel_rows, sdpa_rows = _split_rows(src.kernel_rows, src.sdpa_rows, meta, params)
@@ -406,7 +415,7 @@ class CpuBackend(AttentionBackend):
                                                   _scale(spec, params))
             else:
                 out[a:b] = sealed_request(qa[a:b].to(dt), cache, tail, fmt, ctx, spec, read, batch, s, params)
-        return out
+        return basis.leave(out, q.dtype)
 
 
 def cpu_backend() -> CpuBackend | None:

@@ -193,3 +193,93 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   });
   return out;
 }
+
+namespace {
+
+// One stage of stride H over a Sylvester block of N floats: the pairs (j + i, j + i + H) are independent, so any
+// order gives the same bits as hadamard_transform's; constant trip counts let the compiler unroll and vectorize the
+// small strides (a `#pragma omp simd` on a 1- or 2-trip loop cost 5x in masked prologues).
+template <int64_t N, int64_t H>
+inline void fwht_stage(float* __restrict a) {
+  if constexpr (H < N) {
+    for (int64_t j = 0; j < N; j += 2 * H) {
+      for (int64_t i = 0; i < H; ++i) {
+        const float u = a[j + i], w = a[j + i + H];
+        a[j + i] = u + w;
+        a[j + i + H] = u - w;
+      }
+    }
+    fwht_stage<N, 2 * H>(a);
+  }
+}
+
+template <int64_t N>
+inline void fwht_fixed(float* __restrict a, float s) {
+  fwht_stage<N, 1>(a);
+  for (int64_t i = 0; i < N; ++i) a[i] *= s;
+}
+
+// One block of n = 2^k floats in place: stages h = 1, 2, 4, ... (a + b, a - b), then one multiply by s.
+inline void fwht_block(float* __restrict a, int64_t n, float s) {
+  switch (n) {
+    case 1: fwht_fixed<1>(a, s); return;
+    case 2: fwht_fixed<2>(a, s); return;
+    case 4: fwht_fixed<4>(a, s); return;
+    case 8: fwht_fixed<8>(a, s); return;
+    case 16: fwht_fixed<16>(a, s); return;
+    case 32: fwht_fixed<32>(a, s); return;
+    case 64: fwht_fixed<64>(a, s); return;
+    case 128: fwht_fixed<128>(a, s); return;
+    case 256: fwht_fixed<256>(a, s); return;
+    case 512: fwht_fixed<512>(a, s); return;
+    default: break;
+  }
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t j = 0; j < n; j += 2 * h)
+      for (int64_t i = j; i < j + h; ++i) {
+        const float u = a[i], w = a[i + h];
+        a[i] = u + w;
+        a[i + h] = u - w;
+      }
+  for (int64_t i = 0; i < n; ++i) a[i] *= s;
+}
+
+}  // namespace
+
+// x @ R along the last dim of float32 rows, R the block-diagonal Sylvester-Hadamard matrix of
+// kvpage.formats.rotation (blocks of the binary decomposition of D, largest first): the very butterflies of
+// hadamard_transform (stage h = 1, 2, 4, ...: a + b, a - b; then one multiply by float32(1/sqrt(n))), so each
+// row's result is bit-identical to the Python one and depends on that row alone. Returns a new tensor.
+at::Tensor hadamard_rows(at::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0,
+              "hadamard_rows: contiguous float32 [..., D]");
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  int64_t sizes[64];
+  float scales[64];
+  int nb = 0;
+  for (int b = 62; b >= 0; --b) {
+    const int64_t n = int64_t{1} << b;
+    if (D & n) {
+      sizes[nb] = n;
+      scales[nb++] = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+    }
+  }
+  at::Tensor out = x.clone();
+  float* y = out.data_ptr<float>();
+  auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = y + r * D;
+      int64_t start = 0;
+      for (int p = 0; p < nb; ++p) {
+        fwht_block(row + start, sizes[p], scales[p]);
+        start += sizes[p];
+      }
+    }
+  };
+  if (rows * D < 32768) {
+    body(0, rows);  // a decode step's q/k/v: not worth a parallel region
+  } else {
+    at::parallel_for(0, rows, 64, body);
+  }
+  return out;
+}

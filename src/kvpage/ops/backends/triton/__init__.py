@@ -35,7 +35,9 @@ from kvpage.ops.backends.triton.step import (
     BLOCK_N, SealedStep, StepTiles, sealed_step, split_count, step_tiles,
 )
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
-from kvpage.ops.sealed_attention import SealContext, sealed_attention_checks, sealed_request, write_sealed_kv
+from kvpage.ops.sealed_attention import (
+    SealContext, enter_stored_basis, sealed_attention_checks, sealed_request, write_sealed_kv,
+)
 from kvpage.spec import LayerSpec
 
 #: Largest head_dim the kernels take (one ``[rows, head_dim]`` tile in registers).
@@ -282,8 +284,9 @@ class TritonBackend(AttentionBackend):
             raise KVCacheLayoutError(
                 f"layer {layer_index}: the triton backend reads int4/int3/int2 blocks with 16-bit tail rows, not format "
                 f"{spec.kv_format} with {tail[KEY].dtype} tail rows")
-        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v)
-        qa = q.float().contiguous()                                                   # [T, H, D]
+        basis = enter_stored_basis(fmt, q, k, v)  # rotated formats: their stored basis, the kernels unchanged
+        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, basis.k, basis.v)
+        qa = basis.q.float().contiguous()                                             # [T, H, D]
         out = torch.empty_like(qa)
         group = q.shape[1] // spec.kv_heads
         plan = self._sealed_step(ctx, meta, group, spec.head_dim, q.device)
@@ -314,7 +317,7 @@ class TritonBackend(AttentionBackend):
             a, b = qsl[i], qsl[i + 1]
             out[a:b] = sealed_request(qa[a:b], cache, tail, fmt, ctx, spec, ctx.plan.reads[i], batch,
                                       meta.seq_lens[i], params).float()
-        return out.to(q.dtype)
+        return basis.leave(out, q.dtype)
 
     def _sealed_step(self, ctx: SealContext, meta: AttentionMetadata, group: int, head_dim: int,
                      device: torch.device) -> SealedStep:
