@@ -63,8 +63,8 @@ from kvpage.spec import CacheSpec, TailLayout  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated", "fp8_per_token_head",
-           "int8_static", "fp8_static", "int4", "int3", "int2"]
-SEALED = ("int4", "int3", "int2")
+           "int8_static", "fp8_static", "int4", "int3", "int2", "int4_rotated", "int3_rotated", "int2_rotated"]
+SEALED = ("int4", "int3", "int2", "int4_rotated", "int3_rotated", "int2_rotated")
 PREFILL_CHUNK = 1024
 SAMPLE_S = 0.002  # target seconds of one timed sample (a loop of calls)
 
