@@ -11,25 +11,6 @@ from kvpage.cache.controller import CacheController
 from kvpage.cache.huge_pages import HUGE_PAGE_BYTES, zeros_in_huge_pages
 from kvpage.spec import CacheSpec
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _thp_mode() -> str | None:
-    """The kernel's THP mode (``always``/``madvise``/``never``), ``None`` off Linux or unreadable."""
-    try:
-        text = THP.read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1:text.index("]")]
-
-
-def _anon_huge_kib() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.float16, torch.float8_e4m3fn, torch.float32])
 @pytest.mark.parametrize("shape", [(3, 5), (97, 16, 3, 64), (700, 16, 2, 128)])
 def test_zeros_in_huge_pages_equals_torch_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -44,14 +25,29 @@ def test_zeros_in_huge_pages_equals_torch_zeros(shape: tuple[int, ...], dtype: t
     assert int(x.view(torch.uint8).sum()) == 7 * nbytes
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages off on this kernel")
-def test_a_large_pool_is_backed_by_huge_pages() -> None:
-    before = _anon_huge_kib()
-    x = zeros_in_huge_pages((64 << 20,), torch.uint8)  # 64 MiB, touched by the zeroing
-    after = _anon_huge_kib()
-    # the kernel may fail to find free 2 MiB frames for some pages; most of a fresh 64 MiB range gets them
-    assert after - before >= 32 << 10, (before, after)
-    del x
+def _vm_flags(address: int) -> list[str]:
+    """``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)")
+def test_a_large_pool_is_advised_for_huge_pages() -> None:
+    """The whole pool's mapping carries the kernel's huge-page advice (``hg`` in its VmFlags).
+
+    Whether the kernel then finds free 2 MiB frames depends on the machine's memory (a busy CI machine may have
+    none), so the advice is what is asserted, not the AnonHugePages it yields.
+    """
+    x = zeros_in_huge_pages((64 << 20,), torch.uint8)
+    assert "hg" in _vm_flags(x.data_ptr())
+    assert "hg" in _vm_flags(x.data_ptr() + x.numel() - 1 - HUGE_PAGE_BYTES)  # the advice spans the pool
 
 
 def test_the_controller_allocates_host_pools_in_huge_pages() -> None:
