@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import sys
 from collections.abc import Callable
 
@@ -50,9 +51,7 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     Returns a plain ``torch.zeros`` tensor where the advice does not apply (see the module docstring).
     Raises what ``torch.empty`` raises when memory is short (``RuntimeError``).
     """
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
     if madvise is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)

@@ -43,6 +43,44 @@ using namespace kvpage_cpu;
 
 namespace {
 
+#ifdef KVPAGE_SIMD
+// Float lanes of the SIMD paths: 8 (ymm) and, where AVX-512 is, 16 (zmm), with int8 codes converted on load.
+struct VecF8 {
+  using T = __m256;
+  static constexpr int N = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static __m256 fold(T v) { return v; }
+};
+
+#ifdef KVPAGE_AVX512
+struct VecF16 {
+  using T = __m512;
+  static constexpr int N = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  // the sums of lanes i and i + 8, eight lanes
+  static __m256 fold(T v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#endif
+#endif  // KVPAGE_SIMD
+
 // ---- sources: a request's logical block `blk`, tokens off .. off+nt-1 of it, every kv head ----
 // load() fills kb / vb with float32 rows laid out [nt][Hkv][D], as the pool stores them, so each block is
 // read once, front to back, for all heads.
@@ -252,6 +290,48 @@ struct SealedSource {
   }
 #endif
 
+#ifdef KVPAGE_SIMD
+  // Codes c .. c+V::N-1 of a packed row as float32 lanes of V (codes8 or codes16).
+  template <class V>
+  static inline typename V::T codes(const uint8_t* row, int64_t c) {
+#ifdef KVPAGE_AVX512
+    if constexpr (V::N == 16) return codes16(row, c);
+#endif
+    if constexpr (V::N == 8) return codes8(row, c);
+  }
+
+  // Pool rows first .. first+nt*Hkv-1 decoded V::N codes at a time, unpacked, converted and scaled in registers
+  // (each output row written once: a loop that stores the float codes and reads them back to scale them stalled
+  // on those stores, over half of the int4 load's time in a profile): keys by their channels' steps ks and
+  // offsets kz ([Hkv, D]), values by their rows' groups of gs channels. Returns false (load's contract).
+  template <int DC, class V>
+  bool scaled_rows(int64_t first, int64_t nt, const float* ks, const float* kz, int64_t gs, float* kb, float* vb,
+                   bool has_value) const {
+    const float* lut = ue5m3().v;
+    for (int64_t i = 0; i < nt * Hkv; ++i) {
+      const int64_t row = first + i, h = i % Hkv;
+      const uint8_t* kc = key + row * P;
+      const float* s = ks + h * DC;
+      const float* z = kz + h * DC;
+      float* kr = kb + i * DC;
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < DC; c += V::N) {
+        V::store(kr + c, V::fma(codes<V>(kc, c), V::load(s + c), V::load(z + c)));
+      }
+      if (!has_value) continue;
+      const uint8_t* vc = value + row * P;
+      float* vr = vb + i * DC;
+      for (int64_t g = 0; g < Gv; ++g) {
+        const float st = lut[value_scale[row * Gv + g]];
+        const typename V::T vs = V::set1(st);
+        const typename V::T vz = V::set1(st * static_cast<float>(value_zero[row * Gv + g]));
+        for (int64_t c = g * gs; c < (g + 1) * gs; c += V::N) V::store(vr + c, V::fma(codes<V>(vc, c), vs, vz));
+      }
+    }
+    return false;
+  }
+#endif
+
   // Rows come out fully scaled (ksb / vsb are not used); returns false.
   template <int DC>
   bool load(int64_t r, int64_t blk, int64_t off, int64_t nt, float* kb, float* vb, bool has_value, float*,
@@ -287,64 +367,14 @@ struct SealedSource {
     }
     const int64_t gs = D / Gv;
 #ifdef KVPAGE_SIMD
-    // Codes unpacked, converted and scaled in registers, each output row written once: the portable loop below
-    // stores the float codes and reads them straight back to scale them, and those loads stalled on the
-    // stores (over half of the int4 load's time in a profile).
+    // the widest lanes the head size and the value groups allow (scaled_rows; the loop below is the portable one)
 #ifdef KVPAGE_AVX512
     if constexpr (DC > 0 && DC % 16 == 0) {
-      if (fits && gs % 16 == 0) {
-        for (int64_t i = 0; i < nt * Hkv; ++i) {
-          const int64_t row = first + i, h = i % Hkv;
-          const uint8_t* kc = key + row * P;
-          const float* s = ks + h * D;
-          const float* z = kz + h * D;
-          float* kr = kb + i * D;
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < DC; c += 16) {
-            _mm512_storeu_ps(kr + c, _mm512_fmadd_ps(codes16(kc, c), _mm512_loadu_ps(s + c), _mm512_loadu_ps(z + c)));
-          }
-          if (!has_value) continue;
-          const uint8_t* vc = value + row * P;
-          float* vr = vb + i * D;
-          for (int64_t g = 0; g < Gv; ++g) {
-            const float st = lut[value_scale[row * Gv + g]];
-            const __m512 vs = _mm512_set1_ps(st);
-            const __m512 vz = _mm512_set1_ps(st * static_cast<float>(value_zero[row * Gv + g]));
-            for (int64_t c = g * gs; c < (g + 1) * gs; c += 16) {
-              _mm512_storeu_ps(vr + c, _mm512_fmadd_ps(codes16(vc, c), vs, vz));
-            }
-          }
-        }
-        return false;
-      }
+      if (fits && gs % 16 == 0) return scaled_rows<DC, VecF16>(first, nt, ks, kz, gs, kb, vb, has_value);
     }
 #endif
     if constexpr (DC > 0 && DC % 8 == 0) {
-      if (fits && gs % 8 == 0) {
-        for (int64_t i = 0; i < nt * Hkv; ++i) {
-          const int64_t row = first + i, h = i % Hkv;
-          const uint8_t* kc = key + row * P;
-          const float* s = ks + h * D;
-          const float* z = kz + h * D;
-          float* kr = kb + i * D;
-#pragma GCC unroll 16
-          for (int64_t c = 0; c < DC; c += 8) {
-            _mm256_storeu_ps(kr + c, _mm256_fmadd_ps(codes8(kc, c), _mm256_loadu_ps(s + c), _mm256_loadu_ps(z + c)));
-          }
-          if (!has_value) continue;
-          const uint8_t* vc = value + row * P;
-          float* vr = vb + i * D;
-          for (int64_t g = 0; g < Gv; ++g) {
-            const float st = lut[value_scale[row * Gv + g]];
-            const __m256 vs = _mm256_set1_ps(st);
-            const __m256 vz = _mm256_set1_ps(st * static_cast<float>(value_zero[row * Gv + g]));
-            for (int64_t c = g * gs; c < (g + 1) * gs; c += 8) {
-              _mm256_storeu_ps(vr + c, _mm256_fmadd_ps(codes8(vc, c), vs, vz));
-            }
-          }
-        }
-        return false;
-      }
+      if (fits && gs % 8 == 0) return scaled_rows<DC, VecF8>(first, nt, ks, kz, gs, kb, vb, has_value);
     }
 #endif
     for (int64_t i = 0; i < nt * Hkv; ++i) {
@@ -432,42 +462,10 @@ inline float sum_floats(const float* x, int64_t n) {
 
 #ifdef KVPAGE_AVX512
 constexpr int kMaxGroup = 3;
-
-// Float lanes of the micro-kernels (zmm here; ymm on AVX2), with int8 codes converted on load.
-struct VecF {
-  using T = __m512;
-  static constexpr int N = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static T load(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static T set1(float x) { return _mm512_set1_ps(x); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  // the sums of lanes i and i + 8, eight lanes
-  static __m256 fold(T v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  }
-};
+using VecF = VecF16;  // the micro-kernels' float lanes
 #else
 constexpr int kMaxGroup = 1;
-
-struct VecF {
-  using T = __m256;
-  static constexpr int N = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T load(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static T set1(float x) { return _mm256_set1_ps(x); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static __m256 fold(T v) { return v; }
-};
+using VecF = VecF8;
 #endif
 
 // Calls f(std::integral_constant<int, gb>{}) for a run-time group size 1 <= gb <= kMaxGroup.
