@@ -21,18 +21,20 @@ from typing import Any
 KV_BYTES = 1 << 30
 
 class KvpageWorker:
-    """kvpage's ``LLM`` in bf16, ``threads`` torch threads; one engine per KV format, weights loaded once. The GGUF's
-    Q4_1 projections run 4-bit as shipped (``weights_dtype="auto"`` with bf16), as llama.cpp runs them; the
-    embedding/LM head and the norms are bf16."""
+    """kvpage's ``LLM`` in bf16, ``threads`` torch threads; one engine per KV format, weights loaded once.
 
-    def __init__(self, model: str, threads: int = 1) -> None:
+    ``weights="dequantized"`` (engine ``kvpage``): the GGUF dequantized and cast to bf16, the very tensors vLLM is
+    given (the same-weights comparison). ``"as_shipped"`` (engine ``kvpage_gguf``): the file's Q4_1 projections and
+    Q8_0 LM head run as shipped, as llama.cpp runs them (the comparison with llama.cpp on the same file)."""
+
+    def __init__(self, model: str, threads: int = 1, weights: str = "dequantized") -> None:
         import torch
 
         from kvpage.model.loader import load_model
 
         self.threads = threads
         torch.set_num_threads(threads)
-        self.loaded = load_model(model or None, dtype=torch.bfloat16, progress=False)
+        self.loaded = load_model(model or None, dtype=torch.bfloat16, progress=False, weights_dtype=weights)
         self.kv: str | None = None
         self.llm: Any = None
         from importlib.metadata import version
@@ -155,8 +157,8 @@ def make_worker(engine: str, model: str, threads: int) -> Any:
     Raises:
         KeyError: an unknown engine name.
     """
-    if engine == "kvpage":
-        return KvpageWorker(model, threads)
+    if engine in ("kvpage", "kvpage_gguf"):
+        return KvpageWorker(model, threads, weights="dequantized" if engine == "kvpage" else "as_shipped")
     if engine in ("vllm", "vllm_compile"):
         return VllmWorker(model, threads, eager=engine == "vllm")
     if engine == "llamacpp":

@@ -28,8 +28,10 @@ GGML_NATIVE, AMX off, every other ISA flag as /proc/cpuinfo lists it), llama-cpp
 
 Method. kvpage's loader dequantizes the bundled Q4_1 GGUF and casts it to bf16; those very tensors
 are written once as a Hugging Face folder (safetensors, config.json, tokenizer) for vLLM, and
-checked bit-identical to what kvpage loads. llama.cpp runs the GGUF itself (Q4_1 weights, so its
-row is not the same-weights comparison). Every engine runs in its own subprocess (the peer's
+checked bit-identical to what kvpage loads (kvpage's own worker runs those bf16 weights too).
+llama.cpp runs the GGUF itself (Q4_1 projections, Q8_0 LM head); beside it, on the batch-1 rows, a second
+kvpage worker (``kvpage_gguf``) runs the same file's weights as shipped (``weights_dtype="as_shipped"``):
+that pair is the same-weights comparison with llama.cpp. Every engine runs in its own subprocess (the peer's
 python), on ``--threads N`` threads (vLLM: ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``; kvpage
 ``num_threads=N``; llama.cpp ``n_threads=n_threads_batch=N``; ``OMP_NUM_THREADS=N`` for kvpage and
 llama.cpp), greedy, EOS ignored, prefix caching off, all prompts as the same token ids. vLLM runs
@@ -305,6 +307,7 @@ def run_rounds(engines: dict[str, tuple[str, str, dict[str, str]]], prompts: dic
     jobs = [(key, eng, kv) for key, _, kp, vl in ROWS for eng, kv in (("kvpage", kp), *((v, vl) for v in VLLM_ENGINES))
             if kv and eng in engines]
     jobs += [(key, "llamacpp", kv) for key in ("short", "depth") for kv in LLAMACPP_CACHES if "llamacpp" in engines]
+    jobs += [(key, "kvpage_gguf", "auto") for key in ("short", "depth") if "kvpage_gguf" in engines]
     raw: list[dict[str, Any]] = []
     versions: dict[str, str] = {}
     for rnd in range(repeats):
@@ -320,7 +323,7 @@ def run_rounds(engines: dict[str, tuple[str, str, dict[str, str]]], prompts: dic
                 raw.append({"round": rnd, "row": "start", "engine": eng, "kv": None, "ok": False, "error": str(err)[-500:]})
         order = ["kvpage", *VLLM_ENGINES] if rnd % 2 == 0 else [*reversed(VLLM_ENGINES), "kvpage"]
         row_index = [r[0] for r in ROWS]
-        for key, eng, kv in sorted(jobs, key=lambda j: (row_index.index(j[0]), j[1] == "llamacpp",
+        for key, eng, kv in sorted(jobs, key=lambda j: (row_index.index(j[0]), j[1] in ("llamacpp", "kvpage_gguf"),
                                                         order.index(j[1]) if j[1] in order else 0)):
             if eng not in workers:
                 continue
@@ -397,19 +400,30 @@ def report(raw: list[dict[str, Any]], versions: dict[str, str], repeats: int, n_
             summary.setdefault(f"{key}_detail", {})[f"{eng}_{kv}"] = {"ttft_s": t1, "decode_tok_s": dec}
             parts.append(f"{t1['median']:.2f} s / {dec['median']:.1f}" if t1 and dec else "—")
         lines.append(f"| {key} | " + " | ".join(parts) + " |")
-    lines += ["", (f"llama.cpp (llama-cpp-python {versions.get('llamacpp', 'skipped')}) batch-1 tok/s, {n_out} out, "
-              "bundled Q4_1 GGUF weights (not the bf16 above), flash attention on"), "",
-              "| | f16 KV | q8_0 KV |", "|---|---|---|"]
+    lines += ["", (f"llama.cpp (llama-cpp-python {versions.get('llamacpp', 'skipped')}) against kvpage on the same "
+              f"file's weights as shipped (Q4_1 projections, Q8_0 LM head; not the bf16 above), batch-1, {n_out} out; "
+              "tok/s, and TTFT s / decode-only tok/s; llama.cpp flash attention on"), "",
+              "| | llama.cpp f16 KV | llama.cpp q8_0 KV | kvpage as shipped, KV auto | kvpage / llama.cpp f16 | "
+              "decode-only: llama.cpp f16 | kvpage as shipped | ratio |", "|---|---|---|---|---|---|---|---|"]
     for key in ("short", "depth"):
         cells = [stats(key, "llamacpp", kv) for kv in LLAMACPP_CACHES]
-        summary[f"llamacpp_{key}"] = dict(zip(LLAMACPP_CACHES, cells))
+        mine = stats(key, "kvpage_gguf", "auto")
+        dec_l, dec_k = stats(key, "llamacpp", "f16", "decode_tok_s"), stats(key, "kvpage_gguf", "auto", "decode_tok_s")
+        t1_l, t1_k = stats(key, "llamacpp", "f16", "t1_s"), stats(key, "kvpage_gguf", "auto", "t1_s")
+        ratio = mine["median"] / cells[0]["median"] if mine and cells[0] else None
+        dratio = dec_k["median"] / dec_l["median"] if dec_k and dec_l else None
+        summary[f"llamacpp_{key}"] = {**dict(zip(LLAMACPP_CACHES, cells)), "kvpage_as_shipped": mine, "ratio": ratio,
+                                      "decode_tok_s": {"llamacpp_f16": dec_l, "kvpage_as_shipped": dec_k},
+                                      "decode_ratio": dratio}
+        dcell = (lambda t, d: f"{t['median']:.2f} s / {d['median']:.1f}" if t and d else "—")  # noqa: E731
         lines.append(f"| {'short chat prompt' if key == 'short' else f'depth {depth:,}'} | "
-                     + " | ".join(cell(c) for c in cells) + " |")
+                     + " | ".join(cell(c) for c in (*cells, mine)) + f" | {f'{ratio:.2f}' if ratio else '—'} | "
+                     + f"{dcell(t1_l, dec_l)} | {dcell(t1_k, dec_k)} | {f'{dratio:.2f}' if dratio else '—'} |")
     busy = {e: summarize([r["cores_used"] for r in raw if r["engine"] == e and "cores_used" in r]) for e in versions}
     summary["cores_used"] = busy
     lines += ["", "CPU cores each engine's processes kept busy during the timed calls (median over all rows): "
               + ", ".join(f"{e} {b['median']:.2f}" for e, b in busy.items() if b)]
-    engines = [e for e in ("vllm", "vllm_compile", "kvpage", "llamacpp") if e in versions]
+    engines = [e for e in ("vllm", "vllm_compile", "kvpage", "kvpage_gguf", "llamacpp") if e in versions]
     lines += ["", (f"Cores used per row (CPU s of the worker's process tree / wall s of the timed calls, median; "
                    f"{threads} thread(s) asked)"), "", "| | " + " | ".join(engines) + " |",
               "|---|" + "---|" * len(engines)]
@@ -418,8 +432,9 @@ def report(raw: list[dict[str, Any]], versions: dict[str, str], repeats: int, n_
         kvs = {"kvpage": kp, "vllm": vl, "vllm_compile": vl}
         cells = []
         for e in engines:
-            if e == "llamacpp":  # batch-1 rows only; its f16 cache
-                s = stats(key, e, "f16", "cores_used") if key in ("short", "depth") else None
+            if e in ("llamacpp", "kvpage_gguf"):  # batch-1 rows only; llama.cpp's f16 cache
+                kv = "f16" if e == "llamacpp" else "auto"
+                s = stats(key, e, kv, "cores_used") if key in ("short", "depth") else None
             else:
                 s = stats(key, e, kvs[e], "cores_used") if kvs[e] else None
             per_row.setdefault(key, {})[e] = s
@@ -468,7 +483,8 @@ def main() -> int:
     from kvpage.model.loader import default_model_path, load_model
 
     omp = {"OMP_NUM_THREADS": str(threads)}
-    engines: dict[str, tuple[str, str, dict[str, str]]] = {"kvpage": (sys.executable, "", {**base, **omp})}
+    engines: dict[str, tuple[str, str, dict[str, str]]] = {"kvpage": (sys.executable, "", {**base, **omp}),
+                                                           "kvpage_gguf": (sys.executable, "", {**base, **omp})}
     for name, py, recipe in (("vLLM", args.vllm_python, VLLM_RECIPE), ("llama.cpp", args.llamacpp_python,
                                                                       LLAMACPP_RECIPE)):
         if not Path(py).is_file() and not args.no_build_peers:

@@ -88,9 +88,9 @@ def json_object_arg(flag: str, example: str) -> Callable[[str], dict[str, Any]]:
 #: ``--dtype`` help, the same for every sub-command.
 DTYPE_HELP = "model compute dtype: auto (float32), float32, bfloat16, float16"
 #: ``--weights-dtype`` help, the same for every sub-command.
-WEIGHTS_DTYPE_HELP = ("how a GGUF's weights are held: auto (Q4_0/Q4_1 projections kept 4-bit as shipped when --dtype "
-                      "is bfloat16, else dequantized), as_shipped (kept 4-bit with any --dtype; their inputs rounded "
-                      "to bfloat16), dequantized (every tensor in --dtype)")
+WEIGHTS_DTYPE_HELP = ("how a GGUF's weights are held: auto (Q4_0/Q4_1/Q8_0 projections and LM head run as shipped "
+                      "when --dtype is bfloat16, else dequantized), as_shipped (run as shipped with any --dtype), "
+                      "dequantized (every tensor in --dtype)")
 
 
 def threads_help() -> str:

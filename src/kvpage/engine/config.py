@@ -98,11 +98,11 @@ class EngineConfig:
             ``num_blocks``. See :mod:`kvpage.engine.memory`.
         num_blocks: exact block count (overrides the budget; vLLM's ``num_gpu_blocks_override``).
         dtype: compute dtype of the model: ``auto`` (float32), ``float32``, ``bfloat16``, ``float16``.
-        weights_dtype: how a GGUF's weights are held (Hugging Face folders: ignored): ``auto`` (Q4_0/Q4_1
-            projections kept 4-bit as shipped when ``dtype`` is bfloat16, else dequantized), ``as_shipped``
-            (kept 4-bit whatever ``dtype``; their inputs rounded to bfloat16) or ``dequantized`` (every tensor in
-            ``dtype``). See :func:`kvpage.model.loader.load_model`. On CUDA ``auto`` is ``dequantized`` and
-            ``as_shipped`` is refused (the 4-bit kernel is torch's CPU one).
+        weights_dtype: how a GGUF's weights are held (Hugging Face folders: ignored): ``auto`` (Q4_0/Q4_1/Q8_0
+            projections and LM head run as shipped when ``dtype`` is bfloat16, else dequantized), ``as_shipped``
+            (run as shipped whatever ``dtype``) or ``dequantized`` (every tensor in ``dtype``). See
+            :func:`kvpage.model.loader.load_model`. On CUDA ``auto`` is ``dequantized`` and ``as_shipped`` is
+            refused (the as-shipped kernel is kvpage's CPU one).
         max_model_len: longest sequence (prompt + output) in tokens, at most the model's context; default the context.
         num_threads: torch CPU threads (>= 1); ``None`` = the rule of :mod:`kvpage.engine.threads`
             (``OMP_NUM_THREADS`` if set, else the usable CPUs minus the machine's other load, at least 1,
@@ -181,7 +181,7 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     #: Derived: the compute dtype.
     torch_dtype: torch.dtype = field(init=False)
-    #: Derived: ``weights_dtype`` for the loader: ``auto`` off the CPU is ``dequantized`` (the 4-bit kernel is CPU-only).
+    #: Derived: ``weights_dtype`` for the loader: ``auto`` off the CPU is ``dequantized`` (the as-shipped kernel is CPU-only).
     weights_dtype_resolved: str = field(init=False)
     #: Derived: the main layers' KV format object.
     kv_format: KVFormat = field(init=False, repr=False)

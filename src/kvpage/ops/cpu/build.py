@@ -47,7 +47,7 @@ import torch
 _HERE = Path(__file__).parent
 #: Translation units of the extension (bindings.cpp defines the module) and the header they share.
 SOURCES = tuple(_HERE / n for n in ("bindings.cpp", "paged_attention.cpp", "write_rows.cpp", "seal_blocks.cpp",
-                                    "fused_ops.cpp"))
+                                    "fused_ops.cpp", "gguf_matmul.cpp"))
 HEADERS = (_HERE / "kv_common.h",)
 #: Compiler flags: ``-fopenmp-simd`` lets ``#pragma omp simd`` vectorize reductions without fast-math;
 #: ``-fno-trapping-math`` (no floating-point traps are used) lets floor and selects vectorize (exp, SiLU).
