@@ -1,4 +1,4 @@
-"""Batch-1 decode speed of the bundled GGUF with its weights dequantized to bfloat16 against run as shipped (4-bit).
+"""Batch-1 decode speed of the bundled GGUF with its weights dequantized to bfloat16 against run as shipped (Q4_1, Q8_0 head).
 
 Usage::
 

@@ -99,6 +99,20 @@ def test_gguf_linear_float32_input_keeps_float32(qtype: Q) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_gguf_linear_non_finite_input_row_gives_nan_row_only(bad: float) -> None:
+    """A NaN or infinite activation turns its own output row into NaN (not silently coded as 0 or a finite value);
+    the other rows are unaffected."""
+    weight = _weight(Q.Q4_1, 16, 64, seed=2)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    x[1, 5] = bad
+    y = GgufLinear(weight)(x)
+    assert bool(torch.isnan(y[1]).all())
+    ref = GgufLinear(weight)(x[[0, 2]])
+    assert torch.equal(y[[0, 2]], ref)
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_gguf_linear_weight_is_gguf_py_dequantized_weight_exactly(qtype: Q) -> None:
     """``d * q + mn`` in float32 is gguf-py's value bit for bit (``d * q`` is exact), extremes included; the

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -95,7 +96,15 @@ CodedRows code_rows(const float* x, int64_t M, int64_t K) {
   for (int64_t i = 0; i < M; ++i) {
     const float* r = x + i * K;
     float mx = 0.0f;
-    for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(r[k]));
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      mx = std::max(mx, std::fabs(r[k]));
+      finite = finite && std::isfinite(r[k]);
+    }
+    if (!finite) {  // a NaN or infinite input makes its whole output row NaN (as a float matmul would, at least)
+      c.xs[i] = std::numeric_limits<float>::quiet_NaN();
+      continue;  // codes and sums stay 0
+    }
     c.xs[i] = mx / 32767.0f;
     const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
     for (int64_t b = 0; b < K / kBlock; ++b) {

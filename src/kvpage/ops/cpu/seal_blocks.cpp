@@ -109,11 +109,13 @@ inline uint8_t code_byte(float u) { return std::isnan(u) ? 0 : static_cast<uint8
 inline int8_t offset_byte(float m) { return std::isnan(m) ? 0 : static_cast<int8_t>(m); }
 
 // Keys: one group per channel over the block's bs tokens. x [bs, D] (one head), codes [bs, D] unpacked.
+// The candidates' arrays are [C, D] (candidate-major), so the token loop runs over contiguous channels.
 void seal_keys(const Search& s, const float* x, int64_t bs, int64_t D, uint8_t* codes, uint8_t* scale,
                int8_t* zero, std::vector<float>& step, std::vector<float>& off, std::vector<double>& err,
                std::vector<float>& rank, std::vector<float>& worst, std::vector<float>& span) {
   const int C = s.count();
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  float cs[kMaxCandidates], co[kMaxCandidates];
   for (int64_t d = 0; d < D; ++d) {
     float mn = x[d], mx = x[d];
     for (int64_t t = 1; t < bs; ++t) {
@@ -121,31 +123,39 @@ void seal_keys(const Search& s, const float* x, int64_t bs, int64_t D, uint8_t* 
       mn = (v < mn || std::isnan(v) || std::isnan(mn)) ? (std::isnan(mn) ? nan : v) : mn;
       mx = (v > mx || std::isnan(v) || std::isnan(mx)) ? (std::isnan(mx) ? nan : v) : mx;
     }
-    span[d] = candidates(s, mn, mx, &step[d * C], &off[d * C]);
+    span[d] = candidates(s, mn, mx, cs, co);
+    for (int c = 0; c < C; ++c) {
+      step[c * D + d] = cs[c];
+      off[c * D + d] = co[c];
+    }
   }
   std::fill(err.begin(), err.begin() + D * C, 0.0);
   std::fill(worst.begin(), worst.begin() + D * C, 0.0f);
   for (int c = 0; c < C; ++c) {
+    const float* sc = &step[c * D];
+    const float* oc = &off[c * D];
+    double* ec = &err[c * D];
+    float* wc = &worst[c * D];
     for (int64_t t = 0; t < bs; ++t) {
       const float* row = x + t * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) {
-        const float st = step[d * C + c], m = off[d * C + c];
+        const float st = sc[d], m = oc[d];
         const float u = code_of(row[d], st, m, s.qmax);
         const float xh = (u + m) * st;
         const float diff = xh - row[d];
         const double dd = static_cast<double>(diff);
-        err[d * C + c] += dd * dd;
+        ec[d] += dd * dd;
         const float a = std::fabs(diff);
-        worst[d * C + c] = (a > worst[d * C + c] || std::isnan(a)) ? a : worst[d * C + c];
+        wc[d] = (a > wc[d] || std::isnan(a)) ? a : wc[d];
       }
     }
   }
   for (int64_t d = 0; d < D; ++d) {
     float* r = &rank[d * C];
-    for (int c = 0; c < C; ++c) r[c] = ranked(s, err[d * C + c], worst[d * C + c], span[d]);
+    for (int c = 0; c < C; ++c) r[c] = ranked(s, err[c * D + d], worst[c * D + d], span[d]);
     const int b = pick(r, C);
-    const float st = step[d * C + b], m = off[d * C + b];
+    const float st = step[b * D + d], m = off[b * D + d];
     for (int64_t t = 0; t < bs; ++t) codes[t * D + d] = code_byte(code_of(x[t * D + d], st, m, s.qmax));
     scale[d] = static_cast<uint8_t>(encode_scale(st));
     zero[d] = offset_byte(m);
