@@ -65,7 +65,8 @@ def main() -> None:
         ap.error(f"--threads must be >= 2, got {args.threads}")
     import vs_vllm
 
-    loaded = load_model(None, dtype=torch.bfloat16, progress=False, weights_dtype="dequantized")  # as vs_vllm's kvpage worker
+    # bf16 weights dequantized, as vs_vllm's kvpage worker (the same tensors vLLM runs)
+    loaded = load_model(None, dtype=torch.bfloat16, progress=False, weights_dtype="dequantized")
     prompts = vs_vllm.make_prompts(loaded.tokenizer, args.requests, 1000)["batch"]
     counts = (1, args.threads)
     llms = {}

@@ -9,15 +9,16 @@ Exactness: the blocks are the file's bytes, only reordered (:func:`to_tiles`: fo
 by side, so one load serves their scales); every weight is ``d * q + mn`` in float32, exactly gguf-py's
 dequantized weight (``d * q`` is exact: an 11-bit step times an at most 8-bit code). The product codes each
 row of ``x`` once per call as int16 with one scale (half of ``max|x| / 32767`` per element at most, 1/128 of
-rounding ``x`` to bfloat16) and sums the code products in int32 per block, scaled in float32: measured
-within ``1e-5`` of ``sum |x| |w|`` of the float64 product (the tests allow ``4e-5``).
+rounding ``x`` to bfloat16) and sums the code products in int32 per block, scaled in float32: an output is
+off the float64 product by at most that half step times ``sum |w|`` plus float32 summation (the tests' bound;
+measured about ``1e-5`` of ``sum |x| |w|``).
 
 Speed (one thread, this project's AVX-512 CPU, weights hot in cache; ``gguf_matmul`` vs torch's
 ``_weight_int4pack_mm_for_cpu`` vs the oneDNN-prepacked bfloat16 :class:`~kvpage.model.linear.PackedLinear`),
 at one row: 960x576 Q4_1 22 / 41 / 36 us, 3072x576 64 / 108 / 74 us, 576x1536 32 / 59 / 45 us, the 49152x576
 Q8_0 LM head 0.90 / - / 2.8 ms. At 4 rows and more the bfloat16 matmul is faster (at 16 rows 2x), so from
 :data:`DENSE_ROWS` rows on (prefill chunks, large decode batches) the weight is decoded to bfloat16 for the
-call and multiplied by the BLAS; between, the kernel still beats decoding. The 4-bit form pays at batch 1-2
+call and multiplied by the BLAS; between, the kernel still beats decoding. The as-shipped form pays at batch 1-3
 (the README's ``--weights-dtype`` notes): ``--weights-dtype dequantized`` for batch throughput.
 
 Fallback: where kvpage's CPU kernels are not built (no compiler), :func:`quantized_linear` returns ``None``
@@ -32,8 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["DENSE_ROWS", "QUANTIZED_TYPES", "WEIGHTS_DTYPES", "GgufLinear", "GgufWeight", "check_weights_dtype",
-           "gguf_kernels_available", "quantized_linear", "to_tiles"]
+__all__ = ["DENSE_ROWS", "QUANTIZED_TYPES", "TILE_ROWS", "WEIGHTS_DTYPES", "GgufLinear", "GgufWeight",
+           "check_weights_dtype", "gguf_kernels_available", "quantized_linear", "to_tiles"]
 
 #: ggml type ids (``gguf.GGMLQuantizationType``) of the blocks :class:`GgufLinear` runs.
 QUANTIZED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}

@@ -149,8 +149,8 @@ def build_key(tools: Toolchain | None = None) -> str:
     h = hashlib.sha256()
     where = f"{_HERE.resolve()}|{Path(torch.__file__).resolve().parent}"
     tool = f"{tools.ninja}|{tools.cxx}" if tools else "incomplete toolchain"
-    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                 _cpu_flags().encode(), where.encode(), tool.encode()):
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(),
+                 torch.__version__.encode(), _cpu_flags().encode(), where.encode(), tool.encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
