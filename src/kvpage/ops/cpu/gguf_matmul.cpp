@@ -26,12 +26,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
+#include "kv_common.h"
+
 #if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#define KVPAGE_GGUF_SIMD 1
+#define KVPAGE_GGUF_SIMD 1  // (kv_common.h includes immintrin.h on these CPUs)
 #endif
+
+using namespace kvpage_cpu;
 
 namespace {
 
@@ -95,50 +99,21 @@ CodedRows code_rows(const float* x, int64_t M, int64_t K) {
   CodedRows c{std::vector<int16_t>(M * K), std::vector<float>(M), std::vector<float>(M * (K / kBlock))};
   for (int64_t i = 0; i < M; ++i) {
     const float* r = x + i * K;
-    float mx = 0.0f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      mx = std::max(mx, std::fabs(r[k]));
-      finite = finite && std::isfinite(r[k]);
-    }
-    if (!finite) {  // a NaN or infinite input makes its whole output row NaN (as a float matmul would, at least)
+    if (!std::all_of(r, r + K, [](float v) { return std::isfinite(v); })) {
+      // a NaN or infinite input makes its whole output row NaN (as a float matmul would, at least)
       c.xs[i] = std::numeric_limits<float>::quiet_NaN();
       continue;  // codes and sums stay 0
     }
-    c.xs[i] = mx / 32767.0f;
-    const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+    quantize_rows_i16(r, 1, K, c.xi.data() + i * K, c.xs.data() + i);
     for (int64_t b = 0; b < K / kBlock; ++b) {
-      int32_t s = 0;
-      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
-        const int16_t v = static_cast<int16_t>(std::nearbyint(std::min(std::max(r[k] * inv, -32767.0f), 32767.0f)));
-        c.xi[i * K + k] = v;
-        s += v;
-      }
-      c.sx[i * (K / kBlock) + b] = static_cast<float>(s);
+      const int16_t* v = c.xi.data() + i * K + b * kBlock;
+      c.sx[i * (K / kBlock) + b] = static_cast<float>(std::accumulate(v, v + kBlock, int32_t{0}));
     }
   }
   return c;
 }
 
 #ifdef KVPAGE_GGUF_SIMD
-// acc + a[0]*b[0] + a[1]*b[1] per int32 lane (pairs of int16): VNNI's one instruction where the CPU has it.
-inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 #if defined(__AVX512VL__)
 constexpr int kMaxXRows = 4;  // 32 vector registers: 16 accumulators, 8 expanded weight halves, x
 #else

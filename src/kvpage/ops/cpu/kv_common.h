@@ -1,11 +1,12 @@
-// kvpage CPU kernels: what the attention and write kernels share -- element encodings, their decoding to
-// float32, the softmax's exp. Header-only (inline), included by paged_attention.cpp and write_rows.cpp.
+// kvpage CPU kernels: what the kernel files share -- element encodings, their decoding to float32, the softmax's
+// exp, the int16 coding of float rows and its dot product. Header-only (inline), included by every kernel file.
 #pragma once
 
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -159,5 +160,42 @@ inline int64_t float_encoding(at::ScalarType t) {
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, "q and out must be float32, bfloat16 or float16");
   return t == at::kFloat ? F32 : (t == at::kBFloat16 ? BF16 : F16);
 }
+
+// Rows [rows, D] float32 -> int16 codes qi and one scale per row qs (qs * qi ~ x): the code of max|x| is 32767,
+// rounded to nearest; an all-zero row gets scale 0 and zero codes. (paged_attention's q for int8 keys,
+// gguf_matmul's activations.)
+inline void quantize_rows_i16(const float* x, int64_t rows, int64_t D, int16_t* qi, float* qs) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = x + r * D;
+    float mx = 0.0f;
+    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(v[d]));
+    qs[r] = mx / 32767.0f;
+    const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      qi[r * D + d] = static_cast<int16_t>(std::nearbyint(std::min(std::max(v[d] * inv, -32767.0f), 32767.0f)));
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// acc + a[0]*b[0] + a[1]*b[1] per int32 lane (pairs of int16): VNNI's one instruction where the CPU has it.
+inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// v[0] + ... + v[7].
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 }  // namespace kvpage_cpu

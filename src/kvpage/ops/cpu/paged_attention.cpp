@@ -444,10 +444,7 @@ inline float sum_floats(const float* x, int64_t n) {
 #ifdef KVPAGE_SIMD
   __m256 a = _mm256_setzero_ps();
   for (; t + 8 <= n; t += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(x + t));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  r = _mm_cvtss_f32(s);
+  r = hsum(a);
 #endif
   for (; t < n; ++t) r += x[t];
   return r;
@@ -622,17 +619,6 @@ inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, 
 // (sign-extended to 16 bits), exact in int32 for head_dim <= 512, instead of decoding the keys to float32 first.
 // llama.cpp's q8_0 x q8_0 path codes q to 8 bits; 16 keeps q's rounding far below the cache's.
 
-// acc + a[0]*b[0] + a[1]*b[1] per int32 lane (pairs of int16): VNNI's one instruction where the CPU has it.
-inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
 // 16 int16 lanes: int8 codes sign-extended on load.
 struct VecI16x16 {
   using T = __m256i;
@@ -722,21 +708,6 @@ inline void scores_i8(const int16_t* qi, const float* qs, const int8_t* kbase, i
 }
 
 #endif  // KVPAGE_SIMD
-
-// q rows [rows, D] float32 -> int16 codes qi and one scale per row qs (qs * qi ~ q; see scores_i8): the code of
-// max|q| is 32767, rounded to nearest; an all-zero row gets scale 0 and zero codes.
-inline void quantize_rows_i16(const float* q, int64_t rows, int64_t D, int16_t* qi, float* qs) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = q + r * D;
-    float mx = 0.0f;
-    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(x[d]));
-    qs[r] = mx / 32767.0f;
-    const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
-    for (int64_t d = 0; d < D; ++d) {
-      qi[r * D + d] = static_cast<int16_t>(std::nearbyint(std::min(std::max(x[d] * inv, -32767.0f), 32767.0f)));
-    }
-  }
-}
 
 // Online-softmax attention of request r's queries (all n of them) over context tokens [t0, t1), every
 // head. State rows are (query j, head qh) -> j * H + qh: m/l [n*H], acc [n*H, D], updated in place.
