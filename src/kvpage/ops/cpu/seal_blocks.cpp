@@ -14,6 +14,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <vector>
 
 #include "kv_common.h"
@@ -27,17 +28,27 @@ constexpr float kScaleMax = 1.875f * 32768.0f;     // SCALE_MAX = 61440
 constexpr float kInfeasible = 1e30f;               // _INFEASIBLE
 constexpr int kMaxCandidates = 64;
 
-// kivi.encode_scale: float32 step -> UE5M3 byte, rounded up, clamped to [2^-16, 61440] (NaN -> 61440).
+// Columns sealed side by side: one group per lane of a strip of kLanes columns, so every step below is one vector
+// operation across kLanes groups (keys: a block's channels; values: its tokens' channel groups, transposed).
+constexpr int kLanes = 16;
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// kivi.encode_scale: float32 step -> UE5M3 byte, rounded up, clamped to [2^-16, 61440] (NaN -> 61440). Branch-free
+// (it runs in vector lanes): a clamped step is a normal float, so its frexp exponent minus one is the IEEE exponent
+// E and (mantissa * 2 - 1) * 8 is its 23 fraction bits / 2^20, whose ceiling is (bits + 2^20 - 1) >> 20.
 inline int32_t encode_scale(float s) {
-  if (std::isnan(s)) s = kScaleMax;
+  s = std::isnan(s) ? kScaleMax : s;
   s = s < kScaleMin ? kScaleMin : (s > kScaleMax ? kScaleMax : s);
-  int exp = 0;
-  const float mant = std::frexp(s, &exp);
-  const float m = std::ceil((mant * 2.0f - 1.0f) * 8.0f);
-  const int32_t carry = m == 8.0f ? 1 : 0;
-  const int32_t e = exp - 1 + 16 + carry;
-  const int32_t mi = carry ? 0 : static_cast<int32_t>(m);
-  return (e << 3) | mi;
+  const uint32_t b = bits_of(s);
+  const int32_t E = static_cast<int32_t>((b >> 23) & 0xFF) - 127;
+  const int32_t m = static_cast<int32_t>(((b & 0x7FFFFF) + 0xFFFFF) >> 20);
+  const int32_t carry = m == 8 ? 1 : 0;
+  return ((E + 16 + carry) << 3) | (carry ? 0 : m);
 }
 
 inline float clampf(float v, float lo, float hi) {  // torch.clamp: NaN stays NaN
@@ -54,145 +65,149 @@ struct Search {
   int count() const { return 2 * (hi - lo) + 1; }
 };
 
-// The candidates of a group with minimum mn and maximum mx, in quantize_searched's order: (k, centred),
-// (k, floor) for each k, then the covering step with the floor offset. Returns the min/max step (span).
-inline float candidates(const Search& s, float mn, float mx, float* step, float* off) {
-  const float span = (mx - mn) / s.qmax;
-  const int32_t e0 = encode_scale(span);
-  const float big = std::fabs(mn) > std::fabs(mx) || std::isnan(mn) ? std::fabs(mn) : std::fabs(mx);
-  const float cover_a = 2.0f * (mx - mn) / s.qmax, cover_b = big / (127.0f - s.qmax);
-  // torch.maximum propagates NaN
-  const float cover = std::isnan(cover_a) || std::isnan(cover_b) ? std::numeric_limits<float>::quiet_NaN()
-                                                                  : (cover_a > cover_b ? cover_a : cover_b);
-  int c = 0;
-  for (int k = s.lo; k < s.hi; ++k) {
-    int32_t e = e0 + k;
-    e = e < 0 ? 0 : (e > 255 ? 255 : e);
-    const float st = ue5m3().v[e];
-    step[c] = st;
-    off[c++] = clampf(std::nearbyint((mn + mx) / (2.0f * st) - s.qmax / 2.0f), -128.0f, 127.0f);
-    step[c] = st;
-    off[c++] = clampf(std::floor(mn / st), -128.0f, 127.0f);
-  }
-  const float st = ue5m3().v[encode_scale(cover)];
-  step[c] = st;
-  off[c] = clampf(std::floor(mn / st), -128.0f, 127.0f);
-  return span;
-}
-
-// Error of one value at step st and offset m: (code, dequantized - x).
+// Code of one value at step st and offset m.
 inline float code_of(float x, float st, float m, float qmax) {
   return clampf(std::nearbyint(x / st - m), 0.0f, qmax);
-}
-
-// torch.argmin over candidate errors: the first NaN if any, else the first least.
-inline int pick(const float* err, int n) {
-  int best = 0;
-  for (int c = 0; c < n; ++c) {
-    if (std::isnan(err[c])) return c;
-    if (err[c] < err[best]) best = c;
-  }
-  return best;
 }
 
 // Infeasible candidates (some value moved by more than max_error min/max steps) rank after all others.
 inline float ranked(const Search& s, double sum, float worst, float span) {
   const float err = static_cast<float>(sum);
-  if (!s.limited || std::isnan(err)) return err;  // a NaN error (a NaN value in the group) stays NaN
   const float limit = s.max_error * span;
-  if (worst <= limit) return err;
   const float l = limit < kScaleMin ? kScaleMin : limit;  // limit.clamp(min=SCALE_MIN)
-  return kInfeasible * (1.0f + worst / l);
+  const bool keep = !s.limited || std::isnan(err) || worst <= limit;  // a NaN error (a NaN value) stays NaN
+  return keep ? err : kInfeasible * (1.0f + worst / l);
 }
 
-inline uint8_t code_byte(float u) { return std::isnan(u) ? 0 : static_cast<uint8_t>(u); }
 inline int8_t offset_byte(float m) { return std::isnan(m) ? 0 : static_cast<int8_t>(m); }
 
-// Keys: one group per channel over the block's bs tokens. x [bs, D] (one head), codes [bs, D] unpacked.
-// The candidates' arrays are [C, D] (candidate-major), so the token loop runs over contiguous channels.
-void seal_keys(const Search& s, const float* x, int64_t bs, int64_t D, uint8_t* codes, uint8_t* scale,
-               int8_t* zero, std::vector<float>& step, std::vector<float>& off, std::vector<double>& err,
-               std::vector<float>& rank, std::vector<float>& worst, std::vector<float>& span) {
+// quantize_searched over kLanes groups at once: group l is column l of X ([n, ld] float32, rows ld apart). Writes
+// the codes to U ([n, ld], the same places), each group's UE5M3 step to scale[l] and offset to zero[l].
+// Candidates in quantize_searched's order: (k, centred), (k, floor) for each k, then the covering step with the
+// floor offset; the least ranked error wins, the first NaN before all (torch.argmin), ties to the earlier.
+void seal_strip(const Search& s, const float* X, int64_t n, int64_t ld, uint8_t* U, uint8_t* scale, int8_t* zero) {
   const int C = s.count();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  float cs[kMaxCandidates], co[kMaxCandidates];
-  for (int64_t d = 0; d < D; ++d) {
-    float mn = x[d], mx = x[d];
-    for (int64_t t = 1; t < bs; ++t) {
-      const float v = x[t * D + d];
-      mn = (v < mn || std::isnan(v) || std::isnan(mn)) ? (std::isnan(mn) ? nan : v) : mn;
-      mx = (v > mx || std::isnan(v) || std::isnan(mx)) ? (std::isnan(mx) ? nan : v) : mx;
-    }
-    span[d] = candidates(s, mn, mx, cs, co);
-    for (int c = 0; c < C; ++c) {
-      step[c * D + d] = cs[c];
-      off[c * D + d] = co[c];
+  const float* tab = ue5m3().v;
+  alignas(64) float mn[kLanes], mx[kLanes], span[kLanes], best_r[kLanes], st_b[kLanes], m_b[kLanes];
+  alignas(64) int32_t has_nan[kLanes], best_c[kLanes], found[kLanes], e0[kLanes];
+  alignas(64) float step[kMaxCandidates][kLanes], off[kMaxCandidates][kLanes], rank[kMaxCandidates][kLanes];
+#pragma omp simd
+  for (int l = 0; l < kLanes; ++l) {
+    mn[l] = mx[l] = X[l];
+    has_nan[l] = std::isnan(X[l]) ? 1 : 0;
+  }
+  for (int64_t t = 1; t < n; ++t) {  // the first least / greatest in row order; any NaN makes both NaN
+    const float* row = X + t * ld;
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = row[l];
+      has_nan[l] |= std::isnan(v) ? 1 : 0;
+      mn[l] = v < mn[l] ? v : mn[l];
+      mx[l] = v > mx[l] ? v : mx[l];
     }
   }
-  std::fill(err.begin(), err.begin() + D * C, 0.0);
-  std::fill(worst.begin(), worst.begin() + D * C, 0.0f);
-  for (int c = 0; c < C; ++c) {
-    const float* sc = &step[c * D];
-    const float* oc = &off[c * D];
-    double* ec = &err[c * D];
-    float* wc = &worst[c * D];
-    for (int64_t t = 0; t < bs; ++t) {
-      const float* row = x + t * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) {
-        const float st = sc[d], m = oc[d];
-        const float u = code_of(row[d], st, m, s.qmax);
-        const float xh = (u + m) * st;
-        const float diff = xh - row[d];
+  for (int l = 0; l < kLanes; ++l) {
+    const float lo = has_nan[l] ? nan : mn[l], hi = has_nan[l] ? nan : mx[l];
+    mn[l] = lo;
+    mx[l] = hi;
+    span[l] = (hi - lo) / s.qmax;
+    e0[l] = encode_scale(span[l]);
+  }
+  int c = 0;
+  for (int k = s.lo; k < s.hi; ++k, c += 2) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      int32_t e = e0[l] + k;
+      e = e < 0 ? 0 : (e > 255 ? 255 : e);
+      const float st = tab[e];
+      step[c][l] = step[c + 1][l] = st;
+      off[c][l] = clampf(std::nearbyint((mn[l] + mx[l]) / (2.0f * st) - s.qmax / 2.0f), -128.0f, 127.0f);
+      off[c + 1][l] = clampf(std::floor(mn[l] / st), -128.0f, 127.0f);
+    }
+  }
+#pragma omp simd
+  for (int l = 0; l < kLanes; ++l) {  // the covering step: 2 min/max steps, or far enough from zero for the offset
+    const float a = std::fabs(mn[l]), b = std::fabs(mx[l]);
+    const float big = a > b || std::isnan(mn[l]) ? a : b;
+    const float cover_a = 2.0f * (mx[l] - mn[l]) / s.qmax, cover_b = big / (127.0f - s.qmax);
+    const float cover = std::isnan(cover_a) || std::isnan(cover_b) ? nan : (cover_a > cover_b ? cover_a : cover_b);
+    const float st = tab[encode_scale(cover)];
+    step[c][l] = st;
+    off[c][l] = clampf(std::floor(mn[l] / st), -128.0f, 127.0f);
+  }
+  for (c = 0; c < C; ++c) {  // each candidate's summed squared error (float64) and largest error
+    alignas(64) double err[kLanes] = {};
+    alignas(64) float worst[kLanes] = {};
+    const float* sc = step[c];
+    const float* oc = off[c];
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = X + t * ld;
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) {
+        const float u = code_of(row[l], sc[l], oc[l], s.qmax);
+        const float diff = (u + oc[l]) * sc[l] - row[l];
         const double dd = static_cast<double>(diff);
-        ec[d] += dd * dd;
+        err[l] += dd * dd;
         const float a = std::fabs(diff);
-        wc[d] = (a > wc[d] || std::isnan(a)) ? a : wc[d];
+        worst[l] = (a > worst[l] || std::isnan(a)) ? a : worst[l];
       }
     }
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) rank[c][l] = ranked(s, err[l], worst[l], span[l]);
   }
-  for (int64_t d = 0; d < D; ++d) {
-    float* r = &rank[d * C];
-    for (int c = 0; c < C; ++c) r[c] = ranked(s, err[c * D + d], worst[c * D + d], span[d]);
-    const int b = pick(r, C);
-    const float st = step[b * D + d], m = off[b * D + d];
-    for (int64_t t = 0; t < bs; ++t) codes[t * D + d] = code_byte(code_of(x[t * D + d], st, m, s.qmax));
-    scale[d] = static_cast<uint8_t>(encode_scale(st));
-    zero[d] = offset_byte(m);
+#pragma omp simd
+  for (int l = 0; l < kLanes; ++l) {
+    best_c[l] = 0;
+    best_r[l] = rank[0][l];
+    found[l] = std::isnan(rank[0][l]) ? 1 : 0;
+  }
+  for (c = 1; c < C; ++c) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      const float r = rank[c][l];
+      const bool take = !found[l] && (std::isnan(r) || r < best_r[l]);
+      best_c[l] = take ? c : best_c[l];
+      best_r[l] = take ? r : best_r[l];
+      found[l] |= std::isnan(r) ? 1 : 0;
+    }
+  }
+#pragma omp simd
+  for (int l = 0; l < kLanes; ++l) {
+    st_b[l] = step[0][l];
+    m_b[l] = off[0][l];
+  }
+  for (c = 1; c < C; ++c) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      st_b[l] = best_c[l] == c ? step[c][l] : st_b[l];
+      m_b[l] = best_c[l] == c ? off[c][l] : m_b[l];
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = X + t * ld;
+    uint8_t* u = U + t * ld;
+    alignas(64) int32_t ci[kLanes];  // via int32 so the lanes convert, then narrow, as vectors
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = code_of(row[l], st_b[l], m_b[l], s.qmax);
+      ci[l] = std::isnan(v) ? 0 : static_cast<int32_t>(v);
+    }
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) u[l] = static_cast<uint8_t>(ci[l]);
+  }
+#pragma omp simd
+  for (int l = 0; l < kLanes; ++l) {
+    scale[l] = static_cast<uint8_t>(encode_scale(st_b[l]));
+    zero[l] = offset_byte(m_b[l]);
   }
 }
 
-// Values: one group per g channels of one token. x [n] (one group), codes [n] unpacked.
-void seal_group(const Search& s, const float* x, int64_t n, uint8_t* codes, uint8_t* scale, int8_t* zero) {
-  float step[kMaxCandidates], off[kMaxCandidates], err[kMaxCandidates];
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  float mn = x[0], mx = x[0];
-  for (int64_t i = 1; i < n; ++i) {
-    const float v = x[i];
-    mn = (v < mn || std::isnan(v) || std::isnan(mn)) ? (std::isnan(mn) ? nan : v) : mn;
-    mx = (v > mx || std::isnan(v) || std::isnan(mx)) ? (std::isnan(mx) ? nan : v) : mx;
-  }
-  const float span = candidates(s, mn, mx, step, off);
-  const int C = s.count();
-  for (int c = 0; c < C; ++c) {
-    const float st = step[c], m = off[c];
-    double e = 0.0;
-    float w = 0.0f;
-#pragma omp simd reduction(+ : e) reduction(max : w)
-    for (int64_t i = 0; i < n; ++i) {
-      const float u = code_of(x[i], st, m, s.qmax);
-      const float diff = (u + m) * st - x[i];
-      const double dd = static_cast<double>(diff);
-      e += dd * dd;
-      const float a = std::fabs(diff);
-      w = a > w ? a : w;
-    }
-    err[c] = ranked(s, e, w, span);
-  }
-  const int b = pick(err, C);
-  for (int64_t i = 0; i < n; ++i) codes[i] = code_byte(code_of(x[i], step[b], off[b], s.qmax));
-  *scale = static_cast<uint8_t>(encode_scale(step[b]));
-  *zero = offset_byte(off[b]);
+// Every group of X ([n, ld] float32, ld a multiple of kLanes: columns past the groups are padding) sealed, strip
+// by strip: codes to U ([n, ld]), steps and offsets to scale / zero ([ld]).
+void seal_columns(const Search& s, const float* X, int64_t n, int64_t ld, uint8_t* U, uint8_t* scale, int8_t* zero) {
+  for (int64_t c0 = 0; c0 < ld; c0 += kLanes) seal_strip(s, X + c0, n, ld, U + c0, scale + c0, zero + c0);
 }
 
 // [n] codes of `bits` bits -> ceil(n * bits / 8) bytes: one little-endian bit stream, code j at bit bits * j
@@ -209,6 +224,13 @@ inline void pack_row(const uint8_t* codes, int64_t n, int bits, uint8_t* out, in
       }
       for (int k = 0; k < 3 && 3 * p + k < P; ++k) out[3 * p + k] = static_cast<uint8_t>(w >> (8 * k));
     }
+    return;
+  }
+  if (bits == 4) {  // two codes a byte: the whole pairs as one vectorised loop, then an odd last code
+    const int64_t pairs = n / 2;
+#pragma omp simd
+    for (int64_t p = 0; p < pairs; ++p) out[p] = static_cast<uint8_t>(codes[2 * p] | (codes[2 * p + 1] << 4));
+    if (n % 2) out[pairs] = codes[n - 1];
     return;
   }
   const int per = 8 / bits;
@@ -253,29 +275,43 @@ void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor
   for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NB, "block id ", id[i], " out of range");
   Search s{static_cast<int>(bits), static_cast<float>((1 << bits) - 1), max_error >= 0,
            static_cast<float>(max_error), static_cast<int>(step_lo), static_cast<int>(step_hi)};
-  const int C = s.count();
   const uint8_t* xs = static_cast<const uint8_t*>(blocks.data_ptr());
   const int64_t xsize = blocks.element_size();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   uint8_t* sp = scale.data_ptr<uint8_t>();
   int8_t* zp = zero.data_ptr<int8_t>();
+  // Keys: a head's block [bs, D] as it is, one group per channel (column). Values: transposed to [group, bs * G],
+  // one group per (token, channel group) column. Columns padded with zeros to a multiple of kLanes.
+  const int64_t n = key ? bs : group, W = key ? D : bs * G, ld = (W + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, m * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(bs * D), stepv(D * C), offv(D * C), rank(D * C), worst(D * C), span(D);
-    std::vector<double> err(D * C);
-    std::vector<uint8_t> u(bs * D);
+    std::vector<float> x(bs * D), X(n * ld, 0.0f);
+    std::vector<uint8_t> U(n * ld), u(bs * D), sc(ld);
+    std::vector<int8_t> zc(ld);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv, blk = id[b];
       for (int64_t t = 0; t < bs; ++t)
         rows_to_float(xenc, xs + ((b * bs + t) * Hkv + h) * D * xsize, x.data() + t * D, D);
       if (key) {
+        for (int64_t t = 0; t < bs; ++t) std::memcpy(X.data() + t * ld, x.data() + t * D, D * 4);
+      } else {
+        for (int64_t t = 0; t < bs; ++t)
+          for (int64_t j = 0; j < G; ++j)
+            for (int64_t i = 0; i < group; ++i) X[i * ld + t * G + j] = x[t * D + j * group + i];
+      }
+      seal_columns(s, X.data(), n, ld, U.data(), sc.data(), zc.data());
+      if (key) {
+        for (int64_t t = 0; t < bs; ++t) std::memcpy(u.data() + t * D, U.data() + t * ld, D);
         const int64_t meta = (blk * Hkv + h) * D;
-        seal_keys(s, x.data(), bs, D, u.data(), sp + meta, zp + meta, stepv, offv, err, rank, worst, span);
+        std::memcpy(sp + meta, sc.data(), D);
+        std::memcpy(zp + meta, zc.data(), D);
       } else {
         for (int64_t t = 0; t < bs; ++t) {
           const int64_t meta = ((blk * bs + t) * Hkv + h) * G;
-          for (int64_t j = 0; j < G; ++j)
-            seal_group(s, x.data() + t * D + j * group, group, u.data() + t * D + j * group, sp + meta + j,
-                       zp + meta + j);
+          for (int64_t j = 0; j < G; ++j) {
+            for (int64_t i = 0; i < group; ++i) u[t * D + j * group + i] = U[i * ld + t * G + j];
+            sp[meta + j] = sc[t * G + j];
+            zp[meta + j] = zc[t * G + j];
+          }
         }
       }
       for (int64_t t = 0; t < bs; ++t) pack_row(u.data() + t * D, D, s.bits, cp + ((blk * bs + t) * Hkv + h) * P, P);
