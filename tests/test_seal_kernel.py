@@ -3,8 +3,8 @@
 Blocks are drawn by hypothesis: shapes (block sizes 1..64, head_dim 8..256 with value groups that divide it,
 1..4 kv heads), storage dtypes (float32, bfloat16, float16), magnitudes from subnormal to float32's largest,
 a common offset (values far from zero relative to their spread), constant groups and injected extremes
-(zeros, +-inf, NaN). The pool written by :class:`~kvpage.ops.backends.cpu.KernelSealWriter` must equal, byte
-for byte, the pool the formats' own code writes (:class:`~kvpage.ops.sealed_attention.SealWriter`), in the
+(zeros, +-inf, NaN). The pool written by :class:`~kvpage.ops.backends.cpu.KernelSealCodec` must equal, byte
+for byte, the pool the formats' own code writes (:class:`~kvpage.ops.sealed_attention.SealCodec`), in the
 rows the plan names and nowhere else. The int8 first-block copies written by the fused kernel are checked
 the same way.
 """
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvpage.formats import get_format
 from kvpage.formats.kivi import SCALE_MAX, SCALE_MIN, decode_scale
 from kvpage.ops.backends import cpu as cpu_module
-from kvpage.ops.sealed_attention import REFERENCE_WRITER
+from kvpage.ops.sealed_attention import REFERENCE_CODEC
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVPAGE_CPU_KERNELS") == "0", reason="KVPAGE_CPU_KERNELS=0")
 
@@ -28,10 +28,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPECIALS = (0.0, float("inf"), -float("inf"), float("nan"), 3.0e38, -3.0e38, 1e-40, 65504.0)
 
 
-def _writer() -> cpu_module.KernelSealWriter:
+def _writer() -> cpu_module.KernelSealCodec:
     backend = cpu_module.cpu_backend()
     assert backend is not None, "kvpage's CPU kernels did not build"
-    return cpu_module.KernelSealWriter(backend.kernels)
+    return cpu_module.KernelSealCodec(backend.kernels)
 
 
 @st.composite
@@ -79,7 +79,7 @@ def test_kernel_seal_is_byte_identical_to_the_format(fmt_name: str, kind: str,
     nb = m + 2
     ids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[:m]
     ref, got = _pools(fmt_name, kind, bs, kv, d, nb)
-    REFERENCE_WRITER.write_blocks(ref, fmt, kind, x, ids)
+    REFERENCE_CODEC.write_blocks(ref, fmt, kind, x, ids)
     _writer().write_blocks(got, fmt, kind, x, ids)
     for name in ref:
         assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), (name, x.dtype)
@@ -96,7 +96,7 @@ def test_extreme_groups_code_as_documented(fmt_name: str) -> None:
     x[3, :, 0, 3] = torch.linspace(-3e38, 3e38, 32)  # beyond the largest step
     ref, got = _pools(fmt_name, "key", 32, 1, 64, 4)
     ids = torch.arange(4)
-    REFERENCE_WRITER.write_blocks(ref, fmt, "key", x, ids)
+    REFERENCE_CODEC.write_blocks(ref, fmt, "key", x, ids)
     _writer().write_blocks(got, fmt, "key", x, ids)
     for name in ref:
         assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), name
@@ -120,7 +120,48 @@ def test_kernel_sink_copy_is_byte_identical(drawn: tuple[torch.Tensor, int]) -> 
     dst = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: rows.shape[0]]
     pools = [(torch.zeros(n, *rows.shape[1:], dtype=torch.uint8), torch.zeros(n, rows.shape[1], dtype=torch.float16))
              for _ in range(2)]
-    REFERENCE_WRITER.write_sink(*pools[0], sink, "key", rows, dst)
+    REFERENCE_CODEC.write_sink(*pools[0], sink, "key", rows, dst)
     _writer().write_sink(*pools[1], sink, "key", rows, dst)
     assert torch.equal(pools[0][0], pools[1][0])
     assert torch.equal(pools[0][1].view(torch.int16), pools[1][1].view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt_name", ["int4", "int3", "int2"])
+@pytest.mark.parametrize("kind", ["key", "value"])
+@settings(max_examples=40, deadline=None)
+@given(bs=st.sampled_from([1, 3, 16, 32]), kv=st.integers(1, 4), d=st.sampled_from([8, 24, 64, 96, 128]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+def test_kernel_unseal_equals_the_format(fmt_name: str, kind: str, bs: int, kv: int, d: int, dtype: torch.dtype,
+                                         seed: int) -> None:
+    """Pool blocks of arbitrary bytes (every step code, offset and packed code, padding bits included) read back by
+    ``unseal_blocks`` equal the format's own dequantization bit for bit, in each compute dtype (NaN payloads too)."""
+    fmt = get_format(fmt_name)
+    nb = 6
+    pool, _ = _pools(fmt_name, kind, bs, kv, d, nb)
+    ids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[: 1 + seed % nb]
+    ref = REFERENCE_CODEC.read_blocks(pool, fmt, kind, ids, dtype, d)
+    got = _writer().read_blocks(pool, fmt, kind, ids, dtype, d)
+    assert got.shape == ref.shape == (ids.numel(), bs, kv, d) and got.dtype == dtype
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    same = (got.view(bits) == ref.view(bits)) | (got.isnan() & ref.isnan())
+    assert bool(same.all()), (fmt_name, kind, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_kernel_row_moves_equal_index_copy(dtype: torch.dtype) -> None:
+    """``move_rows`` writes exactly the named rows (``dst[dst_idx] = src[src_idx]``), leaves the rest, and refuses
+    an index out of range without writing."""
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 200, (9, 3, 5), generator=gen).to(dtype)
+    dst = torch.randint(0, 200, (12, 3, 5), generator=gen).to(dtype)
+    dst_idx, src_idx = torch.tensor([11, 0, 4, 7]), torch.tensor([2, 2, 8, 0])
+    ref, got = dst.clone(), dst.clone()
+    REFERENCE_CODEC.move_rows(ref, dst_idx, src, src_idx)
+    _writer().move_rows(got, dst_idx, src, src_idx)
+    assert torch.equal(ref, got)
+    assert torch.equal(got[11], src[2]) and torch.equal(got[1], dst[1])
+    _writer().move_rows(got, dst_idx[:0], src, src_idx[:0])  # nothing to move
+    assert torch.equal(ref, got)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _writer().move_rows(got, torch.tensor([12]), src, torch.tensor([0]))
+    assert torch.equal(ref, got)

@@ -73,12 +73,19 @@ def _scale_name(kind: str) -> str:
     return KEY_SCALE if kind == KEY else VALUE_SCALE
 
 
-class SealWriter:
-    """How sealed blocks and first-block copies are coded and stored: the formats' own PyTorch code.
+class SealCodec:
+    """How sealed blocks and first-block copies are coded, stored and read back, and rows moved: PyTorch ops and
+    the formats' own code.
 
-    A backend with kernels for the same bytes overrides either method (the CPU backend's C++ seal,
-    byte-identical to :meth:`~kvpage.formats.BlockFormat.seal`); :func:`write_sealed` calls them.
+    A backend with kernels for the same bytes overrides any method (the CPU backend's C++ seal and unseal,
+    byte-identical to :meth:`~kvpage.formats.BlockFormat.seal` and :meth:`~kvpage.formats.BlockFormat.unseal`);
+    :func:`write_sealed` and :func:`read_sealed` call them.
     """
+
+    def move_rows(self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
+        """``dst[dst_idx] = src[src_idx]`` (rows along dim 0; ``[n]`` int64 indices, ``dst_idx`` distinct; one
+        dtype), in place."""
+        dst.index_copy_(0, dst_idx, src[src_idx])
 
     def write_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, blocks: torch.Tensor,
                      ids: torch.Tensor) -> None:
@@ -86,6 +93,13 @@ class SealWriter:
         of ``kind`` into pool blocks ``ids`` (``[m]`` int64) of ``cache`` (in place)."""
         for name, t in fmt.seal_rotated(blocks, kind).items():
             cache[name].index_copy_(0, ids, t)
+
+    def read_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, ids: torch.Tensor,
+                    dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+        """Pool blocks ``ids`` (``[m]`` int64) of ``kind`` dequantized, in the format's stored basis:
+        ``[m, block_size, kv_heads, head_dim]`` in ``dtype`` (:meth:`~kvpage.formats.BlockFormat.unseal_rotated`).
+        No side effects."""
+        return fmt.unseal_rotated({n: cache[n][ids] for n in fmt.names(kind)}, kind, dtype, head_dim)
 
     def write_sink(self, codes: torch.Tensor, scales: torch.Tensor, sink_format: TokenFormat, kind: str,
                    rows: torch.Tensor, dst: torch.Tensor) -> None:
@@ -98,13 +112,13 @@ class SealWriter:
         scales.index_copy_(0, dst, q.scale)
 
 
-#: The formats' own code (the reference backend's writer).
-REFERENCE_WRITER = SealWriter()
+#: PyTorch ops and the formats' own code (the reference backend's codec).
+REFERENCE_CODEC = SealCodec()
 
 
 def write_sealed(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
-    block_size: int, kind: str, x: torch.Tensor, plan: SealPlan, writer: SealWriter = REFERENCE_WRITER,
+    block_size: int, kind: str, x: torch.Tensor, plan: SealPlan, codec: SealCodec = REFERENCE_CODEC,
 ) -> torch.Tensor | None:
     """Seal the blocks this step fills and store the other new tokens in their tail slots (in place).
 
@@ -117,7 +131,8 @@ def write_sealed(
         kind: ``"key"`` or ``"value"``.
         x: ``[num_tokens, kv_heads, head_dim]`` this step's keys or values.
         plan: the step's plan.
-        writer: codes and stores the sealed blocks and first-block copies (a backend's kernels or the formats').
+        codec: moves the rows, codes and stores the sealed blocks and first-block copies (a backend's kernels or
+            the formats').
 
     Returns:
         The seal batch, ``[m, block_size, kv_heads, head_dim]`` in the tail dtype (the rows the
@@ -130,15 +145,15 @@ def write_sealed(
     m = plan.seal_ids.numel()
     if m:
         data = torch.empty((m * bs, *x.shape[1:]), dtype=rows.dtype, device=x.device)
-        data[plan.seal_from_new_dst] = xt[plan.seal_from_new_src]
-        data[plan.seal_from_tail_dst] = rows[plan.seal_from_tail_src]
+        codec.move_rows(data, plan.seal_from_new_dst, xt, plan.seal_from_new_src)
+        codec.move_rows(data, plan.seal_from_tail_dst, rows, plan.seal_from_tail_src)
         blocks = data.view(m, bs, *x.shape[1:])                                # [m, bs, Hkv, D]
-        writer.write_blocks(cache, fmt, kind, blocks, plan.seal_ids)
+        codec.write_blocks(cache, fmt, kind, blocks, plan.seal_ids)
         if plan.sink_pos.numel():
             dst = (plan.sink_slots[:, None] * bs + torch.arange(bs, device=x.device)).flatten()
-            writer.write_sink(tail["sink_" + kind], tail["sink_" + _scale_name(kind)], sink_format, kind,
-                              blocks[plan.sink_pos].flatten(0, 1), dst)
-    rows.index_copy_(0, plan.tail_dst, xt[plan.tail_src])
+            codec.write_sink(tail["sink_" + kind], tail["sink_" + _scale_name(kind)], sink_format, kind,
+                             blocks[plan.sink_pos].flatten(0, 1), dst)
+    codec.move_rows(rows, plan.tail_dst, xt, plan.tail_src)
     return blocks
 
 
@@ -157,14 +172,14 @@ class SealBatch:
 
 def write_sealed_kv(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, ctx: SealContext,
-    block_size: int, k: torch.Tensor, v: torch.Tensor | None, writer: SealWriter = REFERENCE_WRITER,
+    block_size: int, k: torch.Tensor, v: torch.Tensor | None, codec: SealCodec = REFERENCE_CODEC,
 ) -> SealBatch:
     """:func:`write_sealed` of this step's keys and, unless the layer is key-only (``v is None``), values.
 
     Returns the step's seal batch of each (:class:`SealBatch`).
     """
-    kb = write_sealed(cache, tail, fmt, ctx.sink_format, block_size, KEY, k, ctx.plan, writer)
-    vb = kb if v is None else write_sealed(cache, tail, fmt, ctx.sink_format, block_size, VALUE, v, ctx.plan, writer)
+    kb = write_sealed(cache, tail, fmt, ctx.sink_format, block_size, KEY, k, ctx.plan, codec)
+    vb = kb if v is None else write_sealed(cache, tail, fmt, ctx.sink_format, block_size, VALUE, v, ctx.plan, codec)
     return SealBatch(kb, vb)
 
 
@@ -278,14 +293,16 @@ def read_window_copies(tail: Mapping[str, torch.Tensor], spec: LayerSpec, read: 
 def read_sealed(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
     spec: LayerSpec, kind: str, read: RequestRead, dtype: torch.dtype, first: int = 0, *, copies: bool = True,
+    codec: SealCodec = REFERENCE_CODEC,
 ) -> torch.Tensor:
     """One request's context keys or values from block ``first`` on (a windowed layer's earlier blocks are never
     read: :func:`first_read_block`), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype`` (no
-    side effects). ``copies``: blocks with a window copy (``read.fp_blocks``) read from it; ``False``: as stored."""
+    side effects). ``copies``: blocks with a window copy (``read.fp_blocks``) read from it; ``False``: as stored.
+    ``codec`` dequantizes the pool blocks."""
     bs, d = spec.block_size, spec.head_dim
     rows = tail[kind]
     ids = read.full_ids[first:]
-    full = fmt.unseal_rotated({n: cache[n][ids] for n in fmt.names(kind)}, kind, dtype, d)  # [nf-first, bs, Hkv, D]
+    full = codec.read_blocks(cache, fmt, kind, ids, dtype, d)                  # [nf-first, bs, Hkv, D]
     for j, slot in read.fp_blocks if copies else ():
         if j >= first:
             full[j - first] = rows[slot * bs:(slot + 1) * bs]
@@ -303,34 +320,38 @@ def read_sealed(
 def read_sealed_context(
     cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat, sink_format: TokenFormat,
     spec: LayerSpec, read: RequestRead, dtype: torch.dtype, first: int = 0, *, copies: bool = True,
+    codec: SealCodec = REFERENCE_CODEC,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's keys and values from block ``first`` on (:func:`read_sealed` of each, ``copies`` as
-    there), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype``.
+    there, pool blocks dequantized by ``codec``), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype``.
 
     A key-only layer's values are its keys. No side effects.
     """
-    keys = read_sealed(cache, tail, fmt, sink_format, spec, KEY, read, dtype, first, copies=copies)
+    keys = read_sealed(cache, tail, fmt, sink_format, spec, KEY, read, dtype, first, copies=copies, codec=codec)
     if not spec.has_value:
         return keys, keys
-    return keys, read_sealed(cache, tail, fmt, sink_format, spec, VALUE, read, dtype, first, copies=copies)
+    return keys, read_sealed(cache, tail, fmt, sink_format, spec, VALUE, read, dtype, first, copies=copies,
+                             codec=codec)
 
 
 def sealed_request(
     q: torch.Tensor, cache: Mapping[str, torch.Tensor], tail: Mapping[str, torch.Tensor], fmt: BlockFormat,
     ctx: SealContext, spec: LayerSpec, read: RequestRead, batch: SealBatch, seq_len: int,
-    params: LayerAttention = PLAIN,
+    params: LayerAttention = PLAIN, codec: SealCodec = REFERENCE_CODEC,
 ) -> torch.Tensor:
     """Read one request's context and attend (:func:`read_sealed_context`, :func:`sealed_request_attention`).
 
     ``q``: ``[n, num_heads, head_dim]`` its queries (positions ``seq_len - n .. seq_len - 1``), in the dtype the
     context is read and attended in; returns ``[n, num_heads, head_dim]`` in that dtype. Queries in several
     blocks (a verification pass crossing a block end) read different windows: the copies then come apart
-    (:func:`read_window_copies`), so each query reads what decoding reads at its position. No side effects.
+    (:func:`read_window_copies`), so each query reads what decoding reads at its position. ``codec`` dequantizes
+    the pool blocks. No side effects.
     """
     bs, n = spec.block_size, q.shape[0]
     first = first_read_block(params, seq_len, n, bs)
     apart = bool(read.fp_blocks) and (seq_len - n) // bs != (seq_len - 1) // bs
-    keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, q.dtype, first, copies=not apart)
+    keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, q.dtype, first, copies=not apart,
+                                     codec=codec)
     copies = read_window_copies(tail, spec, read, q.dtype, first) if apart else None
     return sealed_request_attention(q, keys, vals, read, batch, bs, params, first, copies)
 

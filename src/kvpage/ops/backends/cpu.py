@@ -14,7 +14,7 @@ one fused kernel call per tensor, byte-identical to their Python ``quantize``
 (rotated formats rotate first with the same butterflies); static-scale formats
 write through the reference code; the quantize-on-seal formats seal whole blocks in one kernel call per
 tensor (``seal_blocks``, byte-identical to :meth:`~kvpage.formats.BlockFormat.seal`) and code their
-first-block copies with the fused 8-bit write (:class:`KernelSealWriter`).
+first-block copies with the fused 8-bit write (:class:`KernelSealCodec`).
 
 Formats the kernels read: ``float32``/``bfloat16``/``float16``, every per-token and
 static 8-bit format, ``int4``/``int3``/``int2`` (sealed blocks, 16-bit tail and window
@@ -49,7 +49,7 @@ from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.formats.kivi import value_group_size
 from kvpage.ops.seal_plan import RequestRead
 from kvpage.ops.sealed_attention import (
-    SealContext, SealWriter, enter_stored_basis, read_sealed_context, sealed_attention_checks, sealed_request,
+    SealContext, SealCodec, enter_stored_basis, read_sealed_context, sealed_attention_checks, sealed_request,
     write_sealed_kv,
 )
 from kvpage.spec import LayerSpec
@@ -189,23 +189,40 @@ def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return ((wa * out_before + wb * out_own) / (wa + wb)).to(q.dtype)
 
 
-class KernelSealWriter(SealWriter):
-    """Sealed blocks and first-block copies through the C++ kernels (``seal_blocks``, ``write_rows``).
+class KernelSealCodec(SealCodec):
+    """Sealed blocks, first-block copies and row moves through the C++ kernels (``seal_blocks``,
+    ``unseal_blocks``, ``write_rows``, ``move_rows``).
 
-    Bytes are those of the formats' own code (:class:`~kvpage.ops.sealed_attention.SealWriter`), which is
+    Bytes are those of the formats' own code (:class:`~kvpage.ops.sealed_attention.SealCodec`), which is
     the fallback for what the kernels do not code: a block-wise format other than ``int4``/``int3``/``int2``, a
-    rotated or non-8-bit sink format, non-contiguous destination tensors.
+    rotated or non-8-bit sink format, non-contiguous tensors.
     """
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
 
+    def move_rows(self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
+        """See :meth:`SealCodec.move_rows`: one ``memcpy`` a row."""
+        if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+                and dst.device.type == src.device.type == "cpu"):
+            super().move_rows(dst, dst_idx, src, src_idx)
+            return
+        self.kernels.move_rows(dst, dst_idx, src, src_idx)
+
+    @staticmethod
+    def _kernel_names(cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str) -> tuple[str, ...]:
+        """The pool tensors' names of ``kind`` when the C++ seal codes ``fmt``, else ``()``."""
+        names = fmt.names(kind) if isinstance(fmt, SealedFormat) else ()
+        if not (names and fmt.bits in _SEALED_BITS and fmt.step_search.step == 1
+                and all(cache[n].is_contiguous() for n in names)):
+            return ()
+        return names
+
     def write_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, blocks: torch.Tensor,
                      ids: torch.Tensor) -> None:
-        """See :meth:`SealWriter.write_blocks`: the int4/int3/int2 step search, codes and pool write in one call."""
-        names = fmt.names(kind) if isinstance(fmt, SealedFormat) else ()
-        if not (names and fmt.bits in _SEALED_BITS and blocks.dtype in _FLOAT_ENC and fmt.step_search.step == 1
-                and all(cache[n].is_contiguous() for n in names)):
+        """See :meth:`SealCodec.write_blocks`: the int4/int3/int2 step search, codes and pool write in one call."""
+        names = self._kernel_names(cache, fmt, kind)
+        if not names or blocks.dtype not in _FLOAT_ENC:
             super().write_blocks(cache, fmt, kind, blocks, ids)
             return
         assert isinstance(fmt, SealedFormat)
@@ -214,9 +231,22 @@ class KernelSealWriter(SealWriter):
                                  kind == KEY, fmt.bits, value_group_size(blocks.shape[-1]), max_error,
                                  fmt.step_search.start, fmt.step_search.stop)
 
+    def read_blocks(self, cache: Mapping[str, torch.Tensor], fmt: BlockFormat, kind: str, ids: torch.Tensor,
+                    dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+        """See :meth:`SealCodec.read_blocks`: unpack, offset and step in one pass over the blocks."""
+        names = self._kernel_names(cache, fmt, kind)
+        if not names or dtype not in _FLOAT_ENC:
+            return super().read_blocks(cache, fmt, kind, ids, dtype, head_dim)
+        assert isinstance(fmt, SealedFormat)
+        codes = cache[names[0]]
+        out = torch.empty((ids.numel(), codes.shape[1], codes.shape[2], head_dim), dtype=dtype)
+        self.kernels.unseal_blocks(out, codes, cache[names[1]], cache[names[2]], ids, kind == KEY, fmt.bits,
+                                   value_group_size(head_dim))
+        return out
+
     def write_sink(self, codes: torch.Tensor, scales: torch.Tensor, sink_format: TokenFormat, kind: str,
                    rows: torch.Tensor, dst: torch.Tensor) -> None:
-        """See :meth:`SealWriter.write_sink`: the fused per-token write of plain 8-bit formats."""
+        """See :meth:`SealCodec.write_sink`: the fused per-token write of plain 8-bit formats."""
         enc = _code_encoding(sink_format.qmax) if isinstance(sink_format, PerTokenFormat) else None
         if (enc is None or sink_format.rotate or rows.dtype not in _FLOAT_ENC or not codes.is_contiguous()
                 or not scales.is_contiguous() or scales.dtype != torch.float16):
@@ -236,7 +266,7 @@ class CpuBackend(AttentionBackend):
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
-        self._seal_writer = KernelSealWriter(kernels)
+        self._seal_codec = KernelSealCodec(kernels)
         self._rows: tuple[AttentionMetadata, _StepRows] | None = None
         self._sources: tuple[SealContext, _SealedSources] | None = None
         self._chan: dict[tuple[int, str], torch.Tensor] = {}
@@ -380,7 +410,7 @@ class CpuBackend(AttentionBackend):
         fmt, tail = sealed_attention_checks(q, k, v, cache, spec, meta, ctx, layer_index=layer_index)
         basis = enter_stored_basis(fmt, q, k, v, self._rotate_rows)
         k, v = basis.k, basis.v
-        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v, self._seal_writer)
+        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, k, v, self._seal_codec)
         rows = self._step_rows(meta)
         qa = basis.q.contiguous()
         out = torch.empty_like(qa)
@@ -406,7 +436,8 @@ class CpuBackend(AttentionBackend):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             read, s = ctx.plan.reads[i], meta.seq_lens[i]
             if _own_block_split(read, s, b - a, bs, params):
-                keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt)
+                keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, dt,
+                                                  codec=self._seal_codec)
                 # the own blocks' rows as sealed: this step's rows rounded to the tail dtype (a pass starting
                 # at a block boundary holds every row of its blocks)
                 own_k = k[a:b].to(tail[KEY].dtype).to(dt)
@@ -414,7 +445,8 @@ class CpuBackend(AttentionBackend):
                 out[a:b] = _block_split_attention(qa[a:b].to(dt), keys, vals, own_k, own_v, s - (b - a), bs,
                                                   _scale(spec, params))
             else:
-                out[a:b] = sealed_request(qa[a:b].to(dt), cache, tail, fmt, ctx, spec, read, batch, s, params)
+                out[a:b] = sealed_request(qa[a:b].to(dt), cache, tail, fmt, ctx, spec, read, batch, s, params,
+                                          self._seal_codec)
         return basis.leave(out, q.dtype)
 
 

@@ -19,9 +19,12 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
 // write_rows.cpp
 void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
                 double qmax);
+void move_rows(at::Tensor dst, at::Tensor dst_idx, at::Tensor src, at::Tensor src_idx);
 // seal_blocks.cpp
 void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor blocks, at::Tensor ids, bool key,
                  int64_t bits, int64_t group, double max_error, int64_t step_lo, int64_t step_hi);
+void unseal_blocks(at::Tensor out, at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor ids, bool key,
+                   int64_t bits, int64_t group);
 // gguf_matmul.cpp
 at::Tensor gguf_matmul(at::Tensor x, at::Tensor w, int64_t type, int64_t N);
 at::Tensor gguf_dequantize(at::Tensor w, int64_t type, int64_t N, int64_t K, bool bf16);
@@ -38,7 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether paged_attention reads int8 keys as codes, q coded as int16, at this head_dim (CPU)");
   m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
   m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
-  m.def("seal_blocks", &seal_blocks, "quantize-on-seal of whole int4/int2 blocks into the pool (CPU)");
+  m.def("move_rows", &move_rows, "dst[dst_idx] = src[src_idx] row by row (CPU)");
+  m.def("seal_blocks", &seal_blocks, "quantize-on-seal of whole int4/int3/int2 blocks into the pool (CPU)");
+  m.def("unseal_blocks", &unseal_blocks, "dequantize whole int4/int3/int2 pool blocks (the inverse of seal_blocks, CPU)");
   m.def("gguf_matmul", &gguf_matmul, "x @ W.T with W as tiles of GGUF Q4_0/Q4_1/Q8_0 blocks, expanded in registers (CPU)");
   m.def("gguf_dequantize", &gguf_dequantize, "tiles of GGUF Q4_0/Q4_1/Q8_0 blocks to a dense float32 or bfloat16 matrix (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");

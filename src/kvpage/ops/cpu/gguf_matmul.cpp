@@ -229,24 +229,6 @@ void matmul_t(const uint8_t* tiles, int64_t N, int64_t K, const float* x, int64_
   });
 }
 
-// float32 rows -> bfloat16, round to nearest even (c10::BFloat16's rounding).
-void to_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef KVPAGE_GGUF_SIMD
-  // bits + 0x7fff + (bit 16), shifted down: nearest even; a NaN becomes a quiet NaN (the add could carry it to inf)
-  for (; i + 8 <= n; i += 8) {
-    const __m256 f = _mm256_loadu_ps(src + i);
-    const __m256i v = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(v, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    // 8 x 32-bit lanes -> 8 x 16 bits (values < 2^16, so the unsigned saturation of packus never bites)
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
-  }
-#endif
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
-}
 
 template <class F>
 void by_type(int64_t type, F&& f) {
@@ -302,7 +284,7 @@ at::Tensor gguf_dequantize(at::Tensor w, int64_t type, int64_t N, int64_t K, boo
           float* dst = bf16 ? row.data() : out.data_ptr<float>() + n * K;
           for (int64_t b = 0; b < nb; ++b)
             decode_row_block<T>(src + tt * tile_bytes + b * tile_block_bytes(T), j, dst + b * kBlock);
-          if (bf16) to_bf16(row.data(), out.data_ptr<c10::BFloat16>() + n * K, K);  // rounded while in cache
+          if (bf16) float_to_bf16(row.data(), reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + n * K, K);  // rounded while in cache
         }
       }
     });

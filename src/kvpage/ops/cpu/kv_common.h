@@ -145,12 +145,22 @@ inline void rows_to_float(int64_t enc, const void* src, float* dst, int64_t n) {
   else if (enc == BF16) decode_row<BF16>(p, 1.0f, dst, n);
   else decode_row<F16>(p, 1.0f, dst, n);
 }
+// float32 -> bfloat16 bits, round to nearest even as c10::BFloat16 (bits + 0x7fff + bit 16, shifted down; a NaN
+// becomes the quiet NaN 0x7fc0, which the add could otherwise carry to inf). One vectorised loop.
+inline void float_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, src + i, 4);
+    const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    dst[i] = static_cast<uint16_t>(std::isnan(src[i]) ? 0x7fc0u : r);
+  }
+}
 inline void float_to_rows(int64_t enc, const float* src, void* dst, int64_t n) {
   if (enc == F32) {
     std::memcpy(dst, src, n * 4);
   } else if (enc == BF16) {
-    c10::BFloat16* o = static_cast<c10::BFloat16*>(dst);
-    for (int64_t i = 0; i < n; ++i) o[i] = c10::BFloat16(src[i]);
+    float_to_bf16(src, static_cast<uint16_t*>(dst), n);
   } else {
     c10::Half* o = static_cast<c10::Half*>(dst);
     for (int64_t i = 0; i < n; ++i) o[i] = c10::Half(src[i]);

@@ -270,7 +270,7 @@ void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor
   TORCH_CHECK(key || (group > 0 && D % group == 0), "group must divide head_dim");
   TORCH_CHECK(scale.numel() == NB * (key ? Hkv * D : bs * Hkv * G) && zero.numel() == scale.numel(),
               "scale/zero do not match the pool");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == m, "ids must be int64 [m]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == m, "ids must be contiguous int64 [m]");
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NB, "block id ", id[i], " out of range");
   Search s{static_cast<int>(bits), static_cast<float>((1 << bits) - 1), max_error >= 0,
@@ -315,6 +315,94 @@ void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor
         }
       }
       for (int64_t t = 0; t < bs; ++t) pack_row(u.data() + t * D, D, s.bits, cp + ((blk * bs + t) * Hkv + h) * P, P);
+    }
+  });
+}
+
+// kivi.unpack of one packed row: code d of `bits` bits at bit bits * d of the little-endian bit stream, as float32.
+inline void unpack_codes(const uint8_t* c, int64_t D, int64_t bits, float* out) {
+  int64_t d = 0;
+  if (bits == 4) {
+#pragma omp simd
+    for (int64_t p = 0; p < D / 2; ++p) {
+      out[2 * p] = static_cast<float>(c[p] & 15);
+      out[2 * p + 1] = static_cast<float>(c[p] >> 4);
+    }
+    d = D / 2 * 2;
+  } else if (bits == 2) {
+#pragma omp simd
+    for (int64_t p = 0; p < D / 4; ++p) {
+      out[4 * p] = static_cast<float>(c[p] & 3);
+      out[4 * p + 1] = static_cast<float>((c[p] >> 2) & 3);
+      out[4 * p + 2] = static_cast<float>((c[p] >> 4) & 3);
+      out[4 * p + 3] = static_cast<float>(c[p] >> 6);
+    }
+    d = D / 4 * 4;
+  }
+  for (; d < D; ++d) {  // 3 bits, and the others' last codes: a code straddling two bytes reads both (in the row)
+    const int64_t bit = bits * d;
+    uint32_t v = static_cast<uint32_t>(c[bit >> 3]) >> (bit & 7);
+    if ((bit & 7) + bits > 8) v |= static_cast<uint32_t>(c[(bit >> 3) + 1]) << (8 - (bit & 7));
+    out[d] = static_cast<float>(v & ((1u << bits) - 1));
+  }
+}
+
+// The inverse of seal_blocks, as SealedFormat.unseal: pool blocks `ids` ([m] int64) dequantized into out
+// ([m, bs, Hkv, D] float32/bfloat16/float16, contiguous): x = (code + zero) * step in float32, then rounded to
+// out's dtype (round-half-even, as torch's .to). Arguments as seal_blocks'.
+void unseal_blocks(at::Tensor out, at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor ids, bool key,
+                   int64_t bits, int64_t group) {
+  TORCH_CHECK(bits == 2 || bits == 3 || bits == 4, "bits must be 2, 3 or 4");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 4, "out must be contiguous [m, bs, Hkv, D]");
+  const int64_t oenc = float_encoding(out.scalar_type());
+  const int64_t m = out.size(0), bs = out.size(1), Hkv = out.size(2), D = out.size(3);
+  const int64_t P = (D * bits + 7) / 8;
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(1) == bs &&
+                  codes.size(2) == Hkv && codes.size(3) >= P,
+              "codes must be contiguous uint8 [NB, bs, Hkv, P]");
+  const int64_t NB = codes.size(0), Pc = codes.size(3);
+  const int64_t G = key ? D : D / group;
+  TORCH_CHECK(key || (group > 0 && D % group == 0), "group must divide head_dim");
+  TORCH_CHECK(scale.is_contiguous() && zero.is_contiguous() && scale.scalar_type() == at::kByte &&
+                  zero.scalar_type() == at::kChar && scale.numel() == NB * (key ? Hkv * D : bs * Hkv * G) &&
+                  zero.numel() == scale.numel(),
+              "scale/zero do not match the pool");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == m, "ids must be contiguous int64 [m]");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NB, "block id ", id[i], " out of range");
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scale.data_ptr<uint8_t>();
+  const int8_t* zp = zero.data_ptr<int8_t>();
+  uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t osize = out.element_size();
+  const float* tab = ue5m3().v;
+  at::parallel_for(0, m * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D), st(D), off(D);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv, blk = id[b];
+      if (key) {  // one step and offset per channel, for the whole block
+        const int64_t meta = (blk * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          st[d] = tab[sp[meta + d]];
+          off[d] = static_cast<float>(zp[meta + d]);
+        }
+      }
+      for (int64_t t = 0; t < bs; ++t) {
+        unpack_codes(cp + ((blk * bs + t) * Hkv + h) * Pc, D, bits, row.data());
+        if (key) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) row[d] = (row[d] + off[d]) * st[d];
+        } else {  // one step and offset per group of this token's channels
+          const int64_t meta = ((blk * bs + t) * Hkv + h) * G;
+          for (int64_t j = 0; j < G; ++j) {
+            const float sj = tab[sp[meta + j]], oj = static_cast<float>(zp[meta + j]);
+            float* r = row.data() + j * group;
+#pragma omp simd
+            for (int64_t i = 0; i < group; ++i) r[i] = (r[i] + oj) * sj;
+          }
+        }
+        float_to_rows(oenc, row.data(), op + ((b * bs + t) * Hkv + h) * D * osize, D);
+      }
     }
   });
 }

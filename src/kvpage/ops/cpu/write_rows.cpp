@@ -1,6 +1,9 @@
-// kvpage CPU kernels: the fused write of new K or V rows of the token-wise formats into their slots.
+// kvpage CPU kernels: the fused write of new K or V rows of the token-wise formats into their slots, and plain
+// row moves (the tail and seal-batch gathers of the quantize-on-seal formats).
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
+
+#include <cstring>
 
 #include "kv_common.h"
 
@@ -79,3 +82,27 @@ void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x,
   });
 }
 
+
+// Row moves: dst[dst_idx[i]] = src[src_idx[i]] for each i, a row being everything after dim 0 (both tensors
+// contiguous, one dtype, rows of one size). dst_idx must name distinct rows (as index_copy_ wants).
+void move_rows(at::Tensor dst, at::Tensor dst_idx, at::Tensor src, at::Tensor src_idx) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.dim() >= 1 && src.dim() >= 1,
+              "dst and src must be contiguous");
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst and src must share a dtype");
+  TORCH_CHECK(dst_idx.scalar_type() == at::kLong && src_idx.scalar_type() == at::kLong && dst_idx.is_contiguous() &&
+                  src_idx.is_contiguous() && dst_idx.numel() == src_idx.numel(),
+              "dst_idx and src_idx must be contiguous int64 of one length");
+  const int64_t R = dst.size(0), S = src.size(0);
+  const int64_t row = R ? dst.numel() / R * dst.element_size() : 0;
+  TORCH_CHECK(S == 0 || src.numel() / S * src.element_size() == row, "dst and src rows differ in size");
+  const int64_t n = dst_idx.numel();
+  const int64_t* di = dst_idx.data_ptr<int64_t>();
+  const int64_t* si = src_idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(di[i] >= 0 && di[i] < R && si[i] >= 0 && si[i] < S, "row index out of range");
+  uint8_t* d = static_cast<uint8_t*>(dst.data_ptr());
+  const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(d + di[i] * row, s + si[i] * row, row);
+  });
+}
