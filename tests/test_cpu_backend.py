@@ -375,9 +375,9 @@ def test_prefill_from_a_block_boundary_splits_own_blocks_and_matches(fmt: str, d
     real = cpu_module._block_split_attention
 
     def counted(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_keys: torch.Tensor,
-                own_values: torch.Tensor, start: int, block_size: int, scale: float) -> torch.Tensor:
+                own_values: torch.Tensor, start: int, block_size: int, scale: float, kernels) -> torch.Tensor:
         calls.append(q.shape[0])
-        return real(q, keys, values, own_keys, own_values, start, block_size, scale)
+        return real(q, keys, values, own_keys, own_values, start, block_size, scale, kernels)
 
     monkeypatch.setattr(cpu_module, "_block_split_attention", counted)
     for window in (0, 1):

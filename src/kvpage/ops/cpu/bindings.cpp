@@ -34,6 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Te
                                                           at::Tensor positions, int64_t H, int64_t Hkv);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor hadamard_rows(at::Tensor x);
+void merge_attention(at::Tensor out, at::Tensor oa, at::Tensor la, at::Tensor ob, at::Tensor lb, int64_t skip);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over token-wise format blocks (CPU)");
@@ -49,5 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("rope_split", &rope_split, "RoPE on q/k of a fused qkv projection, split into q, k, v (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection (CPU)");
+  m.def("merge_attention", &merge_attention,
+        "the log-sum-exp merge of two attentions of the same queries over disjoint keys (CPU)");
   m.def("hadamard_rows", &hadamard_rows, "x @ R (block Hadamard) of float32 rows by row-independent butterflies (CPU)");
 }

@@ -1,5 +1,6 @@
 // kvpage CPU kernels: the small per-layer ops of a Llama-family decoder, fused so that a layer is a few
-// calls instead of ~35 (each torch op costs microseconds of dispatch at decode batch sizes).
+// calls instead of ~35 (each torch op costs microseconds of dispatch at decode batch sizes), and the
+// log-sum-exp merge of two partial attentions.
 //
 // Each op keeps torch's rounding points for the model dtype T (float32, bfloat16 or float16): a value is
 // rounded to T wherever the unfused PyTorch expression materializes a T tensor, so results differ from
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 #include "kv_common.h"
 
@@ -282,4 +284,45 @@ at::Tensor hadamard_rows(at::Tensor x) {
     at::parallel_for(0, rows, 64, body);
   }
   return out;
+}
+
+// The flash-decoding merge of two attentions of the same queries over disjoint key sets, each with its
+// log-sum-exp: out = (wa * oa + wb * ob) / (wa + wb), wa = exp(la - m), wb = exp(lb - m), m = max(la, lb), in
+// float32 (torch's expression, rounded at its points), stored in out's dtype. a: oa [n, H, Dv] (flash's
+// [1, H, n, Dv] output of [n, H, D] queries, transposed), la [n, H] float32, its first `skip` rows read no key
+// (their la taken as -inf). b: the
+// queries as nb blocks of bs rows (flash's batched output): ob [nb, H, bs, Dv], lb [nb * bs, H] float32, row p
+// at block p / bs, row p % bs (rows from n on are padding, never read). out [n, H, Dv]. All contiguous.
+void merge_attention(at::Tensor out, at::Tensor oa, at::Tensor la, at::Tensor ob, at::Tensor lb, int64_t skip) {
+  TORCH_CHECK(out.is_contiguous() && oa.is_contiguous() && ob.is_contiguous() && la.is_contiguous() &&
+                  lb.is_contiguous() && out.dim() == 3 && oa.dim() == 3 && ob.dim() == 4,
+              "merge_attention: out and oa [n, H, Dv] and ob [nb, H, bs, Dv] must be contiguous");
+  TORCH_CHECK(la.scalar_type() == at::kFloat && lb.scalar_type() == at::kFloat, "la and lb must be float32");
+  const int64_t n = out.size(0), H = out.size(1), Dv = out.size(2), nb = ob.size(0), bs = ob.size(2);
+  TORCH_CHECK(oa.size(0) == n && oa.size(1) == H && oa.size(2) == Dv && la.numel() == n * H,
+              "oa / la do not match out");
+  TORCH_CHECK(ob.size(1) == H && ob.size(3) == Dv && nb * bs >= n && lb.numel() == nb * H * bs,
+              "ob / lb do not match out");
+  const int64_t eo = kvpage_cpu::float_encoding(out.scalar_type()), ea = kvpage_cpu::float_encoding(oa.scalar_type()),
+                eb = kvpage_cpu::float_encoding(ob.scalar_type());
+  const uint8_t* pa = static_cast<const uint8_t*>(oa.data_ptr());
+  const uint8_t* pb = static_cast<const uint8_t*>(ob.data_ptr());
+  uint8_t* po = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t sa = oa.element_size(), sb = ob.element_size(), so = out.element_size();
+  const float* lap = la.data_ptr<float>();
+  const float* lbp = lb.data_ptr<float>();
+  at::parallel_for(0, n * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xa(Dv), xb(Dv), y(Dv);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t p = w / H, h = w % H;
+      const int64_t rb = ((p / bs) * H + h) * bs + p % bs;  // row of b
+      const float a = p < skip ? -std::numeric_limits<float>::infinity() : lap[w], b = lbp[w];
+      const float m = a > b || std::isnan(a) ? a : b;  // torch.maximum (NaN propagates)
+      const float wa = std::exp(a - m), wb = std::exp(b - m), den = wa + wb;
+      kvpage_cpu::rows_to_float(ea, pa + w * Dv * sa, xa.data(), Dv);
+      kvpage_cpu::rows_to_float(eb, pb + rb * Dv * sb, xb.data(), Dv);
+      for (int64_t d = 0; d < Dv; ++d) y[d] = (wa * xa[d] + wb * xb[d]) / den;
+      kvpage_cpu::float_to_rows(eo, y.data(), po + (p * H + h) * Dv * so, Dv);
+    }
+  });
 }
