@@ -41,8 +41,7 @@ void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x,
       if (enc == F32) {
         std::memcpy(dst, src, D * 4);
       } else if (enc == BF16) {
-        c10::BFloat16* o = reinterpret_cast<c10::BFloat16*>(dst);
-        for (int64_t d = 0; d < D; ++d) o[d] = c10::BFloat16(src[d]);
+        float_to_bf16(src, reinterpret_cast<uint16_t*>(dst), D);
       } else if (enc == F16) {
         c10::Half* o = reinterpret_cast<c10::Half*>(dst);
         for (int64_t d = 0; d < D; ++d) o[d] = c10::Half(src[d]);
@@ -50,13 +49,14 @@ void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x,
         // rows are clamped to qmax * 65504 first (an inf saturates), as PerTokenFormat.to_stored_basis does
         const float limit = fq * 65504.0f;
         float row[512];
-        for (int64_t d = 0; d < D; ++d) row[d] = src[d] > limit ? limit : (src[d] < -limit ? -limit : src[d]);
         float amax = 0.0f;
-        bool nan = false;
+        int32_t nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
         for (int64_t d = 0; d < D; ++d) {
+          row[d] = src[d] > limit ? limit : (src[d] < -limit ? -limit : src[d]);
           const float a = std::fabs(row[d]);
-          nan |= std::isnan(a);
-          amax = a > amax ? a : amax;
+          nan |= std::isnan(a) ? 1 : 0;
+          amax = a > amax ? a : amax;  // a NaN is never greater: it only sets the flag
         }
         float s = amax / fq;
         s = nan ? std::numeric_limits<float>::quiet_NaN() : (s < 6.103515625e-05f ? 6.103515625e-05f : s);
@@ -64,11 +64,15 @@ void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x,
         if (sc) sc[drow] = s16;
         const float sf = static_cast<float>(s16);
         if (enc == I8) {
+          int32_t code[512];  // via int32 so the lanes convert, then narrow, as vectors
+#pragma omp simd
           for (int64_t d = 0; d < D; ++d) {
             float y = std::nearbyint(row[d] / sf);
             y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
-            dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::isnan(y) ? 0.0f : y));
+            code[d] = std::isnan(y) ? 0 : static_cast<int32_t>(y);
           }
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<uint8_t>(static_cast<int8_t>(code[d]));
         } else {
           for (int64_t d = 0; d < D; ++d) {
             float y = row[d] / sf;
