@@ -165,3 +165,35 @@ def test_kernel_row_moves_equal_index_copy(dtype: torch.dtype) -> None:
     with pytest.raises(RuntimeError, match="out of range"):
         _writer().move_rows(got, torch.tensor([12]), src, torch.tensor([0]))
     assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("fmt_name", ["int4", "int3", "int2"])
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_steps_on_ue5m3_boundaries_code_as_the_format(fmt_name: str, kind: str) -> None:
+    """Groups whose min/max step sits on a UE5M3 code, just above one (rounded up a code) and just above 1.875 *
+    2^k (the mantissa carries into the next exponent), over the whole exponent range and past both clamps: the
+    kernel's branch-free step encoding (from the float's bits) writes the format's bytes."""
+    fmt = get_format(fmt_name)
+    qmax = 2**fmt.bits - 1
+    spans = []
+    for k in range(-18, 17):
+        for mant in (1.0, 1.125, 1.875):
+            base = mant * 2.0**k
+            spans += [base, base * (1 + 2**-20), base * (1 - 2**-20)]
+    span = torch.tensor(spans, dtype=torch.float64)                               # [S] min/max steps
+    n = span.numel()
+    if kind == "key":   # channel c spans [0, span * qmax] over the block's 32 tokens
+        x = torch.linspace(0, 1, 32, dtype=torch.float64)[:, None] * (span * qmax)[None, :]
+        x = x[:, None, :].expand(32, 1, n)
+        blocks = torch.nn.functional.pad(x, (0, -n % 64)).unflatten(-1, (-1, 64)).permute(2, 0, 1, 3)
+    else:               # token t of head h spans [0, span * qmax] over its 64 channels
+        x = torch.linspace(0, 1, 64, dtype=torch.float64)[None, :] * (span * qmax)[:, None]
+        blocks = torch.nn.functional.pad(x, (0, 0, 0, -n % 32)).view(-1, 32, 1, 64)
+    blocks = blocks.float().contiguous()
+    m = blocks.shape[0]
+    ref, got = _pools(fmt_name, kind, blocks.shape[1], 1, 64, m)
+    ids = torch.arange(m)
+    REFERENCE_CODEC.write_blocks(ref, fmt, kind, blocks, ids)
+    _writer().write_blocks(got, fmt, kind, blocks, ids)
+    for name in ref:
+        assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), name
