@@ -197,3 +197,16 @@ def test_steps_on_ue5m3_boundaries_code_as_the_format(fmt_name: str, kind: str) 
     _writer().write_blocks(got, fmt, kind, blocks, ids)
     for name in ref:
         assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), name
+
+
+def test_kernel_codec_takes_any_index_tensor_the_reference_takes() -> None:
+    """A strided or int32 index (what a caller may hand over) is served by the reference path, with its results."""
+    fmt = get_format("int4")
+    pool, _ = _pools("int4", "key", 16, 2, 64, 8)
+    ids = torch.tensor([5, 0, 3, 1, 6, 2])[::2]                                    # strided: 5, 3, 6
+    for index in (ids, ids.to(torch.int32)):
+        want = REFERENCE_CODEC.read_blocks(pool, fmt, "key", index.long().contiguous(), torch.float32, 64)
+        assert torch.equal(_writer().read_blocks(pool, fmt, "key", index, torch.float32, 64), want)
+    src, dst = torch.arange(14.0).view(7, 2), torch.zeros(4, 2)
+    _writer().move_rows(dst, torch.tensor([3, 9, 1, 9, 0])[::2], src, ids)   # dst rows 3, 1, 0 <- src 5, 3, 6
+    assert dst.tolist() == [[12.0, 13.0], [6.0, 7.0], [0.0, 0.0], [10.0, 11.0]]

@@ -203,6 +203,11 @@ def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return out
 
 
+def _plain_index(idx: torch.Tensor) -> bool:
+    """Whether ``idx`` is what the kernels take as an index: contiguous int64 on the CPU."""
+    return idx.dtype == torch.int64 and idx.is_contiguous() and idx.device.type == "cpu"
+
+
 class KernelSealCodec(SealCodec):
     """Sealed blocks, first-block copies and row moves through the C++ kernels (``seal_blocks``,
     ``unseal_blocks``, ``write_rows``, ``move_rows``).
@@ -218,7 +223,7 @@ class KernelSealCodec(SealCodec):
     def move_rows(self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
         """See :meth:`SealCodec.move_rows`: one ``memcpy`` a row."""
         if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
-                and dst.device.type == src.device.type == "cpu"):
+                and dst.device.type == src.device.type == "cpu" and _plain_index(dst_idx) and _plain_index(src_idx)):
             super().move_rows(dst, dst_idx, src, src_idx)
             return
         self.kernels.move_rows(dst, dst_idx, src, src_idx)
@@ -236,7 +241,7 @@ class KernelSealCodec(SealCodec):
                      ids: torch.Tensor) -> None:
         """See :meth:`SealCodec.write_blocks`: the int4/int3/int2 step search, codes and pool write in one call."""
         names = self._kernel_names(cache, fmt, kind)
-        if not names or blocks.dtype not in _FLOAT_ENC:
+        if not names or blocks.dtype not in _FLOAT_ENC or not _plain_index(ids):
             super().write_blocks(cache, fmt, kind, blocks, ids)
             return
         assert isinstance(fmt, SealedFormat)
@@ -249,7 +254,7 @@ class KernelSealCodec(SealCodec):
                     dtype: torch.dtype, head_dim: int) -> torch.Tensor:
         """See :meth:`SealCodec.read_blocks`: unpack, offset and step in one pass over the blocks."""
         names = self._kernel_names(cache, fmt, kind)
-        if not names or dtype not in _FLOAT_ENC:
+        if not names or dtype not in _FLOAT_ENC or not _plain_index(ids):
             return super().read_blocks(cache, fmt, kind, ids, dtype, head_dim)
         assert isinstance(fmt, SealedFormat)
         codes = cache[names[0]]
