@@ -290,9 +290,9 @@ at::Tensor hadamard_rows(at::Tensor x) {
 // log-sum-exp: out = (wa * oa + wb * ob) / (wa + wb), wa = exp(la - m), wb = exp(lb - m), m = max(la, lb), in
 // float32 (torch's expression, rounded at its points), stored in out's dtype. a: oa [n, H, Dv] (flash's
 // [1, H, n, Dv] output of [n, H, D] queries, transposed), la [n, H] float32, its first `skip` rows read no key
-// (their la taken as -inf). b: the
-// queries as nb blocks of bs rows (flash's batched output): ob [nb, H, bs, Dv], lb [nb * bs, H] float32, row p
-// at block p / bs, row p % bs (rows from n on are padding, never read). out [n, H, Dv]. All contiguous.
+// (their la taken as -inf). b: the queries as nb blocks of bs rows (flash's batched output): ob [nb, H, bs, Dv],
+// lb [nb * bs, H] float32, row p at block p / bs, row p % bs (rows from n on are padding, never read).
+// out [n, H, Dv]. All contiguous.
 void merge_attention(at::Tensor out, at::Tensor oa, at::Tensor la, at::Tensor ob, at::Tensor lb, int64_t skip) {
   TORCH_CHECK(out.is_contiguous() && oa.is_contiguous() && ob.is_contiguous() && la.is_contiguous() &&
                   lb.is_contiguous() && out.dim() == 3 && oa.dim() == 3 && ob.dim() == 4,

@@ -284,7 +284,8 @@ at::Tensor gguf_dequantize(at::Tensor w, int64_t type, int64_t N, int64_t K, boo
           float* dst = bf16 ? row.data() : out.data_ptr<float>() + n * K;
           for (int64_t b = 0; b < nb; ++b)
             decode_row_block<T>(src + tt * tile_bytes + b * tile_block_bytes(T), j, dst + b * kBlock);
-          if (bf16) float_to_bf16(row.data(), reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + n * K, K);  // rounded while in cache
+          if (bf16)  // rounded while in cache
+            float_to_bf16(row.data(), reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + n * K, K);
         }
       }
     });

@@ -145,13 +145,17 @@ inline void rows_to_float(int64_t enc, const void* src, float* dst, int64_t n) {
   else if (enc == BF16) decode_row<BF16>(p, 1.0f, dst, n);
   else decode_row<F16>(p, 1.0f, dst, n);
 }
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 // float32 -> bfloat16 bits, round to nearest even as c10::BFloat16 (bits + 0x7fff + bit 16, shifted down; a NaN
 // becomes the quiet NaN 0x7fc0, which the add could otherwise carry to inf). One vectorised loop.
 inline void float_to_bf16(const float* src, uint16_t* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    uint32_t b;
-    std::memcpy(&b, src + i, 4);
+    const uint32_t b = bits_of(src[i]);
     const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
     dst[i] = static_cast<uint16_t>(std::isnan(src[i]) ? 0x7fc0u : r);
   }
@@ -164,6 +168,49 @@ inline void float_to_rows(int64_t enc, const float* src, void* dst, int64_t n) {
   } else {
     c10::Half* o = static_cast<c10::Half*>(dst);
     for (int64_t i = 0; i < n; ++i) o[i] = c10::Half(src[i]);
+  }
+}
+// kivi.unpack of one packed row of the quantize-on-seal formats, as float32: code c of BITS bits at bit BITS * c of
+// the row's little-endian bit stream (int4 two a byte, int2 four, int3 eight per three bytes). DC > 0 fixes the
+// row's D at compile time; no byte past the row's ceil(D * BITS / 8) is read.
+template <int BITS, int DC = 0>
+inline void unpack_codes(const uint8_t* row, int64_t Drt, float* codes) {
+  const int64_t D = DC ? DC : Drt;
+  if constexpr (BITS == 4) {
+#pragma omp simd
+    for (int64_t p = 0; p < D / 2; ++p) {
+      codes[2 * p] = static_cast<float>(row[p] & 15);
+      codes[2 * p + 1] = static_cast<float>(row[p] >> 4);
+    }
+    if (D & 1) codes[D - 1] = static_cast<float>(row[(D - 1) >> 1] & 15);
+  } else if constexpr (BITS == 3) {
+    // eight codes per three bytes: code 8p + i at bit 3i of the 24-bit little-endian word of bytes 3p .. 3p+2
+    for (int64_t p = 0; p < D / 8; ++p) {
+      const uint8_t* b = row + 3 * p;
+      const uint32_t w = static_cast<uint32_t>(b[0]) | (static_cast<uint32_t>(b[1]) << 8) |
+                         (static_cast<uint32_t>(b[2]) << 16);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) codes[8 * p + i] = static_cast<float>((w >> (3 * i)) & 7);
+    }
+    // the last D % 8 codes: a code whose bits straddle two bytes reads the next one, which the row holds
+    // (bit 3c + 2 < 3D <= 8P); no byte past the row end is read
+    for (int64_t c = D / 8 * 8; c < D; ++c) {
+      const int64_t bit = 3 * c;
+      const int sh = static_cast<int>(bit & 7);
+      uint32_t v = static_cast<uint32_t>(row[bit >> 3]) >> sh;
+      if (sh > 5) v |= static_cast<uint32_t>(row[(bit >> 3) + 1]) << (8 - sh);
+      codes[c] = static_cast<float>(v & 7);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t p = 0; p < D / 4; ++p) {
+      const uint8_t b = row[p];
+      codes[4 * p] = static_cast<float>(b & 3);
+      codes[4 * p + 1] = static_cast<float>((b >> 2) & 3);
+      codes[4 * p + 2] = static_cast<float>((b >> 4) & 3);
+      codes[4 * p + 3] = static_cast<float>(b >> 6);
+    }
+    for (int64_t c = D / 4 * 4; c < D; ++c) codes[c] = static_cast<float>((row[c >> 2] >> (2 * (c & 3))) & 3);
   }
 }
 inline int64_t float_encoding(at::ScalarType t) {

@@ -186,52 +186,10 @@ struct SealedSource {
 
   static constexpr bool kInt8Codes = false;  // (TokenSource<I8>'s int8_rows path)
 
-
-  template <int DC>
-  static inline void unpack_row(const uint8_t* row, int64_t Drt, float* codes) {
-    const int64_t D = DC ? DC : Drt;
-    if constexpr (BITS == 4) {
-#pragma omp simd
-      for (int64_t p = 0; p < D / 2; ++p) {
-        codes[2 * p] = static_cast<float>(row[p] & 15);
-        codes[2 * p + 1] = static_cast<float>(row[p] >> 4);
-      }
-      if (D & 1) codes[D - 1] = static_cast<float>(row[(D - 1) >> 1] & 15);
-    } else if constexpr (BITS == 3) {
-      // eight codes per three bytes: code 8p + i at bit 3i of the 24-bit little-endian word of bytes 3p .. 3p+2
-      for (int64_t p = 0; p < D / 8; ++p) {
-        const uint8_t* b = row + 3 * p;
-        const uint32_t w = static_cast<uint32_t>(b[0]) | (static_cast<uint32_t>(b[1]) << 8) |
-                           (static_cast<uint32_t>(b[2]) << 16);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) codes[8 * p + i] = static_cast<float>((w >> (3 * i)) & 7);
-      }
-      // the last D % 8 codes: a code whose bits straddle two bytes reads the next one, which the row holds
-      // (bit 3c + 2 < 3D <= 8P); no byte past the row end is read
-      for (int64_t c = D / 8 * 8; c < D; ++c) {
-        const int64_t bit = 3 * c;
-        const int sh = static_cast<int>(bit & 7);
-        uint32_t v = static_cast<uint32_t>(row[bit >> 3]) >> sh;
-        if (sh > 5) v |= static_cast<uint32_t>(row[(bit >> 3) + 1]) << (8 - sh);
-        codes[c] = static_cast<float>(v & 7);
-      }
-    } else {
-#pragma omp simd
-      for (int64_t p = 0; p < D / 4; ++p) {
-        const uint8_t b = row[p];
-        codes[4 * p] = static_cast<float>(b & 3);
-        codes[4 * p + 1] = static_cast<float>((b >> 2) & 3);
-        codes[4 * p + 2] = static_cast<float>((b >> 4) & 3);
-        codes[4 * p + 3] = static_cast<float>(b >> 6);
-      }
-      for (int64_t c = D / 4 * 4; c < D; ++c) codes[c] = static_cast<float>((row[c >> 2] >> (2 * (c & 3))) & 3);
-    }
-  }
-
 #ifdef KVPAGE_SIMD
   // Codes c .. c+7 of a packed row (c % 8 == 0) as float32: the 4 (8 x 4 bits), 3 (8 x 3 bits) or 2 (8 x 2 bits)
   // bytes that hold them broadcast to eight lanes and shifted right by each lane's bit offset (code i sits at bit BITS * i of the
-  // little-endian word, as unpack_row reads it).
+  // little-endian word, as unpack_codes reads it).
   static inline __m256 codes8(const uint8_t* row, int64_t c) {
     if constexpr (BITS == 4) {
       uint32_t w;
@@ -380,7 +338,7 @@ struct SealedSource {
     for (int64_t i = 0; i < nt * Hkv; ++i) {
       const int64_t row = first + i, h = i % Hkv;
       float* kr = kb + i * D;
-      unpack_row<DC>(key + row * P, D, kr);
+      unpack_codes<BITS, DC>(key + row * P, D, kr);
       if (fits) {
         const float* s = ks + h * D;
         const float* z = kz + h * D;
@@ -396,7 +354,7 @@ struct SealedSource {
       if (!has_value) continue;
       // values: one step and zero point per (token, kv head, group of gs channels)
       float* vr = vb + i * D;
-      unpack_row<DC>(value + row * P, D, vr);
+      unpack_codes<BITS, DC>(value + row * P, D, vr);
       for (int64_t g = 0; g < Gv; ++g) {
         const float s = lut[value_scale[row * Gv + g]];
         const float z = s * static_cast<float>(value_zero[row * Gv + g]);

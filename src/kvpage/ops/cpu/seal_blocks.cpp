@@ -32,12 +32,6 @@ constexpr int kMaxCandidates = 64;
 // operation across kLanes groups (keys: a block's channels; values: its tokens' channel groups, transposed).
 constexpr int kLanes = 16;
 
-inline uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
 // kivi.encode_scale: float32 step -> UE5M3 byte, rounded up, clamped to [2^-16, 61440] (NaN -> 61440). Branch-free
 // (it runs in vector lanes): a clamped step is a normal float, so its frexp exponent minus one is the IEEE exponent
 // E and (mantissa * 2 - 1) * 8 is its 23 fraction bits / 2^20, whose ceiling is (bits + 2^20 - 1) >> 20.
@@ -270,7 +264,8 @@ void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor
   TORCH_CHECK(key || (group > 0 && D % group == 0), "group must divide head_dim");
   TORCH_CHECK(scale.numel() == NB * (key ? Hkv * D : bs * Hkv * G) && zero.numel() == scale.numel(),
               "scale/zero do not match the pool");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == m, "ids must be contiguous int64 [m]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == m,
+              "ids must be contiguous int64 [m]");
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NB, "block id ", id[i], " out of range");
   Search s{static_cast<int>(bits), static_cast<float>((1 << bits) - 1), max_error >= 0,
@@ -319,34 +314,6 @@ void seal_blocks(at::Tensor codes, at::Tensor scale, at::Tensor zero, at::Tensor
   });
 }
 
-// kivi.unpack of one packed row: code d of `bits` bits at bit bits * d of the little-endian bit stream, as float32.
-inline void unpack_codes(const uint8_t* c, int64_t D, int64_t bits, float* out) {
-  int64_t d = 0;
-  if (bits == 4) {
-#pragma omp simd
-    for (int64_t p = 0; p < D / 2; ++p) {
-      out[2 * p] = static_cast<float>(c[p] & 15);
-      out[2 * p + 1] = static_cast<float>(c[p] >> 4);
-    }
-    d = D / 2 * 2;
-  } else if (bits == 2) {
-#pragma omp simd
-    for (int64_t p = 0; p < D / 4; ++p) {
-      out[4 * p] = static_cast<float>(c[p] & 3);
-      out[4 * p + 1] = static_cast<float>((c[p] >> 2) & 3);
-      out[4 * p + 2] = static_cast<float>((c[p] >> 4) & 3);
-      out[4 * p + 3] = static_cast<float>(c[p] >> 6);
-    }
-    d = D / 4 * 4;
-  }
-  for (; d < D; ++d) {  // 3 bits, and the others' last codes: a code straddling two bytes reads both (in the row)
-    const int64_t bit = bits * d;
-    uint32_t v = static_cast<uint32_t>(c[bit >> 3]) >> (bit & 7);
-    if ((bit & 7) + bits > 8) v |= static_cast<uint32_t>(c[(bit >> 3) + 1]) << (8 - (bit & 7));
-    out[d] = static_cast<float>(v & ((1u << bits) - 1));
-  }
-}
-
 // The inverse of seal_blocks, as SealedFormat.unseal: pool blocks `ids` ([m] int64) dequantized into out
 // ([m, bs, Hkv, D] float32/bfloat16/float16, contiguous): x = (code + zero) * step in float32, then rounded to
 // out's dtype (round-half-even, as torch's .to). Arguments as seal_blocks'.
@@ -367,7 +334,8 @@ void unseal_blocks(at::Tensor out, at::Tensor codes, at::Tensor scale, at::Tenso
                   zero.scalar_type() == at::kChar && scale.numel() == NB * (key ? Hkv * D : bs * Hkv * G) &&
                   zero.numel() == scale.numel(),
               "scale/zero do not match the pool");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == m, "ids must be contiguous int64 [m]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == m,
+              "ids must be contiguous int64 [m]");
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NB, "block id ", id[i], " out of range");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -388,7 +356,10 @@ void unseal_blocks(at::Tensor out, at::Tensor codes, at::Tensor scale, at::Tenso
         }
       }
       for (int64_t t = 0; t < bs; ++t) {
-        unpack_codes(cp + ((blk * bs + t) * Hkv + h) * Pc, D, bits, row.data());
+        const uint8_t* c = cp + ((blk * bs + t) * Hkv + h) * Pc;
+        if (bits == 4) unpack_codes<4>(c, D, row.data());
+        else if (bits == 3) unpack_codes<3>(c, D, row.data());
+        else unpack_codes<2>(c, D, row.data());
         if (key) {
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) row[d] = (row[d] + off[d]) * st[d];
