@@ -177,12 +177,15 @@ def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     own_lse = lb.transpose(1, 2).reshape(nb * block_size, h).contiguous()             # [nb*bs, H]
     ob = ob.contiguous()
     # earlier blocks: each query reads the stored blocks before its own, a segment of query blocks at a time so
-    # that a segment's keys end where its last block starts (the masked-out share falls from ~1/2 to ~1/(2k))
+    # that a segment's keys end where its last block starts (the masked-out share falls from ~1/2 to ~1/(2k)).
+    # GQA: a kv head's g query heads are g rows each of one attention over that kv head's keys (rows in
+    # (token, head) order), so the keys are read as stored, never repeated per query head.
     a0 = start // block_size
+    hkv = keys.shape[1]
     out = torch.empty((n, h, ob.shape[-1]), dtype=q.dtype, device=q.device)
-    qs = q.transpose(0, 1).unsqueeze(0)                                               # [1, H, n, D] (view)
+    qs = q.reshape(n, hkv, g, -1).permute(1, 0, 2, 3).reshape(1, hkv, n * g, -1)      # [1, Hkv, n*g, D]
     s_before = start + (nb - 1) * block_size                                          # keys before the last block
-    kq, vq = (t[:s_before].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0) for t in (keys, values))
+    kq, vq = (t[:s_before].transpose(0, 1).unsqueeze(0) for t in (keys, values))      # [1, Hkv, s', D] (views)
     seg = max(1, _SEGMENT_ROWS // block_size)                                         # query blocks a segment
     for j0 in range(0, nb, seg):
         j1 = min(nb, j0 + seg)
@@ -195,11 +198,14 @@ def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         kblk = torch.arange(s_seg, device=q.device) // block_size                     # [s_seg]
         mask = torch.zeros((r1 - r0, s_seg), dtype=q.dtype, device=q.device)
         mask.masked_fill_(kblk[None, :] >= qblk[:, None], float("-inf"))
-        oa, la = _FLASH_WITH_LSE(qs[:, :, r0:r1], kq[:, :, :s_seg], vq[:, :, :s_seg], attn_mask=mask,
-                                 scale=scale)[:2]
+        oa, la = _FLASH_WITH_LSE(qs[:, :, r0 * g:r1 * g], kq[:, :, :s_seg], vq[:, :, :s_seg],
+                                 attn_mask=mask.repeat_interleave(g, 0), scale=scale)[:2]
+        rows = r1 - r0
+        oa = oa[0].view(hkv, rows, g, -1).permute(1, 0, 2, 3).reshape(rows, h, -1)    # [rows, H, Dv]
+        la = la[0].view(hkv, rows, g).permute(1, 0, 2).reshape(rows, h)               # [rows, H]
         # the first block's queries read no earlier block when the pass starts at 0 (the op leaves them at 0)
-        kernels.merge_attention(out[r0:r1], oa[0].transpose(0, 1).contiguous(), la[0].transpose(0, 1).contiguous(),
-                                ob[j0:j1], own_lse[r0:j1 * block_size], block_size if a0 == 0 and j0 == 0 else 0)
+        kernels.merge_attention(out[r0:r1], oa, la, ob[j0:j1], own_lse[r0:j1 * block_size],
+                                block_size if a0 == 0 and j0 == 0 else 0)
     return out
 
 
