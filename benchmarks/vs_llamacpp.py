@@ -3,7 +3,7 @@
 Usage (kvpage's python runs this; it starts itself as the llama.cpp worker in llama.cpp's venv)::
 
     nice .venv/bin/python benchmarks/vs_llamacpp.py [--tokens 1024] [--text /usr/share/common-licenses/GPL-3]
-        [--cache-types f16,q8_0,q5_1,q4_0,q4_1,iq4_nl,q8_0/q4_0] [--formats auto,int8,fp8,int4,int2]
+        [--cache-types f16,q8_0,q8_0-norot,q4_0,q4_0-norot,...] [--formats auto,int8,int8_rotated,int4,...]
         [--out benchmarks/vs_llamacpp/results.json] [--skip-kvpage] [--llamacpp-python PATH]
 
 llama.cpp lives in a virtual environment of its own, never in kvpage's dependencies. When
@@ -27,6 +27,11 @@ Protocol, the same as ``kvpage eval`` in decode mode:
   tells how far the two engines' baselines are apart (not 0: llama.cpp multiplies by the Q4_1 weights
   with 8-bit-quantized activations, kvpage by the dequantized float32 weights; different kernels too).
 
+llama.cpp rotates Q, K and V by a Hadamard matrix before a quantized cache by default (its PR 21038, 2026),
+as kvpage's ``_rotated`` formats do; a cache type ending in ``-norot`` runs with that rotation off
+(``LLAMA_ATTN_ROT_DISABLE=1``), and the results say whether the build has the switch at all
+(``rotation_in_build``: its library names the variable).
+
 Effective bits of a llama.cpp cache type are the GGML block format's bits per value (:data:`GGML_BITS`:
 e.g. ``q8_0`` = 34 bytes per 32 values = 8.5); K and V of different types: their mean. kvpage's are what
 ``evaluate_formats`` reports (everything kept counted).
@@ -47,8 +52,13 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_LLAMACPP = "/work/peers/llamacpp/bin/python"
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 DEFAULT_OUT = HERE / "vs_llamacpp" / "results.json"
-DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q5_1", "q4_0", "q4_1", "iq4_nl", "q8_0/q4_0")
-DEFAULT_FORMATS = ("auto", "int8", "fp8", "int4", "int2")
+DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q8_0-norot", "q5_1", "q4_0", "q4_0-norot", "q4_1", "iq4_nl", "iq4_nl-norot",
+                       "q8_0/q4_0")
+DEFAULT_FORMATS = ("auto", "int8", "int8_rotated", "fp8", "int4", "int4_rotated", "int3", "int3_rotated", "int2",
+                   "int2_rotated")
+#: Suffix of a cache type run with llama.cpp's Hadamard rotation of Q/K/V off (``LLAMA_ATTN_ROT_DISABLE=1``; the
+#: rotation of its PR 21038 is on by default for quantized caches in builds that have it).
+NO_ROTATION = "-norot"
 #: Bits per value of GGML's block formats: block bytes * 8 / values per block.
 GGML_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q5_0": 5.5, "q5_1": 6.0, "q4_0": 4.5,
              "q4_1": 5.0, "iq4_nl": 4.5}
@@ -65,10 +75,12 @@ INSTALL_COMMAND = (f"python3 -m venv {{venv}} && {{venv}}/bin/pip install -q --u
 def cache_kv_types(spec: str) -> tuple[str, str]:
     """``(K type, V type)`` of a cache spec: ``"q4_0"`` -> both ``q4_0``; ``"q8_0/q4_0"`` -> K ``q8_0``, V ``q4_0``.
 
+    A trailing :data:`NO_ROTATION` (``"q4_0-norot"``) names the same types run without llama.cpp's rotation.
+
     Raises:
         ValueError: a type not in :data:`GGML_BITS`.
     """
-    k, _, v = spec.partition("/")
+    k, _, v = spec.removesuffix(NO_ROTATION).partition("/")
     v = v or k
     for t in (k, v):
         if t not in GGML_BITS:
@@ -80,6 +92,18 @@ def cache_bits(spec: str) -> float:
     """Effective bits per cached value of a cache spec: the mean of its K and V types' block bits."""
     k, v = cache_kv_types(spec)
     return (GGML_BITS[k] + GGML_BITS[v]) / 2
+
+
+def set_rotation_env(spec: str, environ: Any) -> None:
+    """Set ``LLAMA_ATTN_ROT_DISABLE=1`` in ``environ`` for a :data:`NO_ROTATION` spec, remove it for any other.
+
+    llama.cpp reads the variable when it builds a KV cache (``llama_kv_cache``'s constructor), so the worker
+    calls this before each ``Llama``; side effect: ``environ`` (``os.environ`` there) is changed.
+    """
+    if spec.endswith(NO_ROTATION):
+        environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
+    else:
+        environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
 
 
 def _file_name(spec: str) -> str:
@@ -104,12 +128,15 @@ def worker_main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     ids: list[int] = job["ids"]
     n_ctx = len(ids) + 16
-    summary: dict[str, Any] = {"version": llama_cpp.__version__, "runs": {}}
+    libs = [p for p in Path(llama_cpp.__file__).parent.rglob("libllama*") if p.is_file()]
+    summary: dict[str, Any] = {"version": llama_cpp.__version__, "runs": {},
+                               "rotation_in_build": any(b"LLAMA_ATTN_ROT_DISABLE" in p.read_bytes() for p in libs)}
     for spec in job["cache_types"]:
         k, v = cache_kv_types(spec)
         run: dict[str, Any] = {"type_k": k, "type_v": v}
         t0 = time.perf_counter()
         llm = None
+        set_rotation_env(spec, os.environ)
         try:
             llm = llama_cpp.Llama(job["model"], n_ctx=n_ctx, n_batch=512, n_threads=job["threads"],
                                   n_threads_batch=job["threads"], n_gpu_layers=0, logits_all=True,
@@ -239,12 +266,12 @@ def sanity_kvpage_vs_llamacpp(loaded: Any, ids: list[int], f16_path: Path, threa
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table of the rows (engine, format, bits, ppl, Δppl % ± se, KLD ± se, p99, top-1 %)."""
-    head = (f"{'engine':<10} {'format':<10} {'bits':>6} {'ppl':>8} {'Δppl %':>15} {'KLD (nats)':>19} "
+    head = (f"{'engine':<10} {'format':<14} {'bits':>6} {'ppl':>8} {'Δppl %':>15} {'KLD (nats)':>19} "
             f"{'p99 KLD':>8} {'top-1 %':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         d = r["divergence"]
-        lines.append(f"{r['engine']:<10} {r['format']:<10} {r['bits']:>6.2f} {r['ppl']:>8.4f} "
+        lines.append(f"{r['engine']:<10} {r['format']:<14} {r['bits']:>6.2f} {r['ppl']:>8.4f} "
                      f"{r['delta_ppl_percent']:>+7.2f} ± {d['delta_ppl_se_percent']:<5.2f} "
                      f"{d['kld_mean']:>9.5f} ± {d['kld_se']:<7.5f} {d['kld_p99']:>8.4f} {d['top1_percent']:>8.2f}")
     return "\n".join(lines)
@@ -286,6 +313,7 @@ def main() -> int:
     llama_runs: dict[str, Any] = {}
     tokenizer: dict[str, Any] = {}
     sanity: dict[str, Any] | None = None
+    rotation_in_build: bool | None = None
     with tempfile.TemporaryDirectory(prefix="kvpage-vs-llamacpp-") as tmp:
         out_dir = Path(tmp)
         if specs and ensure_llamacpp(args.llamacpp_python, not args.no_install):
@@ -301,6 +329,7 @@ def main() -> int:
             summary = json.loads(proc.stdout.strip().splitlines()[-1])
             versions["llama-cpp-python"] = summary["version"]
             llama_runs, tokenizer = summary["runs"], summary.get("tokenizer", {})
+            rotation_in_build = summary.get("rotation_in_build")
             if not tokenizer.get("same_ids", False):
                 print(f"WARNING: llama.cpp's tokenizer disagrees with kvpage's on this text: {tokenizer}")
             if not llama_runs.get(specs[0], {}).get("ok"):
@@ -336,14 +365,16 @@ def main() -> int:
         if not run.get("ok"):
             print(f"FAILED: llama.cpp {spec}: {run.get('error')}")
     print(f"\nΔppl and KLD against each engine's own baseline (llama.cpp f16, kvpage auto = float32); decode mode, "
-          f"one token per step, {args.threads} thread(s); tokenizer check {tokenizer}\n"
+          f"one token per step, {args.threads} thread(s); tokenizer check {tokenizer}; llama.cpp build has the "
+          f"rotation switch (LLAMA_ATTN_ROT_DISABLE): {rotation_in_build}\n"
           f"versions {versions}; loadavg start {tuple(round(x, 2) for x in load_start)}, "
           f"end {tuple(round(x, 2) for x in load_end)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "text": args.text, "num_tokens": len(ids), "model": str(model_path), "mode": "decode",
         "threads": args.threads, "versions": versions, "loadavg_start": load_start, "loadavg_end": load_end,
-        "tokenizer_check": tokenizer, "llamacpp_runs": llama_runs, "sanity_kvpage_vs_llamacpp_f16": sanity,
+        "tokenizer_check": tokenizer, "llamacpp_rotation_in_build": rotation_in_build,
+        "llamacpp_runs": llama_runs, "sanity_kvpage_vs_llamacpp_f16": sanity,
         "rows": rows, "table": text, "command": " ".join(sys.argv)}, indent=1))
     print(f"wrote {args.out}")
     return 1 if any(not r.get("ok") for r in llama_runs.values()) else 0
