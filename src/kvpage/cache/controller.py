@@ -64,6 +64,32 @@ def _check_ids(name: str, ids: Sequence[int], num_blocks: int) -> torch.Tensor:
     return idx
 
 
+def host_runs(host_ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The copy order and runs of consecutive ids of a transfer's host-side block ids.
+
+    A copy between the device and pinned host memory is asynchronous only as one contiguous slice of the host
+    tensor (an ``index_select``/``index_copy_`` on the host side would run on the CPU at once, before the copy
+    lands); so the host side of a transfer is cut into runs of consecutive ids, each one slice.
+
+    Args:
+        host_ids: host block (or row) ids, no repeats.
+
+    Returns:
+        ``(order, runs)``: ``order`` the positions of ``host_ids`` sorted by id; ``runs`` ``(first id, offset
+        into order, length)`` per run of consecutive ids, in id order. No side effects.
+    """
+    order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
+    runs: list[tuple[int, int, int]] = []
+    for k, pos in enumerate(order):
+        hid = host_ids[pos]
+        if runs and runs[-1][0] + runs[-1][2] == hid:
+            first, off, n = runs[-1]
+            runs[-1] = (first, off, n + 1)
+        else:
+            runs.append((hid, k, 1))
+    return order, runs
+
+
 class CacheController:
     """Owns the KV tensors of one engine: device (main + draft/MTP) and host tiers.
 
@@ -286,9 +312,13 @@ class CacheController:
         layers: Iterable[int] | None,
         window_rows: Sequence[int | None] | None,
         to_device: bool,
+        synchronize: bool,
     ) -> None:
         """Copy rows ``src_ids -> dst_ids`` between two tiers; in :attr:`window_layers` the device side reads
-        ``window_rows`` instead of the block ids (a ``None`` row: that block is skipped in those layers)."""
+        ``window_rows`` instead of the block ids (a ``None`` row: that block is skipped in those layers).
+
+        The copies are issued on the current stream (asynchronous on CUDA, the host tier being pinned); with
+        ``synchronize`` the call returns once they have landed."""
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"block id lists differ in length: {len(src_ids)} vs {len(dst_ids)}")
         if len(set(dst_ids)) != len(dst_ids):
@@ -313,18 +343,35 @@ class CacheController:
             kept = [(r, s, d) for r, s, d in zip(window_rows, src_ids, dst_ids) if r is not None]
             slotted = ([s for _, s, _ in kept], [r for r, _, _ in kept]) if to_device else \
                 ([r for r, _, _ in kept], [d for _, _, d in kept])
-        for i in todo:
+        # the host side moves as slices (runs of consecutive host ids), the device side by index: with a pinned
+        # host tier on CUDA every slice copy is asynchronous on the current stream
+        moves: dict[bool, tuple[torch.Tensor, list[tuple[int, int, int]]]] = {}
+        for windowed_layer, (s_ids, d_ids) in ((False, plain), (True, slotted)):
+            host_ids, dev_ids = (s_ids, d_ids) if to_device else (d_ids, s_ids)
+            order, runs = host_runs(host_ids)
+            moves[windowed_layer] = (torch.tensor([dev_ids[k] for k in order], dtype=torch.long).to(self.device),
+                                     runs)
+        for i in todo:  # every layer's rows are checked before a byte moves
             s_ids, d_ids = slotted if i in self.window_layers else plain
-            if not s_ids:
-                continue
             n_src, n_dst = next(iter(src[i].values())).shape[0], next(iter(dst[i].values())).shape[0]
-            si = _check_ids(f"layer {i} source rows", s_ids, n_src)
-            di = _check_ids(f"layer {i} destination rows", d_ids, n_dst)
+            _check_ids(f"layer {i} source rows", s_ids, n_src)
+            _check_ids(f"layer {i} destination rows", d_ids, n_dst)
+        for i in todo:
+            if not (slotted if i in self.window_layers else plain)[0]:
+                continue
+            di, runs = moves[i in self.window_layers]
             for name, s in src[i].items():
                 d = dst[i][name]
-                rows = s.index_select(0, si.to(s.device))
-                d.index_copy_(0, di.to(d.device), rows.to(d.device, non_blocking=d.device.type == "cpu" and rows.is_cuda))
-        if self.device.type == "cuda":
+                if to_device:
+                    staged = torch.empty((di.numel(), *s.shape[1:]), dtype=s.dtype, device=d.device)
+                    for first, off, n in runs:
+                        staged[off:off + n].copy_(s[first:first + n], non_blocking=True)
+                    d.index_copy_(0, di, staged)
+                else:
+                    rows = s.index_select(0, di)
+                    for first, off, n in runs:
+                        d[first:first + n].copy_(rows[off:off + n], non_blocking=True)
+        if synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]],
@@ -353,7 +400,7 @@ class CacheController:
                 t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
 
     def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], layers: Iterable[int] | None = None,
-                 window_rows: Sequence[int | None] | None = None) -> None:
+                 window_rows: Sequence[int | None] | None = None, *, synchronize: bool = True) -> None:
         """Copy device blocks to host blocks: K, V and every scale, for every (or the given) layer.
 
         Args:
@@ -363,19 +410,23 @@ class CacheController:
             window_rows: per device block, its row in the :attr:`window_layers` (its window slot), ``None``
                 where it holds none (those layers of that host block are left as they were); required when
                 a copied layer is a window layer.
+            synchronize: return once the copies have landed (on CUDA; a CPU copy is done when issued). Without
+                it they are only issued on the current stream: the caller fences them (a copy stream's event).
 
         Raises:
             ValueError / IndexError: mismatched lengths, repeated destinations, ids or rows out of range, no
-                ``window_rows`` for window layers.
+                ``window_rows`` for window layers (checked before anything is copied).
             KVPageError: a layer lacks host or device tensors.
         """
-        self._copy(self.device_caches, self.host_caches, device_ids, host_ids, layers, window_rows, False)
+        self._copy(self.device_caches, self.host_caches, device_ids, host_ids, layers, window_rows, False,
+                   synchronize)
 
     def swap_in(self, host_ids: Sequence[int], device_ids: Sequence[int], layers: Iterable[int] | None = None,
-                window_rows: Sequence[int | None] | None = None) -> None:
+                window_rows: Sequence[int | None] | None = None, *, synchronize: bool = True) -> None:
         """Copy host blocks back to device blocks (the reverse of :meth:`swap_out`; ``window_rows`` per device
-        block, ``None`` skips it in the window layers); same errors."""
-        self._copy(self.host_caches, self.device_caches, host_ids, device_ids, layers, window_rows, True)
+        block, ``None`` skips it in the window layers; ``synchronize`` as there); same errors."""
+        self._copy(self.host_caches, self.device_caches, host_ids, device_ids, layers, window_rows, True,
+                   synchronize)
 
     @property
     def device_bytes(self) -> int:
