@@ -128,13 +128,17 @@ def tokens(n: int, start: int = 100) -> list[int]:
 class _RecordingTier:
     """Stands in for a :class:`HostTier` under a :class:`TieredWorker`: records each copy it performs."""
 
+    device = torch.device("cpu")
+
     def __init__(self, ran: list[str]) -> None:
         self.ran = ran
 
-    def device_to_host(self, device_ids, host_ids, window_rows=None, layers=None) -> None:  # noqa: ANN001
+    def device_to_host(self, device_ids, host_ids, window_rows=None, layers=None, *,  # noqa: ANN001
+                       synchronize=True) -> None:  # noqa: ANN001
         self.ran.append(f"d2h {list(device_ids)}->{list(host_ids)}")
 
-    def host_to_device(self, host_ids, device_ids, window_rows=None, layers=None) -> None:  # noqa: ANN001
+    def host_to_device(self, host_ids, device_ids, window_rows=None, layers=None, *,  # noqa: ANN001
+                       synchronize=True) -> None:  # noqa: ANN001
         self.ran.append(f"h2d {list(host_ids)}->{list(device_ids)}")
 
 

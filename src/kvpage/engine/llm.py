@@ -181,6 +181,8 @@ class LLM:
         if self.engine.kv_events is not None:
             self.engine.kv_events.close()
             self.engine.kv_events = None
+        if self._built.tier_worker is not None:
+            self._built.tier_worker.close()  # copies still in flight land first
         if self._built.connector is not None:
             self._built.connector.close()
 

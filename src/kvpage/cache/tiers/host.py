@@ -8,9 +8,11 @@ CUDA), and between the device caches and store records (:func:`~kvpage.cache.tie
 over it: it performs the :class:`~kvpage.cache.step_plan.TransferOp` s the scheduler half
 (:class:`~kvpage.cache.tiers.connector.TieredConnector`) issued and reports what is done.
 
-Copies are synchronous here (``CacheController`` synchronizes after a CUDA copy): a transfer is done when
-:meth:`TieredWorker.start_load_kv` returns, unless the worker defers its loads (``load_delay``, to test in-flight
-states; an asynchronous copy engine reports when its stream finishes).
+Device<->host copies run on the worker's :class:`~kvpage.cache.tiers.copy_stream.CopyStream`: at once on a CPU
+device (a transfer is done when :meth:`TieredWorker.start_load_kv` returns), on a CUDA copy stream of their own
+on a CUDA device, reported done when their event has completed (saves fence the compute stream). Store
+transfers run at once on the compute stream (their records pass through the host). A worker may also defer its
+loads (``load_delay``, to test in-flight states).
 
 :func:`build_tiers` is what ``LLM(swap_space=..., kv_offload_policy=..., preemption_mode=..., kv_disk_dir=...,
 kv_store=...)`` calls: vLLM's ``swap_space`` (GiB of host blocks) and ``preemption_mode``, SGLang HiCache's write
@@ -22,9 +24,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from kvpage.cache.controller import CacheController
 from kvpage.cache.step_plan import ConnectorMetadata, TransferOp, TransferReport
 from kvpage.cache.tiers.connector import KVConnectorWorker, TieredConnector
+from kvpage.cache.tiers.copy_stream import CopyStream, copy_stream_for
 from kvpage.cache.tiers.host_pool import HostBlockPool
 from kvpage.cache.tiers.offload import OffloadManager
 from kvpage.cache.tiers.policy import OffloadConfig
@@ -56,6 +61,11 @@ class HostTier:
         self.bytes_per_block = controller.spec.bytes_per_block
 
     @property
+    def device(self) -> torch.device:
+        """The device tier's device (the controller's)."""
+        return self.controller.device
+
+    @property
     def num_host_blocks(self) -> int:
         """Host blocks allocated by the controller."""
         return self.controller.num_host_blocks
@@ -72,7 +82,7 @@ class HostTier:
 
     def device_to_host(
         self, device_ids: Sequence[int], host_ids: Sequence[int], window_rows: Sequence[int | None] | None = None,
-        layers: Sequence[int] | None = None,
+        layers: Sequence[int] | None = None, *, synchronize: bool = True,
     ) -> None:
         """Copy device blocks to host blocks: K, V and every scale (``CacheController.swap_out``).
 
@@ -83,20 +93,21 @@ class HostTier:
                 offload does); default every layer, main and draft.
             window_rows: each device block's window slot in the controller's ``window_layers`` (``None``: it
                 holds none, and those layers of its host block are not written); needed with window layers.
+            synchronize: return once the copies landed (else they are only issued on the current stream).
 
         Raises:
             ValueError / IndexError: mismatched lengths, repeated destinations, ids out of range.
             KVPageError: a layer lacks device or host tensors.
         """
-        self.controller.swap_out(list(device_ids), list(host_ids), layers, window_rows)
+        self.controller.swap_out(list(device_ids), list(host_ids), layers, window_rows, synchronize=synchronize)
 
     def host_to_device(
         self, host_ids: Sequence[int], device_ids: Sequence[int], window_rows: Sequence[int | None] | None = None,
-        layers: Sequence[int] | None = None,
+        layers: Sequence[int] | None = None, *, synchronize: bool = True,
     ) -> None:
-        """Copy host blocks to device blocks (``CacheController.swap_in``; ``window_rows`` per device block, as
-        :meth:`device_to_host`); errors as :meth:`device_to_host`."""
-        self.controller.swap_in(list(host_ids), list(device_ids), layers, window_rows)
+        """Copy host blocks to device blocks (``CacheController.swap_in``; ``window_rows`` per device block and
+        ``synchronize`` as :meth:`device_to_host`); errors as :meth:`device_to_host`."""
+        self.controller.swap_in(list(host_ids), list(device_ids), layers, window_rows, synchronize=synchronize)
 
     def gather(self, device_ids: Sequence[int], window_rows: Sequence[int | None] | None = None) -> list[BlockData]:
         """One :data:`BlockData` (CPU tensors, per-block shapes of the spec) per device block.
@@ -147,10 +158,14 @@ def host_blocks_for_swap_space(controller: CacheController, swap_space_gib: floa
 class TieredWorker(KVConnectorWorker):
     """The worker half of kvpage's tiers: performs each step's transfers over a :class:`HostTier` and the stores.
 
-    Ops run in issue order, one copy stream (a save that reads a device block runs before a later load that
-    writes it). A ``store_to_device`` load writes the leading blocks whose records arrive and stops at the first
-    one that does not (missing, rejected, unreachable), reporting how many it wrote; a ``device_to_store`` save
-    reports the records its stores did not take; a transfer that raises is reported as having written nothing.
+    Ops run in issue order (a save that reads a device block runs before a later load that writes it) and are
+    reported finished in that order. Device<->host copies go to ``copy_stream`` and count as finished once its
+    fence is done; each save also fences the compute stream, so no later pass overwrites a block it reads. Store
+    ops run at once on the compute stream, after the device<->host copies issued before them (they read or write
+    device blocks those copies may touch). A ``store_to_device`` load writes the leading blocks whose records arrive
+    and stops at the first one that does not (missing, rejected, unreachable), reporting how many it wrote; a
+    ``device_to_store`` save reports the records its stores did not take; a transfer that raises is reported as
+    having written nothing.
 
     Args:
         tier: moves blocks between the controller's device and host tensors and records.
@@ -158,21 +173,26 @@ class TieredWorker(KVConnectorWorker):
         load_delay: report loads done only this many :meth:`get_finished` calls after :meth:`start_load_kv`, and
             perform them then (0: at once). Saves always run at once (a later pass may overwrite what they read).
             For tests of loads that land steps later, as a remote or asynchronous worker's do.
+        copy_stream: where device<->host copies run; default :func:`~kvpage.cache.tiers.copy_stream.copy_stream_for`
+            the controller's device (a CUDA copy stream on CUDA, at once elsewhere).
 
     Raises:
         ValueError: a negative ``load_delay``.
     """
 
-    def __init__(self, tier: HostTier, stores: Sequence[KVStore] = (), *, load_delay: int = 0) -> None:
+    def __init__(self, tier: HostTier, stores: Sequence[KVStore] = (), *, load_delay: int = 0,
+                 copy_stream: CopyStream | None = None) -> None:
         if load_delay < 0:
             raise ValueError(f"load_delay must be >= 0, got {load_delay}")
         self.tier = tier
         self.stores = list(stores)
         self.load_delay = load_delay
-        self._done: list[int] = []
+        self.copy_stream = copy_stream_for(tier.device) if copy_stream is None else copy_stream
+        self._issued: list[tuple[int, object]] = []  # (op id, fence) in issue order, not yet reported
         self._written: dict[int, int] = {}
         self._unsaved: dict[int, tuple[tuple[int, int], ...]] = {}
         self._deferred: list[list[TransferOp]] = []  # loads waiting, one list per get_finished call to come
+        self._last_copy: object = None  # the fence of the last device<->host copy issued
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
         """Drop cancelled deferred loads, then run ``meta``'s ops in order (deferring loads by ``load_delay``)."""
@@ -188,9 +208,13 @@ class TieredWorker(KVConnectorWorker):
                 self._run(op)
 
     def _run(self, op: TransferOp) -> None:
-        """Perform ``op`` and record it done; a transfer that raises wrote nothing (the scheduler half treats its
-        blocks as not arrived or not saved: a failing tier never fails a request)."""
+        """Perform ``op`` (or issue it on the copy stream) and record it; a transfer that raises wrote nothing (the
+        scheduler half treats its blocks as not arrived or not saved: a failing tier never fails a request)."""
         try:
+            if op.kind in ("device_to_host", "host_to_device"):
+                self._last_copy = self._issue_copy(op)
+                self._issued.append((op.op_id, self._last_copy))
+                return
             n = self._perform(op)
         except Exception as exc:  # noqa: BLE001 -- the tier is a cache: report the failure, never raise it
             logger.warning("tier transfer %d (%s of %d blocks) failed: %s: %s", op.op_id, op.kind,
@@ -198,16 +222,26 @@ class TieredWorker(KVConnectorWorker):
             n = 0
         if n < len(op.device_ids):
             self._written[op.op_id] = n
-        self._done.append(op.op_id)
+        self._issued.append((op.op_id, None))
 
-    def _perform(self, op: TransferOp) -> int:
-        """Do the copy of ``op``; returns the leading blocks written."""
+    def _issue_copy(self, op: TransferOp) -> object:
+        """Issue a device<->host op on the copy stream; returns its fence (a save's also fences the compute)."""
         rows = None if op.window_rows is None else list(op.window_rows)
         if op.kind == "device_to_host":
-            self.tier.device_to_host(op.device_ids, op.host_ids, rows)
-        elif op.kind == "host_to_device":
-            self.tier.host_to_device(op.host_ids, op.device_ids, rows)
-        elif op.kind == "device_to_store":
+            fence = self.copy_stream.run(
+                lambda: self.tier.device_to_host(op.device_ids, op.host_ids, rows, synchronize=False))
+            self.copy_stream.fence_compute(fence)
+        else:
+            fence = self.copy_stream.run(
+                lambda: self.tier.host_to_device(op.host_ids, op.device_ids, rows, synchronize=False))
+        return fence
+
+    def _perform(self, op: TransferOp) -> int:
+        """Do the store transfer ``op`` now; returns the leading blocks written."""
+        if self._last_copy is not None:  # a store op touches device blocks: after the copies issued before it
+            self.copy_stream.fence_compute(self._last_copy)
+        rows = None if op.window_rows is None else list(op.window_rows)
+        if op.kind == "device_to_store":
             datas = self.tier.gather(op.device_ids, rows)
             unsaved: list[tuple[int, int]] = []
             for k, store in enumerate(self.stores):
@@ -230,18 +264,35 @@ class TieredWorker(KVConnectorWorker):
         return len(op.device_ids)
 
     def get_finished(self) -> TransferReport:
-        """What finished since the last call (deferred loads whose delay ran out are performed now)."""
+        """What finished since the last call, in issue order: the ops up to the first device<->host copy whose
+        fence is not done yet (deferred loads whose delay ran out are performed or issued first)."""
         if self._deferred:
             for op in self._deferred.pop(0):
                 self._run(op)
-        report = TransferReport(tuple(self._done), dict(self._written), dict(self._unsaved))
-        self._done, self._written, self._unsaved = [], {}, {}
+        k = 0
+        while k < len(self._issued) and (self._issued[k][1] is None or self.copy_stream.done(self._issued[k][1])):
+            k += 1
+        finished, self._issued = [op_id for op_id, _ in self._issued[:k]], self._issued[k:]
+        # an op reported later keeps its written count / unsaved records until then
+        report = TransferReport(tuple(finished), {i: self._written.pop(i) for i in finished if i in self._written},
+                                {i: self._unsaved.pop(i) for i in finished if i in self._unsaved})
         return report
 
     @property
     def num_deferred(self) -> int:
         """Loads waiting for their delay to run out."""
         return sum(len(b) for b in self._deferred)
+
+    @property
+    def num_unreported(self) -> int:
+        """Ops performed or issued that :meth:`get_finished` has not reported yet."""
+        return len(self._issued)
+
+    def close(self) -> None:
+        """Wait for every issued copy to land (their tensors stay valid until then)."""
+        for _, fence in self._issued:
+            if fence is not None:
+                self.copy_stream.wait(fence)
 
 
 def build_tiers(
