@@ -542,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]:
     """The tries of ``screen``: non-uniform codes (tables from ``<out>/levels.json``), pre-RoPE keys and per-layer
     mixes (ranked by ``<out>/sensitivity_int2.json``), for the base formats ``fmts`` where they apply."""
-    vs: list[Variant] = []
+    vs: list[Variant] = [uniform(f, f, layers) for f in fmts]                 # the formats as they are
     lev_path = out / "levels.json"
     if lev_path.exists():
         lev = json.loads(lev_path.read_text())
@@ -569,25 +569,21 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
         order = sorted(per, key=lambda i: -float(np.mean(per[i])))            # most sensitive first
         for suffix in ("", "_rotated"):
             i4, i3, i2, i8 = (f"int4{suffix}", f"int3{suffix}", f"int2{suffix}", f"int8{suffix}")
-            # int3 budget: 5 most sensitive layers int4, 8 least int2, the rest int3
+            # int3's budget: the 5 most sensitive layers int4 (+1 bit each at 1,024 tokens), the 10 least int2
+            # (-0.5 each, window included), the rest int3
             plans = [LayerPlan(fmt=i3) for _ in range(layers)]
             for i in order[:5]:
                 plans[i] = LayerPlan(fmt=i4)
-            for i in order[-8:]:
+            for i in order[-10:]:
                 plans[i] = LayerPlan(fmt=i2)
             vs.append(Variant(f"mix_int3budget{suffix}", plans, meta=dict(order=order)))
-            # int4 budget: 2 most sensitive int8, 8 least int3, the rest int4
+            # int4's budget: the 2 most sensitive layers 8-bit (+3.6 bits each), the 8 least int3 (-1 each)
             plans = [LayerPlan(fmt=i4) for _ in range(layers)]
             for i in order[:2]:
-                plans[i] = LayerPlan(fmt=i8 if suffix == "" else "int8_rotated")
+                plans[i] = LayerPlan(fmt=i8)
             for i in order[-8:]:
                 plans[i] = LayerPlan(fmt=i3)
             vs.append(Variant(f"mix_int4budget{suffix}", plans, meta=dict(order=order)))
-            # int2 budget: 6 most sensitive int3, 7 least int2 without its window... not a format: use int2 only
-            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
-            for i in order[:4]:
-                plans[i] = LayerPlan(fmt=i4)
-            vs.append(Variant(f"mix_int2plus4{suffix}", plans, meta=dict(order=order)))
             # TurboQuant's preset: first and last layers 8-bit, the rest int3
             plans = [LayerPlan(fmt=i3) for _ in range(layers)]
             plans[0] = plans[-1] = LayerPlan(fmt="int8")
