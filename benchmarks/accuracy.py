@@ -253,6 +253,40 @@ in the original one (`tests/test_kivi.py`). Engine decode speed against the base
 """
 
 
+#: Issue 34 items 1b-1d screened with benchmarks/kv_tries.py (fake quantization; raw rows in accuracy/tries/).
+TRIES_34 = """\
+### Issue 34, items 1b-1d: pre-RoPE keys, non-uniform codes, per-layer precision (screening)
+
+Screened with fake quantization (`benchmarks/kv_tries.py`; raw rows in `accuracy/tries/`): one float32 pass per
+text with the chunked-32 reads of the suite (own block at float16, block 0 through the int8 copy, `int2`'s
+window at float16, the rest through the format's own seal/unseal), scored by `kvpage.eval.divergence`; tuning
+members only, `argparse` on its first 1,025 tokens (1,024 scored positions). Checked against the suite above
+(`kv_tries.py validate`: `int4`, `int3`, `int2` on the four members, `int4_rotated` on two): harness KLD within
+0.90-1.08x of the suite's, Δppl within 1.5 points (batched K/V round differently and flip codes), so a try
+counts only where KLD moves by more than about 10% on several members. Bits at 1,024 tokens, averaged over layers.
+
+| try | bits | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl | mean KLD / Δppl | verdict |
+|---|---|---|---|---|---|---|---|
+| `int3_rotated` (reference) | 3.633 | 0.0178 / -0.54% | 0.0181 / +3.51% | 0.0170 / +1.76% | 0.1343 / +2.04% | 0.0468 / +1.69% | — |
+| 1d: 5 most sensitive layers `int4_rotated`, 10 least `int2_rotated`, 15 `int3_rotated` | 3.633 | 0.0106 / -0.26% | 0.0107 / +1.43% | 0.0126 / +0.95% | 0.1250 / -1.74% | 0.0397 / +0.09% | **kept**: KLD -26 to -41% on three members, -7% on the fourth, same bits; worth a per-layer format map |
+| 1b: `int3_rotated`, keys sealed before RoPE | 3.633 | 0.0176 / +0.88% | 0.0149 / +2.54% | 0.0124 / +1.53% | 0.1299 / -0.18% | 0.0437 / +1.19% | **kept** (weaker): KLD -18% and -27% on two members, within noise on two, none worse; costs RoPE at read in the kernels |
+| 1c: `int3_rotated`, Lloyd codes for K and V | 3.633 | 0.0177 / -1.45% | 0.0168 / +2.44% | 0.0160 / +2.11% | 0.1724 / -7.15% | 0.0557 / -1.01% | rejected: within noise on three members, +28% KLD on `torch_readme` |
+| `int4_rotated` (reference) | 4.633 | 0.0044 / +0.18% | 0.0035 / +0.35% | 0.0039 / +0.47% | 0.0521 / -3.42% | 0.0160 / -0.60% | — |
+| 1c: `int4_rotated`, Lloyd codes for K and V | 4.633 | 0.0052 / +0.82% | 0.0044 / +0.89% | 0.0034 / +0.85% | 0.0770 / -0.42% | 0.0225 / +0.54% | rejected: KLD higher on three members |
+| 1d: 2 most sensitive layers `int8_rotated`, 8 least `int3_rotated`, 20 `int4_rotated` | 4.607 | 0.0070 / -0.35% | 0.0049 / +0.64% | 0.0042 / -0.10% | 0.0562 / -2.49% | 0.0181 / -0.58% | rejected: KLD +58%, +39%, +8%, +8% on the four members: at 4 bits the int3 layers lose more than the 8-bit ones win |
+| 1d: TurboQuant's preset, layers 0 and 29 `int8`, the rest `int3_rotated` | 3.941 | 0.0217 / +0.18% | 0.0183 / +2.95% | 0.0188 / +1.28% | 0.1383 / +4.35% | 0.0493 / +2.19% | rejected: 0.31 more bits, no better; here the last layer is among the least sensitive (25th of 30) |
+
+Layer sensitivity (`kv_tries.py sensitivity`: only that layer's cache `int2`, the rest float32; mean KLD over `gpl3`
+and `matplotlibrc`, 512 tokens each): layers 17, 20, 24, 8, 23 most sensitive (0.0056-0.0037), layers 27, 13,
+25, 11, 16 least (0.0001-0.0002): an 80x spread, and the single-layer KLDs add up to about the all-layer one.
+The fitted codes (`accuracy/tries/levels.json`, Lloyd's algorithm on the tuning members' own K/V with the group's
+min and max kept as end codes) are only mildly non-uniform (3 bits: 0, 1.22, 2.19, 3.07, 3.92, 4.80, 5.78, 7 for
+rotated keys): the searched step already fits the bell. Not run (time): 1b at 4 and 2 bits, 1c without rotation,
+per-layer mixes of the plain formats and at `int2`'s budget; nothing was run on the held-back member.
+
+"""
+
+
 def _rel(path: Path, start: Path) -> str:
     """``path`` relative to folder ``start``, with forward slashes (a Markdown link)."""
     return Path(os.path.relpath(path, start)).as_posix()
@@ -361,6 +395,7 @@ def render_suite(payload: dict, *, suite_dir: Path, note_dir: Path, command: str
         *([INT3_CHOICE] if any(s["name"] == "int3" for s in payload["summary"]) else []),
         *([ROTATED_NOTE] if any(s["name"].endswith("_rotated") and s["name"] != "int8_rotated"
                                 for s in payload["summary"]) else []),
+        *([TRIES_34] if any(s["name"] == "int3_rotated" for s in payload["summary"]) else []),
         "Each format per member (Δppl / KLD):", "", grid_markdown(payload),
     ]
     if held is not None:

@@ -1,0 +1,595 @@
+"""Screening harness for accuracy ideas of the 4/3/2-bit KV formats (issue 34, items 1b, 1c, 1d): fake quantization.
+
+Runs the bundled model (float32, loaded as ``kvpage eval`` loads it) over the first tokens of suite members
+(:mod:`kvpage.eval.suite`) in ONE forward pass per text, with an attention function of its own in place of the
+paged cache (the model's :class:`~kvpage.model.attention_fn.AttentionFn` contract: the engine is not involved and
+nothing in ``src/`` changes). Per layer it reproduces the chunked-32 semantics of ``kvpage eval --suite --mode
+chunked --chunk-size 32`` for the quantize-on-seal formats:
+
+* a query reads its own 32-token block at full precision (rows rounded to the float16 tail dtype);
+* every earlier block through the format's ``seal`` -> ``unseal`` (``seal_rotated``/``unseal_rotated`` in the
+  stored basis for ``*_rotated``, whose q, k, v and output are rotated as the ops do), except block 0, read
+  through the 8-bit first-block copy (``int8`` rows), and the window blocks (``int2``'s one 32-token block
+  before the query's own), read as their float16 rows;
+* a layer given ``int8`` reads every token per-token int8, ``auto`` reads float32 (the baseline everywhere).
+
+Because every block depends on its own tokens only and attention is causal, one pass over all tokens equals the
+suite's 32-token chunks up to float rounding of batched matmuls. Scores are :mod:`kvpage.eval.divergence`'s
+(KLD against the unquantized run, Δppl, top-1), computed exactly as the suite computes them.
+
+Variants beyond the real formats (all fake quantization, in this file only):
+
+* **pre-RoPE keys** (KVQuant): keys are un-rotated to their pre-RoPE form, rounded to float16, sealed and
+  unsealed, then RoPE is applied again to the dequantized keys (the first-block copy stays post-RoPE int8);
+* **non-uniform codes**: the format's coding (same UE5M3 step byte, int8 offset, step search and candidates),
+  but a code ``c`` decodes to ``(levels[c] + offset) * step`` with a per-format table ``levels`` (ascending,
+  ``levels[0] = 0``, ``levels[-1] = 2**bits - 1``) instead of ``c``; tables fitted by Lloyd's algorithm on
+  the tuning members' own K/V, normalized per group to its min/max range (:func:`fit_levels`);
+* **per-layer precision**: any format per layer (``int8``/``int4``/``int3``/``int2``, rotated or not, ``auto``).
+
+Usage (one thread; the machine is shared)::
+
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py validate --out benchmarks/accuracy/tries
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py sensitivity --out benchmarks/accuracy/tries
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py screen --out benchmarks/accuracy/tries
+
+Each command writes ``<out>/<command>.json`` (rows: variant, member, bits, KLD, Δppl, top-1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpage.eval.divergence import kl_divergence_rows, log_probs, summarize_divergence
+from kvpage.formats import KEY, VALUE, get_format
+from kvpage.formats.kivi import (
+    OFFSET_MAX,
+    OFFSET_MIN,
+    SealedFormat,
+    _covering_code,
+    decode_scale,
+    encode_scale,
+    value_group_size,
+)
+from kvpage.formats.per_token import Int8Format
+
+#: Tokens per block (the quantize-on-seal formats' preferred block size and the suite's chunk size).
+BLOCK = 32
+#: Tail dtype of the quantize-on-seal formats under a float32 model (:func:`kvpage.spec.kinds.tail_dtype`).
+TAIL_DTYPE = torch.float16
+#: The first-block (sink) copy's format (:data:`kvpage.cache.tail.pool.SINK_FORMAT`).
+SINK = Int8Format()
+#: Tuning members of the suite (never the held-back one here unless asked by name).
+TUNING = ("gpl3", "argparse", "matplotlibrc", "torch_readme")
+#: Query rows per attention call (memory bound: scores are ``[H, rows, keys]`` float32).
+QUERY_CHUNK = 256
+
+
+# -- quantization pieces -------------------------------------------------------------------------------------
+
+
+def rope_tables_of(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's ``(cos, sin_signed)`` RoPE tables ``[P, D]`` (one table: Llama-like families without local RoPE)."""
+    return model.rope_cos, model.rope_sin
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half) of ``x`` ``[T, Hkv, D]`` at ``positions`` ``[T]``: ``x * cos + roll(x, D/2) * sin_signed``,
+    as :func:`kvpage.ops.fused.rope_split` computes it."""
+    c, s = cos[positions].unsqueeze(1), sin_signed[positions].unsqueeze(1)    # [T, 1, D]
+    return x * c + torch.roll(x, x.shape[-1] // 2, dims=-1) * s
+
+
+def undo_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`apply_rope` (the rotation by minus the angle): ``x * cos - roll(x, D/2) * sin_signed``."""
+    c, s = cos[positions].unsqueeze(1), sin_signed[positions].unsqueeze(1)    # [T, 1, D]
+    return x * c - torch.roll(x, x.shape[-1] // 2, dims=-1) * s
+
+
+def lut_fake_quant(x: torch.Tensor, dim: int, fmt: SealedFormat, levels: torch.Tensor | None) -> torch.Tensor:
+    """``x`` coded and decoded as :func:`kvpage.formats.kivi.quantize_searched` codes it, with decode table ``levels``.
+
+    The candidates are the format's (its ``step_search`` around the min/max step, centred and floor offsets, the
+    covering step); a value's code is the nearest table entry in step units (``levels`` ``[2**bits]`` ascending,
+    first 0, last ``2**bits - 1``; ``None``: the uniform grid, where this is the format's own rounding) and the
+    candidate with the least squared error wins. Returns float32 ``x_hat`` shaped like ``x``. ``max_error``
+    (``int4``'s) is honoured as the format honours it.
+    """
+    bits, qmax = fmt.bits, 2**fmt.bits - 1
+    d = dim % x.dim()
+    mn, mx = x.amin(d, keepdim=True), x.amax(d, keepdim=True)
+    span = (mx - mn) / qmax
+    e0 = encode_scale(span).to(torch.int32)
+    cover = _covering_code(mn, mx, qmax).to(torch.int32)
+    steps = list(fmt.step_search)
+    ks = torch.tensor(steps, dtype=torch.int32).repeat_interleave(2)
+    centred = torch.tensor([True, False] * len(steps) + [False])
+    e = torch.cat([e0.unsqueeze(-1) + ks, cover.unsqueeze(-1)], -1)            # [..., C]
+    st = decode_scale(e.clamp(0, 255).to(torch.uint8))
+    lo, hi = mn.unsqueeze(-1), mx.unsqueeze(-1)
+    m = torch.where(centred, torch.round((lo + hi) / (2 * st) - qmax / 2), torch.floor(lo / st))
+    m = m.clamp_(OFFSET_MIN, OFFSET_MAX)
+    xc = x.unsqueeze(-1)
+    t = xc / st - m                                                            # [..., C] in step units
+    if levels is None:
+        val = torch.round(t).clamp_(0, qmax)
+    else:
+        mids = (levels[1:] + levels[:-1]) / 2
+        val = levels[torch.bucketize(t.contiguous(), mids)]
+    xh = (val + m) * st
+    diff = xh - xc
+    err = diff.double().square().sum(d, keepdim=True).float()
+    if fmt.max_error is not None:
+        limit = (fmt.max_error * span).unsqueeze(-1)
+        worst = diff.abs().amax(d, keepdim=True)
+        err = torch.where(worst <= limit, err, 1e30 * (1 + worst / limit.clamp(min=2.0**-16)))
+    pick = err.argmin(-1, keepdim=True)
+    return xh.gather(-1, pick.expand(*xh.shape[:-1], 1)).squeeze(-1)
+
+
+def block_fake_quant(fmt: SealedFormat, blocks: torch.Tensor, kind: str, levels: torch.Tensor | None = None,
+                     real: bool = True) -> torch.Tensor:
+    """Sealed then unsealed ``blocks`` ``[m, bs, Hkv, D]`` (stored basis), float32.
+
+    ``real`` with ``levels is None``: the format's own ``seal_rotated``/``unseal_rotated`` (its bytes, what the
+    engine reads); otherwise :func:`lut_fake_quant` with the same grouping (keys per channel over the block,
+    values per token in :func:`~kvpage.formats.kivi.value_group_size` channels).
+    """
+    if levels is None and real:
+        return fmt.unseal_rotated(fmt.seal_rotated(blocks, kind), kind, torch.float32, blocks.shape[-1])
+    x = blocks.float()
+    if kind == KEY:
+        return lut_fake_quant(x, 1, fmt, levels)
+    d = x.shape[-1]
+    g = value_group_size(d)
+    return lut_fake_quant(x.unflatten(-1, (d // g, g)), -1, fmt, levels).flatten(-2)
+
+
+def sink_fake_quant(rows: torch.Tensor, kind: str) -> torch.Tensor:
+    """``rows`` ``[n, Hkv, D]`` through the first-block copy's int8 (quantize, dequantize), float32."""
+    q = SINK.quantize(rows, kind=kind)
+    return SINK.dequantize(q.codes, q.scale, torch.float32, kind=kind)
+
+
+# -- one layer's attention -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one layer's cache is treated.
+
+    Attributes:
+        fmt: format name: ``auto`` (float32), ``int8`` (per-token int8 of every token), or a quantize-on-seal
+            format (``int4``, ``int3_rotated``, ...).
+        pre_rope: keys sealed before RoPE (re-applied to the dequantized keys).
+        key_levels, value_levels: non-uniform decode tables (``None``: the uniform grid).
+    """
+
+    fmt: str = "auto"
+    pre_rope: bool = False
+    key_levels: torch.Tensor | None = None
+    value_levels: torch.Tensor | None = None
+
+
+def fp_start_block(b: int, window: int, sink: bool) -> int:
+    """First block a query in block ``b`` reads at full precision (its own, and the window blocks before it,
+    block 0 excepted when a first-block copy exists): blocks before it are read sealed."""
+    if b == 0:
+        return 0
+    return max(b - window, 1 if sink else 0)
+
+
+def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                           plan: LayerPlan, scale: float | None, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Attention of one layer, one sequence (positions ``0..T-1``), with ``plan.fmt`` a quantize-on-seal format.
+
+    ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]`` float32 (RoPE applied); returns ``[T, H, D]`` float32.
+    """
+    from kvpage.ops.causal import masked_attention
+    from kvpage.ops.layer_attention import LayerAttention
+
+    fmt = get_format(plan.fmt)
+    assert isinstance(fmt, SealedFormat)
+    T, D = q.shape[0], q.shape[-1]
+    rot = fmt.rotation(D, torch.float32, "cpu") is not None
+    to_basis: Callable[[torch.Tensor], torch.Tensor] = fmt.to_stored_basis if rot else (lambda x: x)
+    qs, ks, vs = to_basis(q), to_basis(k), to_basis(v)
+    k16, v16 = ks.to(TAIL_DTYPE).float(), vs.to(TAIL_DTYPE).float()           # [T, Hkv, D] tail rows
+    nf = T // BLOCK
+    k_hat, v_hat = k16.clone(), v16.clone()
+    if nf:
+        n = nf * BLOCK
+        vb = v16[:n].view(nf, BLOCK, *v16.shape[1:])
+        v_hat[:n] = block_fake_quant(fmt, vb, VALUE, plan.value_levels).flatten(0, 1)
+        if plan.pre_rope:
+            pre = to_basis(undo_rope(k, positions, *rope)).to(TAIL_DTYPE).float()[:n]
+            deq = block_fake_quant(fmt, pre.view(nf, BLOCK, *pre.shape[1:]), KEY, plan.key_levels).flatten(0, 1)
+            back = fmt.to_stored_basis(deq) if rot else deq
+            k_hat[:n] = to_basis(apply_rope(back, positions[:n], *rope))
+        else:
+            kb = k16[:n].view(nf, BLOCK, *k16.shape[1:])
+            k_hat[:n] = block_fake_quant(fmt, kb, KEY, plan.key_levels).flatten(0, 1)
+        if fmt.sink_bits:
+            k_hat[:BLOCK] = sink_fake_quant(k16[:BLOCK], KEY)
+            v_hat[:BLOCK] = sink_fake_quant(v16[:BLOCK], VALUE)
+    window = math.ceil(fmt.default_residual_tokens / BLOCK)
+    sink = bool(fmt.sink_bits)
+    params = LayerAttention(scale=scale)
+    out = torch.empty_like(qs)
+    blk = torch.arange(T) // BLOCK                                             # [T] block of each row
+    for s in range(0, T, QUERY_CHUNK):
+        e = min(T, s + QUERY_CHUNK)
+        fs = fp_start_block(s // BLOCK, window, sink) * BLOCK                  # full-precision rows read from here
+        qi = torch.arange(s, e)
+        lo = torch.tensor([fp_start_block(int(b), window, sink) for b in blk[s:e]])  # [n]
+        j_hat = torch.arange(0, e)
+        j_fp = torch.arange(fs, e)
+        m_hat = blk[j_hat][None, :] < lo[:, None]                              # [n, e]
+        m_fp = (blk[j_fp][None, :] >= lo[:, None]) & (j_fp[None, :] <= qi[:, None])  # [n, e - fs]
+        keys = torch.cat([k_hat[:e], k16[fs:e]])
+        vals = torch.cat([v_hat[:e], v16[fs:e]])
+        out[s:e] = masked_attention(qs[s:e], keys, vals, torch.cat([m_hat, m_fp], 1), params)
+    return to_basis(out) if rot else out
+
+
+def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
+                          scale: float | None) -> torch.Tensor:
+    """Causal attention with every token's K/V as ``fmt`` stores it (``auto``: float32 as given; ``int8``)."""
+    import torch.nn.functional as F
+
+    if fmt != "auto":
+        f = get_format(fmt)
+        qk, qv = f.quantize(k, kind=KEY), f.quantize(v, kind=VALUE)
+        k = f.dequantize(qk.codes, qk.scale, torch.float32, kind=KEY)
+        v = f.dequantize(qv.codes, qv.scale, torch.float32, kind=VALUE)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def layer_bits(fmt: str, num_tokens: int = 1024) -> float:
+    """Effective bits per value of one SmolLM2 layer in ``fmt`` at ``num_tokens`` tokens (``auto``: 16, a 16-bit
+    cache; a sealed format counts its window and first-block copy, as ``kvpage eval`` does)."""
+    if fmt == "auto":
+        return 16.0
+    f = get_format(fmt)
+    if isinstance(f, SealedFormat):
+        return f.effective_bits_per_value(num_tokens=num_tokens, block_size=BLOCK, kv_heads=3, head_dim=64,
+                                          residual_tokens=f.default_residual_tokens)
+    return f.effective_bits_per_value(num_tokens=num_tokens, block_size=16, kv_heads=3, head_dim=64)
+
+
+# -- running a variant -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    """A try: one :class:`LayerPlan` per layer (``plans``), named for the tables."""
+
+    name: str
+    plans: list[LayerPlan]
+    note: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def bits(self, num_tokens: int = 1024) -> float:
+        """Mean effective bits per value over the layers at ``num_tokens`` tokens (:func:`layer_bits`)."""
+        return float(np.mean([layer_bits(p.fmt, num_tokens) for p in self.plans]))
+
+
+def uniform(name: str, fmt: str, layers: int = 30, **kw: Any) -> Variant:
+    """Every layer ``fmt`` with the same :class:`LayerPlan` options ``kw``."""
+    return Variant(name, [LayerPlan(fmt=fmt, **kw) for _ in range(layers)])
+
+
+class Runner:
+    """The loaded model, members' token ids and their baseline logits; runs variants and scores them."""
+
+    def __init__(self, members: Sequence[str], tokens: dict[str, int] | None = None) -> None:
+        from kvpage.eval.suite import SUITE, member_token_ids, resolve_member
+        from kvpage.model.loader import load_model
+
+        self.loaded = load_model(None, dtype=torch.float32, progress=False)
+        self.model = self.loaded.model
+        self.num_layers = len(self.model.layers)
+        self.ids: dict[str, list[int]] = {}
+        by_name = {m.name: m for m in SUITE}
+        for name in members:
+            r = resolve_member(by_name[name])
+            n = (tokens or {}).get(name, by_name[name].tokens)
+            self.ids[name] = member_token_ids(self.loaded.tokenizer, r, n)
+        self.base: dict[str, torch.Tensor] = {}
+        self.capture: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+
+    def hidden(self, member: str, plans: Sequence[LayerPlan] | None) -> torch.Tensor:
+        """Final hidden states ``[T, E]`` of the member's first ``n - 1`` tokens under ``plans`` (``None``:
+        float32 everywhere)."""
+        ids = torch.tensor(self.ids[member][:-1], dtype=torch.long)
+        pos = torch.arange(ids.numel())
+        rope = rope_tables_of(self.model)
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+            assert v is not None
+            if self.capture is not None:
+                self.capture(layer, k, v, pos)
+            scale = self.model.attention_params(layer).scale
+            plan = LayerPlan() if plans is None else plans[layer]
+            if plan.fmt in ("auto", "int8", "int8_rotated"):
+                return token_layer_attention(q, k, v, plan.fmt, scale)
+            return sealed_layer_attention(q, k, v, pos, plan, scale, rope)
+
+        with torch.inference_mode():
+            return self.model(ids, pos, attn)
+
+    def logits_chunks(self, h: torch.Tensor, rows: int = 256) -> list[torch.Tensor]:
+        """``compute_logits`` of ``h`` in chunks of ``rows`` (float32 ``[rows, V]`` each)."""
+        with torch.inference_mode():
+            return [self.model.compute_logits(h[a:a + rows]) for a in range(0, h.shape[0], rows)]
+
+    def baseline(self, member: str) -> torch.Tensor:
+        """The member's float32 logits ``[n - 1, V]`` with the unquantized cache (computed once)."""
+        if member not in self.base:
+            self.base[member] = torch.cat(self.logits_chunks(self.hidden(member, None)))
+        return self.base[member]
+
+    def score(self, variant: Variant, member: str) -> dict[str, Any]:
+        """KLD / Δppl / top-1 of ``variant`` on ``member`` against its baseline, as the suite computes them."""
+        start = time.perf_counter()
+        base = self.baseline(member)
+        ids = self.ids[member]
+        tgt = torch.tensor(ids[1:], dtype=torch.long)
+        kld, same, nll_f, nll_b = [], [], [], []
+        h = self.hidden(member, variant.plans)
+        a = 0
+        for lg in self.logits_chunks(h):
+            b = a + lg.shape[0]
+            lp, lb = log_probs(lg), log_probs(base[a:b])
+            kld.append(kl_divergence_rows(lb, lp).numpy())
+            same.append((lg.argmax(-1) == base[a:b].argmax(-1)).numpy())
+            nll_f.append((-lp.gather(1, tgt[a:b, None])[:, 0]).numpy())
+            nll_b.append((-lb.gather(1, tgt[a:b, None])[:, 0]).numpy())
+            a = b
+        d = summarize_divergence(np.concatenate(kld), np.concatenate(same), np.concatenate(nll_f),
+                                 np.concatenate(nll_b))
+        row = dict(variant=variant.name, member=member, num_tokens=len(ids), bits_1024=round(variant.bits(), 4),
+                   kld=d.kld_mean, kld_se=d.kld_se, delta_ppl_percent=100 * math.expm1(d.ln_ppl_ratio),
+                   delta_ppl_se_percent=d.delta_ppl_se_percent, top1_percent=d.top1_percent,
+                   seconds=round(time.perf_counter() - start, 1), note=variant.note, **variant.meta)
+        if d.depth is not None and d.depth.rest is not None:
+            f = d.depth.first
+            row.update(first1024_kld=f.kld_mean, first1024_delta_ppl_percent=f.delta_ppl_percent)
+        return row
+
+
+# -- code tables ---------------------------------------------------------------------------------------------------
+
+
+def normalized_groups(x: torch.Tensor, kind: str, qmax: int) -> torch.Tensor:
+    """Rows ``x`` ``[T, Hkv, D]`` (T a multiple of the block) as the format groups them, each mapped onto
+    ``[0, qmax]`` by its own min/max; flat float32."""
+    if kind == KEY:
+        g = x.view(-1, BLOCK, *x.shape[1:])                                    # [nb, bs, Hkv, D]: group over dim 1
+        mn, mx = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
+    else:
+        d = x.shape[-1]
+        g = x.unflatten(-1, (d // value_group_size(d), value_group_size(d)))
+        mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    return ((g - mn) / (mx - mn).clamp(min=1e-12) * qmax).flatten()
+
+
+def fit_levels(u: torch.Tensor, bits: int, iters: int = 40) -> torch.Tensor:
+    """Lloyd's algorithm on samples ``u`` in ``[0, 2**bits - 1]`` with the two end levels fixed at 0 and ``qmax``
+    (so a group's extremes, which attention leans on, stay exact): ``[2**bits]`` ascending float32 levels."""
+    qmax = 2**bits - 1
+    lev = torch.arange(qmax + 1, dtype=torch.float64)
+    u = u.double()
+    for _ in range(iters):
+        idx = torch.bucketize(u, (lev[1:] + lev[:-1]) / 2)
+        sums = torch.zeros_like(lev).index_add_(0, idx, u)
+        cnt = torch.zeros_like(lev).index_add_(0, idx, torch.ones_like(u))
+        new = torch.where(cnt > 0, sums / cnt.clamp(min=1), lev)
+        new[0], new[-1] = 0.0, float(qmax)
+        lev = new.sort().values
+    return lev.float()
+
+
+def collect_levels(runner: Runner, members: Sequence[str], fmts: Sequence[str], tokens: int, pre_rope: bool = False,
+                   samples: int = 2_000_000) -> dict[str, dict[str, list[float]]]:
+    """Fit decode tables (:func:`fit_levels`) for keys and values of each format in ``fmts`` on the baseline K/V
+    of ``members``' first ``tokens`` tokens (in each format's stored basis; keys pre-RoPE with ``pre_rope``).
+
+    Returns ``{fmt: {"key": levels, "value": levels}}``.
+    """
+    got: dict[str, dict[str, list[torch.Tensor]]] = {f: {KEY: [], VALUE: []} for f in fmts}
+    rope = rope_tables_of(runner.model)
+
+    def capture(layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        n = (min(k.shape[0], tokens) // BLOCK) * BLOCK
+        kk = undo_rope(k, pos, *rope) if pre_rope else k
+        for f in fmts:
+            fmt = get_format(f)
+            rot = fmt.rotation(k.shape[-1], torch.float32, "cpu") is not None
+            tb = fmt.to_stored_basis if rot else (lambda x: x)
+            qmax = 2**fmt.bits - 1
+            got[f][KEY].append(normalized_groups(tb(kk[:n]).to(TAIL_DTYPE).float(), KEY, qmax))
+            got[f][VALUE].append(normalized_groups(tb(v[:n]).to(TAIL_DTYPE).float(), VALUE, qmax))
+
+    runner.capture = capture
+    try:
+        for m in members:
+            runner.hidden(m, None)
+    finally:
+        runner.capture = None
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, dict[str, list[float]]] = {}
+    for f in fmts:
+        out[f] = {}
+        for kind in (KEY, VALUE):
+            u = torch.cat(got[f][kind])
+            u = u[torch.randperm(u.numel(), generator=gen)[:samples]]
+            out[f][kind] = [round(float(x), 4) for x in fit_levels(u, get_format(f).bits)]
+    return out
+
+
+# -- commands ----------------------------------------------------------------------------------------------------
+
+
+def _suite_rows(path: Path) -> dict[tuple[str, str], dict[str, float]]:
+    """``(format, member) -> {kld, dppl, first1024_kld, first1024_dppl}`` from a ``kvpage eval --suite`` results.json."""
+    data = json.loads(path.read_text())
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for m in data["members"]:
+        for r in m["results"]:
+            d = r["divergence"]
+            row = dict(kld=d["kld_mean"], dppl=100 * math.expm1(d["ln_ppl_ratio"]))
+            depth = d.get("depth") or {}
+            if depth.get("rest"):
+                row.update(first1024_kld=depth["first"]["kld_mean"],
+                           first1024_dppl=depth["first"]["delta_ppl_percent"])
+            out[(r["name"], m["name"])] = row
+    return out
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(f"{r['variant']:<34} {r['member']:<13} bits {r['bits_1024']:.3f}  KLD {r['kld']:.5f}  "
+          f"dppl {r['delta_ppl_percent']:+.2f}%  top1 {r['top1_percent']:.2f}  ({r['seconds']} s)", flush=True)
+
+
+def _save(out: Path, name: str, payload: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``validate``, ``sensitivity``, ``fit``, ``screen`` (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("command", choices=["validate", "sensitivity", "fit", "screen"])
+    p.add_argument("--members", default=",".join(TUNING))
+    p.add_argument("--tokens", default="argparse=2048", help="member=N,... (first N tokens of those members)")
+    p.add_argument("--formats", default="int4,int3,int2,int4_rotated", help="validate/screen: base formats")
+    p.add_argument("--variants", default=None, help="screen: comma-separated variant names (default all)")
+    p.add_argument("--suite-json", default="benchmarks/accuracy/suite/results.json")
+    p.add_argument("--sens-bits", default="int2", help="sensitivity: the format of the one quantized layer")
+    p.add_argument("--out", default="benchmarks/accuracy/tries")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    members = [m for m in args.members.split(",") if m]
+    tokens = {k: int(v) for k, v in (kv.split("=") for kv in args.tokens.split(",") if kv)}
+    out = Path(args.out)
+    runner = Runner(members, tokens)
+    cmd = " ".join(["benchmarks/kv_tries.py", *(argv if argv is not None else sys.argv[1:])])
+    rows: list[dict[str, Any]] = []
+    payload: dict[str, Any] = dict(command=cmd, torch=torch.__version__, threads=1,
+                                   tokens={m: len(runner.ids[m]) for m in members}, rows=rows)
+    L = runner.num_layers
+    if args.command == "validate":
+        suite = _suite_rows(Path(args.suite_json))
+        for f in args.formats.split(","):
+            for m in members:
+                r = runner.score(uniform(f, f, L), m)
+                s = suite.get((f, m), {})
+                if len(runner.ids[m]) == 4096 or "first1024_kld" not in s:
+                    r.update(suite_kld=s.get("kld"), suite_delta_ppl_percent=s.get("dppl"))
+                else:  # a shortened long member: its first 1,024 scored positions are the suite's depth split
+                    r.update(suite_first1024_kld=s.get("first1024_kld"),
+                             suite_first1024_delta_ppl_percent=s.get("first1024_dppl"))
+                rows.append(r)
+                _print_row(r)
+                print(f"    suite: {json.dumps({k: v for k, v in r.items() if k.startswith('suite') or k.startswith('first')})}")
+                _save(out, "validate", payload)
+        return 0
+    if args.command == "sensitivity":
+        for layer in range(L):
+            plans = [LayerPlan() for _ in range(L)]
+            plans[layer] = LayerPlan(fmt=args.sens_bits)
+            v = Variant(f"layer{layer}_{args.sens_bits}", plans, meta=dict(layer=layer))
+            for m in members:
+                r = runner.score(v, m)
+                rows.append(r)
+                _print_row(r)
+            _save(out, f"sensitivity_{args.sens_bits}", payload)
+        return 0
+    if args.command == "fit":
+        fmts = args.formats.split(",")
+        payload["levels"] = collect_levels(runner, members, fmts, tokens=1024)
+        payload["levels_pre_rope"] = collect_levels(runner, members, fmts, tokens=1024, pre_rope=True)
+        _save(out, "levels", payload)
+        print(json.dumps(payload["levels"], indent=1))
+        return 0
+    variants = build_variants(out, L, args.formats.split(","))
+    wanted = None if args.variants is None else set(args.variants.split(","))
+    name = "screen" if wanted is None else "screen_" + "_".join(sorted(wanted))[:80]
+    for v in variants:
+        if wanted is not None and v.name not in wanted:
+            continue
+        for m in members:
+            r = runner.score(v, m)
+            rows.append(r)
+            _print_row(r)
+            _save(out, name, payload)
+    return 0
+
+
+def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]:
+    """The tries of ``screen``: non-uniform codes (tables from ``<out>/levels.json``), pre-RoPE keys and per-layer
+    mixes (ranked by ``<out>/sensitivity_int2.json``), for the base formats ``fmts`` where they apply."""
+    vs: list[Variant] = [uniform(f, f, layers) for f in fmts]                 # the formats as they are
+    lev_path = out / "levels.json"
+    if lev_path.exists():
+        lev = json.loads(lev_path.read_text())
+        for f in fmts:
+            for key in ("levels", "levels_pre_rope"):
+                if f not in lev.get(key, {}):
+                    continue
+                kl = torch.tensor(lev[key][f][KEY])
+                vl = torch.tensor(lev[key][f][VALUE])
+                pre = key == "levels_pre_rope"
+                tag = "_prerope" if pre else ""
+                if not pre:
+                    vs.append(uniform(f"{f}_lut_v", f, layers, value_levels=vl))
+                    vs.append(uniform(f"{f}_lut_k", f, layers, key_levels=kl))
+                vs.append(uniform(f"{f}{tag}_lut_kv", f, layers, key_levels=kl, value_levels=vl, pre_rope=pre))
+    for f in fmts:
+        vs.append(uniform(f"{f}_prerope", f, layers, pre_rope=True))
+    sens = out / "sensitivity_int2.json"
+    if sens.exists():
+        rows = json.loads(sens.read_text())["rows"]
+        per = {}
+        for r in rows:
+            per.setdefault(r["layer"], []).append(r["kld"])
+        order = sorted(per, key=lambda i: -float(np.mean(per[i])))            # most sensitive first
+        for suffix in ("", "_rotated"):
+            i4, i3, i2, i8 = (f"int4{suffix}", f"int3{suffix}", f"int2{suffix}", f"int8{suffix}")
+            # int3's budget: the 5 most sensitive layers int4 (+1 bit each at 1,024 tokens), the 10 least int2
+            # (-0.5 each, window included), the rest int3
+            plans = [LayerPlan(fmt=i3) for _ in range(layers)]
+            for i in order[:5]:
+                plans[i] = LayerPlan(fmt=i4)
+            for i in order[-10:]:
+                plans[i] = LayerPlan(fmt=i2)
+            vs.append(Variant(f"mix_int3budget{suffix}", plans, meta=dict(order=order)))
+            # int4's budget: the 2 most sensitive layers 8-bit (+3.6 bits each), the 8 least int3 (-1 each)
+            plans = [LayerPlan(fmt=i4) for _ in range(layers)]
+            for i in order[:2]:
+                plans[i] = LayerPlan(fmt=i8)
+            for i in order[-8:]:
+                plans[i] = LayerPlan(fmt=i3)
+            vs.append(Variant(f"mix_int4budget{suffix}", plans, meta=dict(order=order)))
+            # TurboQuant's preset: first and last layers 8-bit, the rest int3
+            plans = [LayerPlan(fmt=i3) for _ in range(layers)]
+            plans[0] = plans[-1] = LayerPlan(fmt="int8")
+            vs.append(Variant(f"firstlast8_int3{suffix}", plans))
+    return vs
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

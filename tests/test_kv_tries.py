@@ -1,0 +1,111 @@
+"""The screening harness of ``benchmarks/kv_tries.py``: its fake quantization equals the formats' own bytes, and its
+attention reads what the chunked-32 suite reads (own block at float16, block 0 through the int8 copy, the rest
+sealed)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpage.formats import KEY, VALUE, get_format
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_tries.py"
+_spec = importlib.util.spec_from_file_location("kv_tries", _PATH)
+assert _spec is not None and _spec.loader is not None
+kv_tries = importlib.util.module_from_spec(_spec)
+sys.modules["kv_tries"] = kv_tries
+_spec.loader.exec_module(kv_tries)
+
+
+@pytest.mark.parametrize("name", ["int4", "int3", "int2", "int3_rotated"])
+@pytest.mark.parametrize("kind", [KEY, VALUE])
+def test_uniform_table_is_the_format_itself(name: str, kind: str) -> None:
+    """The table path with the uniform grid codes as the format's seal/unseal (same candidates, same pick)."""
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 32, 2, 64, generator=g) * torch.rand(1, 1, 2, 64, generator=g) * 4).half().float()
+    real = kv_tries.block_fake_quant(fmt, x, kind)
+    table = kv_tries.block_fake_quant(fmt, x, kind, real=False)
+    torch.testing.assert_close(table, real, rtol=0, atol=0)
+    # the table path proper with the uniform grid: only exact ties (x / step - offset at k + 1/2, which float16
+    # rows meet) round down where torch.round rounds to even
+    levels = torch.arange(2**fmt.bits, dtype=torch.float32)
+    differ = (kv_tries.block_fake_quant(fmt, x, kind, levels) != real).float().mean()
+    assert differ < 1e-3
+
+
+def test_nonuniform_table_changes_the_codes_and_keeps_the_ends() -> None:
+    """A bent table decodes differently; a group's min and max stay (nearly) exact under the covering step."""
+    fmt = get_format("int3")
+    x = torch.randn(1, 32, 1, 64, generator=torch.Generator().manual_seed(2))
+    bent = torch.tensor([0.0, 1.5, 2.5, 3.2, 3.8, 4.5, 5.5, 7.0])
+    a = kv_tries.block_fake_quant(fmt, x, VALUE, bent)
+    b = kv_tries.block_fake_quant(fmt, x, VALUE)
+    assert not torch.equal(a, b)
+    assert (a - x).abs().max() < (x.amax() - x.amin()) / 7
+
+
+def test_rope_round_trip() -> None:
+    """undo_rope inverts apply_rope (pre-RoPE keys are recovered to float32 rounding)."""
+    T, D = 40, 64
+    ang = torch.arange(T)[:, None] * (1.0 / 10000 ** (torch.arange(0, D, 2) / D))[None, :]
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos(), emb.sin()
+    sin_signed = torch.cat([-sin[:, : D // 2], sin[:, D // 2:]], -1)
+    k = torch.randn(T, 3, D)
+    pos = torch.arange(T)
+    torch.testing.assert_close(kv_tries.undo_rope(kv_tries.apply_rope(k, pos, cos, sin_signed), pos, cos, sin_signed),
+                               k, rtol=0, atol=1e-5)
+
+
+def test_fp_start_block() -> None:
+    """Own block always full precision; int2's window block too, except block 0 where the int8 copy exists."""
+    assert kv_tries.fp_start_block(0, 1, True) == 0
+    assert kv_tries.fp_start_block(1, 1, True) == 1      # block 0: the int8 copy, not the window
+    assert kv_tries.fp_start_block(1, 1, False) == 0     # no copy: block 0 is the window
+    assert kv_tries.fp_start_block(5, 1, True) == 4
+    assert kv_tries.fp_start_block(5, 0, True) == 5
+
+
+@pytest.mark.parametrize("name", ["int4", "int3_rotated", "int2"])
+def test_layer_attention_reads_what_the_suite_reads(name: str) -> None:
+    """Query by query, the harness equals attention over [int8 copy of block 0, sealed blocks, window at float16,
+    own block at float16 up to the query], built here from the formats' own calls."""
+    fmt = get_format(name)
+    T, H, Hkv, D = 70, 2, 1, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(T, n, D, generator=g) for n in (H, Hkv, Hkv))
+    out = kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), kv_tries.LayerPlan(fmt=name), None, (None, None))
+    rot = fmt.rotation(D, torch.float32, "cpu") is not None
+    tb = fmt.to_stored_basis if rot else (lambda x: x)
+    qs, k16, v16 = tb(q), tb(k).half().float(), tb(v).half().float()
+    window = fmt.default_residual_tokens // 32
+    for i in (5, 40, 69):
+        b = i // 32
+        ks, vs = [], []
+        for j in range(b + 1):
+            rows = slice(32 * j, min(32 * (j + 1), i + 1))
+            if j == b or (b - window <= j and j > 0):
+                ks.append(k16[rows]), vs.append(v16[rows])
+            elif j == 0:
+                ks.append(kv_tries.sink_fake_quant(k16[rows], KEY)), vs.append(kv_tries.sink_fake_quant(v16[rows], VALUE))
+            else:
+                blk = lambda x, kind: fmt.unseal_rotated(fmt.seal_rotated(x[rows][None], kind), kind,  # noqa: E731
+                                                         torch.float32, D)[0]
+                ks.append(blk(k16, KEY)), vs.append(blk(v16, VALUE))
+        kk, vv = torch.cat(ks), torch.cat(vs)
+        o = F.scaled_dot_product_attention(qs[i:i + 1].transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                                           vv.transpose(0, 1)[None], enable_gqa=True)[0].transpose(0, 1)[0]
+        torch.testing.assert_close(out[i], tb(o[None])[0] if rot else o, rtol=1e-4, atol=1e-5)
+
+
+def test_fit_levels_ends_fixed_and_sorted() -> None:
+    """Lloyd's tables keep 0 and qmax, ascend, and crowd where the samples are (a bell in the middle)."""
+    u = (torch.randn(200_000, generator=torch.Generator().manual_seed(4)) * 1.2 + 3.5).clamp(0, 7)
+    lev = kv_tries.fit_levels(u, 3)
+    assert lev[0] == 0 and lev[-1] == 7 and bool((lev[1:] > lev[:-1]).all())
+    assert lev[4] - lev[3] < 1.0  # denser than the uniform grid around the bell's centre
