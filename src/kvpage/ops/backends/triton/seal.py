@@ -54,43 +54,15 @@ def _clamp(v, lo, hi):
 
 
 @triton.jit
-def _reduce_min(x, IS_KEY: tl.constexpr):
-    """Per-group minimum, kept broadcastable: keys over tokens (axis 0), values over a group's channels (2, 3)."""
-    if IS_KEY:
-        r = tl.min(x, axis=0, keep_dims=True)
-    else:
-        r = tl.min(tl.min(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
-    return r
-
-
-@triton.jit
-def _reduce_max(x, IS_KEY: tl.constexpr):
-    if IS_KEY:
-        r = tl.max(x, axis=0, keep_dims=True)
-    else:
-        r = tl.max(tl.max(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
-    return r
-
-
-@triton.jit
-def _reduce_sum(x, IS_KEY: tl.constexpr):
-    if IS_KEY:
-        r = tl.sum(x, axis=0, keep_dims=True)
-    else:
-        r = tl.sum(tl.sum(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
-    return r
-
-
-@triton.jit
-def _rank(x, valid, st, m, span, qmax, max_error, IS_KEY: tl.constexpr, LIMITED: tl.constexpr):
-    """A candidate's rank (float32): the group's summed squared error (float64 sum, rounded to float32); with a
-    ``max_error`` an infeasible candidate ranks ``1e30 * (1 + worst / limit)`` (a NaN error stays NaN)."""
+def _rank(x, valid, st, m, span, qmax, max_error, LIMITED: tl.constexpr):
+    """A candidate's rank (float32) for each group (a column of ``x``): its summed squared error (float64 sum, rounded
+    to float32); with a ``max_error`` an infeasible candidate ranks ``1e30 * (1 + worst / limit)`` (NaN stays NaN)."""
     u = _clamp(round_half_even(tl.math.div_rn(x, st) - m), 0.0, qmax)
     diff = (u + m) * st - x
     dd = diff.to(tl.float64)
-    err = _reduce_sum(tl.where(valid, dd * dd, 0.0), IS_KEY).to(tl.float32)
+    err = tl.sum(tl.where(valid, dd * dd, 0.0), axis=0, keep_dims=True).to(tl.float32)
     if LIMITED:
-        worst = _reduce_max(tl.where(valid, tl.abs(diff), 0.0), IS_KEY)
+        worst = tl.max(tl.where(valid, tl.abs(diff), 0.0), axis=0, keep_dims=True)
         limit = max_error * span
         lim = tl.where(limit < 0.0000152587890625, 0.0000152587890625, limit)
         keep = (err != err) | (worst <= limit)
@@ -106,29 +78,33 @@ def _seal_blocks_kernel(
     STEP_LO: tl.constexpr, NUM_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, PER: tl.constexpr,
 ):
-    # one program seals block b's rows of kv head h. The rows sit in a [BLOCK_T, BLOCK_G, BLOCK_W, PER] tile:
-    # token t, channel c = j * group_size + w * PER + i, so that the PER codes of a packed byte (3 bits: of a 24-bit
-    # word) lie along the last axis. A group is a channel over the block's tokens (keys: axis 0; there num_groups = 1
-    # and group_size = head_dim) or a token's group_size channels (values: axes 2 and 3)
+    # one program seals block b's rows of kv head h, one group per column of a tile (the C++ kernel's lanes), so
+    # every reduction runs down axis 0. Keys: [BLOCK_T, BLOCK_W * PER], token t by channel k (num_groups = 1,
+    # group_size = head_dim). Values: [BLOCK_W * PER, BLOCK_T * BLOCK_G], channel k of group j of token t in column
+    # t * BLOCK_G + j (the rows transposed). Packing wants [rows, BLOCK_W, PER]: the PER codes of a byte (3 bits: of a
+    # 24-bit word) side by side, so the value codes are transposed back first
     b = tl.program_id(0)
     h = tl.program_id(1)
     blk = tl.load(ids_ptr + b)
-    t = tl.arange(0, BLOCK_T)[:, None, None, None]
-    j = tl.arange(0, BLOCK_G)[None, :, None, None]
-    w = tl.arange(0, BLOCK_W)[None, None, :, None]
-    i = tl.arange(0, PER)[None, None, None, :]
-    inner = w * PER + i                                                              # channel within the group
+    if IS_KEY:
+        t = tl.arange(0, BLOCK_T)[:, None]
+        j = t * 0
+        inner = tl.arange(0, BLOCK_W * PER)[None, :]                                # channel
+    else:
+        inner = tl.arange(0, BLOCK_W * PER)[:, None]                                # channel within the group
+        col = tl.arange(0, BLOCK_T * BLOCK_G)[None, :]
+        t = col // BLOCK_G
+        j = col % BLOCK_G
     valid = (t < block_size) & (j < num_groups) & (inner < group_size)
-    c = j * group_size + inner
-    row = (b.to(tl.int64) * block_size + t) * kv_heads + h                          # [BLOCK_T, 1, 1, 1]
-    raw = tl.load(x_ptr + row * head_dim + c, mask=valid, other=0)
+    row = (b.to(tl.int64) * block_size + t) * kv_heads + h
+    raw = tl.load(x_ptr + row * head_dim + j * group_size + inner, mask=valid, other=0)
     x = dequantize(raw, 1.0, ENC)                                                    # float32, exact
     nan = x != x
-    has_nan = _reduce_max(tl.where(valid & nan, 1, 0), IS_KEY) > 0
+    has_nan = tl.max(tl.where(valid & nan, 1, 0), axis=0, keep_dims=True) > 0
     xs = tl.where(nan, 0.0, x)
     # amin / amax: any NaN makes both NaN
-    mn = tl.where(has_nan, float("nan"), _reduce_min(tl.where(valid, xs, float("inf")), IS_KEY))
-    mx = tl.where(has_nan, float("nan"), _reduce_max(tl.where(valid, xs, -float("inf")), IS_KEY))
+    mn = tl.where(has_nan, float("nan"), tl.min(tl.where(valid, xs, float("inf")), axis=0, keep_dims=True))
+    mx = tl.where(has_nan, float("nan"), tl.max(tl.where(valid, xs, -float("inf")), axis=0, keep_dims=True))
     span = tl.math.div_rn(mx - mn, qmax)
     e0 = encode_ue5m3(span)
     best_r = span   # (typed placeholders; candidate 0 sets them)
@@ -155,7 +131,7 @@ def _seal_blocks_kernel(
                 m = _clamp(round_half_even(tl.math.div_rn(mn + mx, 2.0 * st) - qmax * 0.5), -128.0, 127.0)
             else:              # the one starting them at its minimum
                 m = _clamp(tl.floor(tl.math.div_rn(mn, st)), -128.0, 127.0)
-        r = _rank(x, valid, st, m, span, qmax, max_error, IS_KEY, LIMITED)
+        r = _rank(x, valid, st, m, span, qmax, max_error, LIMITED)
         is_nan = (r != r).to(tl.int32)
         if cand == 0:
             best_r = r
@@ -174,22 +150,26 @@ def _seal_blocks_kernel(
     off = tl.where(best_m != best_m, 0.0, best_m).to(tl.int32).to(tl.int8)
     sbyte = best_e.to(tl.uint8)
     blk64 = blk.to(tl.int64)
-    if IS_KEY:   # one step and offset per (kv head, channel): [1, 1, BLOCK_W, PER]
+    if IS_KEY:   # one step and offset per (kv head, channel)
         meta = (blk64 * kv_heads + h) * head_dim + inner
         mm = inner < head_dim
-    else:        # one per (token, kv head, group): [BLOCK_T, BLOCK_G, 1, 1]
+    else:        # one per (token, kv head, group)
         meta = ((blk64 * block_size + t) * kv_heads + h) * num_groups + j
         mm = (t < block_size) & (j < num_groups)
     tl.store(scale_ptr + meta, sbyte, mask=mm)
     tl.store(zero_ptr + meta, off, mask=mm)
     # pack: the PER codes of a byte (a 24-bit word at 3 bits) OR-ed along the last axis (kivi.pack)
-    word = tl.sum(code << (BITS * i), axis=3)                                        # [BLOCK_T, BLOCK_G, BLOCK_W]
-    t3 = tl.arange(0, BLOCK_T)[:, None, None]
-    j3 = tl.arange(0, BLOCK_G)[None, :, None]
-    w3 = tl.arange(0, BLOCK_W)[None, None, :]
-    widx = j3 * (group_size // PER) + w3
-    wm = (t3 < block_size) & (j3 < num_groups) & (w3 * PER < group_size)
-    dst = ((blk64 * block_size + t3) * kv_heads + h) * packed
+    if not IS_KEY:
+        code = tl.trans(code)                                                        # [BLOCK_T * BLOCK_G, channels]
+    shift = BITS * tl.arange(0, PER)[None, None, :]
+    word = tl.sum(tl.reshape(code, [BLOCK_T * BLOCK_G, BLOCK_W, PER]) << shift, axis=2)   # [rows, BLOCK_W]
+    r = tl.arange(0, BLOCK_T * BLOCK_G)[:, None]
+    t = r // BLOCK_G
+    j = r % BLOCK_G
+    w = tl.arange(0, BLOCK_W)[None, :]
+    widx = j * (group_size // PER) + w                                               # the word's place in the row
+    wm = (t < block_size) & (j < num_groups) & (w * PER < group_size)
+    dst = ((blk64 * block_size + t) * kv_heads + h) * packed
     if BITS == 3:
         for k in tl.static_range(3):
             at = 3 * widx + k
