@@ -105,6 +105,9 @@ def _seal_blocks_kernel(
     # amin / amax: any NaN makes both NaN
     mn = tl.where(has_nan, float("nan"), tl.min(tl.where(valid, xs, float("inf")), axis=0, keep_dims=True))
     mx = tl.where(has_nan, float("nan"), tl.max(tl.where(valid, xs, -float("inf")), axis=0, keep_dims=True))
+    used = tl.max(valid.to(tl.int32), axis=0, keep_dims=True) > 0                  # padding columns: 0, not inf - inf
+    mn = tl.where(used, mn, 0.0)
+    mx = tl.where(used, mx, 0.0)
     span = tl.math.div_rn(mx - mn, qmax)
     e0 = encode_ue5m3(span)
     best_r = span   # (typed placeholders; candidate 0 sets them)
