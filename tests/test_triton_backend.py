@@ -372,8 +372,9 @@ def test_kvpage_imports_and_selects_without_triton() -> None:
 
 def test_the_kernels_compile_for_sm90_without_a_gpu() -> None:
     """Triton's full GPU pipeline (down to a cubin, with the wheel's ptxas) accepts every encoding and scale source,
-    decode and run tiles, with and without window, soft-cap and split, and the int4/int2 kernel for both tail
-    encodings: errors only the GPU compiler sees show here."""
+    decode and run tiles, with and without window, soft-cap and split, the int4/int2 kernel for both tail
+    encodings, and the seal and unseal of every width (the seal without FMA contraction): errors only the GPU
+    compiler sees show here."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     r = subprocess.run([sys.executable, "-m", "kvpage.ops.backends.triton.aot", "--arch", "90"], capture_output=True,
@@ -383,4 +384,6 @@ def test_the_kernels_compile_for_sm90_without_a_gpu() -> None:
     assert sum(line.startswith("_paged_attention_kernel ") for line in lines) == 28
     assert sum(line.startswith("_write_rows_kernel ") for line in lines) == 4
     assert sum(line.startswith("_sealed_attention_kernel ") for line in lines) == 17  # int4/int2 x tail x tile x split
+    assert sum(line.startswith("_seal_blocks_kernel ") for line in lines) == 6  # int4/int3/int2 x key/value
+    assert sum(line.startswith("_unseal_blocks_kernel ") for line in lines) == 6
     assert any(line.startswith("_merge_splits_kernel ") for line in lines)

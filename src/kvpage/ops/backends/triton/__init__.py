@@ -5,7 +5,8 @@ Serves the token-wise formats -- ``float32``/``bfloat16``/``float16``, ``int8``,
 layer for the whole batch (:mod:`.paged_attention`: decode rows and prefill-chunk runs, GQA, sliding window,
 soft-cap, split-K with a log-sum-exp merge) and one write launch per tensor for the quantized formats
 (:mod:`.write`); and the block-wise ``int4``/``int3``/``int2`` with one attention launch per layer over sealed blocks, tail
-rows and first-block copies (:mod:`.sealed_attention`; their write and seal are still the reference's Python code).
+rows and first-block copies (:mod:`.sealed_attention`), their blocks sealed (the least-squares step search, byte-identical
+to the formats' own code), unsealed and copied to 8 bits by kernels too (:mod:`.seal`).
 Tested on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) and compiled for sm_90 without a GPU
 (:mod:`.aot`); not yet run on a GPU.
 
@@ -93,12 +94,12 @@ def _encoding(fmt: TokenFormat) -> tuple[int, int] | None:
     return None
 
 
-def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
-    """The kernel modules ``(write, paged_attention, sealed_attention)``, importing triton (the first call
+def _kernels() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
+    """The kernel modules ``(write, paged_attention, sealed_attention, seal)``, importing triton (the first call
     decorates the kernels, interpreted when ``TRITON_INTERPRET=1`` is set by then)."""
-    from kvpage.ops.backends.triton import paged_attention, sealed_attention, write
+    from kvpage.ops.backends.triton import paged_attention, seal, sealed_attention, write
 
-    return write, paged_attention, sealed_attention
+    return write, paged_attention, sealed_attention, seal
 
 
 class TritonBackend(AttentionBackend):
@@ -116,7 +117,8 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, target_programs: int | None = None) -> None:
-        self._write, self._attn, self._sealed = _kernels()
+        self._write, self._attn, self._sealed, seal = _kernels()
+        self._codec = seal.TritonSealCodec()
         self.target_programs = target_programs
         self._tiles: tuple[AttentionMetadata, tuple[int, int], StepTiles] | None = None
         self._sealed_tiles: tuple[SealContext, tuple[int, int], SealedStep] | None = None
@@ -263,15 +265,16 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward_sealed` (``int4``/``int3``/``int2``): write and seal, then one attention launch.
 
-        The write is the reference's (:func:`~kvpage.ops.sealed_attention.write_sealed_kv` with the formats' own
-        seal and sink code, byte-identical to the ``reference`` backend): a Triton seal kernel (the least-squares
-        step search) is a later step. The kernel (:mod:`.sealed_attention`) serves the requests
+        The write is :func:`~kvpage.ops.sealed_attention.write_sealed_kv` through :class:`.seal.TritonSealCodec`:
+        the blocks that fill are sealed by one kernel launch per tensor (the least-squares step search, codes,
+        packing; byte-identical to the ``reference`` backend's), their first-block copies coded by the fused
+        per-token write, rows moved by torch indexing. The attention kernel (:mod:`.sealed_attention`) serves the requests
         :func:`~kvpage.ops.backends.sealed_sources.sealed_sources` admits -- decode rows and runs of up to
         :data:`KERNEL_MAX_QUERY` new tokens in one block -- of plain layers, reading pool blocks, tail rows and
         first-block copies through the step's source tables, in float32. The other requests (long runs, runs
         across a block end, a windowed or soft-capped layer's) attend through the reference path
-        (:func:`~kvpage.ops.sealed_attention.sealed_request`), the ``cpu`` backend's SDPA rows -- here always in
-        float32 and without its CPU-only block-split attention.
+        (:func:`~kvpage.ops.sealed_attention.sealed_request`, pool blocks unsealed by the codec's kernel), the
+        ``cpu`` backend's SDPA rows -- here always in float32 and without its CPU-only block-split attention.
         Returns ``[T, H, D]`` in ``q.dtype``.
 
         Raises:
@@ -285,7 +288,7 @@ class TritonBackend(AttentionBackend):
                 f"layer {layer_index}: the triton backend reads int4/int3/int2 blocks with 16-bit tail rows, not format "
                 f"{spec.kv_format} with {tail[KEY].dtype} tail rows")
         basis = enter_stored_basis(fmt, q, k, v)  # rotated formats: their stored basis, the kernels unchanged
-        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, basis.k, basis.v)
+        batch = write_sealed_kv(cache, tail, fmt, ctx, spec.block_size, basis.k, basis.v, codec=self._codec)
         qa = basis.q.float().contiguous()                                             # [T, H, D]
         out = torch.empty_like(qa)
         group = q.shape[1] // spec.kv_heads
@@ -316,7 +319,7 @@ class TritonBackend(AttentionBackend):
         for i in sdpa_rows:
             a, b = qsl[i], qsl[i + 1]
             out[a:b] = sealed_request(qa[a:b], cache, tail, fmt, ctx, spec, ctx.plan.reads[i], batch,
-                                      meta.seq_lens[i], params).float()
+                                      meta.seq_lens[i], params, codec=self._codec).float()
         return basis.leave(out, q.dtype)
 
     def _sealed_step(self, ctx: SealContext, meta: AttentionMetadata, group: int, head_dim: int,

@@ -18,8 +18,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvpage.formats.kivi import value_group_size
-from kvpage.ops.backends.triton import paged_attention, sealed_attention, write
+from kvpage.formats import get_format
+from kvpage.formats.kivi import SealedFormat, value_group_size
+from kvpage.ops.backends.triton import paged_attention, seal, sealed_attention, write
 from kvpage.ops.backends.triton.step import BLOCK_N, num_warps, tile_shape
 
 # storage pointer type per encoding (.codes: float32, bfloat16 bits, float16, int8, e4m3)
@@ -45,6 +46,13 @@ _SEALED_ARGS = {
 }
 
 
+_SEAL_ARGS = {"ids_ptr": "*i64", "codes_ptr": "*u8", "scale_ptr": "*u8", "zero_ptr": "*i8", "block_size": "i32",
+              "kv_heads": "i32", "head_dim": "i32", "num_groups": "i32", "group_size": "i32", "packed": "i32",
+              "qmax": "fp32", "max_error": "fp32"}
+_UNSEAL_ARGS = {"out_ptr": "*fp32", "ids_ptr": "*i64", "codes_ptr": "*u8", "scale_ptr": "*u8", "zero_ptr": "*i8",
+                "block_size": "i32", "kv_heads": "i32", "head_dim": "i32", "num_groups": "i32", "group_size": "i32"}
+
+
 @dataclass(frozen=True)
 class Build:
     """One compiled configuration: the kernel, its constexprs, the cubin's size and how long it took."""
@@ -55,11 +63,12 @@ class Build:
     seconds: float
 
 
-def _compile(fn: object, args: dict[str, str], consts: dict[str, object], warps: int, arch: int) -> Build:
+def _compile(fn: object, args: dict[str, str], consts: dict[str, object], warps: int, arch: int,
+             fp_fusion: bool = True) -> Build:
     signature = {**args, **{k: "constexpr" for k in consts}}
     t0 = time.perf_counter()
     k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": warps})
+                       options={"num_warps": warps, "enable_fp_fusion": fp_fusion})
     return Build(getattr(fn, "__name__", str(fn)), consts, len(k.asm["cubin"]), time.perf_counter() - t0)
 
 
@@ -84,10 +93,34 @@ def sealed_configurations(full: bool) -> Iterator[tuple[int, int, int, int, int,
     yield 4, 1, 128, 4, 1, False, False
 
 
+def seal_configurations(full: bool) -> Iterator[tuple[str, bool, int, int, int]]:
+    """``(format, is key, head_dim, block_size, row encoding)`` of the seal kernel to compile: int4, int3 and int2
+    (each with its own step search) for keys and values, head_dim 128, blocks of 32, bfloat16 rows; with ``full``
+    also head_dim 64, 96 and 256, blocks of 16 and float32/float16 rows."""
+    dims = (64, 96, 128, 256) if full else (128,)
+    sizes = (16, 32) if full else (32,)
+    encs = (0, 1, 2) if full else (1,)
+    for name, key, d, bs, enc in itertools.product(("int4", "int3", "int2"), (True, False), dims, sizes, encs):
+        yield name, key, d, bs, enc
+
+
+def _seal_build(name: str, key: bool, d: int, bs: int, enc: int, arch: int) -> Build:
+    fmt = get_format(name)
+    assert isinstance(fmt, SealedFormat)
+    per = 8 if fmt.bits == 3 else 8 // fmt.bits
+    group = d if key else value_group_size(d)
+    consts: dict[str, object] = dict(
+        ENC=enc, IS_KEY=key, BITS=fmt.bits, LIMITED=fmt.max_error is not None, STEP_LO=fmt.step_search.start,
+        NUM_STEPS=len(fmt.step_search), BLOCK_T=triton.next_power_of_2(bs),
+        BLOCK_G=triton.next_power_of_2(d // group), BLOCK_W=triton.next_power_of_2(-(-group // per)), PER=per)
+    args = {"x_ptr": _KV_PTR[enc], **_SEAL_ARGS}
+    return _compile(seal._seal_blocks_kernel, args, consts, seal.seal_warps(bs, d), arch, fp_fusion=False)
+
+
 def compile_all(arch: int = 90, *, full: bool = False) -> list[Build]:
     """Compile the attention kernel for :func:`configurations`, the int4/int2 kernel for
-    :func:`sealed_configurations`, the write kernel for each 8-bit code and scale source, and the split merge,
-    for ``sm_{arch}``.
+    :func:`sealed_configurations`, the seal kernel for :func:`seal_configurations` and the unseal kernel for each
+    width and kind, the write kernel for each 8-bit code and scale source, and the split merge, for ``sm_{arch}``.
 
     Raises:
         triton.CompilationError (or another error of Triton's pipeline): a configuration does not compile.
@@ -111,6 +144,11 @@ def compile_all(arch: int = 90, *, full: bool = False) -> list[Build]:
     for enc, scale in ((3, 1), (4, 1), (3, 2), (4, 2)):
         builds.append(_compile(write._write_rows_kernel, _WRITE_ARGS,
                                dict(ENC=enc, SCALE=scale, BLOCK_R=write.ROWS_PER_PROGRAM, BLOCK_D=128), 4, arch))
+    for name, key, d, bs, enc in seal_configurations(full):
+        builds.append(_seal_build(name, key, d, bs, enc, arch))
+    for bits, key in itertools.product((4, 3, 2), (True, False)):
+        consts = dict(IS_KEY=key, BITS=bits, PACKED=-(-128 * bits // 8), BLOCK_T=16, BLOCK_D=128)
+        builds.append(_compile(seal._unseal_blocks_kernel, _UNSEAL_ARGS, consts, 4, arch))
     merge_args = {"out_ptr": "*fp32", "part_ptr": "*fp32", "lse_ptr": "*fp32", "rows": "i32", "head_dim": "i32",
                   "num_splits": "i32"}
     builds.append(_compile(paged_attention._merge_splits_kernel, merge_args, dict(BLOCK_R=16, BLOCK_D=128), 4, arch))
