@@ -605,6 +605,17 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
             for i in order[-10:]:
                 plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
             vs.append(Variant(f"mix_int2budget{suffix}", plans, meta=dict(order=order)))
+            # the same with 5 and 5; and the window cut alone on the 10 least sensitive layers (what it costs)
+            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
+            for i in order[:5]:
+                plans[i] = LayerPlan(fmt=i3)
+            for i in order[-5:]:
+                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
+            vs.append(Variant(f"mix5_int2budget{suffix}", plans, meta=dict(order=order)))
+            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
+            for i in order[-10:]:
+                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
+            vs.append(Variant(f"nowindow10_int2{suffix}", plans, meta=dict(order=order)))
     return vs
 
 
