@@ -273,16 +273,39 @@ counts only where KLD moves by more than about 10% on several members. Bits at 1
 | 1c: `int3_rotated`, Lloyd codes for K and V | 3.633 | 0.0177 / -1.45% | 0.0168 / +2.44% | 0.0160 / +2.11% | 0.1724 / -7.15% | 0.0557 / -1.01% | rejected: within noise on three members, +28% KLD on `torch_readme` |
 | `int4_rotated` (reference) | 4.633 | 0.0044 / +0.18% | 0.0035 / +0.35% | 0.0039 / +0.47% | 0.0521 / -3.42% | 0.0160 / -0.60% | — |
 | 1c: `int4_rotated`, Lloyd codes for K and V | 4.633 | 0.0052 / +0.82% | 0.0044 / +0.89% | 0.0034 / +0.85% | 0.0770 / -0.42% | 0.0225 / +0.54% | rejected: KLD higher on three members |
+| 1b: `int4_rotated`, keys sealed before RoPE | 4.633 | 0.0033 / -0.05% | 0.0034 / +0.39% | 0.0034 / +0.70% | 0.0267 / -1.35% | 0.0092 / -0.08% | **kept**: KLD -25%, -13%, -49% on three members, -4% on `argparse`, Δppl within noise; pre-RoPE pays most at 4 bits (KLD ≤ 0.004 on three members) |
 | 1d: 2 most sensitive layers `int8_rotated`, 8 least `int3_rotated`, 20 `int4_rotated` | 4.607 | 0.0070 / -0.35% | 0.0049 / +0.64% | 0.0042 / -0.10% | 0.0562 / -2.49% | 0.0181 / -0.58% | rejected: KLD +58%, +39%, +8%, +8% on the four members: at 4 bits the int3 layers lose more than the 8-bit ones win |
 | 1d: TurboQuant's preset, layers 0 and 29 `int8`, the rest `int3_rotated` | 3.941 | 0.0217 / +0.18% | 0.0183 / +2.95% | 0.0188 / +1.28% | 0.1383 / +4.35% | 0.0493 / +2.19% | rejected: 0.31 more bits, no better; here the last layer is among the least sensitive (25th of 30) |
+| `int2_rotated` (reference) | 3.133 | 0.0351 / +3.30% | 0.0433 / +6.26% | 0.0372 / +4.51% | 0.2379 / -13.99% | 0.0884 / +0.02% | — |
+| 1b: `int2_rotated`, keys sealed before RoPE | 3.133 | 0.0324 / +3.60% | 0.0436 / +5.07% | 0.0332 / +3.54% | 0.1785 / -7.55% | 0.0719 / +1.16% | not a gain of its own: KLD -25% on `torch_readme`, -11% on `matplotlibrc`, -8% and +1% on `gpl3` and `argparse`; none worse, so it comes free with pre-RoPE built for 4 and 3 bits |
+| 1d: 10 most sensitive layers `int3_rotated`, 10 least `int2_rotated` without its window, 10 `int2_rotated` | 3.133 | 0.0649 / +1.95% | 0.0396 / +5.57% | 0.0324 / +3.27% | 0.2319 / -7.57% | 0.0922 / +0.81% | rejected: KLD +85% on `gpl3`, -9% to -13% on two, -3% on the fourth: the 10 window cuts cost more than the 10 int3 layers win |
+| 1d: 5 most sensitive layers `int3_rotated`, 5 least `int2_rotated` without its window, 20 `int2_rotated` | 3.133 | 0.0278 / +1.32% | 0.0317 / +3.74% | 0.0327 / +5.06% | 0.2222 / -12.15% | 0.0786 / -0.51% | **kept** (weaker than at `int3`'s budget): KLD -21%, -27%, -12% on three members, -7% on the fourth, same bits; chosen after the 10 + 10 mix on these members |
+| (diagnostic) 10 least sensitive layers `int2_rotated` without its window, the rest `int2_rotated` | 2.966 | 0.0753 / +4.12% | 0.0652 / +8.58% | 0.0482 / +5.06% | 0.2385 / -14.51% | 0.1068 / +0.81% | — : KLD +114%, +51%, +30%, 0%: the ranking below (measured with the window) does not price the window's removal |
 
 Layer sensitivity (`kv_tries.py sensitivity`: only that layer's cache `int2`, the rest float32; mean KLD over `gpl3`
 and `matplotlibrc`, 512 tokens each): layers 17, 20, 24, 8, 23 most sensitive (0.0056-0.0037), layers 27, 13,
 25, 11, 16 least (0.0001-0.0002): an 80x spread, and the single-layer KLDs add up to about the all-layer one.
 The fitted codes (`accuracy/tries/levels.json`, Lloyd's algorithm on the tuning members' own K/V with the group's
 min and max kept as end codes) are only mildly non-uniform (3 bits: 0, 1.22, 2.19, 3.07, 3.92, 4.80, 5.78, 7 for
-rotated keys): the searched step already fits the bell. Not run (time): 1b at 4 and 2 bits, 1c without rotation,
-per-layer mixes of the plain formats and at `int2`'s budget; nothing was run on the held-back member.
+rotated keys): the searched step already fits the bell. `int2`'s budget has nothing below `int2` to trade, so
+its mixes pay for `int3` layers by dropping `int2`'s 32-token float16 window on others (the engine's
+`kv_quant_residual_tokens=0`; 0.5 bits at 1,024 tokens, exactly `int3`'s extra cost).
+
+Held-back member `language_reference` (2,048 tokens), once for each kept try beside its reference from the same
+run (`accuracy/tries/heldback_*.json`); reported, never used to choose:
+
+| try | bits | `language_reference` KLD / Δppl | KLD against its reference |
+|---|---|---|---|
+| `int3_rotated` (reference) | 3.633 | 0.0197 / +1.91% | — |
+| 1d: 5 most sensitive layers `int4_rotated`, 10 least `int2_rotated`, 15 `int3_rotated` | 3.633 | 0.0110 / +1.37% | -44% |
+| 1b: `int3_rotated`, keys sealed before RoPE | 3.633 | 0.0148 / +1.86% | -25% |
+| `int4_rotated` (reference) | 4.633 | 0.0040 / +0.40% | — |
+| 1b: `int4_rotated`, keys sealed before RoPE | 4.633 | 0.0032 / -0.05% | -19% |
+| `int2_rotated` (reference) | 3.133 | 0.0484 / +5.22% | — |
+| 1d: 5 most sensitive layers `int3_rotated`, 5 least `int2_rotated` without its window, 20 `int2_rotated` | 3.133 | 0.0375 / +4.66% | -23% |
+
+Not run (time): 1c without rotation, per-layer mixes of the plain formats, a sensitivity ranking of the window
+cut itself, and pre-RoPE keys combined with a per-layer mix.
 
 """
 

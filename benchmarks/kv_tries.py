@@ -25,7 +25,9 @@ Variants beyond the real formats (all fake quantization, in this file only):
   but a code ``c`` decodes to ``(levels[c] + offset) * step`` with a per-format table ``levels`` (ascending,
   ``levels[0] = 0``, ``levels[-1] = 2**bits - 1``) instead of ``c``; tables fitted by Lloyd's algorithm on
   the tuning members' own K/V, normalized per group to its min/max range (:func:`fit_levels`);
-* **per-layer precision**: any format per layer (``int8``/``int4``/``int3``/``int2``, rotated or not, ``auto``).
+* **per-layer precision**: any format per layer (``int8``/``int4``/``int3``/``int2``, rotated or not, ``auto``),
+  a quantize-on-seal layer optionally with its own window (``kv_quant_residual_tokens``; ``int2`` without its
+  32-token window is the only way below ``int2``'s bits, which the mix at ``int2``'s budget uses).
 
 Usage (one thread; the machine is shared)::
 
@@ -173,12 +175,15 @@ class LayerPlan:
             format (``int4``, ``int3_rotated``, ...).
         pre_rope: keys sealed before RoPE (re-applied to the dequantized keys).
         key_levels, value_levels: non-uniform decode tables (``None``: the uniform grid).
+        residual_tokens: full-precision window of a quantize-on-seal format in tokens (the engine's
+            ``kv_quant_residual_tokens``); ``None``: the format's default (``int2``'s 32 tokens, 0 for the others).
     """
 
     fmt: str = "auto"
     pre_rope: bool = False
     key_levels: torch.Tensor | None = None
     value_levels: torch.Tensor | None = None
+    residual_tokens: int | None = None
 
 
 def fp_start_block(b: int, window: int, sink: bool) -> int:
@@ -222,7 +227,8 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         if fmt.sink_bits:
             k_hat[:BLOCK] = sink_fake_quant(k16[:BLOCK], KEY)
             v_hat[:BLOCK] = sink_fake_quant(v16[:BLOCK], VALUE)
-    window = math.ceil(fmt.default_residual_tokens / BLOCK)
+    residual = fmt.default_residual_tokens if plan.residual_tokens is None else plan.residual_tokens
+    window = math.ceil(residual / BLOCK)
     sink = bool(fmt.sink_bits)
     params = LayerAttention(scale=scale)
     out = torch.empty_like(qs)
@@ -257,15 +263,17 @@ def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt
     return o[0].transpose(0, 1)
 
 
-def layer_bits(fmt: str, num_tokens: int = 1024) -> float:
+def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None) -> float:
     """Effective bits per value of one SmolLM2 layer in ``fmt`` at ``num_tokens`` tokens (``auto``: 16, a 16-bit
-    cache; a sealed format counts its window and first-block copy, as ``kvpage eval`` does)."""
+    cache; a sealed format counts its window (``residual_tokens``, ``None``: the format's default) and first-block
+    copy, as ``kvpage eval`` does)."""
     if fmt == "auto":
         return 16.0
     f = get_format(fmt)
     if isinstance(f, SealedFormat):
+        residual = f.default_residual_tokens if residual_tokens is None else residual_tokens
         return f.effective_bits_per_value(num_tokens=num_tokens, block_size=BLOCK, kv_heads=3, head_dim=64,
-                                          residual_tokens=f.default_residual_tokens)
+                                          residual_tokens=residual)
     return f.effective_bits_per_value(num_tokens=num_tokens, block_size=16, kv_heads=3, head_dim=64)
 
 
@@ -283,7 +291,7 @@ class Variant:
 
     def bits(self, num_tokens: int = 1024) -> float:
         """Mean effective bits per value over the layers at ``num_tokens`` tokens (:func:`layer_bits`)."""
-        return float(np.mean([layer_bits(p.fmt, num_tokens) for p in self.plans]))
+        return float(np.mean([layer_bits(p.fmt, num_tokens, p.residual_tokens) for p in self.plans]))
 
 
 def uniform(name: str, fmt: str, layers: int = 30, **kw: Any) -> Variant:
@@ -588,6 +596,26 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
             plans = [LayerPlan(fmt=i3) for _ in range(layers)]
             plans[0] = plans[-1] = LayerPlan(fmt="int8")
             vs.append(Variant(f"firstlast8_int3{suffix}", plans))
+            # int2's budget: nothing is below int2, but its 32-token float16 window costs about as much as int3
+            # over int2 (0.5 bits at 1,024 tokens): the 10 most sensitive layers int3, the 10 least int2 without
+            # the window (kv_quant_residual_tokens=0), the rest int2 as it is
+            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
+            for i in order[:10]:
+                plans[i] = LayerPlan(fmt=i3)
+            for i in order[-10:]:
+                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
+            vs.append(Variant(f"mix_int2budget{suffix}", plans, meta=dict(order=order)))
+            # the same with 5 and 5; and the window cut alone on the 10 least sensitive layers (what it costs)
+            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
+            for i in order[:5]:
+                plans[i] = LayerPlan(fmt=i3)
+            for i in order[-5:]:
+                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
+            vs.append(Variant(f"mix5_int2budget{suffix}", plans, meta=dict(order=order)))
+            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
+            for i in order[-10:]:
+                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
+            vs.append(Variant(f"nowindow10_int2{suffix}", plans, meta=dict(order=order)))
     return vs
 
 

@@ -71,19 +71,22 @@ def test_fp_start_block() -> None:
     assert kv_tries.fp_start_block(5, 0, True) == 5
 
 
-@pytest.mark.parametrize("name", ["int4", "int3_rotated", "int2"])
-def test_layer_attention_reads_what_the_suite_reads(name: str) -> None:
+@pytest.mark.parametrize(("name", "residual"), [("int4", None), ("int3_rotated", None), ("int2", None),
+                                                 ("int2_rotated", 0)])
+def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | None) -> None:
     """Query by query, the harness equals attention over [int8 copy of block 0, sealed blocks, window at float16,
-    own block at float16 up to the query], built here from the formats' own calls."""
+    own block at float16 up to the query], built here from the formats' own calls (``residual``: the window in
+    tokens, ``None`` the format's default; ``int2`` with 0 has no window)."""
     fmt = get_format(name)
     T, H, Hkv, D = 70, 2, 1, 64
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(T, n, D, generator=g) for n in (H, Hkv, Hkv))
-    out = kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), kv_tries.LayerPlan(fmt=name), None, (None, None))
+    plan = kv_tries.LayerPlan(fmt=name, residual_tokens=residual)
+    out = kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), plan, None, (None, None))
     rot = fmt.rotation(D, torch.float32, "cpu") is not None
     tb = fmt.to_stored_basis if rot else (lambda x: x)
     qs, k16, v16 = tb(q), tb(k).half().float(), tb(v).half().float()
-    window = fmt.default_residual_tokens // 32
+    window = (fmt.default_residual_tokens if residual is None else residual) // 32
     for i in (5, 40, 69):
         b = i // 32
         ks, vs = [], []
@@ -101,6 +104,18 @@ def test_layer_attention_reads_what_the_suite_reads(name: str) -> None:
         o = F.scaled_dot_product_attention(qs[i:i + 1].transpose(0, 1)[None], kk.transpose(0, 1)[None],
                                            vv.transpose(0, 1)[None], enable_gqa=True)[0].transpose(0, 1)[0]
         torch.testing.assert_close(out[i], tb(o[None])[0] if rot else o, rtol=1e-4, atol=1e-5)
+
+
+def test_int2_budget_mix_costs_int2s_bits() -> None:
+    """Dropping int2's 32-token window saves what int3 costs over int2 at 1,024 tokens, so the int2-budget mix (10
+    layers int3, 10 int2 without the window) has int2's bits exactly."""
+    assert kv_tries.layer_bits("int2_rotated", residual_tokens=0) < kv_tries.layer_bits("int2_rotated")
+    two = kv_tries.uniform("int2_rotated", "int2_rotated")
+    order = list(range(30))
+    mix = [kv_tries.LayerPlan(fmt="int3_rotated") if i in order[:10] else
+           kv_tries.LayerPlan(fmt="int2_rotated", residual_tokens=0) if i in order[-10:] else
+           kv_tries.LayerPlan(fmt="int2_rotated") for i in range(30)]
+    assert kv_tries.Variant("mix", mix).bits() == pytest.approx(two.bits())
 
 
 def test_fit_levels_ends_fixed_and_sorted() -> None:
