@@ -216,3 +216,29 @@ def test_sealed_groups_carve_together_or_not_at_all(tiny4, base, layer_map) -> N
     prompts = [PROMPT[: 40 + 13 * i] for i in range(8)]
     out = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+
+
+def test_tiers_carry_a_mixed_cache_and_never_share_it_with_another_map(tiny4, tmp_path) -> None:
+    """Host tier and disk store round-trip every group's bytes (same greedy tokens from each tier); an engine with
+    another map (another fingerprint) finds nothing in the same store."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    mix = {1: "fp8", 3: "int8_rotated"}
+
+    def run(llm: LLM) -> list[int]:
+        return llm.generate([PROMPT], params)[0].outputs[0].token_ids
+
+    ref = run(LLM(tiny4, kv_cache_dtype="int8", kv_layer_dtypes=mix, num_blocks=64, progress=False,
+                  enable_prefix_caching=False))
+    a = LLM(tiny4, kv_cache_dtype="int8", kv_layer_dtypes=mix, num_blocks=64, progress=False, swap_space=0.01,
+            kv_disk_dir=tmp_path)
+    n = (len(PROMPT) - 1) // a.spec.block_size
+    assert run(a) == ref
+    a.reset_prefix_cache()
+    assert run(a) == ref and a.engine.stats().kv.tier_hits["host"] == n
+    a.close()
+    disk = LLM(tiny4, kv_cache_dtype="int8", kv_layer_dtypes=mix, num_blocks=64, progress=False, kv_disk_dir=tmp_path)
+    assert run(disk) == ref and disk.engine.stats().kv.tier_hits == {"device": 0, "disk": n}
+    other = LLM(tiny4, kv_cache_dtype="int8", kv_layer_dtypes={1: "fp8"}, num_blocks=64, progress=False,
+                kv_disk_dir=tmp_path)
+    run(other)
+    assert other.engine.stats().kv.tier_hits.get("disk", 0) == 0

@@ -68,7 +68,8 @@ class KVCost:
             ``bits_per_value`` approaches on long texts (the side parts' share shrinks); equal to it for
             token-wise formats.
         full_precision_tokens: tokens of the sequence the main group also holds in 16 bits (the open block
-            and the window of quantize-on-seal formats; 0 for the others).
+            and the window of quantize-on-seal formats; 0 for the others); with per-layer precision the most
+            that any of the model's format groups holds.
     """
 
     bits_per_value: float
@@ -139,11 +140,12 @@ def kv_cost(llm: LLM, num_tokens: int) -> KVCost:
         total_bits += bits * values
         steady_bits += layer.bits_per_value * values
         total_values += values
-    main = llm.spec.main.layer
+    full = max(g.layer.format.full_precision_tokens(
+        num_tokens=num_tokens, block_size=g.layer.block_size,
+        residual_tokens=residual if cfg is None else cfg.residual_tokens_for(g.name))
+        for g in (llm.spec.main, *llm.spec.format_groups))
     return KVCost(bits_per_value=total_bits / total_values, kv_bytes_per_token=total_bits / 8,
-                  steady_bits_per_value=steady_bits / total_values,
-                  full_precision_tokens=main.format.full_precision_tokens(
-                      num_tokens=num_tokens, block_size=main.block_size, residual_tokens=residual))
+                  steady_bits_per_value=steady_bits / total_values, full_precision_tokens=full)
 
 
 @dataclass(frozen=True)

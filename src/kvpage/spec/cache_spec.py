@@ -7,8 +7,8 @@ what makes FastDeploy's bug (PR 7757: an int8/fp8 cache allocated in the
 model's bfloat16 and the attention op crashing on a dtype mismatch)
 impossible here: there is no second place that picks a dtype.
 
-A spec is a list of *layer groups* (``main``, then optionally ``sliding`` and
-``draft``); all layers in a group share one :class:`LayerSpec` and one *kind*
+A spec is a list of *layer groups* (``main``, then optionally one ``main@<format>``
+per format of per-layer precision, ``sliding`` and ``draft``); all layers in a group share one :class:`LayerSpec` and one *kind*
 (:mod:`kvpage.spec.kinds`: full attention, sliding window, quantize-on-seal,
 sealed-in-window), which owns the group's memory arithmetic. Groups may
 differ: draft layers in bfloat16 beside fp8 main layers (vLLM
@@ -54,7 +54,8 @@ class LayerGroupSpec:
     """Layers that share one :class:`LayerSpec` and one kind of attention.
 
     Attributes:
-        name: ``"main"`` (the model's full-attention layers, or all of them), ``"sliding"`` (its
+        name: ``"main"`` (the model's full-attention layers, or all of them), ``"main@<format>"`` (those of
+            them that ``kv_layer_dtypes`` gives another format, one group per format), ``"sliding"`` (its
             sliding-window layers beside full-attention ones: Gemma 2/3's local layers) or ``"draft"``
             (draft/MTP layers).
         first_layer: global index of the group's first layer.
@@ -222,7 +223,7 @@ class CacheSpec:
     Build it with :meth:`build`; everything else is derived.
 
     Attributes:
-        groups: ``main`` first, then ``sliding`` and ``draft`` if any; together they hold global layers
+        groups: ``main`` first, then ``main@<format>`` groups, ``sliding`` and ``draft`` if any; together they hold global layers
             ``0 .. num_layers - 1``, each once (draft layers after the model's).
         block_size: tokens per block (same for every group).
         model_name: identifies the model in the fingerprint (e.g. file name).
