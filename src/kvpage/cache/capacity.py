@@ -44,7 +44,8 @@ class CapacityReport:
     """Everything the engine allocates for the KV cache at one budget, and what it holds.
 
     Attributes:
-        kv_format: the model layers' format (``int4``, ...; with per-layer precision :attr:`~kvpage.spec.CacheSpec.format_label`).
+        kv_format: the model layers' format (``int4``, ...; with per-layer precision
+            :attr:`~kvpage.spec.CacheSpec.format_label`).
         model_dtype: the compute dtype's name (``float32``, ...), the reference cache's dtype.
         block_size: tokens per block.
         num_blocks: device blocks (every layer group has this many).

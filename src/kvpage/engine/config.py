@@ -56,7 +56,8 @@ def parse_layer_dtypes(text: str, field_name: str = "kv_layer_dtypes") -> dict[i
             continue
         layers, sep, fmt = item.rpartition(":")
         if not sep or not layers.strip() or not fmt.strip():
-            raise ValueError(f"{field_name}: {item!r} is not LAYERS:FORMAT (e.g. '17,20,24:int4_rotated;27:int2_rotated')")
+            raise ValueError(f"{field_name}: {item!r} is not LAYERS:FORMAT "
+                             f"(e.g. '17,20,24:int4_rotated;27:int2_rotated')")
         for tok in layers.split(","):
             tok = tok.strip()
             if not tok.isdigit():

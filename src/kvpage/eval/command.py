@@ -37,7 +37,8 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--formats", default="auto,int8,fp8",
                    help="comma-separated KV formats (default auto,int8,fp8); the unquantized cache (auto) "
                         "always runs first as the baseline. A row may give layers other formats (per-layer "
-                        "precision) as FORMAT[LAYERS:FORMAT;...], e.g. 'int3_rotated[17,20:int4_rotated;27:int2_rotated]'; "
+                        "precision) as FORMAT[LAYERS:FORMAT;...], e.g. "
+                        "'int3_rotated[17,20:int4_rotated;27:int2_rotated]'; "
                         "its bits are the mean over layers")
     e.add_argument("--tokens", type=positive_int, default=None,
                    help=f"score the text's first N tokens (default {DEFAULT_TEXT_TOKENS}; with --suite each "

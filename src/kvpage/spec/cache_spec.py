@@ -366,7 +366,8 @@ class CacheSpec:
     @property
     def format_label(self) -> str:
         """The model layers' format(s) in one string: the main format's name, followed by the per-layer map in
-        ``kv_layer_dtypes``' spelling in brackets when there is one (``int3_rotated[8,17:int4_rotated;11:int2_rotated]``).
+        ``kv_layer_dtypes``' spelling in brackets when there is one
+        (``int3_rotated[8,17:int4_rotated;11:int2_rotated]``).
         The label of capacity lines and eval rows; no side effects."""
         base = self.main.layer.kv_format
         extra = self.format_groups
