@@ -16,7 +16,7 @@ from kvpage import LLM
 from kvpage.cache.controller import CacheController
 from kvpage.engine.config import EngineConfig, parse_layer_dtypes
 from kvpage.engine.sampling import SamplingParams
-from kvpage.errors import UnknownKVFormatError
+from kvpage.errors import StaticScalesError, UnknownKVFormatError
 from kvpage.spec import CacheSpec
 
 MIX = {1: "int4_rotated", 4: "int2_rotated", 5: "int4_rotated", 2: "int3_rotated"}  # 2 is the base format
@@ -105,6 +105,8 @@ def test_bad_maps_are_refused_by_the_config() -> None:
         EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes="int4")
     with pytest.raises(ValueError, match="kv_layer_dtypes must be a mapping"):
         EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes=[(1, "int4")])
+    with pytest.raises(StaticScalesError, match=r"layer 1 \(main@int8_static group\)"):
+        EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes={1: "int8_static"})
     assert parse_layer_dtypes("17,20 :int4_rotated; 27:int2_rotated;") == {17: "int4_rotated", 20: "int4_rotated",
                                                                            27: "int2_rotated"}
     cfg = EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes={0: "int4", 1: "int8"})
