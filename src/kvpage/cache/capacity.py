@@ -44,7 +44,8 @@ class CapacityReport:
     """Everything the engine allocates for the KV cache at one budget, and what it holds.
 
     Attributes:
-        kv_format: the main layers' format name (``int4``, ...).
+        kv_format: the model layers' format (``int4``, ...; with per-layer precision
+            :attr:`~kvpage.spec.CacheSpec.format_label`).
         model_dtype: the compute dtype's name (``float32``, ...), the reference cache's dtype.
         block_size: tokens per block.
         num_blocks: device blocks (every layer group has this many).
@@ -208,7 +209,7 @@ def _bisect(hi: int, fits: Callable[[int], bool]) -> int:
 
 def _too_small(spec: CacheSpec, sizing: CacheSizing, budget: int, knob: str, side: GroupMemory, need: int) -> str:
     """The message of a budget that holds no block after the side pools."""
-    fmt = spec.main.layer.kv_format
+    fmt = spec.format_label
     given = f"{budget:,} byte{'' if budget == 1 else 's'} given ({knob})"
     if side.side_bytes:
         return (f"KV budget too small: the side pools of {fmt} need {side.side_bytes:,} bytes (open-block tail slots "
@@ -282,7 +283,7 @@ def cache_capacity(
     ref = None if bounded is None else _reference_sizes(spec, sizing, budget)
     ref_bpb = reference_spec(spec, sizing).bytes_per_block
     return CapacityReport(
-        kv_format=spec.main.layer.kv_format, model_dtype=str(sizing.model_dtype).removeprefix("torch."),
+        kv_format=spec.format_label, model_dtype=str(sizing.model_dtype).removeprefix("torch."),
         block_size=spec.block_size, num_blocks=int(n), bytes_per_block=bpb,
         group_bytes={g.name: m.tensor_bytes for g, m in zip(spec.groups, mems)},
         tail_open_bytes=side.tail_open_bytes, tail_window_bytes=side.tail_window_bytes, sink_bytes=side.sink_bytes,
@@ -301,7 +302,7 @@ def _reference_sizes(spec: CacheSpec, sizing: CacheSizing, budget: int) -> tuple
     """``(tokens, window slots)`` a model-dtype cache of the same layout (window slots and all) holds in ``budget``
     bytes, from :func:`cache_capacity` itself (``(0, 0)``: not one block); ``None`` when ``spec`` is that cache."""
     ref = reference_spec(spec, sizing)
-    if ref.main.layer.kv_format == spec.main.layer.kv_format:
+    if ref.format_label == spec.format_label:
         return None
     try:
         got = cache_capacity(ref, replace(sizing, residual_tokens=0), budget)
@@ -344,7 +345,7 @@ def _window_only(spec: CacheSpec, sizing: CacheSizing, group: LayerGroupSpec, bu
     ref = _reference_sizes(spec, sizing, int(budget))
     tokens = int(n) * bs
     return CapacityReport(
-        kv_format=spec.main.layer.kv_format, model_dtype=str(sizing.model_dtype).removeprefix("torch."),
+        kv_format=spec.format_label, model_dtype=str(sizing.model_dtype).removeprefix("torch."),
         block_size=bs, num_blocks=int(n), bytes_per_block=0, group_bytes={group.name: slots * gbpb},
         tail_open_bytes=side.tail_open_bytes, tail_window_bytes=side.tail_window_bytes, sink_bytes=side.sink_bytes,
         budget_bytes=int(budget), reference_bytes_per_block=reference_spec(spec, sizing).bytes_per_block,

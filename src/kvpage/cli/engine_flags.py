@@ -23,10 +23,29 @@ def _format_help() -> str:
     return f"KV format: {', '.join(available_formats())} (and aliases; see `kvpage formats`)"
 
 
+def _layer_dtypes(text: str) -> dict[int, str]:
+    """``--kv-layer-dtypes`` parsed (:func:`~kvpage.engine.config.parse_layer_dtypes`); formats and layer ranges
+    are checked when the engine is built.
+
+    Raises:
+        argparse.ArgumentTypeError: a bad spelling, layer or a layer named twice (argparse names the flag).
+    """
+    from kvpage.engine.config import parse_layer_dtypes
+
+    try:
+        return parse_layer_dtypes(text, "--kv-layer-dtypes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Add the engine flags (model, KV format and budget, threads, backend, speculation, tiers) to ``p``."""
     p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--kv-cache-dtype", default="auto", help=_format_help())
+    p.add_argument("--kv-layer-dtypes", default=None, type=_layer_dtypes,
+                   help="per-layer precision: full-attention layers in another format than --kv-cache-dtype, "
+                        "as 'LAYERS:FORMAT;...', e.g. '17,20,24:int4_rotated;27,13:int2_rotated' (layer indices "
+                        "from 0; the rest keep --kv-cache-dtype)")
     p.add_argument("--kv-cache-scales", default=None,
                    help="static K/V scales file (safetensors from `kvpage calibrate`); required by int8_static / fp8_static")
     p.add_argument("--block-size", type=positive_int, default=None,
@@ -113,6 +132,7 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_scales=args.kv_cache_scales,
+        kv_layer_dtypes=getattr(args, "kv_layer_dtypes", None) or None,
         block_size=args.block_size,
         kv_quant_residual_tokens=args.kv_quant_residual_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

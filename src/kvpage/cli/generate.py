@@ -14,7 +14,7 @@ from kvpage.cli.engine_flags import add_engine_args, build_llm
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
     from kvpage.engine.speculative.metrics import SpecDecodingStats
-    from kvpage.spec import LayerGroupSpec
+    from kvpage.spec import CacheSpec, LayerGroupSpec
 
 
 def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
@@ -89,7 +89,6 @@ def spec_decode_line(stats: SpecDecodingStats | None) -> str | None:
 def capacity_lines(llm: LLM) -> list[str]:
     """The KV cache's size and its saving against a model-dtype cache, from the engine's :class:`CapacityReport`."""
     cap, spec = llm.capacity, llm.spec
-    layer = spec.main.layer
     if cap.side_blocks_per_slot:  # quantize-on-seal side space carved from the pool: only the copies' scales beside it
         scales = f" + {cap.side_pool_bytes / 2**20:.1f} MiB of first-block copy scales" if cap.side_pool_bytes else ""
         side = (f"{scales} (16-bit tail slots, window and first-block copies are taken from these blocks while "
@@ -106,7 +105,8 @@ def capacity_lines(llm: LLM) -> list[str]:
              f"{windowed.num_layers} sliding-window layers ({window}-token window: "
              f"{group_formula(windowed)} per token in a slot)" if windowed is not None else "")
     return [
-        f"[kvpage] KV cache: {layer.kv_format} ({layer.bits_per_value:g} bits/value), "
+        f"[kvpage] KV cache: {spec.format_label} ({_mean_bits(spec):g} bits/value"
+        f"{', mean over layers' if spec.format_groups else ''}), "
         f"{cap.bytes_per_token:,.0f} bytes/token = "
         + (" + ".join(group_formula(g) for g in per_token) if per_token else "0 (every layer is windowed)")
         + f"; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
@@ -118,6 +118,12 @@ def capacity_lines(llm: LLM) -> list[str]:
         f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "
         f"({cap.ratio:.2f}x more tokens per byte, side space included)",
     ]
+
+
+def _mean_bits(spec: CacheSpec) -> float:
+    """Bits per value of the model's layers, averaged over them (one format: that format's)."""
+    groups = spec.model_groups
+    return round(sum(g.num_layers * g.layer.bits_per_value for g in groups) / sum(g.num_layers for g in groups), 4)
 
 
 def group_formula(g: LayerGroupSpec) -> str:

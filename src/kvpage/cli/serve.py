@@ -48,7 +48,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching,
         )
         app = build_app(llm, args.served_model_name, close_llm=True)  # shutdown flushes events, closes stores
-        print(f"[kvpage] serving {app.state.served_model_name!r} ({llm.spec.main.layer.kv_format} KV cache, "
+        print(f"[kvpage] serving {app.state.served_model_name!r} ({llm.spec.format_label} KV cache, "
               f"{llm.num_blocks} blocks x {llm.spec.block_size} tokens) on {bound_url(sock)}/v1", flush=True)
         config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level)
         uvicorn.Server(config).run(sockets=[sock])

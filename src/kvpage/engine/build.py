@@ -130,7 +130,9 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
                                                      for g in spec.groups if g.kind.window_rows})
     # scheduler side: one manager per group, over one pool (side space of quantize-on-seal groups is carved from it)
     pool = PrefixBlockPool(num_blocks)
-    groups = tuple(manager_for(g, sizing, pool=pool, num_window_slots=slots) for g in spec.groups)
+    # quantize-on-seal groups carve their tails from the pool together or not at all, as capacity counted them
+    carve = capacity.side_blocks_per_slot > 0
+    groups = tuple(manager_for(g, sizing, pool=pool, num_window_slots=slots, carve=carve) for g in spec.groups)
     window = next((m for g, m in zip(spec.groups, groups) if g.kind.window_rows), None)  # at most one such group
     tiers = build_tiers(  # host tier (C08: a failed host allocation stops here), stores
         controller, swap_space=config.swap_space, config=config.offload, stores=config.kv_stores,
@@ -144,7 +146,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel, model: CausalLM) -> 
     backends: dict[str, GroupAttention] = {}
     for g in spec.groups:
         tail = None
-        layout = g.kind.tail(g, sizing, num_blocks)
+        layout = g.kind.tail(g, sizing, num_blocks if carve else None)
         if layout is not None:
             tail = tails[g.name] = TailPool(spec, layout, config.torch_dtype, device, layers=g.layer_indices,
                                             caches=caches)

@@ -9,6 +9,7 @@ meaning is the same (``kv_cache_dtype``, ``block_size``, ``swap_space``,
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from kvpage.formats import KVFormat, canonical_format_name, get_format, needs_st
 from kvpage.model.quantized_linear import check_weights_dtype
 from kvpage.ops.backends import BACKEND_NAMES
 from kvpage.scales import StaticScales
-from kvpage.spec import CacheSizing, missing_scales_error
+from kvpage.spec import CacheSizing, format_group_name, missing_scales_error
 
 #: KV budget when none of ``kv_cache_memory_bytes``, ``kv_cache_memory_fraction``, ``num_blocks`` is given.
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
@@ -37,6 +38,35 @@ DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 MIN_SEALED_BLOCK_SIZE = 8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_layer_dtypes(text: str, field_name: str = "kv_layer_dtypes") -> dict[int, str]:
+    """The per-layer format map of its command-line spelling ``"17,20,24:int4_rotated;27,13:int2_rotated"``
+    (``;``-separated ``LAYERS:FORMAT`` items, ``LAYERS`` comma-separated layer indices); an empty text is no map.
+
+    Formats are checked later (:class:`EngineConfig`); this only parses. No side effects.
+
+    Raises:
+        ValueError: an item without ``:``, a layer that is not a non-negative integer, or a layer named twice
+            (the message names ``field_name`` and the item).
+    """
+    out: dict[int, str] = {}
+    for item in (t.strip() for t in str(text).split(";")):
+        if not item:
+            continue
+        layers, sep, fmt = item.rpartition(":")
+        if not sep or not layers.strip() or not fmt.strip():
+            raise ValueError(f"{field_name}: {item!r} is not LAYERS:FORMAT "
+                             f"(e.g. '17,20,24:int4_rotated;27:int2_rotated')")
+        for tok in layers.split(","):
+            tok = tok.strip()
+            if not tok.isdigit():
+                raise ValueError(f"{field_name}: layer {tok!r} in {item!r} is not a non-negative integer")
+            i = int(tok)
+            if i in out:
+                raise ValueError(f"{field_name}: layer {i} is named twice ({out[i]!r} and {fmt.strip()!r})")
+            out[i] = fmt.strip()
+    return out
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -76,6 +106,11 @@ class EngineConfig:
             a scales file from ``kvpage calibrate`` (safetensors) or a
             :class:`~kvpage.scales.StaticScales`; required by those formats, ignored by others
             (vLLM's ``k_scale``/``v_scale``, FastDeploy's ``cache_int8`` scales).
+        kv_layer_dtypes: per-layer precision: a mapping model layer index -> format name for full-attention
+            layers that take another format than ``kv_cache_dtype`` (or its command-line spelling
+            ``"17,20,24:int4_rotated;27,13:int2_rotated"``, :func:`parse_layer_dtypes`). Each format's layers form
+            their own layer group (:meth:`~kvpage.spec.CacheSpec.build`); the fingerprint covers the map. Layer
+            indices are checked against the model when the engine is built.
         kv_quant_residual_tokens: full-precision window of quantize-on-seal formats
             (``int4``, ``int3``, ``int2``) in tokens: the sealed blocks covering the most recent
             ``kv_quant_residual_tokens`` tokens keep a 16-bit copy that attention reads
@@ -154,6 +189,7 @@ class EngineConfig:
 
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str | Path | StaticScales | None = None
+    kv_layer_dtypes: Mapping[int, str] | str | None = None
     kv_quant_residual_tokens: int | None = None
     block_size: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -185,6 +221,9 @@ class EngineConfig:
     weights_dtype_resolved: str = field(init=False)
     #: Derived: the main layers' KV format object.
     kv_format: KVFormat = field(init=False, repr=False)
+    #: Derived: ``kv_layer_dtypes`` resolved: layer -> format object, only layers whose format differs from
+    #: :attr:`kv_format` (``None``: no such layer; the spec is then exactly that of no map).
+    kv_layer_formats: dict[int, KVFormat] | None = field(init=False, repr=False)
     #: Derived: tokens per block (the format's preferred size when ``block_size`` is ``None``).
     block_size_resolved: int = field(init=False)
     #: Derived: the full-precision window of block-wise formats, in tokens.
@@ -215,13 +254,18 @@ class EngineConfig:
         put("weights_dtype_resolved", self.weights_dtype if on_cpu or self.weights_dtype != "auto" else "dequantized")
         fmt = get_format(canonical_format_name(self.kv_cache_dtype, self.torch_dtype), self.torch_dtype)
         put("kv_format", fmt)
+        put("kv_layer_formats", self._check_layer_dtypes(fmt))
+        fmts = [fmt, *(self.kv_layer_formats or {}).values()]
         self._check_positive_int("block_size", self.block_size, allow_none=True)
-        put("block_size_resolved", fmt.preferred_block_size if self.block_size is None else self.block_size)
-        if fmt.block_wise and self.block_size_resolved < MIN_SEALED_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size={self.block_size} is too small for kv_cache_dtype={fmt.name!r}: its key scale and "
-                f"zero point are per channel per block (the block is the key quantization group), so "
-                f"block_size must be >= {MIN_SEALED_BLOCK_SIZE} (default {fmt.preferred_block_size})")
+        put("block_size_resolved", max(f.preferred_block_size for f in fmts) if self.block_size is None
+            else self.block_size)
+        for f in fmts:
+            if f.block_wise and self.block_size_resolved < MIN_SEALED_BLOCK_SIZE:
+                what = "kv_cache_dtype" if f is fmt else "kv_layer_dtypes format"
+                raise ValueError(
+                    f"block_size={self.block_size} is too small for {what}={f.name!r}: its key scale and "
+                    f"zero point are per channel per block (the block is the key quantization group), so "
+                    f"block_size must be >= {MIN_SEALED_BLOCK_SIZE} (default {f.preferred_block_size})")
         r = fmt.default_residual_tokens if self.kv_quant_residual_tokens is None else self.kv_quant_residual_tokens
         if not _is_int(r) or r < 0:
             raise ValueError(f"kv_quant_residual_tokens must be an integer >= 0, got {self.kv_quant_residual_tokens!r}")
@@ -258,9 +302,40 @@ class EngineConfig:
         put("static_scales", scales)
         if scales is None and needs_static_scales(fmt):  # fails here, before any model loads
             raise missing_scales_error(fmt.name)
+        for i, f in (self.kv_layer_formats or {}).items():
+            if scales is None and needs_static_scales(f):
+                raise missing_scales_error(f.name, i, format_group_name(f))
         self._check_speculative()
         ke = None if self.kv_events_config is None else KVEventsConfig.coerce(self.kv_events_config)
         put("kv_events", ke if ke is not None and ke.active else None)
+
+    def _check_layer_dtypes(self, base: KVFormat) -> dict[int, KVFormat] | None:
+        """``kv_layer_dtypes`` parsed and resolved (layers whose format differs from ``base`` only; ``None``: none).
+
+        Raises:
+            ValueError: not a mapping or a string, a bad layer index or spelling (names the field).
+            UnknownKVFormatError: an unknown format (names the field and the layer).
+        """
+        m = self.kv_layer_dtypes
+        if m is None:
+            return None
+        if isinstance(m, str):
+            m = parse_layer_dtypes(m)
+        if not isinstance(m, Mapping):
+            raise ValueError(f"kv_layer_dtypes must be a mapping layer index -> format name or a string like "
+                             f"'17,20:int4_rotated;27:int2_rotated', got {type(m).__name__} {m!r}")
+        out: dict[int, KVFormat] = {}
+        for i, name in m.items():
+            if not _is_int(i) or i < 0:
+                raise ValueError(f"kv_layer_dtypes: layer index {i!r} is not a non-negative integer")
+            try:
+                f = name if isinstance(name, KVFormat) else get_format(canonical_format_name(name, self.torch_dtype),
+                                                                       self.torch_dtype)
+            except UnknownKVFormatError as e:
+                raise UnknownKVFormatError(f"kv_layer_dtypes: layer {i}: {e}") from None
+            if f.name != base.name:
+                out[int(i)] = f
+        return out or None
 
     def _check_speculative(self) -> None:
         sc = None if self.speculative_config is None else SpeculativeConfig.coerce(self.speculative_config)
@@ -300,7 +375,22 @@ class EngineConfig:
         ``max_model_len`` tokens (``max_model_len`` resolved against the model's context)."""
         return CacheSizing(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                            max_model_len=max_model_len, residual_tokens=self.residual_tokens,
-                           num_lookahead_tokens=self.num_lookahead_tokens, model_dtype=self.torch_dtype)
+                           num_lookahead_tokens=self.num_lookahead_tokens, model_dtype=self.torch_dtype,
+                           group_residual_tokens=self._group_residuals())
+
+    def residual_tokens_for(self, group: str) -> int:
+        """The full-precision window in tokens of the layer group called ``group`` (a ``main@<format>`` group of
+        ``kv_layer_dtypes`` keeps its own format's default unless ``kv_quant_residual_tokens`` is given). No side
+        effects."""
+        return dict(self._group_residuals()).get(group, self.residual_tokens)
+
+    def _group_residuals(self) -> tuple[tuple[str, int], ...]:
+        """Each ``main@<format>`` group's window: its own format's default unless ``kv_quant_residual_tokens``
+        is given (which then holds for every group)."""
+        if self.kv_quant_residual_tokens is not None or not self.kv_layer_formats:
+            return ()
+        fmts = {f.name: f for f in self.kv_layer_formats.values()}
+        return tuple((format_group_name(f), f.default_residual_tokens) for _, f in sorted(fmts.items()))
 
     @property
     def num_lookahead_tokens(self) -> int:

@@ -57,15 +57,17 @@ class LLM:
         config: a ready :class:`~kvpage.engine.config.EngineConfig`, or none and its fields as keywords
             (vLLM's names: ``kv_cache_dtype``, ``block_size``, ``kv_cache_memory_bytes``, ``num_blocks``,
             ``dtype``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``swap_space``,
-            ``preemption_mode``, ...; each is documented there).
+            ``preemption_mode``, ...; each is documented there; ``kv_layer_dtypes={17: "int4_rotated", ...}``
+            gives chosen layers another format than ``kv_cache_dtype``: per-layer precision).
 
     Raises:
         ModelNotFoundError: the model path does not exist (or the bundled model is not installed).
-        UnknownKVFormatError: unknown ``kv_cache_dtype``.
+        UnknownKVFormatError: unknown ``kv_cache_dtype`` or ``kv_layer_dtypes`` format.
         StaticScalesError: a static-scale format without scales, or scales missing or
             invalid for a layer (names the layer and the tensor; raised at load time).
         FileNotFoundError: ``kv_cache_scales`` names no file.
-        ValueError: bad sizes, thread count, dtype, or ``cuda`` without a CUDA device.
+        ValueError: bad sizes, thread count, dtype, or ``cuda`` without a CUDA device; a ``kv_layer_dtypes``
+            layer out of range, named twice, a draft or a sliding-window layer (the message names the field).
     """
 
     def __init__(

@@ -52,7 +52,7 @@ def build_spec(config: EngineConfig, model: ModelShape, model_name: str = "",
         kv_cache_dtype=config.kv_format, model_name=model_name, static_scales=config.static_scales,
         num_draft_layers=num_draft, draft_kv_cache_dtype=config.draft_kv_format,
         draft_num_kv_heads=None if draft is None else draft.num_kv_heads,
-        draft_head_dim=None if draft is None else draft.head_dim,
+        draft_head_dim=None if draft is None else draft.head_dim, layer_formats=config.kv_layer_formats,
     )
 
 

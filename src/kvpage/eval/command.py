@@ -36,7 +36,10 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --suite: comma-separated member names to run (default all)")
     e.add_argument("--formats", default="auto,int8,fp8",
                    help="comma-separated KV formats (default auto,int8,fp8); the unquantized cache (auto) "
-                        "always runs first as the baseline")
+                        "always runs first as the baseline. A row may give layers other formats (per-layer "
+                        "precision) as FORMAT[LAYERS:FORMAT;...], e.g. "
+                        "'int3_rotated[17,20:int4_rotated;27:int2_rotated]'; "
+                        "its bits are the mean over layers")
     e.add_argument("--tokens", type=positive_int, default=None,
                    help=f"score the text's first N tokens (default {DEFAULT_TEXT_TOKENS}; with --suite each "
                         f"member's own count unless given)")
@@ -71,18 +74,27 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
 def _format_list(spec: str, dtype: Any) -> list[str]:
     """``--formats`` as a list starting with ``auto``, duplicates (by canonical name) dropped.
 
+    A row may carry a per-layer format map in brackets (per-layer precision, ``kv_layer_dtypes``' spelling):
+    ``int3_rotated[17,20:int4_rotated;27:int2_rotated]``; commas inside the brackets do not split rows.
+
     Raises:
-        ValueError: the list is empty.
+        ValueError: the list is empty; a bad layer map (unbalanced bracket, bad layer, a layer named twice).
         UnknownKVFormatError: a name no format answers to (the message lists the valid ones).
     """
+    from kvpage.engine.config import parse_layer_dtypes
+    from kvpage.eval.perplexity import split_format_list, split_format_row
     from kvpage.formats import canonical_format_name
 
-    names = [n.strip() for n in spec.split(",") if n.strip()]
+    names = split_format_list(spec)
     if not names:
         raise ValueError("--formats is empty; give e.g. auto,int8,fp8")
     formats, seen = ["auto"], {canonical_format_name("auto", dtype)}  # the unquantized cache first: the Δ baseline
     for n in names:
-        c = canonical_format_name(n, dtype)
+        base, layer_map = split_format_row(n)
+        c = canonical_format_name(base, dtype)
+        if layer_map:
+            mapping = parse_layer_dtypes(layer_map, f"--formats {n!r}")
+            c += "[" + ";".join(f"{i}:{canonical_format_name(f, dtype)}" for i, f in sorted(mapping.items())) + "]"
         if c not in seen:
             formats.append(n)
             seen.add(c)

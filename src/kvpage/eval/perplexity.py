@@ -68,13 +68,46 @@ class KVCost:
             ``bits_per_value`` approaches on long texts (the side parts' share shrinks); equal to it for
             token-wise formats.
         full_precision_tokens: tokens of the sequence the main group also holds in 16 bits (the open block
-            and the window of quantize-on-seal formats; 0 for the others).
+            and the window of quantize-on-seal formats; 0 for the others); with per-layer precision the most
+            that any of the model's format groups holds.
     """
 
     bits_per_value: float
     kv_bytes_per_token: float
     steady_bits_per_value: float
     full_precision_tokens: int
+
+
+def split_format_row(row: str) -> tuple[str, str | None]:
+    """An eval format row ``BASE`` or ``BASE[MAP]`` as ``(BASE, MAP or None)``, ``MAP`` in ``--kv-layer-dtypes``'
+    spelling: ``int3_rotated[17,20:int4_rotated;27,13:int2_rotated]`` is ``int3_rotated`` with layers 17 and 20
+    in ``int4_rotated`` and 27 and 13 in ``int2_rotated`` (per-layer precision). No side effects.
+
+    Raises:
+        ValueError: an unbalanced bracket or text after it.
+    """
+    row = row.strip()
+    if "[" not in row and "]" not in row:
+        return row, None
+    base, sep, rest = row.partition("[")
+    if not sep or not rest.endswith("]") or "[" in rest[:-1] or "]" in rest[:-1] or not base.strip():
+        raise ValueError(f"--formats: {row!r} is not FORMAT or FORMAT[LAYERS:FORMAT;...]")
+    return base.strip(), rest[:-1].strip() or None
+
+
+def split_format_list(text: str) -> list[str]:
+    """``--formats``' comma-separated rows, commas inside a row's ``[...]`` layer map kept. No side effects."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return [r.strip() for r in out if r.strip()]
 
 
 def kv_cost(llm: LLM, num_tokens: int) -> KVCost:
@@ -91,26 +124,28 @@ def kv_cost(llm: LLM, num_tokens: int) -> KVCost:
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     residual = int(getattr(llm, "kv_quant_residual_tokens", 0) or 0)
+    cfg = getattr(llm, "engine_config", None)
     total_bits = steady_bits = 0.0
     total_values = 0
-    for group in llm.spec.groups:
+    for group in llm.spec.groups:   # per-layer precision: each main@<format> group at its own bits and window
         layer = group.layer
         bits = layer.format.effective_bits_per_value(
             num_tokens=num_tokens,
             block_size=layer.block_size,
             kv_heads=layer.kv_heads,
             head_dim=layer.head_dim,
-            residual_tokens=residual,
+            residual_tokens=residual if cfg is None else cfg.residual_tokens_for(group.name),
         )
         values = 2 * layer.kv_heads * layer.head_dim * group.num_layers  # K and V values per token
         total_bits += bits * values
         steady_bits += layer.bits_per_value * values
         total_values += values
-    main = llm.spec.main.layer
+    full = max(g.layer.format.full_precision_tokens(
+        num_tokens=num_tokens, block_size=g.layer.block_size,
+        residual_tokens=residual if cfg is None else cfg.residual_tokens_for(g.name))
+        for g in (llm.spec.main, *llm.spec.format_groups))
     return KVCost(bits_per_value=total_bits / total_values, kv_bytes_per_token=total_bits / 8,
-                  steady_bits_per_value=steady_bits / total_values,
-                  full_precision_tokens=main.format.full_precision_tokens(
-                      num_tokens=num_tokens, block_size=main.block_size, residual_tokens=residual))
+                  steady_bits_per_value=steady_bits / total_values, full_precision_tokens=full)
 
 
 @dataclass(frozen=True)
@@ -269,7 +304,7 @@ def evaluate_perplexity(
         raise ValueError(f"the reference holds {reference.num_positions} positions of vocabulary "
                          f"{reference.vocab_size}; this text needs {len(ids) - 1} of {llm.config.vocab_size}")
     step = 1 if mode == "decode" else chunk_size
-    canonical = llm.spec.main.layer.kv_format
+    canonical = llm.spec.format_label
     label = name or canonical
     n_run = len(ids) - 1                  # positions fed: 0 .. n-2; position t predicts token t + 1
     nll_tok: list[np.ndarray] = []   # per-position NLL; KL and top-1 agreement only when compared to a reference
@@ -388,6 +423,7 @@ def evaluate_formats(
     """
     from kvpage.engine.llm import LLM
 
+    from kvpage.engine.config import parse_layer_dtypes
     from kvpage.formats import canonical_format_name, get_format
 
     dtype = next(model.model.parameters()).dtype
@@ -395,10 +431,13 @@ def evaluate_formats(
     store = ReferenceLogits(model.config.vocab_size, dir=reference_dir) if kl_divergence else None
     try:
         for i, fmt in enumerate(formats):
-            bs = block_size or get_format(canonical_format_name(fmt, dtype)).preferred_block_size
+            base, layer_map = split_format_row(fmt)
+            names = [base, *parse_layer_dtypes(layer_map or "", "--formats").values()]
+            bs = block_size or max(get_format(canonical_format_name(n, dtype)).preferred_block_size for n in names)
             num_blocks = -(-len(token_ids) // bs) + 1
-            llm = LLM(model, kv_cache_dtype=fmt, block_size=bs, num_blocks=num_blocks, dtype=dtype,
-                      num_threads=num_threads, progress=False, enable_prefix_caching=False, **(llm_kwargs or {}))
+            llm = LLM(model, kv_cache_dtype=base, block_size=bs, num_blocks=num_blocks, dtype=dtype,
+                      num_threads=num_threads, progress=False, enable_prefix_caching=False,
+                      **({"kv_layer_dtypes": layer_map} if layer_map else {}), **(llm_kwargs or {}))
             out.append(evaluate_perplexity(llm, token_ids, mode=mode, chunk_size=chunk_size, progress=progress,
                                            name=fmt, record=store if i == 0 else None,
                                            reference=store if i > 0 else None))

@@ -5,7 +5,7 @@ Modules: :mod:`.layer` (:class:`LayerSpec`: one layer's tensors per block and it
 (:class:`LayerGroupSpec`, :class:`CacheSpec` and its fingerprint). The spec imports only
 :mod:`kvpage.formats`, :mod:`kvpage.scales` and :mod:`kvpage.errors`; everything above derives from it.
 """
-from kvpage.spec.cache_spec import SPEC_VERSION, CacheSpec, LayerGroupSpec, missing_scales_error
+from kvpage.spec.cache_spec import SPEC_VERSION, CacheSpec, LayerGroupSpec, format_group_name, missing_scales_error
 from kvpage.spec.kinds import (
     CacheSizing,
     FullAttention,
@@ -23,4 +23,4 @@ from kvpage.spec.layer import LayerSpec
 
 __all__ = ["SPEC_VERSION", "CacheSizing", "CacheSpec", "FullAttention", "GroupKind", "GroupMemory", "LayerGroupSpec",
            "LayerSpec", "Sealed", "SealedWindow", "SlidingWindow", "TailLayout", "blocks_per_slot", "kind_of",
-           "missing_scales_error", "tail_dtype"]
+           "format_group_name", "missing_scales_error", "tail_dtype"]

@@ -7,8 +7,8 @@ what makes FastDeploy's bug (PR 7757: an int8/fp8 cache allocated in the
 model's bfloat16 and the attention op crashing on a dtype mismatch)
 impossible here: there is no second place that picks a dtype.
 
-A spec is a list of *layer groups* (``main``, then optionally ``sliding`` and
-``draft``); all layers in a group share one :class:`LayerSpec` and one *kind*
+A spec is a list of *layer groups* (``main``, then optionally one ``main@<format>``
+per format of per-layer precision, ``sliding`` and ``draft``); all layers in a group share one :class:`LayerSpec` and one *kind*
 (:mod:`kvpage.spec.kinds`: full attention, sliding window, quantize-on-seal,
 sealed-in-window), which owns the group's memory arithmetic. Groups may
 differ: draft layers in bfloat16 beside fp8 main layers (vLLM
@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kvpage.errors import StaticScalesError
+from kvpage.errors import StaticScalesError, UnknownKVFormatError
 from kvpage.formats import KVFormat, StaticScaleFormat, get_format
 from kvpage.scales import StaticScales
 from kvpage.spec.kinds import GroupKind, kind_of
@@ -54,7 +54,8 @@ class LayerGroupSpec:
     """Layers that share one :class:`LayerSpec` and one kind of attention.
 
     Attributes:
-        name: ``"main"`` (the model's full-attention layers, or all of them), ``"sliding"`` (its
+        name: ``"main"`` (the model's full-attention layers, or all of them), ``"main@<format>"`` (those of
+            them that ``kv_layer_dtypes`` gives another format, one group per format), ``"sliding"`` (its
             sliding-window layers beside full-attention ones: Gemma 2/3's local layers) or ``"draft"``
             (draft/MTP layers).
         first_layer: global index of the group's first layer.
@@ -116,6 +117,83 @@ def missing_scales_error(format_name: str, layer_index: int = 0, group: str = "m
     )
 
 
+def format_group_name(fmt: KVFormat) -> str:
+    """The name of the group of full-attention layers that ``kv_layer_dtypes`` gives format ``fmt``:
+    ``main@<format>`` (e.g. ``main@int4_rotated``)."""
+    return f"main@{fmt.name}"
+
+
+def _split_formats(groups: list[LayerGroupSpec],
+                   layer_formats: Mapping[int, KVFormat] | None) -> list[LayerGroupSpec]:
+    """``groups`` with the layers of ``main`` that ``layer_formats`` gives another format moved to groups of their
+    own, one per distinct format (``main@<format>``, ordered by first layer, right after ``main``).
+
+    Raises:
+        ValueError: a mapped layer outside ``main`` (a sliding-window layer), or every layer of ``main`` mapped.
+    """
+    if not layer_formats:
+        return groups
+    main = groups[0]
+    if main.sliding_window is not None:
+        raise ValueError("kv_layer_dtypes: this model's full-attention layers are all windowed; per-layer formats "
+                         "apply to full-attention layers only")
+    in_main = set(main.layer_indices)
+    outside = sorted(i for i in layer_formats if i not in in_main)
+    if outside:
+        raise ValueError(f"kv_layer_dtypes: layer(s) {outside} are sliding-window layers; per-layer formats apply "
+                         f"to the model's full-attention layers only ({sorted(in_main)})")
+    by_fmt: dict[str, list[int]] = {}
+    fmts: dict[str, KVFormat] = {}
+    for i in sorted(layer_formats):
+        f = layer_formats[i]
+        if f.name == main.layer.format.name:
+            continue  # the base format: the layer stays in main
+        by_fmt.setdefault(f.name, []).append(i)
+        fmts[f.name] = f
+    if not by_fmt:
+        return groups
+    rest = [i for i in main.layer_indices if i not in layer_formats or layer_formats[i].name == main.layer.format.name]
+    if not rest:
+        raise ValueError(f"kv_layer_dtypes gives every layer another format than kv_cache_dtype="
+                         f"{main.layer.format.name!r}; make the most common one kv_cache_dtype")
+    out = [LayerGroupSpec("main", rest[0], len(rest), main.layer, layers=tuple(rest))]
+    for name in sorted(by_fmt, key=lambda n: by_fmt[n][0]):
+        ls = by_fmt[name]
+        out.append(LayerGroupSpec(format_group_name(fmts[name]), ls[0], len(ls), replace(main.layer, format=fmts[name]),
+                                  layers=tuple(ls)))
+    return out + groups[1:]
+
+
+def _resolve_layer_formats(layer_formats: Mapping[int, str | KVFormat] | None, num_layers: int,
+                           num_draft_layers: int, model_dtype: torch.dtype) -> dict[int, KVFormat] | None:
+    """``layer_formats`` with every format resolved and every layer index checked against the model's layers.
+
+    Raises:
+        UnknownKVFormatError: an unknown format name (the message names ``kv_layer_dtypes`` and the layer).
+        ValueError: a layer index that is not an integer, negative, a draft layer or beyond the model's layers.
+    """
+    if not layer_formats:
+        return None
+    out: dict[int, KVFormat] = {}
+    for i, f in layer_formats.items():
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ValueError(f"kv_layer_dtypes: layer index {i!r} is not an integer")
+        if num_layers <= i < num_layers + num_draft_layers:
+            raise ValueError(f"kv_layer_dtypes: layer {i} is a draft layer; draft layers take "
+                             f"speculative_config.draft_kv_cache_dtype")
+        if not 0 <= i < num_layers:
+            raise ValueError(f"kv_layer_dtypes: layer {i} is out of range (the model has {num_layers} layers, "
+                             f"0 .. {num_layers - 1})")
+        if isinstance(f, KVFormat):
+            out[i] = f
+        else:
+            try:
+                out[i] = get_format(f, model_dtype)
+            except UnknownKVFormatError as e:
+                raise UnknownKVFormatError(f"kv_layer_dtypes: layer {i}: {e}") from None
+    return out
+
+
 def _model_groups(layer: LayerSpec, num_layers: int,
                   layer_windows: Sequence[int | None] | None) -> list[LayerGroupSpec]:
     """The model's layer groups: ``main`` (full attention) and ``sliding`` (windowed), as :meth:`CacheSpec.build`
@@ -145,7 +223,7 @@ class CacheSpec:
     Build it with :meth:`build`; everything else is derived.
 
     Attributes:
-        groups: ``main`` first, then ``sliding`` and ``draft`` if any; together they hold global layers
+        groups: ``main`` first, then ``main@<format>`` groups, ``sliding`` and ``draft`` if any; together they hold global layers
             ``0 .. num_layers - 1``, each once (draft layers after the model's).
         block_size: tokens per block (same for every group).
         model_name: identifies the model in the fingerprint (e.g. file name).
@@ -215,6 +293,7 @@ class CacheSpec:
         model_name: str = "",
         static_scales: StaticScales | str | Path | None = None,
         layer_windows: Sequence[int | None] | None = None,
+        layer_formats: Mapping[int, str | KVFormat] | None = None,
     ) -> CacheSpec:
         """Spec for ``num_layers`` model layers and ``num_draft_layers`` draft/MTP layers.
 
@@ -230,11 +309,18 @@ class CacheSpec:
             layer_windows: per model layer, its sliding window in tokens or ``None`` for full attention
                 (the model family's ``attention_params``). Full-attention layers form ``main`` and windowed
                 ones ``sliding`` (same format; an all-windowed model has one windowed ``main`` group).
+            layer_formats: per-layer precision (``kv_layer_dtypes``): model layer index -> format (name or object)
+                for full-attention layers that take another format than ``kv_cache_dtype``. Each distinct format's
+                layers form one group ``main@<format>`` beside ``main`` (sharing the block table, as ``sliding``
+                does); layers mapped to the main format stay in ``main``. ``None`` or empty: the spec (and its
+                fingerprint) is exactly that of no map.
 
         Raises:
             UnknownKVFormatError: unknown ``kv_cache_dtype`` / ``draft_kv_cache_dtype``.
             ValueError: non-positive sizes, negative draft layer count, ``layer_windows`` of another length
-                than ``num_layers`` or with more than one window size.
+                than ``num_layers`` or with more than one window size; a ``layer_formats`` layer out of range, a
+                draft layer, a sliding-window layer, or a map that leaves ``main`` no layer (the message names
+                ``kv_layer_dtypes``).
             StaticScalesError: a static-scale format without a valid scale for one of its layers.
             FileNotFoundError: ``static_scales`` names no file.
         """
@@ -242,7 +328,8 @@ class CacheSpec:
             raise ValueError(f"need num_layers > 0 and num_draft_layers >= 0, got {num_layers}, {num_draft_layers}")
         main_fmt = kv_cache_dtype if isinstance(kv_cache_dtype, KVFormat) else get_format(kv_cache_dtype, model_dtype)
         main = LayerSpec(num_kv_heads, head_dim, block_size, main_fmt, has_value)
-        groups = _model_groups(main, num_layers, layer_windows)
+        groups = _split_formats(_model_groups(main, num_layers, layer_windows),
+                                _resolve_layer_formats(layer_formats, num_layers, num_draft_layers, model_dtype))
         if num_draft_layers:
             if isinstance(draft_kv_cache_dtype, KVFormat):
                 draft_fmt = draft_kv_cache_dtype
@@ -269,6 +356,24 @@ class CacheSpec:
     def main(self) -> LayerGroupSpec:
         """The main model's layer group."""
         return self.groups[0]
+
+    @property
+    def format_groups(self) -> tuple[LayerGroupSpec, ...]:
+        """The ``main@<format>`` groups of per-layer precision (``kv_layer_dtypes``), by first layer; ``()``
+        without a map."""
+        return tuple(g for g in self.groups if g.name.startswith("main@"))
+
+    @property
+    def format_label(self) -> str:
+        """The model layers' format(s) in one string: the main format's name, followed by the per-layer map in
+        ``kv_layer_dtypes``' spelling in brackets when there is one
+        (``int3_rotated[8,17:int4_rotated;11:int2_rotated]``).
+        The label of capacity lines and eval rows; no side effects."""
+        base = self.main.layer.kv_format
+        extra = self.format_groups
+        if not extra:
+            return base
+        return base + "[" + ";".join(f"{','.join(map(str, g.layer_indices))}:{g.layer.kv_format}" for g in extra) + "]"
 
     @property
     def draft(self) -> LayerGroupSpec | None:

@@ -57,6 +57,8 @@ class CacheSizing:
         residual_tokens: full-precision window of block-wise formats (``kv_quant_residual_tokens``), in tokens.
         num_lookahead_tokens: draft tokens a speculating request verifies per step (``num_speculative_tokens``).
         model_dtype: the compute dtype (decides :func:`tail_dtype`).
+        group_residual_tokens: ``(group name, tokens)`` pairs overriding ``residual_tokens`` for those groups
+            (per-layer precision: each ``main@<format>`` group keeps its own format's default window).
 
     Raises:
         ValueError: ``max_num_seqs`` or ``max_num_batched_tokens`` below 1, a negative count.
@@ -68,6 +70,12 @@ class CacheSizing:
     residual_tokens: int = 0
     num_lookahead_tokens: int = 0
     model_dtype: torch.dtype = torch.float32
+    group_residual_tokens: tuple[tuple[str, int], ...] = ()
+
+    def residual_for(self, group: str) -> int:
+        """The full-precision window in tokens of the group called ``group`` (its override, else
+        ``residual_tokens``). No side effects."""
+        return dict(self.group_residual_tokens).get(group, self.residual_tokens)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -275,7 +283,7 @@ class Sealed(GroupKind):
     def _fixed(self, group: LayerGroupSpec, sizing: CacheSizing) -> tuple[int, int, bool]:
         """``(window blocks, provisional blocks, first-block copies)`` per request."""
         bs = group.layer.block_size
-        residual = sizing.residual_tokens
+        residual = sizing.residual_for(group.name)
         if group.sliding_window is not None:  # copies past the sliding window are never read
             residual = min(residual, group.sliding_window)
         fmt = group.layer.format

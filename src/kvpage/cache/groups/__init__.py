@@ -60,7 +60,7 @@ MANAGERS: dict[type[GroupKind], ManagerFactory] = {
 
 
 def manager_for(group: LayerGroupSpec, sizing: CacheSizing | None = None, *, pool: PrefixBlockPool | None = None,
-                num_window_slots: int | None = None) -> GroupManager:
+                num_window_slots: int | None = None, carve: bool = True) -> GroupManager:
     """The manager of ``group``'s kind.
 
     Args:
@@ -71,6 +71,9 @@ def manager_for(group: LayerGroupSpec, sizing: CacheSizing | None = None, *, poo
             fixed pools, nothing cached.
         num_window_slots: window slots of a group whose rows are window slots (default: the kind's count over the
             pool, :meth:`~kvpage.spec.GroupKind.window_slots`).
+        carve: ``False``: a quantize-on-seal group keeps fixed side pools even where its own layout could carve
+            (the cache's groups carve together or not at all, as :func:`~kvpage.cache.capacity.cache_capacity`
+            decides: several such groups under per-layer precision).
 
     Raises:
         KeyError: a kind without a manager (:data:`MANAGERS`).
@@ -81,4 +84,5 @@ def manager_for(group: LayerGroupSpec, sizing: CacheSizing | None = None, *, poo
     slots = num_window_slots
     if slots is None:
         slots = group.kind.window_slots(group, num_blocks or 1, sizing) if group.kind.window_rows else 0
-    return for_kind(MANAGERS, group, "kvpage.cache.groups.MANAGERS")(group, sizing, pool, num_blocks, slots)
+    return for_kind(MANAGERS, group, "kvpage.cache.groups.MANAGERS")(group, sizing, pool,
+                                                                      num_blocks if carve else None, slots)
