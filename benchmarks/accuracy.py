@@ -307,6 +307,22 @@ run (`accuracy/tries/heldback_*.json`); reported, never used to choose:
 Not run (time): 1c without rotation, per-layer mixes of the plain formats, a sensitivity ranking of the window
 cut itself, and pre-RoPE keys combined with a per-layer mix.
 
+**1d in the engine** (`kv_layer_dtypes`, README "Per-layer precision"): the kept mix as a real per-layer format
+map, through the engine's own caches and kernels, `kvpage eval --suite --suite-members
+gpl3,argparse,matplotlibrc,torch_readme --formats 'auto,int3_rotated,int3_rotated[17,20,24,8,23:int4_rotated;22,10,19,12,29,16,11,25,13,27:int2_rotated]'
+--mode chunked --chunk-size 32 --threads 1` (tuning members only; 152 s on 1 thread of 2 shared cores). Bits
+are the mean over layers at each member's length (`argparse`: 4,096 tokens, where the `int2` layers' 32-token
+window weighs less, so the mix costs fewer bits there); KLD / Δppl:
+
+| format | bits (gpl3 / argparse) | `gpl3` | `argparse` | `matplotlibrc` | `torch_readme` | tuning mean |
+|---|---|---|---|---|---|---|
+| `int3_rotated` | 3.633 / 3.439 | 0.0186 / -0.50% | 0.0217 / +2.75% | 0.0162 / +1.55% | 0.1231 / -1.09% | 0.0449 / +0.68% |
+| mix: 5 most sensitive `int4_rotated`, 10 least `int2_rotated`, 15 `int3_rotated` | 3.633 / 3.314 | 0.0105 / -0.71% | 0.0149 / +1.17% | 0.0127 / +1.11% | 0.1185 / -2.64% | 0.0392 / -0.27% |
+
+KLD -44%, -31%, -21% and -4% at the same or fewer bits, as the screening found (-40%, -41%, -26%, -7%); raw rows in `accuracy/tries/engine_layer_mix.json`;
+`torch_readme`'s Δppl stays within its standard error (±2.3 points). Not run: the held-back member (the layer
+order was measured on two tuning members, so it is the test of whether the order generalizes).
+
 """
 
 
