@@ -9,8 +9,9 @@
 # Parts, each under its own timeout (and all under KVPAGE_GPU_CHECK_BUDGET_S, default 450 s), so one failure or
 # hang loses only its own figures:
 #   (a) tests: tests/test_triton_backend.py, tests/test_triton_sealed.py, tests/test_copy_stream.py (the tiers' copy
-#       stream, pinned host blocks) and tests/test_c29_gpu_dtypes.py on CUDA
-#       tensors, kernels compiled (KVPAGE_TRITON_TEST_DEVICE=cuda); the dry run: test_c29 under the interpreter;
+#       stream, pinned host blocks), tests/test_staging.py (step metadata without a host synchronisation) and
+#       tests/test_c29_gpu_dtypes.py on CUDA tensors, kernels compiled (KVPAGE_TRITON_TEST_DEVICE=cuda); the dry
+#       run: test_c29 under the interpreter;
 #   (b) decode: benchmarks/triton_decode.py (batch 1/32/128 x context 4k/32k x formats, µs per layer, GB/s against
 #       the measured copy bandwidth, torch SDPA on dense bf16 beside it);
 #   (c) e2e: benchmarks/gpu_e2e.py per KV format (random Llama-3-8B-shaped bf16 model, batch 64, 2,048-token
@@ -84,7 +85,7 @@ fi
 
 # (a) tests
 TESTS=(tests/test_c29_gpu_dtypes.py)
-((DRY)) || TESTS=(tests/test_triton_backend.py tests/test_triton_sealed.py tests/test_copy_stream.py "${TESTS[@]}")
+((DRY)) || TESTS=(tests/test_triton_backend.py tests/test_triton_sealed.py tests/test_copy_stream.py tests/test_staging.py "${TESTS[@]}")
 part tests 200 "$PY" -m pytest -p no:xdist -p no:cacheprovider -q -o addopts= "${TESTS[@]}" --junitxml="$OUT/tests.xml"
 
 # (b) decode-attention microbenchmark

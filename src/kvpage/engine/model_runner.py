@@ -19,6 +19,7 @@ from kvpage.cache.tiers.connector import KVConnectorWorker
 from kvpage.engine.group_attention import GroupAttention
 from kvpage.model.attention_fn import CausalLM, early_exit, layer_attention
 from kvpage.ops.attention import AttentionMetadata
+from kvpage.ops.staging import to_device
 from kvpage.spec import CacheSpec
 
 
@@ -131,8 +132,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(block_tables=plan.block_tables, seq_lens=plan.seq_lens,
                                        query_lens=plan.query_lens, slot_mapping=plan.slot_mapping,
                                        block_size=plan.block_size, device=self.device)
-        as_long = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_long(ids), as_long(pos), meta
+        return to_device(ids, torch.long, self.device), to_device(pos, torch.long, self.device), meta
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest], plan: PassPlan, *, all_logits: bool = False,
@@ -192,8 +192,8 @@ class ModelRunner:
             if all_logits:
                 logits = self.model.compute_logits(hidden)                    # [T, vocab]
             else:
-                pick = (torch.as_tensor(meta.query_start_loc[1:], device=self.device) - 1 if rows is None
-                        else torch.as_tensor(rows, dtype=torch.long, device=self.device))
+                pick = to_device([q - 1 for q in meta.query_start_loc[1:]] if rows is None else rows, torch.long,
+                                 self.device)
                 logits = self.model.compute_logits(hidden[pick])             # [B or sum(num_logits), vocab]
             if conn is not None:
                 conn.wait_for_save()

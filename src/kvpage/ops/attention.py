@@ -31,6 +31,7 @@ from kvpage.errors import KVCacheLayoutError, StaticScalesError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, StaticScaleFormat, TokenFormat
 from kvpage.ops.causal import request_attention
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
+from kvpage.ops.staging import to_device
 from kvpage.spec import LayerSpec
 
 
@@ -87,10 +88,10 @@ class AttentionMetadata:
             n = math.ceil(s / block_size)
             table[i, :n] = torch.as_tensor(list(bt[:n]), dtype=torch.long)
         return cls(
-            slot_mapping=torch.as_tensor(list(slot_mapping), dtype=torch.long, device=device),
+            slot_mapping=to_device(list(slot_mapping), torch.long, device),  # no host synchronisation on CUDA
             query_start_loc=tuple(starts),
             seq_lens=tuple(int(s) for s in seq_lens),
-            block_tables=table.to(device),
+            block_tables=to_device(table, torch.long, device),
             block_size=block_size,
         )
 

@@ -14,6 +14,7 @@ import torch
 from kvpage.ops.attention import AttentionMetadata
 from kvpage.ops.backends.sealed_sources import sealed_sources
 from kvpage.ops.sealed_attention import SealContext
+from kvpage.ops.staging import to_device
 
 #: Context positions per key/value tile (``tl.dot`` wants at least 16 on a GPU).
 BLOCK_N = 16
@@ -93,11 +94,11 @@ def step_tiles(meta: AttentionMetadata, group: int, head_dim: int, device: torch
             items += [i, q0]
     longest = max(meta.seq_lens, default=0)
     return StepTiles(
-        items=torch.tensor(items, dtype=torch.int32).view(-1, 2).to(device),
+        items=to_device(items, torch.int32, device).view(-1, 2),
         block_tables=meta.block_tables.to(device).contiguous(),
         slot_mapping=meta.slot_mapping.to(device),
-        seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32).to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+        seq_lens=to_device(meta.seq_lens, torch.int32, device),
+        query_start_loc=to_device(qsl, torch.int32, device),
         block_q=block_q, block_m=block_m, longest_tiles=math.ceil(longest / BLOCK_N) + 1,
     )
 
@@ -142,9 +143,9 @@ def sealed_step(ctx: SealContext, meta: AttentionMetadata, group: int, head_dim:
             items += [i, q0]
     longest = max((meta.seq_lens[i] for i in src.kernel_rows), default=0)
     return SealedStep(
-        kind=src.kind.to(device), index=src.index.to(device), kernel_rows=src.kernel_rows, sdpa_rows=src.sdpa_rows,
-        items=torch.tensor(items, dtype=torch.int32).view(-1, 2).to(device),
-        seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32).to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+        kind=to_device(src.kind, torch.uint8, device), index=to_device(src.index, torch.long, device), kernel_rows=src.kernel_rows, sdpa_rows=src.sdpa_rows,
+        items=to_device(items, torch.int32, device).view(-1, 2),
+        seq_lens=to_device(meta.seq_lens, torch.int32, device),
+        query_start_loc=to_device(qsl, torch.int32, device),
         block_q=block_q, block_m=block_m, longest_tiles=math.ceil(longest / BLOCK_N) + 1,
     )
