@@ -8,15 +8,13 @@ compiled. The refusal is :meth:`kvpage.spec.LayerSpec.validate`, the one check e
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-DEVICE = torch.device(os.environ.get("KVPAGE_TRITON_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("KVPAGE_TRITON_TEST_DEVICE=cuda but torch sees no CUDA device", allow_module_level=True)
-ON_CPU = DEVICE.type == "cpu"
+from _triton_device import DEVICE, ON_CPU, interpreter, skip_module_without_device  # noqa: F401  (interpreter: autouse)
+
+skip_module_without_device()
 
 from kvpage.cache.controller import CacheController  # noqa: E402
 from kvpage.cache.tail import TailTable  # noqa: E402
@@ -29,12 +27,6 @@ from _spec_alloc import check_quantized_main_and_draft_allocation  # noqa: E402
 #: The seed's formats (fp8 as vLLM names its per-token-head variant too).
 SEED_FORMATS = ["int8", "fp8", "fp8_per_token_head"]
 
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interpreter's switch, on for this module's tests on the CPU (as in tests/test_triton_backend.py)."""
-    if ON_CPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.mark.parametrize("device", ["meta"] + ([] if ON_CPU else [DEVICE.type]))

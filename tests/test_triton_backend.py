@@ -25,17 +25,12 @@ import sys
 import pytest
 import torch
 
-#: Where the kernels run: the CPU under the interpreter (the suite), or ``cuda`` (compiled; a GPU machine's check,
-#: ``KVPAGE_TRITON_TEST_DEVICE=cuda``, with TRITON_INTERPRET unset).
-DEVICE = torch.device(os.environ.get("KVPAGE_TRITON_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("KVPAGE_TRITON_TEST_DEVICE=cuda but torch sees no CUDA device", allow_module_level=True)
-ON_CPU = DEVICE.type == "cpu"
+from _triton_device import DEVICE, ON_CPU, interpreted_imports, interpreter, skip_module_without_device  # noqa: F401  (interpreter: autouse)
+
+skip_module_without_device()
 
 _BEFORE = os.environ.get("TRITON_INTERPRET")
-if ON_CPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-try:
+with interpreted_imports():
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
@@ -52,11 +47,6 @@ try:
         tl.store(e4m3_ptr + i, c, mask=m)
         tl.store(int8_ptr + i, encode_int8(x), mask=m)
         tl.store(dec_ptr + i, decode_e4m3(c), mask=m)
-finally:
-    if _BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _BEFORE
 _AFTER = os.environ.get("TRITON_INTERPRET")
 
 from kvpage.cache.controller import CacheController  # noqa: E402
@@ -76,12 +66,6 @@ TOKEN_FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8", "int8_rotated"
 LOOSE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3, "int8": 0.06, "fp8": 0.25, "int8_rotated": 0.06,
          "fp8_per_token_head": 0.25, "int8_static": 0.08, "fp8_static": 0.3}
 
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interpreter's switch, on for this module's tests only (the backend refuses the CPU without it)."""
-    if ON_CPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="about the CPU under the interpreter")

@@ -9,25 +9,20 @@ dequantization bit for bit; the int8 sink copy its ``quantize``; and a Triton ba
 the cache and tail bytes the reference backend writes over a mixed prefill + decode step, through the kernels.
 Shapes are small: the interpreter runs each program in Python (about a second per launch here).
 
-``TRITON_INTERPRET`` is handled as in ``tests/test_triton_backend.py``.
+Device and ``TRITON_INTERPRET``: ``tests/_triton_device.py``.
 """
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
 import torch
 
-DEVICE = torch.device(os.environ.get("KVPAGE_TRITON_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("KVPAGE_TRITON_TEST_DEVICE=cuda but torch sees no CUDA device", allow_module_level=True)
-ON_CPU = DEVICE.type == "cpu"
+from _triton_device import DEVICE, ON_CPU, interpreted_imports, interpreter, skip_module_without_device  # noqa: F401  (interpreter: autouse)
 
-_BEFORE = os.environ.get("TRITON_INTERPRET")
-if ON_CPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-try:
+skip_module_without_device()
+
+with interpreted_imports():
     triton = pytest.importorskip("triton")
     import triton.language as tl  # noqa: E402
     from kvpage.ops.backends.triton import seal as seal_kernels  # noqa: E402  (decorated interpreted)
@@ -39,11 +34,6 @@ try:
         i = tl.arange(0, BLOCK)
         v = tl.load(x_ptr + i, mask=i < n, other=0.0)
         tl.store(out_ptr + i, encode_ue5m3(v).to(tl.uint8), mask=i < n)
-finally:
-    if _BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _BEFORE
 
 from kvpage.cache.controller import CacheController  # noqa: E402
 from kvpage.cache.tail import TailTable  # noqa: E402
@@ -58,12 +48,6 @@ CODEC = seal_kernels.TritonSealCodec()
 #: numpy, under the interpreter, warns of the overflows and NaN the extreme inputs are made of
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interpreter's switch, on for this module's tests only."""
-    if ON_CPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _pools(fmt_name: str, kind: str, bs: int, kv: int, d: int, nb: int) -> list[dict[str, torch.Tensor]]:

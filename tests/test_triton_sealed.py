@@ -11,12 +11,11 @@ and 3; head_dim 64 and 128; mixed decode + chunk batches. What must hold:
 * both are within the format's bound of float64 attention over the unquantized K/V (``tests/test_cpu_backend.py``);
 * the kernel, not the fallback, served the rows it should (decode rows and short runs in one block).
 
-``TRITON_INTERPRET`` is handled as in ``tests/test_triton_backend.py``.
+Device and ``TRITON_INTERPRET``: ``tests/_triton_device.py``.
 """
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections.abc import Callable
 from unittest import mock
@@ -24,22 +23,13 @@ from unittest import mock
 import pytest
 import torch
 
-DEVICE = torch.device(os.environ.get("KVPAGE_TRITON_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("KVPAGE_TRITON_TEST_DEVICE=cuda but torch sees no CUDA device", allow_module_level=True)
-ON_CPU = DEVICE.type == "cpu"
+from _triton_device import DEVICE, ON_CPU, interpreted_imports, interpreter, skip_module_without_device  # noqa: F401  (interpreter: autouse)
 
-_BEFORE = os.environ.get("TRITON_INTERPRET")
-if ON_CPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-try:
+skip_module_without_device()
+
+with interpreted_imports():
     triton = pytest.importorskip("triton")
     from kvpage.ops.backends.triton import sealed_attention as sealed_kernels  # noqa: F401  (decorated interpreted)
-finally:
-    if _BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _BEFORE
 
 from kvpage.cache.controller import CacheController  # noqa: E402
 from kvpage.cache.tail import TailTable  # noqa: E402
@@ -54,12 +44,6 @@ from _attention_oracle import float64_attention  # noqa: E402
 #: Output error against float64 attention over the unquantized K/V (unit-normal q/k/v): tests/test_cpu_backend.py's.
 LOOSE = {"int4": 0.35, "int3": 0.7, "int2": 1.2, "int4_rotated": 0.35, "int3_rotated": 0.7, "int2_rotated": 1.2}
 
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interpreter's switch, on for this module's tests only."""
-    if ON_CPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 
