@@ -345,8 +345,10 @@ class CacheController:
                 ([r for r, _, _ in kept], [d for _, _, d in kept])
         # the host side moves as slices (runs of consecutive host ids), the device side by index: with a pinned
         # host tier on CUDA every slice copy is asynchronous on the current stream
+        # (computed once per kind of layer the copy touches: plain, window-slotted)
         moves: dict[bool, tuple[torch.Tensor, list[tuple[int, int, int]]]] = {}
-        for windowed_layer, (s_ids, d_ids) in ((False, plain), (True, slotted)):
+        for windowed_layer in sorted({i in self.window_layers for i in todo}):
+            s_ids, d_ids = slotted if windowed_layer else plain
             host_ids, dev_ids = (s_ids, d_ids) if to_device else (d_ids, s_ids)
             order, runs = host_runs(host_ids)
             moves[windowed_layer] = (torch.tensor([dev_ids[k] for k in order], dtype=torch.long).to(self.device),

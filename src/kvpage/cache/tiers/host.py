@@ -192,7 +192,6 @@ class TieredWorker(KVConnectorWorker):
         self._written: dict[int, int] = {}
         self._unsaved: dict[int, tuple[tuple[int, int], ...]] = {}
         self._deferred: list[list[TransferOp]] = []  # loads waiting, one list per get_finished call to come
-        self._last_copy: object = None  # the fence of the last device<->host copy issued
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
         """Drop cancelled deferred loads, then run ``meta``'s ops in order (deferring loads by ``load_delay``)."""
@@ -212,8 +211,7 @@ class TieredWorker(KVConnectorWorker):
         scheduler half treats its blocks as not arrived or not saved: a failing tier never fails a request)."""
         try:
             if op.kind in ("device_to_host", "host_to_device"):
-                self._last_copy = self._issue_copy(op)
-                self._issued.append((op.op_id, self._last_copy))
+                self._issued.append((op.op_id, self._issue_copy(op)))
                 return
             n = self._perform(op)
         except Exception as exc:  # noqa: BLE001 -- the tier is a cache: report the failure, never raise it
@@ -238,8 +236,11 @@ class TieredWorker(KVConnectorWorker):
 
     def _perform(self, op: TransferOp) -> int:
         """Do the store transfer ``op`` now; returns the leading blocks written."""
-        if self._last_copy is not None:  # a store op touches device blocks: after the copies issued before it
-            self.copy_stream.fence_compute(self._last_copy)
+        # a store op touches device blocks: after the copies issued before it and not yet reported (one stream:
+        # the last one's fence covers the others; a reported copy has landed)
+        fences = [fence for _, fence in self._issued if fence is not None]
+        if fences:
+            self.copy_stream.fence_compute(fences[-1])
         rows = None if op.window_rows is None else list(op.window_rows)
         if op.kind == "device_to_store":
             datas = self.tier.gather(op.device_ids, rows)
