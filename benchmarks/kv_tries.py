@@ -34,8 +34,11 @@ Usage (one thread; the machine is shared)::
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py validate --out benchmarks/accuracy/tries
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py sensitivity --out benchmarks/accuracy/tries
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py screen --out benchmarks/accuracy/tries
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py positions --formats bfloat16,int8,int4_rotated
 
-Each command writes ``<out>/<command>.json`` (rows: variant, member, bits, KLD, Δppl, top-1).
+``positions`` says where a format's KLD comes from per member (its top positions' share, the mean without them,
+the median); ``bfloat16`` there is a 16-bit cache (the rounding floor any format sits on). Each command writes
+``<out>/<command>.json`` (rows: variant, member, bits, KLD, Δppl, top-1).
 """
 from __future__ import annotations
 
@@ -248,9 +251,15 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     return to_basis(out) if rot else out
 
 
+def is_sealed(fmt: str) -> bool:
+    """Whether ``fmt`` is a quantize-on-seal format (``auto``: no, the float32 baseline)."""
+    return fmt != "auto" and isinstance(get_format(fmt), SealedFormat)
+
+
 def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
                           scale: float | None) -> torch.Tensor:
-    """Causal attention with every token's K/V as ``fmt`` stores it (``auto``: float32 as given; ``int8``)."""
+    """Causal attention with every token's K/V as ``fmt`` stores it (``auto``: float32 as given; a token-wise format:
+    ``int8``, ``bfloat16``, ...)."""
     import torch.nn.functional as F
 
     if fmt != "auto":
@@ -331,7 +340,7 @@ class Runner:
                 self.capture(layer, k, v, pos)
             scale = self.model.attention_params(layer).scale
             plan = LayerPlan() if plans is None else plans[layer]
-            if plan.fmt in ("auto", "int8", "int8_rotated"):
+            if not is_sealed(plan.fmt):
                 return token_layer_attention(q, k, v, plan.fmt, scale)
             return sealed_layer_attention(q, k, v, pos, plan, scale, rope)
 
@@ -349,16 +358,14 @@ class Runner:
             self.base[member] = torch.cat(self.logits_chunks(self.hidden(member, None)))
         return self.base[member]
 
-    def score(self, variant: Variant, member: str) -> dict[str, Any]:
-        """KLD / Δppl / top-1 of ``variant`` on ``member`` against its baseline, as the suite computes them."""
-        start = time.perf_counter()
+    def rows(self, variant: Variant, member: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per predicted position of ``member`` under ``variant``: KLD against the baseline (nats), whether the
+        top-1 token agrees, the variant's and the baseline's NLL of the next token; ``[n - 1]`` arrays each."""
         base = self.baseline(member)
-        ids = self.ids[member]
-        tgt = torch.tensor(ids[1:], dtype=torch.long)
+        tgt = torch.tensor(self.ids[member][1:], dtype=torch.long)
         kld, same, nll_f, nll_b = [], [], [], []
-        h = self.hidden(member, variant.plans)
         a = 0
-        for lg in self.logits_chunks(h):
+        for lg in self.logits_chunks(self.hidden(member, variant.plans)):
             b = a + lg.shape[0]
             lp, lb = log_probs(lg), log_probs(base[a:b])
             kld.append(kl_divergence_rows(lb, lp).numpy())
@@ -366,8 +373,13 @@ class Runner:
             nll_f.append((-lp.gather(1, tgt[a:b, None])[:, 0]).numpy())
             nll_b.append((-lb.gather(1, tgt[a:b, None])[:, 0]).numpy())
             a = b
-        d = summarize_divergence(np.concatenate(kld), np.concatenate(same), np.concatenate(nll_f),
-                                 np.concatenate(nll_b))
+        return np.concatenate(kld), np.concatenate(same), np.concatenate(nll_f), np.concatenate(nll_b)
+
+    def score(self, variant: Variant, member: str) -> dict[str, Any]:
+        """KLD / Δppl / top-1 of ``variant`` on ``member`` against its baseline, as the suite computes them."""
+        start = time.perf_counter()
+        ids = self.ids[member]
+        d = summarize_divergence(*self.rows(variant, member))
         row = dict(variant=variant.name, member=member, num_tokens=len(ids), bits_1024=round(variant.bits(), 4),
                    kld=d.kld_mean, kld_se=d.kld_se, delta_ppl_percent=100 * math.expm1(d.ln_ppl_ratio),
                    delta_ppl_se_percent=d.delta_ppl_se_percent, top1_percent=d.top1_percent,
@@ -478,9 +490,9 @@ def _save(out: Path, name: str, payload: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``validate``, ``sensitivity``, ``fit``, ``screen`` (see the module docstring)."""
+    """Command line: ``validate``, ``sensitivity``, ``fit``, ``screen``, ``positions`` (module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=["validate", "sensitivity", "fit", "screen"])
+    p.add_argument("command", choices=["validate", "sensitivity", "fit", "screen", "positions"])
     p.add_argument("--members", default=",".join(TUNING))
     p.add_argument("--tokens", default="argparse=2048", help="member=N,... (first N tokens of those members)")
     p.add_argument("--formats", default="int4,int3,int2,int4_rotated", help="validate/screen: base formats")
@@ -533,6 +545,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _save(out, "levels", payload)
         print(json.dumps(payload["levels"], indent=1))
         return 0
+    if args.command == "positions":
+        for f in args.formats.split(","):
+            for m in members:
+                r = positions_row(runner, uniform(f, f, L), m)
+                rows.append(r)
+                print(f"{f:<14} {m:<13} KLD {r['kld']:.5f}  top-3 positions {r['top3_share']:.0%} of it  "
+                      f"without them {r['kld_without_top3']:.5f}  median {r['kld_median']:.6f}  "
+                      f"{[(t['position'], round(t['kld'], 2)) for t in r['top']]}", flush=True)
+                _save(out, "positions", payload)
+        return 0
     variants = build_variants(out, L, args.formats.split(","))
     wanted = None if args.variants is None else set(args.variants.split(","))
     name = "screen" if wanted is None else "screen_" + "_".join(sorted(wanted))[:80]
@@ -545,6 +567,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_row(r)
             _save(out, name, payload)
     return 0
+
+
+def positions_row(runner: Runner, variant: Variant, member: str, top: int = 5) -> dict[str, Any]:
+    """Where ``variant``'s KLD on ``member`` comes from: its mean, median, the share of the ``top`` 3 positions, the
+    mean without them, and the ``top`` positions (index of the predicted token's context end, KLD, the last
+    context tokens and the next one, decoded)."""
+    kld = runner.rows(variant, member)[0].astype(np.float64)
+    order = np.argsort(-kld)
+    ids, tok = runner.ids[member], runner.loaded.tokenizer
+    rest = np.delete(kld, order[:3])
+    return dict(variant=variant.name, member=member, kld=float(kld.mean()), kld_median=float(np.median(kld)),
+                top3_share=float(kld[order[:3]].sum() / max(kld.sum(), 1e-30)), kld_without_top3=float(rest.mean()),
+                top=[dict(position=int(t), kld=float(kld[t]), context=tok.decode(ids[max(0, t - 3):t + 1]),
+                          next=tok.decode([ids[t + 1]])) for t in order[:top]])
+
+
+def mix(base: str, order: Sequence[int], top: tuple[int, LayerPlan] = (0, LayerPlan()),
+        bottom: tuple[int, LayerPlan] = (0, LayerPlan())) -> list[LayerPlan]:
+    """Per-layer plans: every layer ``base``, but the first ``top[0]`` layers of ``order`` (most sensitive first)
+    planned as ``top[1]`` and the last ``bottom[0]`` as ``bottom[1]``. ``order`` holds every layer once."""
+    plans = [LayerPlan(fmt=base) for _ in order]
+    for i in order[:top[0]]:
+        plans[i] = top[1]
+    for i in order[len(order) - bottom[0]:]:
+        plans[i] = bottom[1]
+    return plans
 
 
 def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]:
@@ -577,45 +625,28 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
         order = sorted(per, key=lambda i: -float(np.mean(per[i])))            # most sensitive first
         for suffix in ("", "_rotated"):
             i4, i3, i2, i8 = (f"int4{suffix}", f"int3{suffix}", f"int2{suffix}", f"int8{suffix}")
+            no_window = LayerPlan(fmt=i2, residual_tokens=0)
+            meta = dict(order=order)
             # int3's budget: the 5 most sensitive layers int4 (+1 bit each at 1,024 tokens), the 10 least int2
             # (-0.5 each, window included), the rest int3
-            plans = [LayerPlan(fmt=i3) for _ in range(layers)]
-            for i in order[:5]:
-                plans[i] = LayerPlan(fmt=i4)
-            for i in order[-10:]:
-                plans[i] = LayerPlan(fmt=i2)
-            vs.append(Variant(f"mix_int3budget{suffix}", plans, meta=dict(order=order)))
+            vs.append(Variant(f"mix_int3budget{suffix}", mix(i3, order, top=(5, LayerPlan(fmt=i4)),
+                                                             bottom=(10, LayerPlan(fmt=i2))), meta=meta))
             # int4's budget: the 2 most sensitive layers 8-bit (+3.6 bits each), the 8 least int3 (-1 each)
-            plans = [LayerPlan(fmt=i4) for _ in range(layers)]
-            for i in order[:2]:
-                plans[i] = LayerPlan(fmt=i8)
-            for i in order[-8:]:
-                plans[i] = LayerPlan(fmt=i3)
-            vs.append(Variant(f"mix_int4budget{suffix}", plans, meta=dict(order=order)))
+            vs.append(Variant(f"mix_int4budget{suffix}", mix(i4, order, top=(2, LayerPlan(fmt=i8)),
+                                                             bottom=(8, LayerPlan(fmt=i3))), meta=meta))
             # TurboQuant's preset: first and last layers 8-bit, the rest int3
-            plans = [LayerPlan(fmt=i3) for _ in range(layers)]
+            plans = mix(i3, order)
             plans[0] = plans[-1] = LayerPlan(fmt="int8")
             vs.append(Variant(f"firstlast8_int3{suffix}", plans))
             # int2's budget: nothing is below int2, but its 32-token float16 window costs about as much as int3
             # over int2 (0.5 bits at 1,024 tokens): the 10 most sensitive layers int3, the 10 least int2 without
             # the window (kv_quant_residual_tokens=0), the rest int2 as it is
-            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
-            for i in order[:10]:
-                plans[i] = LayerPlan(fmt=i3)
-            for i in order[-10:]:
-                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
-            vs.append(Variant(f"mix_int2budget{suffix}", plans, meta=dict(order=order)))
+            vs.append(Variant(f"mix_int2budget{suffix}", mix(i2, order, top=(10, LayerPlan(fmt=i3)),
+                                                             bottom=(10, no_window)), meta=meta))
             # the same with 5 and 5; and the window cut alone on the 10 least sensitive layers (what it costs)
-            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
-            for i in order[:5]:
-                plans[i] = LayerPlan(fmt=i3)
-            for i in order[-5:]:
-                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
-            vs.append(Variant(f"mix5_int2budget{suffix}", plans, meta=dict(order=order)))
-            plans = [LayerPlan(fmt=i2) for _ in range(layers)]
-            for i in order[-10:]:
-                plans[i] = LayerPlan(fmt=i2, residual_tokens=0)
-            vs.append(Variant(f"nowindow10_int2{suffix}", plans, meta=dict(order=order)))
+            vs.append(Variant(f"mix5_int2budget{suffix}", mix(i2, order, top=(5, LayerPlan(fmt=i3)),
+                                                              bottom=(5, no_window)), meta=meta))
+            vs.append(Variant(f"nowindow10_int2{suffix}", mix(i2, order, bottom=(10, no_window)), meta=meta))
     return vs
 
 

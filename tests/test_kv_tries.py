@@ -124,3 +124,27 @@ def test_fit_levels_ends_fixed_and_sorted() -> None:
     lev = kv_tries.fit_levels(u, 3)
     assert lev[0] == 0 and lev[-1] == 7 and bool((lev[1:] > lev[:-1]).all())
     assert lev[4] - lev[3] < 1.0  # denser than the uniform grid around the bell's centre
+
+
+def test_mix_plans_the_ends_of_the_order() -> None:
+    """``mix`` gives the first ``top`` layers of the order the top plan, the last ``bottom`` the bottom plan, the rest
+    the base format; with no ends every layer is the base."""
+    a, b = kv_tries.LayerPlan(fmt="int4"), kv_tries.LayerPlan(fmt="int2", residual_tokens=0)
+    plans = kv_tries.mix("int3", [2, 0, 4, 1, 3], top=(1, a), bottom=(2, b))
+    assert plans == [kv_tries.LayerPlan(fmt="int3"), b, a, b, kv_tries.LayerPlan(fmt="int3")]
+    assert [p.fmt for p in kv_tries.mix("int3", [1, 0])] == ["int3", "int3"]
+
+
+def test_token_wise_formats_read_every_token_as_stored() -> None:
+    """A token-wise format (``bfloat16`` here, the rounding floor of ``positions``) goes through the token-wise
+    attention: causal SDPA over the K/V as that format stores them; quantize-on-seal formats do not."""
+    assert not kv_tries.is_sealed("auto") and not kv_tries.is_sealed("bfloat16") and not kv_tries.is_sealed("int8")
+    assert kv_tries.is_sealed("int4") and kv_tries.is_sealed("int2_rotated")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(40, h, 64, generator=g) for h in (6, 2, 2))
+    out = kv_tries.token_layer_attention(q, k, v, "bfloat16", 0.125)
+    kb, vb = k.bfloat16().float(), v.bfloat16().float()
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
+                                         is_causal=True, scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert not torch.equal(out, kv_tries.token_layer_attention(q, k, v, "auto", 0.125))
