@@ -323,6 +323,57 @@ KLD -44%, -31%, -21% and -4% at the same or fewer bits, as the screening found (
 `torch_readme`'s Δppl stays within its standard error (±2.3 points). Not run: the held-back member (the layer
 order was measured on two tuning members, so it is the test of whether the order generalizes).
 
+**Where the tuning mean's KLD comes from: `torch_readme`'s massive activations** (`kv_tries.py positions
+--formats bfloat16,int8,int8_rotated,fp8,int4,int4_rotated,int3_rotated,int2_rotated`; the harness above,
+`argparse` on its first 2,048 tokens; raw rows in `accuracy/tries/positions.json`). On `torch_readme` SmolLM2 forms
+massive activations (Sun et al. 2024: residual-stream states many times the typical size, which later layers
+attend to as sinks) at 118 of 1,023 positions: the residual stream peaks at 3-8x its layer's median there, from
+layer 11 on, against 9-12 positions on each other member. The logits read at those positions swing with any change
+to the attention before them: even a `bfloat16` cache (the rounding floor) puts 76% of `torch_readme`'s KLD on them
+and gives 14x the other members' KLD. (A one-off run of the same harness, one layer's cache `int8` at a time:
+layers 1-11 move those positions' KLD by up to 1.75, layers 12-29 by less than 0.001.)
+
+| format | other three members: mean KLD | their massive-activation positions' share | `torch_readme` KLD | median | massive-activation positions' share | KLD without them | top 3 positions' share |
+|---|---|---|---|---|---|---|---|
+| `bfloat16` | 0.00005 | 1% | 0.00069 | 0.000026 | 76% | 0.00018 | 35% |
+| `int8` | 0.00101 | 1% | 0.03226 | 0.000644 | 82% | 0.00647 | 54% |
+| `int8_rotated` | 0.00027 | 1% | 0.00811 | 0.000195 | 76% | 0.00219 | 46% |
+| `fp8` | 0.00552 | 1% | 0.07138 | 0.003291 | 77% | 0.01854 | 35% |
+| `int4` | 0.00607 | 1% | 0.06006 | 0.005727 | 70% | 0.02029 | 39% |
+| `int4_rotated` | 0.00401 | 1% | 0.05210 | 0.002861 | 68% | 0.01881 | 35% |
+| `int3_rotated` | 0.01767 | 1% | 0.13426 | 0.013430 | 57% | 0.06480 | 20% |
+| `int2_rotated` | 0.04486 | 1% | 0.23789 | 0.029827 | 59% | 0.10951 | 12% |
+
+So the tuning mean is `torch_readme`'s tail: for `int4_rotated` 0.0160 = (3 x 0.0040 + 0.0521) / 4. With about
+0.004 on the other three, a format meets the issue's KLD <= 0.004 tuning mean only if `torch_readme`'s KLD is about
+0.004 too: below `int8_rotated`'s at 8.25 bits (0.0081 here, 0.0057 in the suite). That is the model's sensitivity
+on this text, not a layout a 4-bit cache can choose; the member stays in the set (dropping it to pass would hide
+exactly the texts where a cache hurts most). What moves the other three members and the held-back one is pre-RoPE
+keys (1b above: `int4_rotated` 0.0040 -> 0.0033 on three members, 0.0040 -> 0.0032 held back).
+
+**The first-block copy at fewer bits** (`kv_tries.py screen --formats int4_rotated,int3_rotated --variants
+...,<format>_sinkcopy0,_sinkcopy6,_sinkcopy4`; `accuracy/tries/screen_int3_rotated_int3_rotated_sinkcopy0_*.json`).
+The quantize-on-seal formats keep an int8 copy of each request's first block (the sink's outliers would stretch
+every key channel's range in that block): 0.258 bits per value at 1,024 tokens, exactly the margin by which
+`int4_rotated` (4.633) and `int3_rotated` (3.633) miss the 4.6- and 3.6-bit floors at that length (4.50 and 3.50
+from 2,048 tokens on). The copy in fewer bits (asymmetric per token and head, float16 step and zero point) or none:
+
+| try | bits | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl | mean KLD / Δppl | mean KLD of the first three | verdict |
+|---|---|---|---|---|---|---|---|---|
+| `int4_rotated` (reference: int8 copy) | 4.633 | 0.0044 / +0.18% | 0.0037 / +0.50% | 0.0039 / +0.47% | 0.0521 / -3.42% | 0.0160 / -0.57% | 0.0040 | — |
+| `int4_rotated`, 6-bit copy | 4.578 | 0.0051 / -0.07% | 0.0042 / +0.75% | 0.0040 / +0.80% | 0.0537 / -0.50% | 0.0168 / +0.25% | 0.0044 | rejected: meets 4.6 bits, KLD +11% on the three |
+| `int4_rotated`, 4-bit copy | 4.516 | 0.0083 / +0.27% | 0.0055 / +0.80% | 0.0057 / -0.22% | 0.0795 / -0.28% | 0.0247 / +0.14% | 0.0065 | rejected: KLD +62% |
+| `int4_rotated`, no copy | 4.375 | 0.0126 / -0.08% | 0.0088 / +0.82% | 0.0077 / +0.68% | 0.0408 / +0.57% | 0.0175 / +0.50% | 0.0097 | rejected: KLD 2.4x |
+| `int3_rotated` (reference: int8 copy) | 3.633 | 0.0178 / -0.54% | 0.0183 / +2.93% | 0.0170 / +1.76% | 0.1343 / +2.04% | 0.0468 / +1.55% | 0.0177 | — |
+| `int3_rotated`, 6-bit copy | 3.578 | 0.0216 / +0.09% | 0.0193 / +2.75% | 0.0162 / +2.39% | 0.1456 / -0.09% | 0.0507 / +1.29% | 0.0190 | rejected: meets 3.6 bits (and Δppl <= 2.5%), KLD +7% on the three |
+| `int3_rotated`, 4-bit copy | 3.516 | 0.0283 / -0.68% | 0.0196 / +2.14% | 0.0172 / +1.71% | 0.1901 / +3.71% | 0.0638 / +1.72% | 0.0217 | rejected: KLD +23% |
+| `int3_rotated`, no copy | 3.375 | 0.0442 / +1.82% | 0.0614 / +6.99% | 0.0346 / +5.15% | 0.1429 / +2.10% | 0.0708 / +4.01% | 0.0467 | rejected: KLD 2.6x |
+
+The int8 copy stays: 0.055 bits buy 7-11% less KLD, a better rate than any other trade screened here (per-layer
+mixes pay about a bit per layer for 20-40%). Covering only the first 4 or 16 tokens of block 0 (the rest read
+sealed with the sink in its groups) was worse than the whole block in a one-off run (`int4_rotated`: 0.0045 mean
+KLD of the three for both, against 0.0040).
+
 """
 
 

@@ -27,7 +27,9 @@ Variants beyond the real formats (all fake quantization, in this file only):
   the tuning members' own K/V, normalized per group to its min/max range (:func:`fit_levels`);
 * **per-layer precision**: any format per layer (``int8``/``int4``/``int3``/``int2``, rotated or not, ``auto``),
   a quantize-on-seal layer optionally with its own window (``kv_quant_residual_tokens``; ``int2`` without its
-  32-token window is the only way below ``int2``'s bits, which the mix at ``int2``'s budget uses).
+  32-token window is the only way below ``int2``'s bits, which the mix at ``int2``'s budget uses);
+* **the first-block copy** at fewer bits or none (``<format>_sinkcopy<bits>``): the int8 copy costs 0.26 bits per
+  value at 1,024 tokens, the margin by which ``int4``/``int3`` miss their 4.6/3.6-bit floors there.
 
 Usage (one thread; the machine is shared)::
 
@@ -37,7 +39,8 @@ Usage (one thread; the machine is shared)::
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py positions --formats bfloat16,int8,int4_rotated
 
 ``positions`` says where a format's KLD comes from per member (its top positions' share, the mean without them,
-the median); ``bfloat16`` there is a 16-bit cache (the rounding floor any format sits on). Each command writes
+the median, how far the top positions' residual stream peaks above its layer's median: massive activations);
+``bfloat16`` there is a 16-bit cache (the rounding floor any format sits on). Each command writes
 ``<out>/<command>.json`` (rows: variant, member, bits, KLD, Δppl, top-1).
 """
 from __future__ import annotations
@@ -160,10 +163,28 @@ def block_fake_quant(fmt: SealedFormat, blocks: torch.Tensor, kind: str, levels:
     return lut_fake_quant(x.unflatten(-1, (d // g, g)), -1, fmt, levels).flatten(-2)
 
 
-def sink_fake_quant(rows: torch.Tensor, kind: str) -> torch.Tensor:
-    """``rows`` ``[n, Hkv, D]`` through the first-block copy's int8 (quantize, dequantize), float32."""
-    q = SINK.quantize(rows, kind=kind)
-    return SINK.dequantize(q.codes, q.scale, torch.float32, kind=kind)
+def sink_fake_quant(rows: torch.Tensor, kind: str, bits: int = 8) -> torch.Tensor:
+    """``rows`` ``[n, Hkv, D]`` through the first-block copy (quantize, dequantize), float32.
+
+    ``bits`` 8: the engine's copy (:data:`SINK`, symmetric int8 per token and head); fewer: a try, asymmetric
+    ``bits``-bit codes per token and head between its min and max, step and zero point in float16
+    (:func:`sink_copy_bytes`)."""
+    if bits == 8:
+        q = SINK.quantize(rows, kind=kind)
+        return SINK.dequantize(q.codes, q.scale, torch.float32, kind=kind)
+    x = rows.float()
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    step = ((hi - lo) / (2**bits - 1)).to(torch.float16).float().clamp(min=2.0**-24)
+    zero = lo.to(torch.float16).float()
+    return torch.round((x - zero) / step).clamp(0, 2**bits - 1) * step + zero
+
+
+def sink_copy_bytes(bits: int, head_dim: int) -> float:
+    """Bytes per (token, kv head) of K and V together in the first-block copy at ``bits`` (0: no copy): int8 codes
+    and a float16 scale (8 bits, the engine's), or ``bits``-bit codes with a float16 step and zero point."""
+    if bits == 0:
+        return 0.0
+    return 2 * (head_dim + 2) if bits == 8 else 2 * (head_dim * bits / 8 + 4)
 
 
 # -- one layer's attention -------------------------------------------------------------------------------------
@@ -180,6 +201,8 @@ class LayerPlan:
         key_levels, value_levels: non-uniform decode tables (``None``: the uniform grid).
         residual_tokens: full-precision window of a quantize-on-seal format in tokens (the engine's
             ``kv_quant_residual_tokens``); ``None``: the format's default (``int2``'s 32 tokens, 0 for the others).
+        sink_copy_bits: the first-block copy of a format that keeps one: 8 (the engine's int8), 0 (none: block 0
+            read sealed), or fewer bits (:func:`sink_fake_quant`).
     """
 
     fmt: str = "auto"
@@ -187,6 +210,7 @@ class LayerPlan:
     key_levels: torch.Tensor | None = None
     value_levels: torch.Tensor | None = None
     residual_tokens: int | None = None
+    sink_copy_bits: int = 8
 
 
 def fp_start_block(b: int, window: int, sink: bool) -> int:
@@ -227,12 +251,12 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         else:
             kb = k16[:n].view(nf, BLOCK, *k16.shape[1:])
             k_hat[:n] = block_fake_quant(fmt, kb, KEY, plan.key_levels).flatten(0, 1)
-        if fmt.sink_bits:
-            k_hat[:BLOCK] = sink_fake_quant(k16[:BLOCK], KEY)
-            v_hat[:BLOCK] = sink_fake_quant(v16[:BLOCK], VALUE)
+        if fmt.sink_bits and plan.sink_copy_bits:
+            k_hat[:BLOCK] = sink_fake_quant(k16[:BLOCK], KEY, plan.sink_copy_bits)
+            v_hat[:BLOCK] = sink_fake_quant(v16[:BLOCK], VALUE, plan.sink_copy_bits)
     residual = fmt.default_residual_tokens if plan.residual_tokens is None else plan.residual_tokens
     window = math.ceil(residual / BLOCK)
-    sink = bool(fmt.sink_bits)
+    sink = bool(fmt.sink_bits and plan.sink_copy_bits)
     params = LayerAttention(scale=scale)
     out = torch.empty_like(qs)
     blk = torch.arange(T) // BLOCK                                             # [T] block of each row
@@ -272,17 +296,22 @@ def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt
     return o[0].transpose(0, 1)
 
 
-def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None) -> float:
+def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None, sink_copy_bits: int = 8) -> float:
     """Effective bits per value of one SmolLM2 layer in ``fmt`` at ``num_tokens`` tokens (``auto``: 16, a 16-bit
     cache; a sealed format counts its window (``residual_tokens``, ``None``: the format's default) and first-block
-    copy, as ``kvpage eval`` does)."""
+    copy, as ``kvpage eval`` does; a copy at ``sink_copy_bits`` other than 8 is counted by
+    :func:`sink_copy_bytes` instead of the engine's int8 one)."""
     if fmt == "auto":
         return 16.0
     f = get_format(fmt)
     if isinstance(f, SealedFormat):
         residual = f.default_residual_tokens if residual_tokens is None else residual_tokens
-        return f.effective_bits_per_value(num_tokens=num_tokens, block_size=BLOCK, kv_heads=3, head_dim=64,
+        bits = f.effective_bits_per_value(num_tokens=num_tokens, block_size=BLOCK, kv_heads=3, head_dim=64,
                                           residual_tokens=residual)
+        if f.sink_bits and num_tokens >= BLOCK and sink_copy_bits != 8:  # swap the int8 copy's bytes for these
+            per_value = 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)               # bits per value per copied byte
+            bits += (sink_copy_bytes(sink_copy_bits, 64) - sink_copy_bytes(8, 64)) * per_value
+        return bits
     return f.effective_bits_per_value(num_tokens=num_tokens, block_size=16, kv_heads=3, head_dim=64)
 
 
@@ -300,7 +329,8 @@ class Variant:
 
     def bits(self, num_tokens: int = 1024) -> float:
         """Mean effective bits per value over the layers at ``num_tokens`` tokens (:func:`layer_bits`)."""
-        return float(np.mean([layer_bits(p.fmt, num_tokens, p.residual_tokens) for p in self.plans]))
+        return float(np.mean([layer_bits(p.fmt, num_tokens, p.residual_tokens, p.sink_copy_bits)
+                              for p in self.plans]))
 
 
 def uniform(name: str, fmt: str, layers: int = 30, **kw: Any) -> Variant:
@@ -325,6 +355,7 @@ class Runner:
             n = (tokens or {}).get(name, by_name[name].tokens)
             self.ids[name] = member_token_ids(self.loaded.tokenizer, r, n)
         self.base: dict[str, torch.Tensor] = {}
+        self.norms: dict[str, torch.Tensor] = {}
         self.capture: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def hidden(self, member: str, plans: Sequence[LayerPlan] | None) -> torch.Tensor:
@@ -346,6 +377,27 @@ class Runner:
 
         with torch.inference_mode():
             return self.model(ids, pos, attn)
+
+    def residual_norms(self, member: str) -> torch.Tensor:
+        """Norms of the residual stream after each decoder layer over the member's positions, unquantized run:
+        ``[layers, n - 1]`` float32 (massive activations show as positions many times a layer's median)."""
+        if member in self.norms:
+            return self.norms[member]
+        norms: dict[int, torch.Tensor] = {}
+
+        def hook(i: int) -> Callable[..., None]:
+            def record(module: Any, args: Any, out: Any) -> None:
+                norms[i] = (out[0] if isinstance(out, tuple) else out).detach().float().norm(dim=-1).flatten()
+            return record
+
+        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.model.layers)]
+        try:
+            self.hidden(member, None)
+        finally:
+            for h in handles:
+                h.remove()
+        self.norms[member] = torch.stack([norms[i] for i in range(self.num_layers)])
+        return self.norms[member]
 
     def logits_chunks(self, h: torch.Tensor, rows: int = 256) -> list[torch.Tensor]:
         """``compute_logits`` of ``h`` in chunks of ``rows`` (float32 ``[rows, V]`` each)."""
@@ -551,8 +603,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r = positions_row(runner, uniform(f, f, L), m)
                 rows.append(r)
                 print(f"{f:<14} {m:<13} KLD {r['kld']:.5f}  top-3 positions {r['top3_share']:.0%} of it  "
-                      f"without them {r['kld_without_top3']:.5f}  median {r['kld_median']:.6f}  "
-                      f"{[(t['position'], round(t['kld'], 2)) for t in r['top']]}", flush=True)
+                      f"without them {r['kld_without_top3']:.5f}  median {r['kld_median']:.6f}  positions with a "
+                      f"residual > 3x the median: {r['positions_over_3x_median']} ({r['massive_share']:.0%} of the "
+                      f"KLD; without them {r['kld_without_massive']:.5f})  top (position, KLD, residual x "
+                      f"median): {[(t['position'], round(t['kld'], 2), t['residual_x_median']) for t in r['top']]}",
+                      flush=True)
                 _save(out, "positions", payload)
         return 0
     variants = build_variants(out, L, args.formats.split(","))
@@ -570,17 +625,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def positions_row(runner: Runner, variant: Variant, member: str, top: int = 5) -> dict[str, Any]:
-    """Where ``variant``'s KLD on ``member`` comes from: its mean, median, the share of the ``top`` 3 positions, the
-    mean without them, and the ``top`` positions (index of the predicted token's context end, KLD, the last
-    context tokens and the next one, decoded)."""
+    """Where ``variant``'s KLD on ``member`` comes from: its mean, median, the share of the top 3 positions and the
+    mean without them; the same for the positions whose residual stream (unquantized run) peaks above 3x its
+    layer's median at some layer (massive activations, Sun et al. 2024); and the ``top`` positions (index of the
+    predicted token's context end, KLD, the last context tokens and the next one decoded, the residual's peak
+    over the median and the layer of the peak)."""
     kld = runner.rows(variant, member)[0].astype(np.float64)
     order = np.argsort(-kld)
     ids, tok = runner.ids[member], runner.loaded.tokenizer
     rest = np.delete(kld, order[:3])
+    ratio = runner.residual_norms(member)
+    ratio = ratio / ratio.median(dim=1, keepdim=True).values                   # [layers, n - 1] x the layer's median
+    massive = (ratio.amax(0) > 3).numpy()                                       # [n - 1] massive-activation positions
     return dict(variant=variant.name, member=member, kld=float(kld.mean()), kld_median=float(np.median(kld)),
                 top3_share=float(kld[order[:3]].sum() / max(kld.sum(), 1e-30)), kld_without_top3=float(rest.mean()),
                 top=[dict(position=int(t), kld=float(kld[t]), context=tok.decode(ids[max(0, t - 3):t + 1]),
-                          next=tok.decode([ids[t + 1]])) for t in order[:top]])
+                          next=tok.decode([ids[t + 1]]), residual_x_median=round(float(ratio[:, t].max()), 2),
+                          at_layer=int(ratio[:, t].argmax())) for t in order[:top]],
+                positions_over_3x_median=int(massive.sum()),
+                massive_share=float(kld[massive].sum() / max(kld.sum(), 1e-30)),
+                kld_without_massive=float(kld[~massive].mean()))
 
 
 def mix(base: str, order: Sequence[int], top: tuple[int, LayerPlan] = (0, LayerPlan()),
@@ -616,6 +680,9 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
                 vs.append(uniform(f"{f}{tag}_lut_kv", f, layers, key_levels=kl, value_levels=vl, pre_rope=pre))
     for f in fmts:
         vs.append(uniform(f"{f}_prerope", f, layers, pre_rope=True))
+    for f in fmts:  # the first-block copy: without it, and at 6 and 4 bits (what the 1,024-token bit floors cost)
+        if getattr(get_format(f), "sink_bits", 0):
+            vs += [uniform(f"{f}_sinkcopy{b}", f, layers, sink_copy_bits=b) for b in (0, 6, 4)]
     sens = out / "sensitivity_int2.json"
     if sens.exists():
         rows = json.loads(sens.read_text())["rows"]

@@ -148,3 +148,20 @@ def test_token_wise_formats_read_every_token_as_stored() -> None:
                                          is_causal=True, scale=0.125, enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert not torch.equal(out, kv_tries.token_layer_attention(q, k, v, "auto", 0.125))
+
+
+def test_first_block_copy_bits_are_counted_and_read() -> None:
+    """The first-block copy try: at 8 bits the engine's copy and bits; none removes exactly the copy's bytes
+    (``effective_bits_per_value`` without it); at 6 bits the codes take 6 bits and the step/zero 32 bits per row,
+    and the rows read back within half a step of each row's range."""
+    eight = kv_tries.layer_bits("int4_rotated")
+    assert eight == pytest.approx(get_format("int4_rotated").effective_bits_per_value(
+        num_tokens=1024, block_size=32, kv_heads=3, head_dim=64))
+    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=0) == pytest.approx(32 * 2 * 66 * 8 / (2 * 1024 * 64))
+    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=6) == pytest.approx(32 * 2 * (66 - 52) * 8 / (2 * 1024 * 64))
+    x = torch.randn(32, 3, 64, generator=torch.Generator().manual_seed(5)) * 3
+    assert torch.equal(kv_tries.sink_fake_quant(x, KEY), kv_tries.sink_fake_quant(x, KEY, 8))
+    y = kv_tries.sink_fake_quant(x, VALUE, 6)
+    span = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 63
+    assert bool(((y - x).abs() <= 0.51 * span + 1e-3).all()) and not torch.equal(y, x)
+    assert len(torch.unique(y[0, 0])) <= 64
