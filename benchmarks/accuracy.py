@@ -351,6 +351,26 @@ on this text, not a layout a 4-bit cache can choose; the member stays in the set
 exactly the texts where a cache hurts most). What moves the other three members and the held-back one is pre-RoPE
 keys (1b above: `int4_rotated` 0.0040 -> 0.0033 on three members, 0.0040 -> 0.0032 held back).
 
+**Pre-RoPE keys at one angle per block** (`kv_tries.py screen --formats int4_rotated,int3_rotated,int4 --variants
+<format>_prerope,<format>_blockrope,int4`; `accuracy/tries/screen_int3_rotated_blockrope_*.json`). True pre-RoPE keys
+(1b) need each key rotated at read by its own position, and through the Hadamard basis for `_rotated` (a transform
+per key row in the kernels). The cheaper variant: each key rotated back by its offset in its block only before the
+seal (so a block's keys share one angle, the block's first position's), the offset re-applied at read, where it
+could be folded into the query (one query copy per offset 0..31, not a transform per key):
+
+| try | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl | mean KLD of the first three | verdict |
+|---|---|---|---|---|---|---|
+| `int4_rotated` (reference) | 0.0044 / +0.18% | 0.0037 / +0.50% | 0.0039 / +0.47% | 0.0521 / -3.42% | 0.0040 | — |
+| `int4_rotated`, pre-RoPE keys | 0.0033 / -0.05% | 0.0036 / +0.26% | 0.0034 / +0.70% | 0.0267 / -1.35% | 0.0034 | (1b, kept above) |
+| `int4_rotated`, one angle per block | 0.0035 / -0.04% | 0.0038 / +0.78% | 0.0033 / +0.35% | 0.0474 / -5.47% | 0.0035 | weak: most of pre-RoPE's gain on three members, little on `torch_readme` |
+| `int3_rotated`, pre-RoPE keys | 0.0176 / +0.88% | 0.0156 / +1.59% | 0.0124 / +1.53% | 0.1299 / -0.18% | 0.0152 | (1b) |
+| `int3_rotated`, one angle per block | 0.0175 / +1.82% | 0.0157 / +1.46% | 0.0169 / +2.47% | 0.1304 / +0.49% | 0.0167 | rejected: -14% on `argparse`, none on the other two |
+| `int4` (reference) | 0.0059 / +0.39% | 0.0069 / +0.67% | 0.0055 / +0.72% | 0.0601 / +2.81% | 0.0061 | — |
+| `int4`, pre-RoPE keys | 0.0053 / +0.17% | 0.0060 / +0.67% | 0.0048 / +0.70% | 0.0376 / +4.54% | 0.0053 | weaker than with the rotation |
+| `int4`, one angle per block | 0.0064 / +0.01% | 0.0069 / +0.44% | 0.0050 / +0.56% | 0.0564 / +3.96% | 0.0061 | rejected: no gain |
+
+Neither variant brings a 4-bit tuning mean near 0.004 (`torch_readme`, above); neither is built this round.
+
 **The first-block copy at fewer bits** (`kv_tries.py screen --formats int4_rotated,int3_rotated --variants
 ...,<format>_sinkcopy0,_sinkcopy6,_sinkcopy4`; `accuracy/tries/screen_int3_rotated_int3_rotated_sinkcopy0_*.json`).
 The quantize-on-seal formats keep an int8 copy of each request's first block (the sink's outliers would stretch

@@ -198,6 +198,9 @@ class LayerPlan:
         fmt: format name: ``auto`` (float32), ``int8`` (per-token int8 of every token), or a quantize-on-seal
             format (``int4``, ``int3_rotated``, ...).
         pre_rope: keys sealed before RoPE (re-applied to the dequantized keys).
+        block_rope: keys sealed with RoPE of their block's first position only (each key rotated back by its offset
+            in the block, re-rotated after): pre-RoPE's within-block channel statistics at one shared angle per
+            block, so a read re-applies offsets 0..block_size-1 only (a query rotated per offset, not per key).
         key_levels, value_levels: non-uniform decode tables (``None``: the uniform grid).
         residual_tokens: full-precision window of a quantize-on-seal format in tokens (the engine's
             ``kv_quant_residual_tokens``); ``None``: the format's default (``int2``'s 32 tokens, 0 for the others).
@@ -207,6 +210,7 @@ class LayerPlan:
 
     fmt: str = "auto"
     pre_rope: bool = False
+    block_rope: bool = False
     key_levels: torch.Tensor | None = None
     value_levels: torch.Tensor | None = None
     residual_tokens: int | None = None
@@ -243,11 +247,12 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         n = nf * BLOCK
         vb = v16[:n].view(nf, BLOCK, *v16.shape[1:])
         v_hat[:n] = block_fake_quant(fmt, vb, VALUE, plan.value_levels).flatten(0, 1)
-        if plan.pre_rope:
-            pre = to_basis(undo_rope(k, positions, *rope)).to(TAIL_DTYPE).float()[:n]
+        if plan.pre_rope or plan.block_rope:
+            at = positions % BLOCK if plan.block_rope else positions             # the angle taken off, re-applied
+            pre = to_basis(undo_rope(k, at, *rope)).to(TAIL_DTYPE).float()[:n]
             deq = block_fake_quant(fmt, pre.view(nf, BLOCK, *pre.shape[1:]), KEY, plan.key_levels).flatten(0, 1)
             back = fmt.to_stored_basis(deq) if rot else deq
-            k_hat[:n] = to_basis(apply_rope(back, positions[:n], *rope))
+            k_hat[:n] = to_basis(apply_rope(back, at[:n], *rope))
         else:
             kb = k16[:n].view(nf, BLOCK, *k16.shape[1:])
             k_hat[:n] = block_fake_quant(fmt, kb, KEY, plan.key_levels).flatten(0, 1)
@@ -680,6 +685,7 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
                 vs.append(uniform(f"{f}{tag}_lut_kv", f, layers, key_levels=kl, value_levels=vl, pre_rope=pre))
     for f in fmts:
         vs.append(uniform(f"{f}_prerope", f, layers, pre_rope=True))
+        vs.append(uniform(f"{f}_blockrope", f, layers, block_rope=True))
     for f in fmts:  # the first-block copy: without it, and at 6 and 4 bits (what the 1,024-token bit floors cost)
         if getattr(get_format(f), "sink_bits", 0):
             vs += [uniform(f"{f}_sinkcopy{b}", f, layers, sink_copy_bits=b) for b in (0, 6, 4)]

@@ -165,3 +165,22 @@ def test_first_block_copy_bits_are_counted_and_read() -> None:
     span = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 63
     assert bool(((y - x).abs() <= 0.51 * span + 1e-3).all()) and not torch.equal(y, x)
     assert len(torch.unique(y[0, 0])) <= 64
+
+
+def test_one_angle_per_block_is_pre_rope_with_positions_taken_within_the_block() -> None:
+    """``block_rope`` takes off (and puts back) each key's offset in its block: for block 0, whose positions are
+    their offsets, exactly ``pre_rope``; for later blocks not (their keys keep the block's first angle)."""
+    T, H, Hkv, D = 96, 2, 1, 64
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(T, n, D, generator=g) for n in (H, Hkv, Hkv))
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)
+    sin_signed = torch.cat([-ang.sin(), ang.sin()], -1)
+    run = {name: kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), kv_tries.LayerPlan(
+        fmt="int4", sink_copy_bits=0, **{name: True}), None, (cos, sin_signed)) for name in ("pre_rope", "block_rope")}
+    plain = kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), kv_tries.LayerPlan(fmt="int4", sink_copy_bits=0),
+                                            None, (cos, sin_signed))
+    torch.testing.assert_close(run["block_rope"][:64], run["pre_rope"][:64], rtol=0, atol=0)  # read block 0 at most
+    assert not torch.allclose(run["block_rope"][64:], run["pre_rope"][64:], atol=1e-4)      # read block 1 too
+    assert not torch.allclose(run["pre_rope"][32:], plain[32:], atol=1e-4)                   # the seal saw other keys
