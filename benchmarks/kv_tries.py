@@ -206,6 +206,8 @@ class LayerPlan:
             ``kv_quant_residual_tokens``); ``None``: the format's default (``int2``'s 32 tokens, 0 for the others).
         sink_copy_bits: the first-block copy of a format that keeps one: 8 (the engine's int8), 0 (none: block 0
             read sealed), or fewer bits (:func:`sink_fake_quant`).
+        window_bits: the window copies (the blocks before the query's own that a format with a window reads
+            unsealed): 16 (the engine's float16 tail rows) or 8 (int8 rows as the first-block copy's).
     """
 
     fmt: str = "auto"
@@ -215,6 +217,7 @@ class LayerPlan:
     value_levels: torch.Tensor | None = None
     residual_tokens: int | None = None
     sink_copy_bits: int = 8
+    window_bits: int = 16
 
 
 def fp_start_block(b: int, window: int, sink: bool) -> int:
@@ -261,6 +264,8 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             v_hat[:BLOCK] = sink_fake_quant(v16[:BLOCK], VALUE, plan.sink_copy_bits)
     residual = fmt.default_residual_tokens if plan.residual_tokens is None else plan.residual_tokens
     window = math.ceil(residual / BLOCK)
+    if plan.window_bits != 16:
+        k_win, v_win = sink_fake_quant(k16, KEY, plan.window_bits), sink_fake_quant(v16, VALUE, plan.window_bits)
     sink = bool(fmt.sink_bits and plan.sink_copy_bits)
     params = LayerAttention(scale=scale)
     out = torch.empty_like(qs)
@@ -274,9 +279,16 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         j_fp = torch.arange(fs, e)
         m_hat = blk[j_hat][None, :] < lo[:, None]                              # [n, e]
         m_fp = (blk[j_fp][None, :] >= lo[:, None]) & (j_fp[None, :] <= qi[:, None])  # [n, e - fs]
-        keys = torch.cat([k_hat[:e], k16[fs:e]])
-        vals = torch.cat([v_hat[:e], v16[fs:e]])
-        out[s:e] = masked_attention(qs[s:e], keys, vals, torch.cat([m_hat, m_fp], 1), params)
+        if plan.window_bits == 16:
+            keys = torch.cat([k_hat[:e], k16[fs:e]])
+            vals = torch.cat([v_hat[:e], v16[fs:e]])
+            out[s:e] = masked_attention(qs[s:e], keys, vals, torch.cat([m_hat, m_fp], 1), params)
+        else:  # the window blocks (before the query's own) through int8 rows, the own block at 16 bits
+            own = blk[j_fp][None, :] == blk[qi][:, None]                       # [n, e - fs]
+            keys = torch.cat([k_hat[:e], k_win[fs:e], k16[fs:e]])
+            vals = torch.cat([v_hat[:e], v_win[fs:e], v16[fs:e]])
+            out[s:e] = masked_attention(qs[s:e], keys, vals, torch.cat([m_hat, m_fp & ~own, m_fp & own], 1),
+                                        params)
     return to_basis(out) if rot else out
 
 
@@ -301,11 +313,12 @@ def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt
     return o[0].transpose(0, 1)
 
 
-def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None, sink_copy_bits: int = 8) -> float:
+def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None, sink_copy_bits: int = 8,
+               window_bits: int = 16) -> float:
     """Effective bits per value of one SmolLM2 layer in ``fmt`` at ``num_tokens`` tokens (``auto``: 16, a 16-bit
     cache; a sealed format counts its window (``residual_tokens``, ``None``: the format's default) and first-block
     copy, as ``kvpage eval`` does; a copy at ``sink_copy_bits`` other than 8 is counted by
-    :func:`sink_copy_bytes` instead of the engine's int8 one)."""
+    :func:`sink_copy_bytes` instead of the engine's int8 one; window copies at ``window_bits`` 8 as int8 rows)."""
     if fmt == "auto":
         return 16.0
     f = get_format(fmt)
@@ -316,6 +329,9 @@ def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = N
         if f.sink_bits and num_tokens >= BLOCK and sink_copy_bits != 8:  # swap the int8 copy's bytes for these
             per_value = 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)               # bits per value per copied byte
             bits += (sink_copy_bytes(sink_copy_bits, 64) - sink_copy_bytes(8, 64)) * per_value
+        if window_bits == 8:  # each window block's 16-bit rows (2 * 64 bytes per token and head) as int8 rows
+            blocks = min(math.ceil(residual / BLOCK), num_tokens // BLOCK)
+            bits += blocks * (sink_copy_bytes(8, 64) - 2 * 64 * 2) * 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)
         return bits
     return f.effective_bits_per_value(num_tokens=num_tokens, block_size=16, kv_heads=3, head_dim=64)
 
@@ -334,7 +350,7 @@ class Variant:
 
     def bits(self, num_tokens: int = 1024) -> float:
         """Mean effective bits per value over the layers at ``num_tokens`` tokens (:func:`layer_bits`)."""
-        return float(np.mean([layer_bits(p.fmt, num_tokens, p.residual_tokens, p.sink_copy_bits)
+        return float(np.mean([layer_bits(p.fmt, num_tokens, p.residual_tokens, p.sink_copy_bits, p.window_bits)
                               for p in self.plans]))
 
 
@@ -689,6 +705,8 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
     for f in fmts:  # the first-block copy: without it, and at 6 and 4 bits (what the 1,024-token bit floors cost)
         if getattr(get_format(f), "sink_bits", 0):
             vs += [uniform(f"{f}_sinkcopy{b}", f, layers, sink_copy_bits=b) for b in (0, 6, 4)]
+        if getattr(get_format(f), "default_residual_tokens", 0):  # a window: its copies as int8 rows
+            vs.append(uniform(f"{f}_window8", f, layers, window_bits=8))
     sens = out / "sensitivity_int2.json"
     if sens.exists():
         rows = json.loads(sens.read_text())["rows"]

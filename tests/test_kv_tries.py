@@ -71,17 +71,18 @@ def test_fp_start_block() -> None:
     assert kv_tries.fp_start_block(5, 0, True) == 5
 
 
-@pytest.mark.parametrize(("name", "residual"), [("int4", None), ("int3_rotated", None), ("int2", None),
-                                                 ("int2_rotated", 0)])
-def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | None) -> None:
-    """Query by query, the harness equals attention over [int8 copy of block 0, sealed blocks, window at float16,
-    own block at float16 up to the query], built here from the formats' own calls (``residual``: the window in
-    tokens, ``None`` the format's default; ``int2`` with 0 has no window)."""
+@pytest.mark.parametrize(("name", "residual", "window_bits"), [("int4", None, 16), ("int3_rotated", None, 16),
+                                                                ("int2", None, 16), ("int2_rotated", 0, 16),
+                                                                ("int2_rotated", None, 8), ("int2", 64, 8)])
+def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | None, window_bits: int) -> None:
+    """Query by query, the harness equals attention over [int8 copy of block 0, sealed blocks, window at float16
+    (``window_bits`` 8: as int8 rows), own block at float16 up to the query], built here from the formats' own calls
+    (``residual``: the window in tokens, ``None`` the format's default; ``int2`` with 0 has no window)."""
     fmt = get_format(name)
     T, H, Hkv, D = 70, 2, 1, 64
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(T, n, D, generator=g) for n in (H, Hkv, Hkv))
-    plan = kv_tries.LayerPlan(fmt=name, residual_tokens=residual)
+    plan = kv_tries.LayerPlan(fmt=name, residual_tokens=residual, window_bits=window_bits)
     out = kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), plan, None, (None, None))
     rot = fmt.rotation(D, torch.float32, "cpu") is not None
     tb = fmt.to_stored_basis if rot else (lambda x: x)
@@ -92,8 +93,10 @@ def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | N
         ks, vs = [], []
         for j in range(b + 1):
             rows = slice(32 * j, min(32 * (j + 1), i + 1))
-            if j == b or (b - window <= j and j > 0):
+            if j == b or (b - window <= j and j > 0 and window_bits == 16):
                 ks.append(k16[rows]), vs.append(v16[rows])
+            elif b - window <= j and j > 0:  # a window block as int8 rows
+                ks.append(kv_tries.sink_fake_quant(k16[rows], KEY)), vs.append(kv_tries.sink_fake_quant(v16[rows], VALUE))
             elif j == 0:
                 ks.append(kv_tries.sink_fake_quant(k16[rows], KEY)), vs.append(kv_tries.sink_fake_quant(v16[rows], VALUE))
             else:
