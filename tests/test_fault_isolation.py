@@ -204,7 +204,7 @@ def test_a_failure_in_the_middle_of_the_forward_leaves_the_others_exact(tiny, fm
             assert tab._sink_slots.num_free + tab.num_sink_used == tab.num_sink_slots
         else:  # carved from the pool: every side block belongs to a group an entry holds (one per slot or copy)
             assert tab.side.num_spare == 0
-            assert tab.side.num_held == tab.num_used + tab.num_sink_used
+            assert tab.side.num_held == tab.num_used + tab.num_sink_groups
             assert tab.side.num_held * tab.side.r == llm.kv_cache_stats().num_side
 
 

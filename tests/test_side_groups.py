@@ -20,6 +20,7 @@ from _engine_kv import tail_tables
 from _tiny import tiny_loaded
 from kvpage import LLM, SamplingParams
 from kvpage.cache.prefix_cache import ROOT, BlockRemoved, PrefixBlockPool
+from kvpage.cache.tail import TailTable
 from kvpage.cache.tail.side import SideGroups
 from kvpage.formats import KEY, VALUE
 
@@ -219,6 +220,39 @@ def test_side_groups_claim_reserve_take_keep_put_account_exactly() -> None:
     assert _state(pool) == before and side.num_held == 0
 
 
+
+def test_two_first_block_copies_share_one_group_and_the_group_goes_with_the_last() -> None:
+    """An 8-bit first-block copy takes half a group's code bytes: the second copy takes the other half of the first
+    one's group (sink slots 2g, 2g + 1) instead of a group of its own; a group is given back only when neither
+    half holds a copy; the held groups are always the open slots' plus the copies' distinct groups."""
+    pool = PrefixBlockPool(40)
+    side = SideGroups(pool, 4)
+    t = TailTable(block_size=4, num_slots=side.num_groups, num_sink_slots=2 * side.num_groups, window_blocks=0,
+                  side=side)
+    tables = [pool.allocate(2) for _ in range(3)]
+
+    def step(reqs: list[int], seq: int, new: int) -> None:
+        t.plan([tables[i] for i in reqs], [seq] * len(reqs), [new] * len(reqs), owners=reqs)
+        t.finish()
+        _check(pool, side)
+        assert side.num_held == t.num_used + t.num_sink_groups
+
+    step([0, 1, 2], 5, 5)                       # each seals its first block (an 8-bit copy) and opens its second
+    sinks = [t.sink_of(tab[0]) for tab in tables]
+    assert sinks[0] ^ 1 == sinks[1] and sinks[2] // 2 != sinks[0] // 2  # the first two share a group
+    assert (t.num_sink_used, t.num_sink_groups, t.num_used, side.num_held) == (3, 2, 3, 5)
+    t.release(tables[0])                        # the shared group keeps its other copy
+    _check(pool, side)
+    assert (t.sink_of(tables[1][0]), t.num_sink_groups, side.num_held) == (sinks[1], 2, 4)
+    tables[0] = pool.allocate(2)
+    step([0], 5, 5)                             # a new copy takes the free half, no new group
+    assert t.sink_of(tables[0][0]) in (sinks[0], sinks[2] ^ 1)  # either free half
+    assert (t.num_sink_groups, side.num_held) == (2, 5)
+    for tab in tables:
+        t.release(tab)
+    _check(pool, side)
+    assert (t.num_sink_used, t.num_sink_groups, t.num_used, side.num_held, pool.num_side) == (0, 0, 0, 0, 0)
+
 # -- 2. bytes: a group's code bytes are its slot's and nothing else's --------------------------------
 
 
@@ -259,7 +293,8 @@ def test_a_slot_is_its_groups_code_bytes_keys_and_values_apart_and_nothing_else(
             assert torch.equal(layer[kind][g * bs:(g + 1) * bs], pats[i, kind])
         assert not torch.equal(pats[i, KEY], pats[i, VALUE])
 
-    # a first-block copy in sink slot 2g: the first half of the group's code bytes, its scales beside the pool
+    # a first-block copy in sink slot 2g: the first half of the group's code bytes, its scales beside the pool;
+    # sink slot 2g + 1 the second half
     for i, layer in tail.layers.items():
         for kind in (KEY, VALUE):
             codes = torch.randint(0, 256, layer["sink_" + kind][2 * g * bs:(2 * g + 1) * bs].shape, generator=gen,
@@ -270,6 +305,11 @@ def test_a_slot_is_its_groups_code_bytes_keys_and_values_apart_and_nothing_else(
             half = flat.numel() // 2
             assert torch.equal(flat[:half], codes.reshape(-1))
             assert torch.equal(flat[half:], pats[i, kind].view(torch.uint8).reshape(-1)[half:])
+            # a second copy in sink slot 2g + 1: the other half, the first copy untouched
+            other = torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8)
+            layer["sink_" + kind][(2 * g + 1) * bs:(2 * g + 2) * bs] = other
+            flat = caches[i][kind][blocks].reshape(-1)
+            assert torch.equal(flat[:half], codes.reshape(-1)) and torch.equal(flat[half:], other.reshape(-1))
     assert _changed_blocks(before, llm) == set(blocks)
 
     # given back, the blocks are ordinary blocks again; what is written into them is what the slot shows
@@ -372,7 +412,7 @@ def test_randomized_carved_schedule_under_side_pressure_answers_like_ample_space
     (t,) = tail_tables(tight)
     side = t.side
     assert t.num_used == 0 and side.num_spare == 0
-    assert side.num_held == t.num_used + t.num_sink_used
+    assert side.num_held == t.num_used + t.num_sink_groups
     assert kv.stats().num_side == side.num_held * side.r
     kv.pool.validate()
 
@@ -415,7 +455,7 @@ def test_a_recomputed_first_block_keeps_its_8bit_copy_while_its_request_runs_the
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0))
     assert llm.kv_cache_stats().prefix_hits > hits
     side = table.side
-    assert side is not None and side.num_held == table.num_used + table.num_sink_used
+    assert side is not None and side.num_held == table.num_used + table.num_sink_groups
     assert m.stats().num_side == side.num_held * side.r
 
 

@@ -22,7 +22,8 @@ class TailEntries:
         num_sink_slots: 8-bit first-block slots (0 disables sink copies).
         window_blocks: sealed blocks per request that keep their 16-bit copy.
         side: carve slots out of the device block pool on demand (:class:`~kvpage.cache.tail.side.SideGroups`:
-            slot ``g`` is group ``g``, sink slot ``2g``); ``num_slots`` must then be its ``num_groups`` and
+            slot ``g`` is group ``g``, sink slots ``2g`` and ``2g + 1`` its halves); ``num_slots`` must then be
+            its ``num_groups`` and
             ``num_sink_slots`` 0 or ``2 * num_groups``. Default: fixed pools of these sizes.
 
     Raises:
@@ -56,6 +57,7 @@ class TailEntries:
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
         self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
+        self._half_free: set[int] = set()                     # side groups: sink slots whose other half is held
         self.side = side
         self._planning = False                                # a plan is being made: freed groups stay reserved
         self._sealed_after: list[int] = []                   # sealed blocks whose open slot the seal gather reads
@@ -86,6 +88,11 @@ class TailEntries:
     def num_sink_used(self) -> int:
         """Sink slots in use."""
         return len(self._sink)
+
+    @property
+    def num_sink_groups(self) -> int:
+        """Side groups the first-block copies hold (two copies share a group); 0 over fixed pools."""
+        return 0 if self.side is None else len({slot // 2 for slot in self._sink.values()})
 
     @property
     def num_free(self) -> int:
@@ -166,11 +173,15 @@ class TailEntries:
 
     def _drop_sink(self, b: int) -> None:
         slot = self._sink.pop(b, None)
-        if slot is not None:
-            if self.side is None:
-                self._sink_slots.put([slot])
-            else:
-                self._free_group(slot // 2)
+        if slot is None:
+            return
+        if self.side is None:
+            self._sink_slots.put([slot])
+        elif slot ^ 1 in self._half_free:  # the group's other half is free too: the group goes
+            self._half_free.discard(slot ^ 1)
+            self._free_group(slot // 2)
+        else:
+            self._half_free.add(slot)
 
     def _free_group(self, g: int) -> None:
         """A side group no entry holds any more: reserved for the plan being made, else back to the pool."""
@@ -218,12 +229,19 @@ class TailEntries:
         return g
 
     def _take_side_sink(self, b: int, protected: set[int]) -> int | None:
-        """:meth:`_take_sink` over side groups: a reserved group (the scheduler counts a chunk that seals a first
-        block), else a free one, else an idle copy's."""
+        """:meth:`_take_sink` over side groups: the free half of a group another copy holds (an 8-bit copy takes
+        half a group's bytes), else a reserved group (the scheduler counts a chunk that seals a first block), else
+        a free one, else an idle copy's."""
         assert self.side is not None
+        if self._half_free:
+            slot = min(self._half_free)
+            self._half_free.discard(slot)
+            self._sink[b] = slot
+            return slot
         g = self.side.take()
         if g is not None:
             self._sink[b] = 2 * g
+            self._half_free.add(2 * g + 1)
             return 2 * g
         victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
         if victim is None and self._is_in_use is not None:

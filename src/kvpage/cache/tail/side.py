@@ -4,9 +4,10 @@ A quantize-on-seal block's packed codes take ``bits / 16`` of a 16-bit row's byt
 consecutive pool blocks (an aligned *group*, ``[r*g, r*g + r)``) hold one 16-bit tail slot exactly in
 their key codes (and its values in their value codes): the tail tensors are zero-copy views of the pool
 (:class:`~kvpage.cache.tail.pool.TailPool`), slot ``g`` = group ``g``. A first block's 8-bit copy takes
-the first half of a group's code bytes (sink slot ``2g``). A slot is taken by claiming its group's blocks
-out of the pool (:meth:`~kvpage.cache.prefix_cache.PrefixBlockPool.claim`, evicting cached, unused ones)
-and freed by giving them back, so side space is paid for only while requests hold it. Tensor-free.
+half a group's code bytes (sink slot ``2g`` the first half, ``2g + 1`` the second: two copies share a
+group). A slot is taken by claiming its group's blocks out of the pool
+(:meth:`~kvpage.cache.prefix_cache.PrefixBlockPool.claim`, evicting cached, unused ones) and freed by
+giving them back, so side space is paid for only while requests hold it. Tensor-free.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvpage.cache.prefix_cache import PrefixBlockPool
 
 
 class SideGroups:
-    """Aligned groups of ``r`` pool blocks, claimed one per 16-bit tail slot or 8-bit first-block copy.
+    """Aligned groups of ``r`` pool blocks, claimed one per 16-bit tail slot or two 8-bit first-block copies.
 
     Args:
         pool: the device block pool the groups come out of.
