@@ -407,7 +407,7 @@ Building the int8 window means window copies in the tail's 8-bit slots (the firs
 kernels already read as int8 rows): written at the seal from the open slot's rows, whose 16-bit slot is then
 freed, except a provisional block of speculative decoding, which must keep its 16-bit rows until verified (a
 rollback reopens the block from them); and, for the bytes to be saved in the engine, two 8-bit copies sharing one
-carved group of pool blocks (today a first-block copy takes a whole group, half of it unused).
+carved group of pool blocks, as first-block copies do.
 
 The int8 copy stays: 0.055 bits buy 7-11% less KLD, a better rate than any other trade screened here (per-layer
 mixes pay about a bit per layer for 20-40%). Covering only the first 4 or 16 tokens of block 0 (the rest read
