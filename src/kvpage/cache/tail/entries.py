@@ -23,8 +23,7 @@ class TailEntries:
         window_blocks: sealed blocks per request that keep their 16-bit copy.
         side: carve slots out of the device block pool on demand (:class:`~kvpage.cache.tail.side.SideGroups`:
             slot ``g`` is group ``g``, sink slots ``2g`` and ``2g + 1`` its halves); ``num_slots`` must then be
-            its ``num_groups`` and
-            ``num_sink_slots`` 0 or ``2 * num_groups``. Default: fixed pools of these sizes.
+            its ``num_groups`` and ``num_sink_slots`` 0 or ``2 * num_groups``. Default: fixed pools of these sizes.
 
     Raises:
         ValueError: negative sizes, or ``num_slots < 1``; sizes that disagree with ``side``.

@@ -47,9 +47,9 @@ class TailPool:
 
     Over side groups (a carved :class:`~kvpage.spec.TailLayout`, :mod:`kvpage.cache.tail.side`) the 16-bit rows
     and the sink codes are zero-copy views of the layer's pool codes (``key``/``value``, its first ``S * r``
-    blocks): slot ``g`` is blocks ``[r*g, r*g + r)``, sink slots ``2g`` and ``2g + 1`` the halves of their code bytes; only the
-    sink scales (``K = 2S``) are tensors of their own. The views follow a re-allocated pool (``caches`` is read
-    again at each :meth:`context`).
+    blocks): slot ``g`` is blocks ``[r*g, r*g + r)``, sink slots ``2g`` and ``2g + 1`` the two halves of their
+    code bytes; only the sink scales (``K = 2S``) are tensors of their own. The views follow a re-allocated pool
+    (``caches`` is read again at each :meth:`context`).
 
     Args:
         spec: the cache layout; only layers whose format seals get tensors.
