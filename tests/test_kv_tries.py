@@ -95,10 +95,9 @@ def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | N
             rows = slice(32 * j, min(32 * (j + 1), i + 1))
             if j == b or (b - window <= j and j > 0 and window_bits == 16):
                 ks.append(k16[rows]), vs.append(v16[rows])
-            elif b - window <= j and j > 0:  # a window block as int8 rows
-                ks.append(kv_tries.sink_fake_quant(k16[rows], KEY)), vs.append(kv_tries.sink_fake_quant(v16[rows], VALUE))
-            elif j == 0:
-                ks.append(kv_tries.sink_fake_quant(k16[rows], KEY)), vs.append(kv_tries.sink_fake_quant(v16[rows], VALUE))
+            elif (b - window <= j and j > 0) or j == 0:  # a window block as int8 rows, or the first-block copy
+                ks.append(kv_tries.sink_fake_quant(k16[rows], KEY))
+                vs.append(kv_tries.sink_fake_quant(v16[rows], VALUE))
             else:
                 blk = lambda x, kind: fmt.unseal_rotated(fmt.seal_rotated(x[rows][None], kind), kind,  # noqa: E731
                                                          torch.float32, D)[0]
@@ -160,8 +159,9 @@ def test_first_block_copy_bits_are_counted_and_read() -> None:
     eight = kv_tries.layer_bits("int4_rotated")
     assert eight == pytest.approx(get_format("int4_rotated").effective_bits_per_value(
         num_tokens=1024, block_size=32, kv_heads=3, head_dim=64))
-    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=0) == pytest.approx(32 * 2 * 66 * 8 / (2 * 1024 * 64))
-    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=6) == pytest.approx(32 * 2 * (66 - 52) * 8 / (2 * 1024 * 64))
+    per_byte = 32 * 8 / (2 * 1024 * 64)        # bits per value of one byte per (token, head) over block 0
+    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=0) == pytest.approx(2 * 66 * per_byte)
+    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=6) == pytest.approx(2 * (66 - 52) * per_byte)
     x = torch.randn(32, 3, 64, generator=torch.Generator().manual_seed(5)) * 3
     assert torch.equal(kv_tries.sink_fake_quant(x, KEY), kv_tries.sink_fake_quant(x, KEY, 8))
     y = kv_tries.sink_fake_quant(x, VALUE, 6)
