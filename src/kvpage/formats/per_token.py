@@ -13,8 +13,9 @@ channels before the row is coded; ``int8`` (alias ``int8_per_token_head``) and
 ``fp8_per_token_head`` are the plain variants (vLLM's semantics). On SmolLM2 the
 rotation lowers the teacher-forced KL to the unquantized cache 3-4x for int8 and
 ~1.4x for fp8; perplexity on GPL-3 (1,024 tokens, decode) is within its ~0.3% noise
-for both int8 variants (plain +0.07%, rotated +0.42%), and the plain one is the
-default ``int8`` because it meets the +0.3% floor there (``benchmarks/ACCURACY.md``).
+for both int8 variants (plain +0.25%, rotated +0.24%; KLD 0.00133 and 0.00036), and
+the plain one is the default ``int8``: it meets the +0.3% floor there and reads rows
+without a rotation (``benchmarks/ACCURACY.md``).
 e4m3's 3 mantissa bits need the rotation: fp8 rotated +0.91%, plain +1.06%.
 
 Bytes per block (one layer, K and V): ``2 * block_size * kv_heads * (head_dim + 2)``;
@@ -136,9 +137,9 @@ class Int8Format(PerTokenFormat):
 
     Rows are not rotated. :class:`Int8RotatedFormat` (``int8_rotated``) rotates them
     first: its teacher-forced KL to the unquantized cache is 3-4x lower on SmolLM2, but
-    both move perplexity by less than the ~0.3% noise a single 1,024-token text shows,
-    and this plain layout measured +0.07% against the rotated one's +0.42% in decode
-    mode on GPL-3 (``benchmarks/ACCURACY.md``), so the plain one is the default ``int8``.
+    both move perplexity by less than the ~0.3% noise a single 1,024-token text shows
+    (+0.25% plain, +0.24% rotated in decode mode on GPL-3), so the plain one, which needs
+    no rotation, is the default ``int8`` (``benchmarks/ACCURACY.md``).
     """
 
     name = "int8"
