@@ -101,6 +101,34 @@ def _format_list(spec: str, dtype: Any) -> list[str]:
     return formats
 
 
+def _check_rows_fit(loaded: Any, formats: list[str], block_size: int | None, llm_kwargs: dict[str, Any]) -> None:
+    """Check every ``--formats`` row's cache against the loaded model, without allocating it: a layer map naming a
+    layer the model lacks (or a sliding-window or draft layer), a block size a format refuses, missing static
+    scales. Each would otherwise fail only when its row's turn came, after the rows before it had run.
+
+    Raises:
+        ValueError, KVPageError: the first row that cannot run, the message prefixed with ``--formats 'ROW'``.
+    """
+    from kvpage.engine.config import EngineConfig
+    from kvpage.engine.sizing import build_spec
+    from kvpage.errors import KVPageError
+    from kvpage.eval.perplexity import split_format_row
+    from kvpage.model.attention_fn import layer_attention
+
+    dtype = next(loaded.model.parameters()).dtype
+    windows = [layer_attention(loaded.model, i).sliding_window for i in range(loaded.config.num_layers)]
+    for row in formats:
+        base, layer_map = split_format_row(row)
+        try:
+            config = EngineConfig(kv_cache_dtype=base, kv_layer_dtypes=layer_map, block_size=block_size, dtype=dtype,
+                                  **llm_kwargs)
+            build_spec(config, loaded.config, layer_windows=windows)
+        except (ValueError, KVPageError) as e:
+            if len(e.args) == 1 and isinstance(e.args[0], str):
+                e.args = (f"--formats {row!r}: {e.args[0].removeprefix('kv_layer_dtypes: ')}",)
+            raise
+
+
 def _write_plots(out: Path, results: list[Any], title: str) -> list[Path]:
     """``ppl_vs_bits.png`` and, when the results carry KL, ``kld_vs_bits.png`` in ``out`` (a stale one removed)."""
     from kvpage.eval import plot_kld_vs_bits, plot_ppl_vs_bits
@@ -203,6 +231,7 @@ def run_eval(args: argparse.Namespace) -> int:
         llm_kwargs["kv_quant_residual_tokens"] = args.kv_quant_residual_tokens
     threads = apply_num_threads(args.threads)  # once, so every format's engine runs with the same count
     loaded = load_model(args.model, dtype=dtype, progress=args.progress, weights_dtype=args.weights_dtype)
+    _check_rows_fit(loaded, formats, args.block_size, llm_kwargs)  # before the first row runs, not at its turn
     label = "decode, 1 token per step" if args.mode == "decode" else f"chunked, {args.chunk_size} tokens per step"
     setup = (f"{label}; {Path(loaded.path).name}, {str(dtype).removeprefix('torch.')}, "
              f"block {args.block_size or 'per format'}, {threads.num_threads} torch thread(s) ({threads.reason})")
