@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.engine.args import DTYPE_HELP, WEIGHTS_DTYPE_HELP, nonnegative_int, positive_int, threads_help
+from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, check_output_dir, nonnegative_int, positive_int,
+                               read_text_file, threads_help)
 
 #: Tokens scored by ``--text`` unless ``--tokens`` says otherwise (suite members carry their own).
 DEFAULT_TEXT_TOKENS = 1024
@@ -184,7 +185,8 @@ def _load_average() -> list[float] | None:
 def run_eval(args: argparse.Namespace) -> int:
     """``kvpage eval``: perplexity and KL divergence per KV format (:mod:`kvpage.eval`); table, JSON, PNGs.
 
-    Every flag is checked before the model loads. Side effects: writes ``results.json`` (with the
+    Every flag is checked before the model loads, ``--text`` read as UTF-8 and ``--out`` checked writable
+    (:func:`~kvpage.engine.args.check_output_dir`) among them. Side effects: writes ``results.json`` (with the
     :func:`command_line`, the CPU and the load average before and after the run) and the plots under
     ``--out``; with ``--suite`` also one folder of plots per member, and a warning on stderr for each
     member whose text's sha256 differs from the one the suite recorded. Texts scoring more than
@@ -222,8 +224,8 @@ def run_eval(args: argparse.Namespace) -> int:
         check_suite(SUITE)
     else:
         text = Path(args.text)
-        if not text.is_file():
-            raise FileNotFoundError(f"--text {text}: no such file")
+        read_text_file(text, "--text")  # a missing, non-file or non-UTF-8 --text fails here, not after the load
+    out = check_output_dir(args.out, "--out")  # a file or unwritable --out fails now, not after the whole run
     llm_kwargs: dict[str, object] = {}
     if args.kv_cache_scales is not None:
         llm_kwargs["kv_cache_scales"] = args.kv_cache_scales
@@ -245,7 +247,6 @@ def run_eval(args: argparse.Namespace) -> int:
     run = dict(formats=formats, mode=args.mode, chunk_size=args.chunk_size, block_size=args.block_size,
                num_threads=threads.num_threads, progress=args.progress, llm_kwargs=llm_kwargs,
                kl_divergence=args.kl_divergence)
-    out = Path(args.out)
     if args.suite:
         return _run_suite(loaded, resolved, args.tokens, args.bos, out, setup, {**where, **how}, machine, run)
     from kvpage.eval import evaluate_formats, format_table, text_token_ids, write_results_json
