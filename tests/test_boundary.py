@@ -51,7 +51,7 @@ def test_sampling_fields_that_are_valid() -> None:
     assert SamplingParams(top_k=3).top_k == 3
     for seed in (0, -1, -(2**63), 2**64 - 1):  # torch.Generator.manual_seed's range (negatives remapped by torch)
         SamplingParams(seed=seed)
-    p = SamplingParams(stop=["a", ""], stop_token_ids=range(2, 4))
+    p = SamplingParams(stop=["a"], stop_token_ids=range(2, 4))
     assert p.stop == ("a",) and p.stop_token_ids == (2, 3) and isinstance(p.stop, tuple)
     assert SamplingParams(stop=None).stop == () and SamplingParams(stop="x").stop == ("x",)
 
