@@ -194,6 +194,28 @@ def test_chat_rejects_bad_messages(llm: LLM, messages, exc, field) -> None:
     _idle(llm)
 
 
+@pytest.mark.parametrize("role", ["wizard", "tool", "User", ""])
+def test_chat_refuses_an_unknown_role_as_the_server_does(llm: LLM, role) -> None:
+    """``llm.chat([{"role": "wizard", ...}])`` said "empty prompt: the conversation has no non-blank user message";
+    the server says ``messages[0].role: must be 'system', 'developer', 'user' or 'assistant'``. The Python API
+    checks the role against the same list (``CHAT_ROLES``, which the server's request model is built from)."""
+    from kvpage.engine.validate import CHAT_ROLES
+    from kvpage.server.protocol import ChatMessage
+
+    msg = r"^messages\[1\]\.role must be 'system', 'developer', 'user' or 'assistant', got "
+    with pytest.raises(ValueError, match=msg + repr(role)):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": role, "content": "hi"}], GREEDY)
+    _idle(llm)
+    assert ChatMessage.model_json_schema()["properties"]["role"]["enum"] == list(CHAT_ROLES)
+
+
+def test_chat_renders_developer_as_system(llm: LLM) -> None:
+    """``developer`` (OpenAI's newer name) is accepted and rendered as ``system``, as the server renders it."""
+    dev = llm.chat_prompt([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    sys_ = llm.chat_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert dev == sys_
+
+
 def test_chat_and_generate_still_work(llm: LLM) -> None:
     one = llm.chat([{"role": "user", "content": "hi"}], GREEDY)
     two = llm.chat([[{"role": "user", "content": "hi"}], "hi"], GREEDY)
