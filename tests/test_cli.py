@@ -283,6 +283,23 @@ def test_main_turns_keyboard_interrupt_into_status_130(monkeypatch, capsys) -> N
     assert captured.err == "kvpage: interrupted\n" and "Traceback" not in captured.err
 
 
+def test_a_closed_stdout_pipe_ends_quietly() -> None:
+    """``kvpage formats | head -3`` ended in a BrokenPipeError traceback (twice: the write and the interpreter's last
+    flush). It ends quietly with status 141 (128 + SIGPIPE), as C tools do."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from kvpage.cli import main; sys.exit(main(['formats']))"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before kvpage writes (head -3 after its lines, deterministically)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr.decode()) == (141, "")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--stop", ""], "--stop must not contain an empty string"),
     (["--stop", "a", "--stop", ""], "--stop must not contain an empty string"),
