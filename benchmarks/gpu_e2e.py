@@ -13,7 +13,8 @@ requests of ``context - tokens`` random prompt ids each generate ``tokens`` toke
 ends at ``context`` tokens. Decode tokens/s = tokens produced after every request's first one / (the last finish -
 the last first token), i.e. the steps where the whole batch decodes. The KV cache gets the same
 ``--budget-gib`` for every format; ``requests_that_fit`` is the engine's own ``max_concurrency`` for ``context``-token
-requests at that budget. Appends one JSON line to ``gpu_e2e.jsonl`` under ``--out``.
+requests at that budget. Appends one JSON line to ``gpu_e2e.jsonl`` under ``--out`` (default ``.``; ``--dry-run``
+without ``--out`` only prints).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=128, help="tokens each request generates")
     p.add_argument("--budget-gib", type=float, default=20.0, help="KV cache bytes, the same for every format")
-    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder of gpu_e2e.jsonl (default .; a --dry-run without --out writes no file)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model, tiny shapes (a probe of the engine)")
     p.add_argument("--dry-run", action="store_true", help="--tiny on the CPU")
@@ -101,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
            "decode_tokens_per_s": produced / (last - last_first) if last > last_first else None,
            "wall_s": wall_s, "setup_s": setup_s, "requests_that_fit": llm.capacity.max_concurrency,
            "num_blocks": llm.num_blocks, "attention_backend": llm._built.runner.backends[0].ops.name}
-    a.out.mkdir(parents=True, exist_ok=True)
-    with open(a.out / "gpu_e2e.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+    out = a.out if a.out is not None or a.dry_run else Path(".")  # a dry run checks the script: no stray files
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "gpu_e2e.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
     return 0
 

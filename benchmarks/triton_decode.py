@@ -15,7 +15,8 @@ events over enough repeats for ~50 ms, beside ``torch``'s SDPA on dense bfloat16
 
 KV bytes = the whole blocks covering each context (codes and scales); GB/s = bytes / time; copy bandwidth =
 ``dst.copy_(src)`` of 1 GiB (read + write counted). Writes ``triton_decode.json`` and ``triton_decode.md`` under
-``--out``. Not yet run on a GPU: the figures this prints are the first ones.
+``--out`` (default ``.``; ``--dry-run`` without ``--out`` only prints). Not yet run on a GPU: the figures this
+prints are the first ones.
 """
 from __future__ import annotations
 
@@ -127,9 +128,10 @@ def sdpa_row(batch: int, context: int, device: torch.device) -> dict[str, float 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the matrix, print the table, write JSON and Markdown under ``--out``."""
+    """Run the matrix, print the table, write JSON and Markdown under ``--out`` (none for a dry run without it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for triton_decode.json/.md (default .; a --dry-run without --out writes no file)")
     p.add_argument("--formats", default="bfloat16,int8,fp8,fp8_per_token_head,int8_rotated")
     p.add_argument("--batches", default="1,32,128")
     p.add_argument("--contexts", default="4096,32768")
@@ -151,15 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         bf16 = next(x for x in rows if x["format"] == "bfloat16" and x["batch"] == r["batch"]
                     and x["context"] == r["context"])
         r["speedup_vs_bf16"] = float(bf16["us"]) / float(r["us"])
-    a.out.mkdir(parents=True, exist_ok=True)
+    out = a.out if a.out is not None or a.dry_run else Path(".")  # a dry run checks the script: no stray files
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    (a.out / "triton_decode.json").write_text(json.dumps(
-        {"device": device_name, "copy_gb_s": bandwidth, "rows": rows}, indent=1))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "triton_decode.json").write_text(json.dumps(
+            {"device": device_name, "copy_gb_s": bandwidth, "rows": rows}, indent=1))
     lines = [f"Decode attention, one layer ({device_name}; copy bandwidth {bandwidth:.0f} GB/s)", "",
              "| format | batch | context | µs | GB/s | of copy bw | vs bf16 |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['batch']} | {r['context']} | {float(r['us']):.1f} | {float(r['gb_s']):.0f} | "
               f"{float(r['of_copy_bandwidth']):.0%} | {float(r['speedup_vs_bf16']):.2f}x |" for r in rows]
-    (a.out / "triton_decode.md").write_text("\n".join(lines) + "\n")
+    if out is not None:
+        (out / "triton_decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if a.dry_run:
         bad = [r for r in rows if "max_abs_diff_vs_reference" in r and float(r["max_abs_diff_vs_reference"]) > 2e-2]

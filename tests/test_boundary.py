@@ -51,7 +51,7 @@ def test_sampling_fields_that_are_valid() -> None:
     assert SamplingParams(top_k=3).top_k == 3
     for seed in (0, -1, -(2**63), 2**64 - 1):  # torch.Generator.manual_seed's range (negatives remapped by torch)
         SamplingParams(seed=seed)
-    p = SamplingParams(stop=["a", ""], stop_token_ids=range(2, 4))
+    p = SamplingParams(stop=["a"], stop_token_ids=range(2, 4))
     assert p.stop == ("a",) and p.stop_token_ids == (2, 3) and isinstance(p.stop, tuple)
     assert SamplingParams(stop=None).stop == () and SamplingParams(stop="x").stop == ("x",)
 
@@ -192,6 +192,28 @@ def test_chat_rejects_bad_messages(llm: LLM, messages, exc, field) -> None:
     with pytest.raises(exc, match=field):
         llm.chat(messages, GREEDY)
     _idle(llm)
+
+
+@pytest.mark.parametrize("role", ["wizard", "tool", "User", ""])
+def test_chat_refuses_an_unknown_role_as_the_server_does(llm: LLM, role) -> None:
+    """``llm.chat([{"role": "wizard", ...}])`` said "empty prompt: the conversation has no non-blank user message";
+    the server says ``messages[0].role: must be 'system', 'developer', 'user' or 'assistant'``. The Python API
+    checks the role against the same list (``CHAT_ROLES``, which the server's request model is built from)."""
+    from kvpage.engine.validate import CHAT_ROLES
+    from kvpage.server.protocol import ChatMessage
+
+    msg = r"^messages\[1\]\.role must be 'system', 'developer', 'user' or 'assistant', got "
+    with pytest.raises(ValueError, match=msg + repr(role)):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": role, "content": "hi"}], GREEDY)
+    _idle(llm)
+    assert ChatMessage.model_json_schema()["properties"]["role"]["enum"] == list(CHAT_ROLES)
+
+
+def test_chat_renders_developer_as_system(llm: LLM) -> None:
+    """``developer`` (OpenAI's newer name) is accepted and rendered as ``system``, as the server renders it."""
+    dev = llm.chat_prompt([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    sys_ = llm.chat_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert dev == sys_
 
 
 def test_chat_and_generate_still_work(llm: LLM) -> None:

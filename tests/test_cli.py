@@ -283,6 +283,44 @@ def test_main_turns_keyboard_interrupt_into_status_130(monkeypatch, capsys) -> N
     assert captured.err == "kvpage: interrupted\n" and "Traceback" not in captured.err
 
 
+def test_a_closed_stdout_pipe_ends_quietly() -> None:
+    """``kvpage formats | head -3`` ended in a BrokenPipeError traceback (twice: the write and the interpreter's last
+    flush). It ends quietly with status 141 (128 + SIGPIPE), as C tools do."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from kvpage.cli import main; sys.exit(main(['formats']))"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before kvpage writes (head -3 after its lines, deterministically)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr.decode()) == (141, "")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--stop", ""], "--stop must not contain an empty string"),
+    (["--stop", "a", "--stop", ""], "--stop must not contain an empty string"),
+    (["--max-tokens", "0"], "--max-tokens must be an integer >= 1"),
+    (["--top-p", "2"], "--top-p must be in (0, 1]"),
+])
+def test_generate_bad_sampling_flags_name_the_flag_before_loading(monkeypatch, capsys, argv, words) -> None:
+    """``kvpage generate --stop ""`` dropped the empty stop string silently (the server answers 400); now it is
+    status 2 before the model loads, and every sampling error names the flag, not the Python field."""
+    from kvpage import cli
+    from kvpage.cli import generate
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when a sampling flag is bad")
+
+    monkeypatch.setattr(generate, "build_llm", no_load)
+    assert cli.main(["generate", "hi", *argv]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvpage: error: {words}"), line
+
+
 def test_serve_on_a_busy_port_is_one_error_before_the_model_loads(monkeypatch, capsys) -> None:
     import socket
 

@@ -328,6 +328,22 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatc
         select_backend("cpu", spec.layer(0), "cpu")
 
 
+def test_kernels_turned_off_name_the_variable_not_a_failed_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVPAGE_CPU_KERNELS=0 kvpage generate --attention-backend cpu`` said the kernels "could not be built on this
+    machine (see the warning above)": there was no warning, the user had turned them off. The refusal names the
+    variable, and ``auto`` falls back without a word."""
+    monkeypatch.setattr(cpu_build, "_state", {})
+    monkeypatch.setenv("KVPAGE_CPU_KERNELS", "0")
+    spec = CacheSpec.build(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, kv_cache_dtype="int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert isinstance(select_backend("auto", spec.layer(0), "cpu"), ReferenceBackend)
+        with pytest.raises(ValueError, match=r"turned off by KVPAGE_CPU_KERNELS=0") as e:
+            select_backend("cpu", spec.layer(0), "cpu")
+    assert "could not be built" not in str(e.value) and "warning above" not in str(e.value)
+    assert cpu_build.kernels_unavailable_reason() == cpu_build.DISABLED_REASON
+
+
 def test_the_build_cache_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     key = cpu_build.build_key()
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "another cpu")

@@ -67,7 +67,7 @@ valid_params = st.builds(
     top_p=st.sampled_from([1.0, 0.9, 0.3]),
     top_k=st.sampled_from([-1, 0, 1, 5]),
     seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
-    stop=st.one_of(st.none(), st.sampled_from(["a", ["\x00", "zz"], ""])),
+    stop=st.one_of(st.none(), st.sampled_from(["a", ["\x00", "zz"], []])),
     stop_token_ids=st.lists(st.sampled_from([256, 135, 65, 5, 252]) | st.integers(0, VOCAB - 1), max_size=2),
     ignore_eos=st.booleans(),
 )
@@ -83,7 +83,7 @@ BAD_REQUEST = {
 BAD_SAMPLING = {
     "max_tokens": [0, -1, "5", 1.5, True, None], "temperature": [-0.1, float("nan"), "1", None],
     "top_p": [0, 1.5, float("inf")], "top_k": [-5, 2.5, True], "seed": [2**64, -(2**63) - 1, "7", 1.0],
-    "stop": [[1], 5, ["a", None]], "stop_token_ids": [[-1], [True], "12", ["3"]], "ignore_eos": [1, "yes", None],
+    "stop": [[1], 5, ["a", None], "", ["a", ""]], "stop_token_ids": [[-1], [True], "12", ["3"]], "ignore_eos": [1, "yes", None],
 }
 MESSAGE_NAMES = {"prompt_token_ids": ("prompt_token_ids", "empty prompt"), "stop_token_ids": ("stop_token_ids",)}
 

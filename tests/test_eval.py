@@ -215,6 +215,74 @@ def test_cli_unknown_format_exits_2_before_loading(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize("bad_out, words", [
+    ("file", "exists and is not a directory"),
+    ("under_file", "is not a directory"),
+    ("/proc/kvpage-no-such/x", "cannot write there"),
+])
+def test_cli_bad_out_exits_2_before_loading(tmp_path, capsys, monkeypatch, bad_out, words):
+    """A regular file (or a path under one) or an unwritable place as ``--out`` was found only when
+    results.json was written, after the whole evaluation (a FileExistsError traceback, or "No such file or
+    directory"): now one error naming --out, before the model loads, and nothing written."""
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when --out cannot be written")
+
+    monkeypatch.setattr("kvpage.model.loader.load_model", no_load)
+    (tmp_path / "file").write_text("x")
+    out = {"file": tmp_path / "file", "under_file": tmp_path / "file" / "sub"}.get(bad_out, bad_out)
+    assert main(["eval", "--text", str(GPL3), "--formats", "int8", "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvpage: error: --out {out}: ") and words in line, line
+    assert (tmp_path / "file").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_cli_out_check_leaves_no_trace_and_a_creatable_folder_passes(tmp_path, capsys, monkeypatch):
+    """A folder that does not exist yet is fine (it is created when the results are written); the check itself
+    leaves nothing behind."""
+    from kvpage.engine.args import check_output_dir, check_output_file
+
+    want = tmp_path / "a" / "b"
+    assert check_output_dir(want, "--out") == want and not (tmp_path / "a").exists()
+    assert check_output_file(tmp_path / "c" / "s.safetensors", "--out").name == "s.safetensors"
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match=r"^--out .*: is a directory"):
+        check_output_file(tmp_path, "--out")
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("binary", "not UTF-8 text (byte b'\\xff' at offset 3)"),
+    ("folder", "is a directory, not a text file"),
+])
+def test_cli_bad_text_names_the_flag_before_loading(tmp_path, capsys, monkeypatch, kind, words):
+    """``--text /usr/bin/ls`` said only "'utf-8' codec can't decode ..." (after the model had loaded) and
+    ``--text /tmp`` "no such file": each now names --text and what is wrong, before the load; the same for
+    ``kvpage calibrate --text``."""
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when --text is not a text file")
+
+    monkeypatch.setattr("kvpage.model.loader.load_model", no_load)
+    path = tmp_path / "t"
+    if kind == "binary":
+        path.write_bytes(b"abc\xff\xfe")
+    else:
+        path.mkdir()
+    for argv in (["eval", "--text", str(path), "--formats", "int8", "--out", str(tmp_path / "o")],
+                 ["calibrate", "--text", str(path), "--out", str(tmp_path / "s.safetensors")]):
+        assert main(argv) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"kvpage: error: --text {path}: ") and words in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+
+def test_calibrate_out_that_is_a_folder_exits_2_before_loading(tmp_path, capsys, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when --out cannot be written")
+
+    monkeypatch.setattr("kvpage.model.loader.load_model", no_load)
+    assert main(["calibrate", "--text", str(GPL3), "--out", str(tmp_path)]) == 2
+    assert f"kvpage: error: --out {tmp_path}: is a directory" in capsys.readouterr().err
+
+
 # Orderings (KL divergence with a margin; |Δppl|, the distance from the unquantized cache, within its
 # standard error) that `kvpage eval` must reproduce on 256 tokens, decode mode, float32, each format at its own block size (the issue's CI check). The
 # distance, not the signed Δ: on so short a text a lossy format can land below the baseline by

@@ -32,3 +32,21 @@ def test_gpu_check_dry_run_writes_every_part_to_json_and_markdown(tmp_path: Path
     assert all(row["decode_tokens_per_s"] > 0 and row["requests_that_fit"] >= 1 for row in report["e2e"])
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## Decode attention" in md and "## End to end" in md
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, argv", [("triton_decode.py", ["--formats", "bfloat16"]),
+                                          ("gpu_e2e.py", ["--format", "bfloat16"])])
+def test_a_dry_run_without_out_writes_nothing(tmp_path: Path, script: str, argv: list[str]) -> None:
+    """``benchmarks/triton_decode.py --dry-run`` left triton_decode.json/.md in the current directory (and
+    ``gpu_e2e.py --dry-run`` appended to ./gpu_e2e.jsonl): a dry run checks the script, so without ``--out`` it
+    only prints. (With ``--out``, as gpu_check.sh runs them, they write there: the test above.)"""
+    if script == "triton_decode.py":
+        pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", KVPAGE_TRITON_TEST_DEVICE="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--dry-run", *argv], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert '"format": "bfloat16"' in r.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -107,8 +107,8 @@ def test_bad_maps_are_refused_by_the_config() -> None:
         EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes=[(1, "int4")])
     with pytest.raises(StaticScalesError, match=r"layer 1 \(main@int8_static group\)"):
         EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes={1: "int8_static"})
-    assert parse_layer_dtypes("17,20 :int4_rotated; 27:int2_rotated;") == {17: "int4_rotated", 20: "int4_rotated",
-                                                                           27: "int2_rotated"}
+    assert parse_layer_dtypes("17,20 :int4_rotated; 27:int2_rotated") == {17: "int4_rotated", 20: "int4_rotated",
+                                                                          27: "int2_rotated"}
     cfg = EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes={0: "int4", 1: "int8"})
     assert {i: f.name for i, f in cfg.kv_layer_formats.items()} == {0: "int4"}
     assert cfg.block_size_resolved == 32  # the block-wise layers' preferred block
@@ -170,6 +170,91 @@ def test_eval_row_bits_are_the_layer_mean(tiny4) -> None:
     assert rows[-1].kv_cache_dtype == mix and rows[-1].divergence is not None
 
 
+@pytest.mark.parametrize("text", ["", " ", ";", " ; ", "1:int4;", ";1:int4", "1:int4;;2:int2"])
+def test_empty_maps_and_items_are_refused_naming_the_option(text) -> None:
+    """``""``, ``";"``, ``"1:int4;"`` were accepted silently (an empty map, or its empty items dropped): a typo
+    ran as a cache other than the one meant. Each is refused, named as the caller spells the option."""
+    with pytest.raises(ValueError, match=r"^kv_layer_dtypes: .*empty"):
+        parse_layer_dtypes(text)
+    with pytest.raises(ValueError, match=r"^kv_layer_dtypes: .*empty"):
+        EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes=text)
+    assert EngineConfig(kv_cache_dtype="int8", kv_layer_dtypes={}).kv_layer_formats is None  # a computed empty map
+
+
+@pytest.mark.parametrize("value, words", [
+    ("", "empty layer map ''"),
+    ("1:int4;", "has an empty item"),
+    ("int4", "'int4' is not LAYERS:FORMAT"),
+    ("1:int4;1:int2", "layer 1 is named twice"),
+])
+def test_cli_names_kv_layer_dtypes_once(value, words, capsys) -> None:
+    """A syntax error printed the flag twice (``argument --kv-layer-dtypes: --kv-layer-dtypes: ...``) and later
+    errors said ``kv_layer_dtypes``: the CLI says ``--kv-layer-dtypes`` once, always."""
+    from kvpage.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--kv-layer-dtypes", value, "hi"])
+    assert e.value.code == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("kvpage generate: error: argument --kv-layer-dtypes: ") and words in first, first
+    assert first.count("-kv-layer-dtypes") == 1 and "kv_layer_dtypes" not in first
+
+
+def test_cli_engine_errors_name_the_flag(tiny4, monkeypatch, capsys) -> None:
+    """Errors found when the engine is built (a format unknown, a layer the model lacks) name ``--kv-layer-dtypes``
+    too, not the Python field."""
+    from kvpage.cli import main
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny4)
+    for value, words in (("3:int5", "--kv-layer-dtypes: layer 3: "), ("9:int4", "--kv-layer-dtypes: layer 9 is out")):
+        assert main(["generate", "--kv-cache-dtype", "int8", "--kv-layer-dtypes", value, "--num-blocks", "32",
+                     "--threads", "1", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert f"kvpage: error: {words}" in err and "kv_layer_dtypes" not in err, err
+
+
+def test_eval_empty_bracket_map_is_refused_naming_formats(tmp_path, capsys, monkeypatch) -> None:
+    """``--formats "int3_rotated[]"`` ran as plain int3_rotated under a label promising a map; empty items inside
+    the brackets were dropped. Both are refused before the model loads, naming ``--formats``."""
+    from kvpage.cli import main
+    from kvpage.eval.command import _format_list
+
+    for row in ("int3_rotated[]", "int3_rotated[ ]"):
+        with pytest.raises(ValueError, match=r"^--formats: .*empty layer map"):
+            _format_list(row, torch.float32)
+    with pytest.raises(ValueError, match=r"^--formats 'int3_rotated\[1:int4;\]': .*empty item"):
+        _format_list("int3_rotated[1:int4;]", torch.float32)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when --formats is bad")
+
+    monkeypatch.setattr("kvpage.model.loader.load_model", no_load)
+    text = tmp_path / "t.txt"
+    text.write_text("hello " * 50)
+    assert main(["eval", "--text", str(text), "--formats", "int3_rotated[]", "--out", str(tmp_path / "o")]) == 2
+    assert "kvpage: error: --formats: 'int3_rotated[]' has an empty layer map" in capsys.readouterr().err
+
+
+def test_eval_rows_are_checked_against_the_model_before_the_first_runs(tiny4, tmp_path, capsys, monkeypatch) -> None:
+    """A row naming a layer the model lacks failed only at its turn, after the rows before it had run."""
+    from kvpage.cli import main
+    from kvpage.eval import perplexity
+
+    def no_eval(*a, **k):
+        raise AssertionError("no row may run when a later one cannot")
+
+    monkeypatch.setattr("kvpage.model.loader.load_model", lambda *a, **k: tiny4)
+    monkeypatch.setattr(perplexity, "evaluate_perplexity", no_eval)
+    text = tmp_path / "t.txt"
+    text.write_text("hello " * 50)
+    assert main(["eval", "--text", str(text), "--formats", "int8,int3_rotated[9:int4_rotated]", "--out",
+                 str(tmp_path / "o"), "--no-progress", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "kvpage: error: --formats 'int3_rotated[9:int4_rotated]': layer 9 is out of range" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_eval_format_list_keeps_bracketed_maps() -> None:
     from kvpage.eval.command import _format_list
 
@@ -197,7 +282,7 @@ def test_cli_flag(tiny4, capsys) -> None:
     assert "--kv-layer-dtypes" in capsys.readouterr().err
     args = p.parse_args(["generate", "--kv-layer-dtypes", "9:int4", "--num-blocks", "32", "hi"])
     args.model = tiny4
-    with pytest.raises(ValueError, match="kv_layer_dtypes: layer 9 is out of range"):
+    with pytest.raises(ValueError, match="^--kv-layer-dtypes: layer 9 is out of range"):  # the CLI's name, as above
         build_llm(args)
     assert isinstance(p, argparse.ArgumentParser)
 

@@ -293,10 +293,22 @@ def test_as_shipped_with_float32_model(tiny_gguf: Path) -> None:
     assert (got - truth).abs().max() > 0  # the as-shipped path did run (the int16 coding shows)
 
 
+def test_kernels_turned_off_warning_names_the_variable(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``KVPAGE_CPU_KERNELS=0`` the bfloat16 fallback warning said the kernels "are not built here"; it names
+    the variable that turned them off."""
+    from kvpage.ops.cpu import build as cpu_build
+
+    monkeypatch.setattr(cpu_build, "_state", {})
+    monkeypatch.setenv("KVPAGE_CPU_KERNELS", "0")
+    with pytest.warns(RuntimeWarning, match=r"not available: they are turned off by KVPAGE_CPU_KERNELS=0"):
+        loaded = load_model(tiny_gguf, dtype=torch.bfloat16, progress=False)
+    assert not any(isinstance(m, GgufLinear) for m in loaded.model.modules())
+
+
 def test_without_kernels_falls_back_to_dequantized_with_a_warning(tiny_gguf: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quantized_linear, "gguf_kernels_available", lambda: False)
-    with pytest.warns(RuntimeWarning, match="CPU kernels are not built here"):
+    with pytest.warns(RuntimeWarning, match=r"CPU kernels \(gguf_matmul\) are not available"):
         loaded = load_model(tiny_gguf, dtype=torch.bfloat16, progress=False)
     assert not any(isinstance(m, GgufLinear) for m in loaded.model.modules())
     with warnings.catch_warnings():

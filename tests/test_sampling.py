@@ -26,9 +26,17 @@ def test_bad_values_are_clear_errors(kwargs):
 def test_stop_normalisation_and_greedy():
     p = SamplingParams(stop="END", stop_token_ids=[3, 4])
     assert p.stop == ("END",) and p.stop_token_ids == (3, 4)
-    assert SamplingParams(stop=["a", ""]).stop == ("a",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b") and SamplingParams(stop=[]).stop == ()
     assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
     assert not SamplingParams(temperature=0.5).greedy
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["a", ""], ("", "b")])
+def test_an_empty_stop_string_is_refused_not_dropped(stop):
+    """``SamplingParams(stop="")`` used to drop the empty string silently while the server answers 400
+    ``stop: must not be empty``; the Python API refuses it too, naming ``stop``."""
+    with pytest.raises(ValueError, match=r"^stop must not contain an empty string"):
+        SamplingParams(stop=stop)
 
 
 def test_greedy_is_argmax_and_filters_keep_the_right_tokens():

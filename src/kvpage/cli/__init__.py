@@ -19,7 +19,7 @@ from kvpage.cli.kernels import add_build_kernels_parser
 from kvpage.cli.serve import add_serve_parser
 from kvpage.errors import KVPageError
 
-__all__ = ["EXIT_INTERRUPTED", "build_parser", "main"]
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,19 +56,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: Exit status after Ctrl-C (SIGINT): 128 + 2, as shells report a process that SIGINT ended.
 EXIT_INTERRUPTED = 130
+#: Exit status when the reader of stdout went away (``kvpage formats | head -3``): 128 + 13 (SIGPIPE), as shells
+#: report a process that SIGPIPE ended, which is how ``ls``, ``cat`` and other C tools end there.
+EXIT_BROKEN_PIPE = 141
+
+
+def _silence_stdout() -> None:
+    """Point stdout at ``/dev/null``, so the interpreter's last flush of the closed pipe raises nothing
+    (Python's documented recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by something without a file descriptor
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvpage`` console script; returns the exit status.
 
     2 on a kvpage error (one ``kvpage: error: ...`` line on stderr); :data:`EXIT_INTERRUPTED` (130) on
-    Ctrl-C, after one ``kvpage: interrupted`` line on stderr instead of a traceback.
+    Ctrl-C, after one ``kvpage: interrupted`` line on stderr instead of a traceback; :data:`EXIT_BROKEN_PIPE`
+    (141), quietly, when stdout's reader closed it (``kvpage formats | head -3``).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught below, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except (KVPageError, FileNotFoundError, ValueError) as e:
         print(f"kvpage: error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvpage.engine.args import DTYPE_HELP, positive_int, threads_help
+from kvpage.engine.args import DTYPE_HELP, check_output_file, positive_int, read_text_file, threads_help
 
 
 def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
@@ -32,7 +32,10 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    """``kvpage calibrate``: per-layer K/V absmax on sample text -> a scales file for int8_static / fp8_static."""
+    """``kvpage calibrate``: per-layer K/V absmax on sample text -> a scales file for int8_static / fp8_static.
+
+    ``--text`` (UTF-8) and ``--out`` (a writable file path) are checked before the model loads.
+    """
     from pathlib import Path
 
     from kvpage.engine.llm import resolve_dtype
@@ -42,9 +45,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype)  # bad flags fail before the model loads
     text_path = Path(args.text)
-    if not text_path.is_file():
-        raise FileNotFoundError(f"--text {text_path}: no such file")
-    text = text_path.read_text(encoding="utf-8")
+    text = read_text_file(text_path, "--text")
+    check_output_file(args.out, "--out")  # a directory or unwritable --out fails now, not after calibrating
     threads = apply_num_threads(args.threads)
     print(f"[kvpage] calibrate: {threads.num_threads} torch thread(s) ({threads.reason})", file=sys.stderr,
           flush=True)

@@ -6,9 +6,11 @@ imported only when :func:`build_llm` runs, so building the parser stays light.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import TYPE_CHECKING, Any
 
 from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+from kvpage.errors import KVPageError
 from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, json_object_arg, nonnegative_int, positive_int,
                                threads_help)
 
@@ -25,17 +27,36 @@ def _format_help() -> str:
 
 def _layer_dtypes(text: str) -> dict[int, str]:
     """``--kv-layer-dtypes`` parsed (:func:`~kvpage.engine.config.parse_layer_dtypes`); formats and layer ranges
-    are checked when the engine is built.
+    are checked when the engine is built (:func:`build_llm` names the flag in those errors too).
 
     Raises:
-        argparse.ArgumentTypeError: a bad spelling, layer or a layer named twice (argparse names the flag).
+        argparse.ArgumentTypeError: an empty map or item, a bad spelling, layer or a layer named twice (argparse
+            names the flag, once: ``argument --kv-layer-dtypes: ...``).
     """
     from kvpage.engine.config import parse_layer_dtypes
 
     try:
-        return parse_layer_dtypes(text, "--kv-layer-dtypes")
+        return parse_layer_dtypes(text, None)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+#: Engine fields whose errors :func:`build_llm` reports under their flag's name (errors raised after parsing, when
+#: the engine is built: ``kv_layer_dtypes: layer 99 is out of range`` -> ``--kv-layer-dtypes: layer 99 ...``).
+_ENGINE_FLAGS = {"kv_layer_dtypes": "--kv-layer-dtypes"}
+
+
+def name_flags(e: BaseException, flags: dict[str, str]) -> None:
+    """Rewrite ``e``'s message in place to name the command-line flags of ``flags`` (field -> flag) instead of the
+    Python fields the API checked (``stop must not ...`` -> ``--stop must not ...``); whole words only, so
+    ``stop_token_ids`` stays. The exception's type and traceback are kept; a message that is not ``e``'s single
+    string argument is left alone."""
+    if len(e.args) != 1 or not isinstance(e.args[0], str):
+        return
+    msg = e.args[0]
+    for field, flag in flags.items():
+        msg = re.sub(rf"(?<![\w-]){field}\b", flag, msg)
+    e.args = (msg,)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -116,7 +137,11 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
-    """An :class:`~kvpage.engine.llm.LLM` from the shared engine flags (see :func:`add_engine_args`) plus ``extra``."""
+    """An :class:`~kvpage.engine.llm.LLM` from the shared engine flags (see :func:`add_engine_args`) plus ``extra``.
+
+    Raises:
+        as :class:`~kvpage.engine.llm.LLM`; an error about ``kv_layer_dtypes`` names ``--kv-layer-dtypes``.
+    """
     from kvpage.engine.llm import LLM
 
     speculative = getattr(args, "speculative_config", None)
@@ -128,29 +153,33 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
     kv_transfer = getattr(args, "kv_transfer_config", None)
     if kv_transfer is not None:
         extra = {"kv_transfer_config": kv_transfer, **extra}
-    return LLM(
-        args.model,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_scales=args.kv_cache_scales,
-        kv_layer_dtypes=getattr(args, "kv_layer_dtypes", None) or None,
-        block_size=args.block_size,
-        kv_quant_residual_tokens=args.kv_quant_residual_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        num_blocks=args.num_blocks,
-        dtype=args.dtype,
-        weights_dtype=args.weights_dtype,
-        num_threads=args.threads,
-        attention_backend=args.attention_backend,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-        swap_space=args.swap_space,
-        kv_offload_policy=args.kv_offload_policy,
-        preemption_mode=args.preemption_mode,
-        kv_disk_dir=args.kv_disk_dir,
-        kv_disk_max_bytes=args.kv_disk_max_bytes,
-        kv_store=args.kv_store,
-        **extra,
-    )
+    try:
+        return LLM(
+            args.model,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_scales=args.kv_cache_scales,
+            kv_layer_dtypes=getattr(args, "kv_layer_dtypes", None) or None,
+            block_size=args.block_size,
+            kv_quant_residual_tokens=args.kv_quant_residual_tokens,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+            num_blocks=args.num_blocks,
+            dtype=args.dtype,
+            weights_dtype=args.weights_dtype,
+            num_threads=args.threads,
+            attention_backend=args.attention_backend,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            swap_space=args.swap_space,
+            kv_offload_policy=args.kv_offload_policy,
+            preemption_mode=args.preemption_mode,
+            kv_disk_dir=args.kv_disk_dir,
+            kv_disk_max_bytes=args.kv_disk_max_bytes,
+            kv_store=args.kv_store,
+            **extra,
+        )
+    except (ValueError, KVPageError) as e:  # e.g. a --kv-layer-dtypes layer beyond the model's: name the flag
+        name_flags(e, _ENGINE_FLAGS)
+        raise
 

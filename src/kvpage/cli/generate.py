@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from kvpage.cli.engine_flags import add_engine_args, build_llm
+from kvpage.cli.engine_flags import add_engine_args, build_llm, name_flags
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
@@ -34,18 +34,30 @@ def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
     return g
 
 
+#: ``SamplingParams`` field -> the ``kvpage generate`` flag that sets it (for its error messages).
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    """``kvpage generate``: answer the prompt, then print the speed, capacity, tier and speculative lines."""
+    """``kvpage generate``: answer the prompt, then print the speed, capacity, tier and speculative lines.
+
+    Bad sampling flags fail before the model loads, the message naming the flag (``--stop`` for ``--stop ""``).
+    """
     from kvpage.engine.sampling import SamplingParams
 
-    params = SamplingParams(  # before loading the model: bad sampling values fail fast
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-    )
+    try:
+        params = SamplingParams(  # before loading the model: bad sampling values fail fast
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+        )
+    except ValueError as e:  # named as the flags the user typed: --stop "" -> "--stop must not contain ..."
+        name_flags(e, _SAMPLING_FLAGS)
+        raise
     if args.chat and not args.prompt.strip():
         raise ValueError("empty prompt: give a non-blank message")
     llm = build_llm(args)

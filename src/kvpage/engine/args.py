@@ -1,4 +1,4 @@
-"""The engine's argparse value types and help texts, shared by every front end that takes engine flags.
+"""The engine's argparse value types, help texts and path checks, shared by every front end that takes engine flags.
 
 :mod:`kvpage.cli` and :mod:`kvpage.eval.command` both import them from here, below both (as vLLM keeps
 its engine arguments with the engine). A leaf: it imports nothing of kvpage at import time (the
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -83,6 +86,92 @@ def json_object_arg(flag: str, example: str) -> Callable[[str], dict[str, Any]]:
 
     parse.__name__ = f"json_object({flag})"
     return parse
+
+
+def _probe_writable_dir(folder: Path, flag: str, shown: Path) -> None:
+    """Create ``folder`` (and missing parents) and a temporary file in it, then remove what was created.
+
+    The only reliable answer to "can this command write there" (``os.access`` says yes to root on ``/proc``).
+
+    Raises:
+        ValueError: it cannot be created or written (names ``flag``, ``shown`` and the OS's reason).
+    """
+    missing = [a for a in (folder, *folder.parents) if not a.exists()]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvpage-write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {shown}: cannot write there ({e.strerror or e})") from None
+    finally:
+        for m in missing:  # deepest first: leave the file system as it was (the run creates them again)
+            try:
+                m.rmdir()
+            except OSError:
+                pass
+
+
+def check_output_dir(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` as a ``Path`` after checking that a command can write its files into it: an existing directory,
+    or one it can create. Run before any long work, so a bad ``--out`` fails at once, not after the run.
+
+    Side effects: none that last (it creates the folder and a temporary file in it, then removes both).
+
+    Raises:
+        ValueError: ``path`` is an existing file (or other non-directory), lies under one, or cannot be created
+            or written (the message names ``flag``).
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {p}: exists and is not a directory (give a folder for the output files)")
+    blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{flag} {p}: {blocker} is not a directory")
+    _probe_writable_dir(p, flag, p)
+    return p
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` (``~`` expanded) after checking that a command can write the file: not a directory, and its
+    folder exists or can be created and is writable. An existing file is fine (it is replaced).
+
+    Side effects: none that last (as :func:`check_output_dir`, on the file's folder).
+
+    Raises:
+        ValueError: ``path`` is a directory, or its folder cannot be created or written (names ``flag``).
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{flag} {p}: is a directory (give a file name, e.g. {p / 'scales.safetensors'})")
+    if p.exists() and not p.is_file():
+        raise ValueError(f"{flag} {p}: exists and is not a regular file")
+    blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{flag} {p}: {blocker} is not a directory")
+    _probe_writable_dir(p.parent, flag, p)
+    return p
+
+
+def read_text_file(path: str | os.PathLike[str], flag: str) -> str:
+    """The UTF-8 text of the file ``path`` names (the value of ``flag``).
+
+    Raises:
+        FileNotFoundError: no such file (names ``flag``).
+        ValueError: a directory or another non-file, unreadable, or not UTF-8 text (names ``flag``, and the byte
+            offset of the first bad byte).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {p}: no such file")
+    if p.is_dir():
+        raise ValueError(f"{flag} {p}: is a directory, not a text file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {p}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset "
+                         f"{e.start}); give a UTF-8 text file") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {p}: cannot be read ({e.strerror or e})") from None
 
 
 #: ``--dtype`` help, the same for every sub-command.

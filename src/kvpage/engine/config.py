@@ -40,31 +40,44 @@ MIN_SEALED_BLOCK_SIZE = 8
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_layer_dtypes(text: str, field_name: str = "kv_layer_dtypes") -> dict[int, str]:
+def parse_layer_dtypes(text: str, field_name: str | None = "kv_layer_dtypes") -> dict[int, str]:
     """The per-layer format map of its command-line spelling ``"17,20,24:int4_rotated;27,13:int2_rotated"``
-    (``;``-separated ``LAYERS:FORMAT`` items, ``LAYERS`` comma-separated layer indices); an empty text is no map.
+    (``;``-separated ``LAYERS:FORMAT`` items, ``LAYERS`` comma-separated layer indices).
 
     Formats are checked later (:class:`EngineConfig`); this only parses. No side effects.
 
+    Args:
+        text: the spelling.
+        field_name: what the messages name (``kv_layer_dtypes``, ``--kv-layer-dtypes``, ``--formats ...``); ``None``
+            for no name, where the caller adds it (argparse's ``argument --kv-layer-dtypes: ...``).
+
     Raises:
-        ValueError: an item without ``:``, a layer that is not a non-negative integer, or a layer named twice
+        ValueError: an empty or blank text (no map: leave the option out instead), an empty item (``"1:int4;"``,
+            ``";"``), an item without ``:``, a layer that is not a non-negative integer, or a layer named twice
             (the message names ``field_name`` and the item).
     """
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{field_name}: {what}" if field_name else what)
+
+    eg = "e.g. '17,20,24:int4_rotated;27:int2_rotated'"
+    if not str(text).strip():
+        raise bad(f"empty layer map {str(text)!r}: give LAYERS:FORMAT items separated by ';', {eg}, "
+                  f"or leave it out for one format in every layer")
     out: dict[int, str] = {}
     for item in (t.strip() for t in str(text).split(";")):
         if not item:
-            continue
+            raise bad(f"{str(text)!r} has an empty item (a ';' with nothing on one side): give LAYERS:FORMAT items "
+                      f"separated by ';', {eg}")
         layers, sep, fmt = item.rpartition(":")
         if not sep or not layers.strip() or not fmt.strip():
-            raise ValueError(f"{field_name}: {item!r} is not LAYERS:FORMAT "
-                             f"(e.g. '17,20,24:int4_rotated;27:int2_rotated')")
+            raise bad(f"{item!r} is not LAYERS:FORMAT ({eg})")
         for tok in layers.split(","):
             tok = tok.strip()
             if not tok.isdigit():
-                raise ValueError(f"{field_name}: layer {tok!r} in {item!r} is not a non-negative integer")
+                raise bad(f"layer {tok!r} in {item!r} is not a non-negative integer")
             i = int(tok)
             if i in out:
-                raise ValueError(f"{field_name}: layer {i} is named twice ({out[i]!r} and {fmt.strip()!r})")
+                raise bad(f"layer {i} is named twice ({out[i]!r} and {fmt.strip()!r})")
             out[i] = fmt.strip()
     return out
 
@@ -110,7 +123,9 @@ class EngineConfig:
             layers that take another format than ``kv_cache_dtype`` (or its command-line spelling
             ``"17,20,24:int4_rotated;27,13:int2_rotated"``, :func:`parse_layer_dtypes`). Each format's layers form
             their own layer group (:meth:`~kvpage.spec.CacheSpec.build`); the fingerprint covers the map. Layer
-            indices are checked against the model when the engine is built.
+            indices are checked against the model when the engine is built. An empty mapping (``{}``, e.g. a
+            computed selection of no layers) is no per-layer format; an empty or blank string, or one with an
+            empty ``;`` item, is refused (a typo, not a choice).
         kv_quant_residual_tokens: full-precision window of quantize-on-seal formats
             (``int4``, ``int3``, ``int2``) in tokens: the sealed blocks covering the most recent
             ``kv_quant_residual_tokens`` tokens keep a 16-bit copy that attention reads

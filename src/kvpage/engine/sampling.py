@@ -93,7 +93,8 @@ class SamplingParams:
             :func:`generator_seed` of it, so seeds that differ only above bit 31, or ``-1`` and
             ``2**64 - 1``, still give different samples. ``None`` draws from the global generator.
         stop: strings that end the output when generated (not included in the text); given as one str or a
-            sequence of str, stored as a tuple with empty strings dropped.
+            sequence of str, stored as a tuple. An empty string is refused (``ValueError``), as the server's
+            ``stop: must not be empty``.
         stop_token_ids: token ids (ints >= 0) that end the output besides the model's EOS, stored as a tuple;
             the engine checks them against the vocabulary at ``add_request``.
         ignore_eos: keep going past EOS (benchmarks); a bool.
@@ -159,6 +160,8 @@ class SamplingParams:
             stops = tuple(stop)
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        if "" in stops:  # as the server's 400: an empty stop string cannot mean anything, so it is not dropped
+            raise ValueError(f"stop must not contain an empty string (it would match before any text); got {stop!r}")
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, range)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
         ids = [as_int(t) for t in stop_token_ids]
@@ -167,7 +170,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers >= 0; got the entry {bad_ids[0]!r}")
         checked: tuple[tuple[str, object], ...] = (
             ("max_tokens", max_tokens_), ("temperature", temperature_), ("top_p", top_p_), ("top_k", top_k_),
-            ("seed", seed_), ("stop", tuple(s for s in stops if s)),
+            ("seed", seed_), ("stop", stops),
             ("stop_token_ids", tuple(i for i in ids if i is not None)),
             ("ignore_eos", ignore_eos), ("n", n_),
         )

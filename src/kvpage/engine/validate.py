@@ -107,13 +107,26 @@ def check_prompt(prompt: object, vocab_size: int | None) -> tuple[str | None, li
     return check_text(text, "prompt", optional=True), ids
 
 
+#: The message roles a conversation may hold, the same for :meth:`LLM.chat <kvpage.engine.llm.LLM.chat>` and the
+#: server's ``/v1/chat/completions`` (OpenAI's, without tool messages); ``developer`` is rendered as ``system``.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _one_of(words: tuple[str, ...]) -> str:
+    """``'a', 'b' or 'c'`` (as the server's error messages list a field's allowed values)."""
+    quoted = [repr(w) for w in words]
+    return ", ".join(quoted[:-1]) + f" or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+
+
 def check_messages(messages: object) -> list[dict[str, Any]]:
-    """A conversation as a list of ``{"role": str, "content": str}`` dicts (a str is one user message).
+    """A conversation as a list of ``{"role": str, "content": str}`` dicts (a str is one user message), with
+    ``developer`` messages given the role ``system`` (as chat templates know it).
 
     Raises:
         TypeError: neither a str nor a list/tuple of dicts.
         ValueError: an empty list, a message that is not a dict, or whose ``role``/``content`` is missing or not
-            text (names ``messages[i].role`` / ``messages[i].content``), or no non-blank user message.
+            text (names ``messages[i].role`` / ``messages[i].content``), a role not in :data:`CHAT_ROLES`, or no
+            non-blank user message.
     """
     if isinstance(messages, str):
         check_text(messages, "messages")
@@ -132,7 +145,9 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
                 got = "nothing" if key not in m else type(m[key]).__name__
                 raise ValueError(f"messages[{i}].{key} must be a str, got {got}")
             check_text(m[key], f"messages[{i}].{key}")
-        out.append(dict(m))
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be {_one_of(CHAT_ROLES)}, got {m['role']!r}")
+        out.append({**m, "role": "system" if m["role"] == "developer" else m["role"]})
     if not any(m["content"].strip() for m in out if m["role"] == "user"):
         raise ValueError("empty prompt: the conversation has no non-blank user message")
     return out

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.engine.args import DTYPE_HELP, WEIGHTS_DTYPE_HELP, nonnegative_int, positive_int, threads_help
+from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, check_output_dir, nonnegative_int, positive_int,
+                               read_text_file, threads_help)
 
 #: Tokens scored by ``--text`` unless ``--tokens`` says otherwise (suite members carry their own).
 DEFAULT_TEXT_TOKENS = 1024
@@ -101,6 +102,34 @@ def _format_list(spec: str, dtype: Any) -> list[str]:
     return formats
 
 
+def _check_rows_fit(loaded: Any, formats: list[str], block_size: int | None, llm_kwargs: dict[str, Any]) -> None:
+    """Check every ``--formats`` row's cache against the loaded model, without allocating it: a layer map naming a
+    layer the model lacks (or a sliding-window or draft layer), a block size a format refuses, missing static
+    scales. Each would otherwise fail only when its row's turn came, after the rows before it had run.
+
+    Raises:
+        ValueError, KVPageError: the first row that cannot run, the message prefixed with ``--formats 'ROW'``.
+    """
+    from kvpage.engine.config import EngineConfig
+    from kvpage.engine.sizing import build_spec
+    from kvpage.errors import KVPageError
+    from kvpage.eval.perplexity import split_format_row
+    from kvpage.model.attention_fn import layer_attention
+
+    dtype = next(loaded.model.parameters()).dtype
+    windows = [layer_attention(loaded.model, i).sliding_window for i in range(loaded.config.num_layers)]
+    for row in formats:
+        base, layer_map = split_format_row(row)
+        try:
+            config = EngineConfig(kv_cache_dtype=base, kv_layer_dtypes=layer_map, block_size=block_size, dtype=dtype,
+                                  **llm_kwargs)
+            build_spec(config, loaded.config, layer_windows=windows)
+        except (ValueError, KVPageError) as e:
+            if len(e.args) == 1 and isinstance(e.args[0], str):
+                e.args = (f"--formats {row!r}: {e.args[0].removeprefix('kv_layer_dtypes: ')}",)
+            raise
+
+
 def _write_plots(out: Path, results: list[Any], title: str) -> list[Path]:
     """``ppl_vs_bits.png`` and, when the results carry KL, ``kld_vs_bits.png`` in ``out`` (a stale one removed)."""
     from kvpage.eval import plot_kld_vs_bits, plot_ppl_vs_bits
@@ -156,7 +185,8 @@ def _load_average() -> list[float] | None:
 def run_eval(args: argparse.Namespace) -> int:
     """``kvpage eval``: perplexity and KL divergence per KV format (:mod:`kvpage.eval`); table, JSON, PNGs.
 
-    Every flag is checked before the model loads. Side effects: writes ``results.json`` (with the
+    Every flag is checked before the model loads, ``--text`` read as UTF-8 and ``--out`` checked writable
+    (:func:`~kvpage.engine.args.check_output_dir`) among them. Side effects: writes ``results.json`` (with the
     :func:`command_line`, the CPU and the load average before and after the run) and the plots under
     ``--out``; with ``--suite`` also one folder of plots per member, and a warning on stderr for each
     member whose text's sha256 differs from the one the suite recorded. Texts scoring more than
@@ -194,8 +224,8 @@ def run_eval(args: argparse.Namespace) -> int:
         check_suite(SUITE)
     else:
         text = Path(args.text)
-        if not text.is_file():
-            raise FileNotFoundError(f"--text {text}: no such file")
+        read_text_file(text, "--text")  # a missing, non-file or non-UTF-8 --text fails here, not after the load
+    out = check_output_dir(args.out, "--out")  # a file or unwritable --out fails now, not after the whole run
     llm_kwargs: dict[str, object] = {}
     if args.kv_cache_scales is not None:
         llm_kwargs["kv_cache_scales"] = args.kv_cache_scales
@@ -203,6 +233,7 @@ def run_eval(args: argparse.Namespace) -> int:
         llm_kwargs["kv_quant_residual_tokens"] = args.kv_quant_residual_tokens
     threads = apply_num_threads(args.threads)  # once, so every format's engine runs with the same count
     loaded = load_model(args.model, dtype=dtype, progress=args.progress, weights_dtype=args.weights_dtype)
+    _check_rows_fit(loaded, formats, args.block_size, llm_kwargs)  # before the first row runs, not at its turn
     label = "decode, 1 token per step" if args.mode == "decode" else f"chunked, {args.chunk_size} tokens per step"
     setup = (f"{label}; {Path(loaded.path).name}, {str(dtype).removeprefix('torch.')}, "
              f"block {args.block_size or 'per format'}, {threads.num_threads} torch thread(s) ({threads.reason})")
@@ -216,7 +247,6 @@ def run_eval(args: argparse.Namespace) -> int:
     run = dict(formats=formats, mode=args.mode, chunk_size=args.chunk_size, block_size=args.block_size,
                num_threads=threads.num_threads, progress=args.progress, llm_kwargs=llm_kwargs,
                kl_divergence=args.kl_divergence)
-    out = Path(args.out)
     if args.suite:
         return _run_suite(loaded, resolved, args.tokens, args.bos, out, setup, {**where, **how}, machine, run)
     from kvpage.eval import evaluate_formats, format_table, text_token_ids, write_results_json

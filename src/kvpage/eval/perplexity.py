@@ -84,7 +84,8 @@ def split_format_row(row: str) -> tuple[str, str | None]:
     in ``int4_rotated`` and 27 and 13 in ``int2_rotated`` (per-layer precision). No side effects.
 
     Raises:
-        ValueError: an unbalanced bracket or text after it.
+        ValueError: an unbalanced bracket, text after it, or an empty map (``int3_rotated[]``: it would run as plain
+            ``int3_rotated`` under a label promising a map).
     """
     row = row.strip()
     if "[" not in row and "]" not in row:
@@ -92,7 +93,10 @@ def split_format_row(row: str) -> tuple[str, str | None]:
     base, sep, rest = row.partition("[")
     if not sep or not rest.endswith("]") or "[" in rest[:-1] or "]" in rest[:-1] or not base.strip():
         raise ValueError(f"--formats: {row!r} is not FORMAT or FORMAT[LAYERS:FORMAT;...]")
-    return base.strip(), rest[:-1].strip() or None
+    if not rest[:-1].strip():
+        raise ValueError(f"--formats: {row!r} has an empty layer map: give FORMAT[LAYERS:FORMAT;...], e.g. "
+                         f"'{base.strip()}[17,20:int4_rotated]', or plain '{base.strip()}'")
+    return base.strip(), rest[:-1].strip()
 
 
 def split_format_list(text: str) -> list[str]:
@@ -432,7 +436,7 @@ def evaluate_formats(
     try:
         for i, fmt in enumerate(formats):
             base, layer_map = split_format_row(fmt)
-            names = [base, *parse_layer_dtypes(layer_map or "", "--formats").values()]
+            names = [base, *(parse_layer_dtypes(layer_map, "--formats").values() if layer_map else ())]
             bs = block_size or max(get_format(canonical_format_name(n, dtype)).preferred_block_size for n in names)
             num_blocks = -(-len(token_ids) // bs) + 1
             llm = LLM(model, kv_cache_dtype=base, block_size=bs, num_blocks=num_blocks, dtype=dtype,

@@ -668,9 +668,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, weights_dtype: st
     keep = weights_dtype == "as_shipped" or (weights_dtype == "auto" and dtype == torch.bfloat16)
     keep = keep and isinstance(model, DecoderForCausalLM) and any(t.ggml_type in QUANTIZED_TYPES for t in tensors)
     if keep and not gguf_kernels_available():
-        warnings.warn("kvpage's CPU kernels are not built here (gguf_matmul): the GGUF's Q4_0/Q4_1/Q8_0 weights "
-                      f"are dequantized to {str(dtype).removeprefix('torch.')} instead of run as shipped",
-                      RuntimeWarning, stacklevel=3)
+        from kvpage.ops.cpu.build import kernels_unavailable_reason
+
+        warnings.warn(f"kvpage's CPU kernels (gguf_matmul) are not available: "
+                      f"{kernels_unavailable_reason() or 'they are not loaded'}; the "
+                      f"GGUF's Q4_0/Q4_1/Q8_0 weights are dequantized to {str(dtype).removeprefix('torch.')} "
+                      f"instead of run as shipped", RuntimeWarning, stacklevel=3)
         keep = False
     model.load_hf_state_dict(_gguf_hf_state_dict(tensors, architecture, config_dict, names, progress, keep))
     return LoadedModel(config=config, model=model.eval(), tokenizer=_gguf_tokenizer(path), path=path)

@@ -170,9 +170,12 @@ class GgufLinear(nn.Module):
     def _kernels(self) -> Any:
         from kvpage.ops.cpu.build import load_kernels
 
+        from kvpage.ops.cpu.build import kernels_unavailable_reason
+
         k = load_kernels()
         if k is None:
-            raise RuntimeError("GgufLinear needs kvpage's CPU kernels, which are not built here")
+            raise RuntimeError(f"GgufLinear needs kvpage's CPU kernels, which are not available: "
+                               f"{kernels_unavailable_reason() or 'they are not loaded'}")
         return k
 
     @property

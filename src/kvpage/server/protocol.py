@@ -62,6 +62,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvpage.engine.sampling import MAX_N, SamplingParams
+from kvpage.engine.validate import CHAT_ROLES
 from kvpage.server.nullable import NullMeansDefault
 from kvpage.server.unsupported import OffChat, OffCommon, OffCompletion, integral
 
@@ -221,7 +222,7 @@ class ChatMessage(BaseModel):
 
     model_config = _STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]  # the Python API's roles (kvpage.engine.validate)
     content: Union[str, list[ContentPart], None] = Field(None, validate_default=True)
     name: str | None = None
 
@@ -262,8 +263,9 @@ class ChatCompletionRequest(_Request, OffChat):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them (``developer`` is rendered as ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """Messages as :meth:`LLM.chat_prompt <kvpage.engine.llm.LLM.chat_prompt>` takes them (its
+        :func:`~kvpage.engine.validate.check_messages` renders ``developer`` as ``system``, for both APIs)."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 # -- responses ---------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.backends.cpu import CpuBackend, cpu_backend
 from kvpage.ops.backends.reference import ReferenceBackend
 from kvpage.ops.backends.triton import TritonBackend
+from kvpage.ops.cpu.build import kernels_unavailable_reason
 from kvpage.spec import LayerSpec
 
 #: Values ``attention_backend`` takes.
@@ -60,7 +61,7 @@ def select_backend(name: str, spec: LayerSpec, device: torch.device | str) -> At
         backend = cpu_backend()
         if backend is not None:
             return backend
-        why = "its C++ kernels could not be built on this machine"
+        why = f"its C++ kernels are not available: {kernels_unavailable_reason() or 'they did not load'}"
     if name == "cpu":
         raise ValueError(f"attention backend 'cpu' cannot serve kv_cache_dtype {spec.kv_format!r} on {dev}: {why}")
     return ReferenceBackend()

@@ -44,7 +44,7 @@ from kvpage.ops.attention import AttentionMetadata, check_inputs, token_format, 
 from kvpage.ops.backends.base import AttentionBackend
 from kvpage.ops.backends.sealed_sources import sealed_sources
 from kvpage.ops.causal import request_attention
-from kvpage.ops.cpu.build import load_kernels
+from kvpage.ops.cpu.build import kernels_unavailable_reason, load_kernels
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.formats.kivi import value_group_size
 from kvpage.ops.seal_plan import RequestRead
@@ -299,7 +299,8 @@ class CpuBackend(AttentionBackend):
 
     @classmethod
     def unsupported(cls, spec: LayerSpec, device: torch.device) -> str | None:
-        """Why not: a device other than the CPU, kernels that did not build, or a format they cannot read."""
+        """Why not: a device other than the CPU, kernels that did not build or ``KVPAGE_CPU_KERNELS=0`` turned off
+        (:func:`~kvpage.ops.cpu.build.kernels_unavailable_reason` says which), or a format they cannot read."""
         if torch.device(device).type != "cpu":
             return f"it runs on the CPU only, not on {device}"
         fmt = spec.format
@@ -310,8 +311,9 @@ class CpuBackend(AttentionBackend):
             return f"its kernels do not read format {spec.kv_format}"
         if spec.head_dim > 512:
             return f"its kernels take head_dim up to 512, not {spec.head_dim}"
-        if load_kernels() is None:
-            return "its C++ kernels could not be built on this machine (see the warning above)"
+        why = kernels_unavailable_reason()
+        if why is not None:
+            return f"its C++ kernels are not available: {why}"
         return None
 
     # -- per-step state ---------------------------------------------------------------------------

@@ -22,7 +22,8 @@ after (``... in N s``); loading a built copy is silent. The install step
 When the extension cannot be built (no compiler, no ninja, a failed compile)
 :func:`load_kernels` warns once, naming the cause (torch's own compiler-check
 warnings are off for this build), and returns ``None``; callers fall back to the
-reference PyTorch path. ``KVPAGE_CPU_KERNELS=0`` skips the build altogether.
+reference PyTorch path. ``KVPAGE_CPU_KERNELS=0`` skips the build altogether (no warning);
+:func:`kernels_unavailable_reason` says which of the two left them out, for the messages that need them.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-fno-math-errno"
 LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
+#: ``"mod"``: what :func:`load_kernels` returned (module or ``None``); ``"why"``: the reason when ``None``.
+_state: dict[str, ModuleType | str | None] = {}
 
 
 def _cpu_flags() -> str:
@@ -236,12 +238,13 @@ def load_kernels() -> ModuleType | None:
     (:func:`_pinned_env`).
     """
     if "mod" in _state:
-        return _state["mod"]
+        return _state["mod"]  # type: ignore[return-value]
     with _lock:
         if "mod" in _state:
-            return _state["mod"]
+            return _state["mod"]  # type: ignore[return-value]
         mod: ModuleType | None = None
         if os.environ.get("KVPAGE_CPU_KERNELS", "1") == "0":
+            _state["why"] = DISABLED_REASON
             _state["mod"] = None
             return None
         try:
@@ -275,5 +278,23 @@ def load_kernels() -> ModuleType | None:
                 stacklevel=2,
             )
             mod = None
+            _state["why"] = BUILD_FAILED_REASON
         _state["mod"] = mod
         return mod
+
+
+#: :func:`kernels_unavailable_reason` when ``KVPAGE_CPU_KERNELS=0`` turned the kernels off (no warning is printed).
+DISABLED_REASON = "they are turned off by KVPAGE_CPU_KERNELS=0 (unset it to build and use them)"
+#: :func:`kernels_unavailable_reason` when the build failed (after :func:`load_kernels`' warning naming the cause).
+BUILD_FAILED_REASON = "they could not be built on this machine (see the warning above)"
+
+
+def kernels_unavailable_reason() -> str | None:
+    """Why :func:`load_kernels` returned ``None``, as a clause for messages ("... kernels, which <reason>"):
+    :data:`DISABLED_REASON` or :data:`BUILD_FAILED_REASON`; ``None`` when they loaded.
+
+    Calls :func:`load_kernels` (so it may build them, with its side effects) when nothing was tried yet.
+    """
+    if load_kernels() is not None:
+        return None
+    return str(_state.get("why", BUILD_FAILED_REASON))
