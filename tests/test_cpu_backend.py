@@ -204,6 +204,24 @@ def test_c27_sealed_head_dims_off_the_simd_width(fmt: str, head_dim: int) -> Non
               seed=head_dim)
 
 
+@pytest.mark.parametrize("fmt", SEALED_FORMATS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 32), (8, 2, 128, 16), (4, 4, 96, 8),
+                                                               (6, 2, 80, 16), (7, 1, 64, 8), (4, 2, 128, 32)])
+def test_sealed_pool_blocks_read_as_packed_codes(fmt: str, heads: int, kv_heads: int, head_dim: int,
+                                                  block_size: int) -> None:
+    """Contexts long enough that most of the kernel's chunks hold sealed pool blocks only, which it scores and
+    accumulates from their packed codes (q times the block's key steps; weights times the tokens' value steps; the
+    offsets' terms added once), next to chunks holding the int8 sink copy or 16-bit window and open rows, which it
+    decodes. Decode rows and short runs over odd lengths; GQA groups of 1 to 7 (AVX-512 passes of 1 to 3 query
+    heads); head_dim 64 and 128 (one and two value groups), 96 (groups of 48: a pair of 16-lane vectors spans two)
+    and 80 (groups of 40: AVX-512 decodes these, AVX2 reads them as codes); blocks of 8, 16 and 32 tokens (four,
+    two or one of them per chunk)."""
+    bs = block_size
+    lens = [5 * 32 + 1, 4 * bs + 3, 300, 97, 64 + 7]
+    run_batch(fmt, lens=lens, query_lens=[1, 1, 1, 3, 2], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+              block_size=bs, seed=head_dim + bs, window_blocks=2 if fmt.startswith("int2") else 1)
+
+
 @pytest.mark.parametrize("fmt", TOKEN_FORMATS + SEALED_FORMATS)
 def test_c27_mixed_batch_of_decode_chunks_and_prefill(fmt: str) -> None:
     """Decode rows, short query runs over cached prefixes (kernel), a long chunk and a whole prefill (SDPA)."""

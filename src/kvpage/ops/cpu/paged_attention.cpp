@@ -7,13 +7,18 @@
 // running max / running sum) for every query head of its GQA group, up to three query heads per pass over a
 // kv head's rows (register blocking: each row is loaded once for all of them). int8 keys and values are not
 // decoded: their scores are integer dot products of the codes with q coded as int16 (scores_i8), and the
-// value codes are converted in registers as they are accumulated. Long contexts are split over the
-// context when there are fewer work items than threads and merged afterwards (flash-decoding).
+// value codes are converted in registers as they are accumulated. Nor are the sealed (KIVI) pool blocks of
+// int4/int3/int2: a chunk of them is scored from the packed key codes with q times the block's per-channel
+// steps, and its values accumulated from the packed codes with the weights times the tokens' per-group steps,
+// the offsets' terms added once (packed_update); chunks holding 16-bit tail rows or int8 sink copies are
+// decoded. Long contexts are split over the context when there are fewer work items than threads and merged
+// afterwards (flash-decoding).
 // Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them.
 //
-// Numerics: float32 throughout (but int8 keys' q . k: exact in int32, q rounded to 16 bits); exp is a Cephes-style polynomial (relative error ~2e-7) so the
-// compiler can vectorize it; dot products are vectorized reductions (another summation order than
-// SDPA's, within float32 rounding).
+// Numerics: float32 throughout (but int8 keys' q . k: exact in int32, q rounded to 16 bits; sealed pool blocks:
+// the dequantization (code + z) * step distributed over the sums, another rounding order); exp is a Cephes-style
+// polynomial (relative error ~2e-7) so the compiler can vectorize it; dot products are vectorized reductions
+// (another summation order than SDPA's, within float32 rounding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -53,11 +58,19 @@ struct VecF8 {
   static T load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  // UE5M3 steps (ue5m3()'s values) by bit placement: (1 + m/8) * 2^(e-16) is the float32 with exponent field
+  // e + 111 and mantissa m << 20, i.e. the bits (c << 20) + (111 << 23) of the byte c = (e << 3) | m.
+  static T ue5m3(const uint8_t* p) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(c, 20), _mm256_set1_epi32(111 << 23)));
+  }
   static T set1(float x) { return _mm256_set1_ps(x); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
   static __m256 fold(T v) { return v; }
+  static __m256 hsum8(const T* a);  // [sum(a[0]), ..., sum(a[7])] (below)
 };
 
 #ifdef KVPAGE_AVX512
@@ -69,13 +82,37 @@ struct VecF16 {
   static T load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static T ue5m3(const uint8_t* p) {  // (VecF8::ue5m3)
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(c, 20), _mm512_set1_epi32(111 << 23)));
+  }
   static T set1(float x) { return _mm512_set1_ps(x); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
   // the sums of lanes i and i + 8, eight lanes
   static __m256 fold(T v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  // [sum(a[0]), ..., sum(a[7])]: the eight registers' quarters, then lanes, added pairwise in a transpose (23
+  // instructions, where folding each to eight lanes and adding those horizontally took about 37 uops).
+  static __m256 hsum8(const T* a) {
+    __m512 x[4], y[2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // x[i]: quarters (0+2, 1+3) of a[2i], then of a[2i+1]
+      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {  // y[i]: quarter k holds four partial sums of a[4i + k]
+      y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+    z = _mm512_add_ps(z, _mm512_permute_ps(z, _MM_SHUFFLE(1, 0, 3, 2)));  // lane 4k: sum(a[k]), 4k+1: sum(a[k+4])
+    return _mm512_castps512_ps256(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), z));
   }
 };
 #endif
@@ -99,6 +136,7 @@ struct TokenSource {
 
   // int8 codes with per-(token, head) scales can be read as codes by the attention (see int8_rows).
   static constexpr bool kInt8Codes = E == I8;
+  static constexpr int kPackedBits = 0;  // (SealedSource's packed path)
 
   // Whether int8_rows may serve this layer: int8 codes, per-row key and value scales, no static channel scales.
   bool int8_codes_ok(bool has_value) const {
@@ -164,29 +202,41 @@ struct TokenSource {
   }
 };
 
-// Quantize-on-seal formats (KIVI int4/int3/int2): sealed pool blocks, 16-bit tail rows (window copies and the
-// open block) and int8 sink copies of first blocks, chosen per logical block by src_kind / src_idx.
-template <int BITS, int TAIL>
-struct SealedSource {
-  const uint8_t* key;          // [NB, bs, Hkv, P]
-  const uint8_t* key_scale;    // [NB, Hkv, D] UE5M3
-  const int8_t* key_zero;      // [NB, Hkv, D] offset in steps: x = (code + zero) * scale
-  const uint8_t* value;        // [NB, bs, Hkv, P]
-  const uint8_t* value_scale;  // [NB, bs, Hkv, Gv]
-  const int8_t* value_zero;    // [NB, bs, Hkv, Gv] offset in steps
-  const uint8_t* tail_key;     // [S*bs, Hkv, D] TAIL encoding
-  const uint8_t* tail_value;
-  const uint8_t* sink_key;     // [K*bs, Hkv, D] int8
-  const c10::Half* sink_key_scale;  // [K*bs, Hkv]
-  const uint8_t* sink_value;
-  const c10::Half* sink_value_scale;
-  const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 sink slot
-  const int64_t* src_idx;      // [B, W]
-  int64_t W, bs, Hkv, D, P, Gv;
-
-  static constexpr bool kInt8Codes = false;  // (TokenSource<I8>'s int8_rows path)
+#ifdef KVPAGE_AVX512
+// vpshufb indices that gather, into dword lane i, the byte(s) holding int3 code i of 16 (bits 3i .. 3i+2 of six
+// bytes: byte 3i/8, and the next one when the code straddles it) from a 16-byte window broadcast to every 128-bit
+// lane. idx[o][h]: the 16 codes start at byte 4*o + 6*h of the window (o: the window starts 4 bytes early).
+struct Int3Gather {
+  alignas(64) int8_t idx[2][2][64];
+  constexpr Int3Gather() : idx{} {
+    for (int o = 0; o < 2; ++o) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 16; ++i) {
+          const int k = 4 * o + 6 * h + (3 * i) / 8;
+          idx[o][h][4 * i] = static_cast<int8_t>(k);
+          idx[o][h][4 * i + 1] = static_cast<int8_t>((3 * i) % 8 > 5 ? k + 1 : -128);  // -128: a zero byte
+          idx[o][h][4 * i + 2] = idx[o][h][4 * i + 3] = -128;
+        }
+      }
+    }
+  }
+};
+constexpr Int3Gather kInt3Gather{};
+#endif
 
 #ifdef KVPAGE_SIMD
+// The packed codes of the quantize-on-seal formats (BITS = 4, 3 or 2 per code, code c at bit BITS * c of a row's
+// little-endian bit stream, as kivi.unpack and unpack_codes read it) brought into float32 lanes.
+// SPLIT (int4 only): load() leaves channels c .. c+2*V::N-1 in the order they are stored, the V::N even channels
+// (low nibbles) in x[0] and the odd ones (high nibbles) in x[1]; whoever reads them holds q or the accumulators in
+// that order too (split / merge), which saves interleaving the nibbles of every row.
+template <int BITS, bool SPLIT = false>
+struct PackedRows {
+  static_assert(!SPLIT || BITS == 4, "split order is int4's");
+  using R = uint8_t;
+  static constexpr int kVecs = 2;  // vectors load() fills per call
+  static constexpr bool kSplit = SPLIT;
+
   // Codes c .. c+7 of a packed row (c % 8 == 0) as float32: the 4 (8 x 4 bits), 3 (8 x 3 bits) or 2 (8 x 2 bits)
   // bytes that hold them broadcast to eight lanes and shifted right by each lane's bit offset (code i sits at bit BITS * i of the
   // little-endian word, as unpack_codes reads it).
@@ -215,7 +265,6 @@ struct SealedSource {
       return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(3)));
     }
   }
-#endif
 
 #ifdef KVPAGE_AVX512
   // Codes c .. c+15 of a packed row (c % 16 == 0) as float32, in one 512-bit register: int4 as the 8 bytes' low
@@ -248,7 +297,6 @@ struct SealedSource {
   }
 #endif
 
-#ifdef KVPAGE_SIMD
   // Codes c .. c+V::N-1 of a packed row as float32 lanes of V (codes8 or codes16).
   template <class V>
   static inline typename V::T codes(const uint8_t* row, int64_t c) {
@@ -258,6 +306,125 @@ struct SealedSource {
     if constexpr (V::N == 8) return codes8(row, c);
   }
 
+  // Codes c .. c+2*V::N-1 into x[0], x[1] (c % (2 * V::N) == 0; no byte past them is read). int4 as one load of
+  // the V::N bytes, split into low and high nibbles and widened (SPLIT), or with the nibbles first interleaved
+  // bytewise (codes 2p, 2p+1 of byte p): 4 or 5 instructions per V::N codes where codes16 takes 7; int3 and int2 as
+  // two codes() each.
+  template <class V>
+  static inline void load(const uint8_t* row, int64_t c, typename V::T* x) {
+    if constexpr (BITS == 4) {
+      const __m128i m = _mm_set1_epi8(15);
+#ifdef KVPAGE_AVX512
+      if constexpr (V::N == 16) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2));
+        const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        x[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(SPLIT ? lo : _mm_unpacklo_epi8(lo, hi)));
+        x[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(SPLIT ? hi : _mm_unpackhi_epi8(lo, hi)));
+        return;
+      }
+#endif
+      if constexpr (V::N == 8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
+        const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        if constexpr (SPLIT) {
+          x[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+          x[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        } else {
+          const __m128i y = _mm_unpacklo_epi8(lo, hi);
+          x[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(y));
+          x[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(y, 8)));
+        }
+      }
+    } else {
+#ifdef KVPAGE_AVX512
+      if constexpr (BITS == 3 && V::N == 16) {
+        // the 12 bytes of the 32 codes in a 16-byte window (starting 4 bytes early past the row's first codes, so
+        // that it ends inside the row: 3c/8 + 12 <= P), broadcast to the four 128-bit lanes; each lane's dwords
+        // gather their code's bytes (Int3Gather) and shift it down: 4 vector instructions per 16 codes where
+        // codes16 takes 6 and 8 scalar ones
+        const int o = c ? 1 : 0;
+        const __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 3 * c / 8 - 4 * o)));
+        const __m512i sh = _mm512_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5, 0, 3, 6, 1, 4, 7, 2, 5), m = _mm512_set1_epi32(7);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m512i b = _mm512_shuffle_epi8(w, _mm512_load_si512(kInt3Gather.idx[o][h]));
+          x[h] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, sh), m));
+        }
+        return;
+      }
+#endif
+      x[0] = codes<V>(row, c);
+      x[1] = codes<V>(row, c + V::N);
+    }
+  }
+
+  // Channels c .. c+2*V::N-1 held as a (c ..) and b (c+V::N ..) -> the SPLIT order (a: even, b: odd channels).
+  template <class V>
+  static inline void split(typename V::T& a, typename V::T& b) {
+#ifdef KVPAGE_AVX512
+    if constexpr (V::N == 16) {
+      const __m512 e = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
+      b = _mm512_permutex2var_ps(a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), b);
+      a = e;
+    }
+#endif
+    if constexpr (V::N == 8) {  // [a0 a2 b0 b2 | a4 a6 b4 b6], then its 64-bit pairs as 0, 2, 1, 3
+      const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+      a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+      b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+  }
+
+  // split's inverse: even channels a, odd channels b -> channels c .. in a, c+V::N .. in b.
+  template <class V>
+  static inline void merge(typename V::T& a, typename V::T& b) {
+#ifdef KVPAGE_AVX512
+    if constexpr (V::N == 16) {
+      const __m512 lo = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), b);
+      b = _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), b);
+      a = lo;
+    }
+#endif
+    if constexpr (V::N == 8) {  // [e0 o0 e1 o1 | e4 o4 e5 o5] and [e2 o2 e3 o3 | e6 o6 e7 o7], lanes regrouped
+      const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
+      a = _mm256_permute2f128_ps(lo, hi, 0x20);
+      b = _mm256_permute2f128_ps(lo, hi, 0x31);
+    }
+  }
+};
+#endif  // KVPAGE_SIMD
+
+// Quantize-on-seal formats (KIVI int4/int3/int2): sealed pool blocks, 16-bit tail rows (window copies and the
+// open block) and int8 sink copies of first blocks, chosen per logical block by src_kind / src_idx.
+template <int BITS, int TAIL>
+struct SealedSource {
+  const uint8_t* key;          // [NB, bs, Hkv, P]
+  const uint8_t* key_scale;    // [NB, Hkv, D] UE5M3
+  const int8_t* key_zero;      // [NB, Hkv, D] offset in steps: x = (code + zero) * scale
+  const uint8_t* value;        // [NB, bs, Hkv, P]
+  const uint8_t* value_scale;  // [NB, bs, Hkv, Gv]
+  const int8_t* value_zero;    // [NB, bs, Hkv, Gv] offset in steps
+  const uint8_t* tail_key;     // [S*bs, Hkv, D] TAIL encoding
+  const uint8_t* tail_value;
+  const uint8_t* sink_key;     // [K*bs, Hkv, D] int8
+  const c10::Half* sink_key_scale;  // [K*bs, Hkv]
+  const uint8_t* sink_value;
+  const c10::Half* sink_value_scale;
+  const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 sink slot
+  const int64_t* src_idx;      // [B, W]
+  int64_t W, bs, Hkv, D, P, Gv;
+
+  static constexpr bool kInt8Codes = false;  // (TokenSource<I8>'s int8_rows path)
+  // Sealed pool blocks can be read as packed codes by the attention (attend_range's packed path).
+  static constexpr int kPackedBits = BITS;
+
+  // Whether logical block blk of request r is a sealed pool block; if so, its pool block id into idx.
+  bool pool_block(int64_t r, int64_t blk, int64_t& idx) const {
+    idx = src_idx[r * W + blk];
+    return src_kind[r * W + blk] == 0;
+  }
+
+#ifdef KVPAGE_SIMD
   // Pool rows first .. first+nt*Hkv-1 decoded V::N codes at a time, unpacked, converted and scaled in registers
   // (each output row written once: a loop that stores the float codes and reads them back to scale them stalled
   // on those stores, over half of the int4 load's time in a profile): keys by their channels' steps ks and
@@ -274,7 +441,7 @@ struct SealedSource {
       float* kr = kb + i * DC;
 #pragma GCC unroll 16
       for (int64_t c = 0; c < DC; c += V::N) {
-        V::store(kr + c, V::fma(codes<V>(kc, c), V::load(s + c), V::load(z + c)));
+        V::store(kr + c, V::fma(PackedRows<BITS>::template codes<V>(kc, c), V::load(s + c), V::load(z + c)));
       }
       if (!has_value) continue;
       const uint8_t* vc = value + row * P;
@@ -283,7 +450,7 @@ struct SealedSource {
         const float st = lut[value_scale[row * Gv + g]];
         const typename V::T vs = V::set1(st);
         const typename V::T vz = V::set1(st * static_cast<float>(value_zero[row * Gv + g]));
-        for (int64_t c = g * gs; c < (g + 1) * gs; c += V::N) V::store(vr + c, V::fma(codes<V>(vc, c), vs, vz));
+        for (int64_t c = g * gs; c < (g + 1) * gs; c += V::N) V::store(vr + c, V::fma(PackedRows<BITS>::template codes<V>(vc, c), vs, vz));
       }
     }
     return false;
@@ -408,6 +575,15 @@ inline float sum_floats(const float* x, int64_t n) {
   return r;
 }
 
+// Tokens the SIMD paths gather before attending to them (whole blocks: at least one). 32 measured best at
+// SmolLM2's shape (batch 32, depth 1,024 / 4,096, one thread, against 16 and 64): int8 1.09-1.11x, bf16
+// 1.05-1.06x one block of 16 at a time; int4's blocks of 32 unchanged; 64 tokens of float rows (48 KiB
+// each for K and V) no longer fit L1 and cost int4 5%.
+constexpr int64_t kChunkTokens = 32;
+inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
+// Floats between the score rows of a query-head group (a chunk's tokens rounded up to 8).
+inline int64_t score_ld(int64_t bs) { return chunk_blocks(bs) * bs + 8; }
+
 #ifdef KVPAGE_SIMD
 // ---- SIMD micro-kernels over a gathered chunk: GB query heads of one kv head against its rows ----
 // GQA register blocking: each key or value row is loaded (and, for int8 codes, converted) once for the GB
@@ -443,6 +619,8 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+inline __m256 VecF8::hsum8(const __m256* a) { return ::hsum8(a); }
+
 // max(v[0], ..., v[7]).
 inline float hmax8(__m256 v) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -461,20 +639,38 @@ inline __m256 scaled_lanes(const float* ks, int64_t sstride, int64_t t0, int64_t
   return _mm256_mul_ps(f, _mm256_load_ps(tmp));
 }
 
-// Scores of GB query rows q + g*DC against float key rows kbase + t*stride, t < lim, eight tokens at a time:
-// sc[g*ldsc + t] = (q_g . k_t) * sm_scale (times the token's key scale ks[t*sstride] if ks), mx[g] their maximum.
+// Row readers of the micro-kernels: load<V>(row, d, x) brings channels d .. d + kVecs*V::N - 1 of a key or value
+// row into float lanes x[0 .. kVecs-1]. PlainRows: float32 rows, or int8 codes converted on load; PackedRows<BITS>
+// (above): the quantize-on-seal formats' packed codes.
+template <class T>
+struct PlainRows {
+  using R = T;
+  static constexpr int kVecs = 1;
+  static constexpr bool kSplit = false;
+  template <class V>
+  static inline void load(const T* row, int64_t d, typename V::T* x) { x[0] = V::load(row + d); }
+};
+
+// Scores of GB query rows q + g*DC against key rows kbase + t*stride, t < lim, eight tokens at a time, read through
+// K: sc[g*ldsc + t] = (q_g . k_t) * scale (times the token's key scale ks[t*sstride] if ks) + add[g] (if add), with
+// vmax[g] the lanewise maximum so far (the caller folds it with hmax8: a score row may be filled by several calls).
 // All eight lanes are stored (a score row holds lim rounded up to 8): lanes past lim repeat the last token's
 // score, so the maximum is unchanged and nothing reads them.
-template <int DC, int GB>
-inline void scores_f32(const float* q, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
-                       const float* ks, int64_t sstride, float* sc, int64_t ldsc, float* mx) {
+template <int DC, int GB, class K>
+inline void score_rows(const float* q, const typename K::R* kbase, int64_t stride, int64_t lim, float scale,
+                       const float* ks, int64_t sstride, const float* add, float* sc, int64_t ldsc, __m256* vmax) {
   using V = VecF;
-  __m256 vmax[GB];
+  constexpr int KV = K::kVecs;
+  __m256 c[GB];
 #pragma GCC unroll 4
-  for (int g = 0; g < GB; ++g) vmax[g] = _mm256_set1_ps(NEG_INF);
+  for (int g = 0; g < GB; ++g) c[g] = add ? _mm256_set1_ps(add[g]) : _mm256_setzero_ps();
   for (int64_t t0 = 0; t0 < lim; t0 += 8) {
+    // q read from memory (L1) by each FMA: hoisted out of this loop, GB query rows of DC floats took the registers
+    // the 8 x GB accumulators need, and those spilled to the stack
+    const float* qm = q;
+    asm("" : "+r"(qm));
     typename V::T a[GB][8];
-    const float* rows[8];
+    const typename K::R* rows[8];
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       rows[u] = kbase + (t0 + std::min<int64_t>(u, lim - 1 - t0)) * stride;  // past the end: the last row again
@@ -482,73 +678,104 @@ inline void scores_f32(const float* q, const float* kbase, int64_t stride, int64
       for (int g = 0; g < GB; ++g) a[g][u] = V::zero();
     }
 #pragma GCC unroll 16
-    for (int64_t d = 0; d < DC; d += V::N) {
+    for (int64_t d = 0; d < DC; d += KV * V::N) {
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        const typename V::T k = V::load(rows[u] + d);
+        typename V::T k[KV];
+        K::template load<V>(rows[u], d, k);
+#pragma GCC unroll 2
+        for (int i = 0; i < KV; ++i) {
 #pragma GCC unroll 4
-        for (int g = 0; g < GB; ++g) a[g][u] = V::fma(V::load(q + g * DC + d), k, a[g][u]);
+          for (int g = 0; g < GB; ++g) a[g][u] = V::fma(V::load(qm + g * DC + d + i * V::N), k[i], a[g][u]);
+        }
       }
     }
-    const __m256 f = scaled_lanes(ks, sstride, t0, lim, _mm256_set1_ps(sm_scale));
+    const __m256 f = scaled_lanes(ks, sstride, t0, lim, _mm256_set1_ps(scale));
 #pragma GCC unroll 4
     for (int g = 0; g < GB; ++g) {
-      __m256 r[8];
-#pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) r[u] = V::fold(a[g][u]);
-      const __m256 v = _mm256_mul_ps(hsum8(r), f);
+      const __m256 v = _mm256_fmadd_ps(V::hsum8(a[g]), f, c[g]);  // (+ 0 when add is null: the product, rounded once)
       _mm256_storeu_ps(sc + g * ldsc + t0, v);
       vmax[g] = _mm256_max_ps(vmax[g], v);
     }
   }
+}
+
+// score_rows over float key rows (scaled by sm_scale and ks), mx[g] the maxima of the GB score rows.
+template <int DC, int GB>
+inline void scores_f32(const float* q, const float* kbase, int64_t stride, int64_t lim, float sm_scale,
+                       const float* ks, int64_t sstride, float* sc, int64_t ldsc, float* mx) {
+  __m256 vmax[GB];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) vmax[g] = _mm256_set1_ps(NEG_INF);
+  score_rows<DC, GB, PlainRows<float>>(q, kbase, stride, lim, sm_scale, ks, sstride, nullptr, sc, ldsc, vmax);
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g) mx[g] = hmax8(vmax[g]);
 }
 
-// ac_g = ac_g * corr[g] + sum_{t < lim} w_g[t] * v_t for the GB accumulator rows ac + g*DC, held in registers
-// across the tokens: weights w_g[t] = sc[g*ldsc + t] (times the token's value scale vs[t*sstride] if vs), value
-// rows vbase + t*stride as float32 or as int8 codes (converted in registers).
-template <int DC, int GB, class R>
-inline void accumulate(float* ac, const float* corr, const R* vbase, int64_t stride, int64_t lim, const float* sc,
-                       int64_t ldsc, const float* vs, int64_t sstride) {
+// ac_g = ac_g * corr[g] + sum_{t < lim} w_g[t] * v_t (+ add[g*NG + j] over channel group j, if add) for the GB
+// accumulator rows ac + g*DC, held in registers across the tokens. Value rows vbase + t*stride are read through K;
+// their channels come in NG = DC / GS groups of GS, each with its own weights: w_g[t] of group j is
+// w[(g*NG + j)*ldw + t] (times the token's value scale vs[t*sstride] if vs).
+template <int DC, int GB, class K, int GS = DC>
+inline void accumulate(float* ac, const float* corr, const typename K::R* vbase, int64_t stride, int64_t lim,
+                       const float* w, int64_t ldw, const float* vs, int64_t sstride, const float* add = nullptr) {
   using V = VecF;
-  constexpr int NV = DC / V::N;
+  constexpr int NV = DC / V::N, KV = K::kVecs, NG = DC / GS;
+  static_assert(GS % V::N == 0 && DC % (KV * V::N) == 0, "a vector of channels in one group; whole loads");
+  static_assert(!K::kSplit || GS % (2 * V::N) == 0, "a split pair of vectors in one group");
   typename V::T acc[GB][NV];
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g) {
     const typename V::T c = V::set1(corr[g]);
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) acc[g][i] = V::mul(V::load(ac + g * DC + V::N * i), c);
+    if constexpr (K::kSplit) {
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; i += 2) K::template split<V>(acc[g][i], acc[g][i + 1]);
+    }
   }
   for (int64_t t = 0; t < lim; ++t) {
     const float s = vs ? vs[t * sstride] : 1.0f;
-    typename V::T w[GB];
+    typename V::T wt[GB][NG];
 #pragma GCC unroll 4
-    for (int g = 0; g < GB; ++g) w[g] = V::set1(sc[g * ldsc + t] * s);
-    const R* row = vbase + t * stride;
+    for (int g = 0; g < GB; ++g) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NG; ++j) wt[g][j] = V::set1(w[(g * NG + j) * ldw + t] * s);
+    }
+    const typename K::R* row = vbase + t * stride;
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) {
-      const typename V::T v = V::load(row + V::N * i);
+    for (int i = 0; i < NV; i += KV) {
+      typename V::T v[KV];
+      K::template load<V>(row, V::N * i, v);
+#pragma GCC unroll 2
+      for (int x = 0; x < KV; ++x) {
 #pragma GCC unroll 4
-      for (int g = 0; g < GB; ++g) acc[g][i] = V::fma(w[g], v, acc[g][i]);
+        for (int g = 0; g < GB; ++g) acc[g][i + x] = V::fma(wt[g][(i + x) * V::N / GS], v[x], acc[g][i + x]);
+      }
     }
   }
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g) {
+    if constexpr (K::kSplit) {
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; i += 2) K::template merge<V>(acc[g][i], acc[g][i + 1]);
+    }
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) V::store(ac + g * DC + V::N * i, acc[g][i]);
+    for (int i = 0; i < NV; ++i) {
+      if (add) acc[g][i] = V::add(acc[g][i], V::set1(add[g * NG + i * V::N / GS]));
+      V::store(ac + g * DC + V::N * i, acc[g][i]);
+    }
   }
 }
 
-// A chunk of one request's context, tokens a .. e-1 (value rows [nt][Hkv][D] in vb, float32 or int8 codes,
-// `stride` elements apart, their per-token scales in vs or folded in): every query row (j, qh) gets its
-// scores and its online-softmax update, GB query heads of a kv head at a time (groups as even as kMaxGroup
-// allows: a group of 4 is 2 + 2). scores(GB constant, first row, kv head, lim, mx) fills the score rows
-// sc + g*ldsc and their maxima mx[g].
-template <int DC, class R, class Scores>
-inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e, const R* vb,
-                         int64_t stride, const float* vs, int64_t Hkv, float* m, float* l, float* acc, float* sc,
-                         int64_t ldsc, Scores&& scores) {
+// A chunk of one request's context, tokens a .. e-1: every query row (j, qh) gets its scores and its
+// online-softmax update, GB query heads of a kv head at a time (groups as even as kMaxGroup allows: a group of 4
+// is 2 + 2). scores(GB constant, first row, kv head, lim, mx) fills the score rows sc + g*ldsc and their maxima
+// mx[g]; values(GB constant, first row, kv head, lim, corr) folds the weights sc + g*ldsc into the accumulator
+// rows (accumulate).
+template <class Scores, class Values>
+inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, int64_t e, int64_t Hkv, float* m,
+                         float* l, float* sc, int64_t ldsc, Scores&& scores, Values&& values) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t lim = std::min(e, s - n + j + 1) - a;  // query j sees keys 0 .. s-n+j
     if (lim <= 0) continue;
@@ -562,7 +789,7 @@ inline void block_update(int64_t n, int64_t H, int64_t G, int64_t s, int64_t a, 
           scores(group, row, h, lim, mx);
 #pragma GCC unroll 4
           for (int g = 0; g < GB; ++g) corr[g] = softmax_update(sc + g * ldsc, lim, mx[g], m[row + g], l[row + g]);
-          accumulate<DC, GB>(acc + row * DC, corr, vb + h * DC, stride, lim, sc, ldsc, vs ? vs + h : nullptr, Hkv);
+          values(group, row, h, lim, corr);
         });
         g0 += gb;
       }
@@ -665,19 +892,159 @@ inline void scores_i8(const int16_t* qi, const float* qs, const int8_t* kbase, i
   for (int g = 0; g < GB; ++g) mx[g] = hmax8(vmax[g]);
 }
 
+// ---- quantize-on-seal pool blocks read as packed codes ----
+// A key channel's codes share one step and offset over the block (x = (code + z[d]) * step[d]), so
+// (q . k_t) * sm_scale = sum_d q'[d] * code[t, d] + c with q' = q * step * sm_scale and c = sum_d q'[d] * z[d],
+// both once per (block, query head). A value group's share them over its channels (x = (code + z) * step, per
+// token and group), so sum_t w_t * v_t = sum_t (w_t * step_t) * code_t + sum_t w_t * step_t * z_t, the second one
+// number per group and query head. Scores and accumulators read the codes through PackedRows, unpacked and
+// converted in registers once for the GB query heads of a pass; no decoded key or value row is stored (decoding
+// into float rows first, then reading them back, cost int4 about twice its read-as-codes time).
+
+// Channels per value group of the quantize-on-seal formats at head_dim d: the largest divisor of d that is at
+// most 64 (kivi.value_group_size).
+constexpr int value_group(int d) {
+  for (int g = d < 64 ? d : 64; g > 1; --g) {
+    if (d % g == 0) return g;
+  }
+  return 1;
+}
+
+// Whether head_dim DC takes the packed path: whole PackedRows loads, and no vector of channels across two value
+// groups (AVX-512: 64, 96, 128; AVX2: 64, 80, 96, 128).
+template <int DC>
+constexpr bool packed_fits() {
+  return DC > 0 && DC % (2 * VecF::N) == 0 && value_group(DC) % VecF::N == 0;
+}
+
+// A chunk's sealed pool blocks: segment i is the chunk's tokens at[i] .. at[i]+n[i]-1, from pool block blk[i]
+// (its key steps and offsets), whose first (token, kv head 0) row is row[i].
+struct PackedChunk {
+  int64_t count;
+  int64_t at[kChunkTokens], n[kChunkTokens], blk[kChunkTokens], row[kChunkTokens];
+};
+
+// q' = q * step * sm_scale (qp + g*DC) and c[g] = sum_d q'[d] * z[d] for the GB query rows q + g*DC against one
+// block's key channels: UE5M3 steps step[0 .. DC-1], offsets z.
+template <int DC, int GB, class K>
+inline void packed_query(const float* q, float sm_scale, const uint8_t* step, const int8_t* z, float* qp, float* c) {
+  using V = VecF;
+  constexpr int NV = DC / V::N;
+  typename V::T st[NV];
+  const typename V::T sm = V::set1(sm_scale);
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) st[i] = V::mul(V::ue5m3(step + V::N * i), sm);
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    typename V::T cz = V::zero(), x[NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      x[i] = V::mul(V::load(q + g * DC + V::N * i), st[i]);
+      cz = V::fma(x[i], V::load(z + V::N * i), cz);
+    }
+    if constexpr (K::kSplit) {  // q' in the order K reads the codes
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; i += 2) K::template split<V>(x[i], x[i + 1]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) V::store(qp + g * DC + V::N * i, x[i]);
+    c[g] = hsum(V::fold(cz));
+  }
+}
+
+// One chunk of pool blocks (pc) through block_update for request rows as attend_range describes them: scores
+// from the key codes with each block's q' and c, values accumulated from the codes with weights w_t * step_t per
+// value group, their offsets' sums added once. Scratch: w (GB * NG score rows of ldsc floats), bytes (2 * NG rows
+// of ldsc).
+template <int DC, class Src>
+void packed_update(const Src& src, const PackedChunk& pc, const float* qf, float sm_scale, int64_t n, int64_t H,
+                   int64_t G, int64_t s, int64_t a, int64_t e, float* m, float* l, float* acc, float* sc,
+                   int64_t ldsc, float* w, void* bytes) {
+  constexpr int BITS = Src::kPackedBits, GS = value_group(DC), NG = DC / GS;
+  using Kk = PackedRows<BITS, BITS == 4>;                               // keys: q' is stored split
+  using Kv = PackedRows<BITS, BITS == 4 && GS % (2 * VecF::N) == 0>;  // values: unless a pair spans two groups
+  const int64_t Hkv = src.Hkv, P = src.P, stride = Hkv * P;
+  block_update(
+      n, H, G, s, a, e, Hkv, m, l, sc, ldsc,
+      [&](auto group, int64_t row, int64_t h, int64_t lim, float* mx) {
+        constexpr int GB = decltype(group)::value;
+        alignas(64) float qp[GB * DC];
+        float c[GB];
+        __m256 vmax[GB];
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) vmax[g] = _mm256_set1_ps(NEG_INF);
+        for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {  // in token order: a segment's padding lanes
+          const int64_t kh = (pc.blk[i] * Hkv + h) * DC;             // are overwritten by the next one's scores
+          packed_query<DC, GB, Kk>(qf + row * DC, sm_scale, src.key_scale + kh, src.key_zero + kh, qp, c);
+          score_rows<DC, GB, Kk>(qp, src.key + (pc.row[i] + h) * P, stride, std::min(pc.n[i], lim - pc.at[i]), 1.0f,
+                                nullptr, 0, c, sc + pc.at[i], ldsc, vmax);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) mx[g] = hmax8(vmax[g]);
+      },
+      [&](auto group, int64_t row, int64_t h, int64_t lim, const float* corr) {
+        constexpr int GB = decltype(group)::value;
+        // the UE5M3 step bytes of the chunk's tokens' value groups (sb[j*ldsc + t]) and their offsets (zb), copied
+        // together: they are Hkv * NG bytes apart in the pool
+        uint8_t* sb = static_cast<uint8_t*>(bytes);
+        int8_t* zb = reinterpret_cast<int8_t*>(sb + NG * ldsc);
+        for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {
+          const int64_t cnt = std::min(pc.n[i], lim - pc.at[i]), vstride = Hkv * NG;
+          const uint8_t* sp = src.value_scale + (pc.row[i] + h) * NG;
+          const int8_t* zp = src.value_zero + (pc.row[i] + h) * NG;
+#pragma GCC unroll 4
+          for (int j = 0; j < NG; ++j) {
+            uint8_t* so = sb + j * ldsc + pc.at[i];
+            int8_t* zo = zb + j * ldsc + pc.at[i];
+            for (int64_t t = 0; t < cnt; ++t) {
+              so[t] = sp[t * vstride + j];
+              zo[t] = zp[t * vstride + j];
+            }
+          }
+        }
+        // the weights times the steps (w), and the sums of the weights times the steps times the offsets (add):
+        // eight tokens at a time, the last lim % 8 one by one
+        const float* lut = ue5m3().v;
+        float add[GB * NG], one[GB];
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) {
+          one[g] = 1.0f;
+#pragma GCC unroll 4
+          for (int j = 0; j < NG; ++j) {
+            const float* p = sc + g * ldsc;
+            const uint8_t* sj = sb + j * ldsc;
+            const int8_t* zj = zb + j * ldsc;
+            float* wj = w + (g * NG + j) * ldsc;
+            __m256 acc8 = _mm256_setzero_ps();
+            int64_t t = 0;
+            for (; t + 8 <= lim; t += 8) {
+              const __m256 wt = _mm256_mul_ps(_mm256_loadu_ps(p + t), VecF8::ue5m3(sj + t));
+              _mm256_storeu_ps(wj + t, wt);
+              acc8 = _mm256_fmadd_ps(wt, VecF8::load(zj + t), acc8);
+            }
+            float sum = hsum(acc8);
+            for (; t < lim; ++t) {
+              wj[t] = p[t] * lut[sj[t]];
+              sum += wj[t] * static_cast<float>(zj[t]);
+            }
+            add[g * NG + j] = sum;
+          }
+        }
+        for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {
+          accumulate<DC, GB, Kv, GS>(acc + row * DC, i ? one : corr, src.value + (pc.row[i] + h) * P, stride,
+                                    std::min(pc.n[i], lim - pc.at[i]), w + pc.at[i], ldsc, nullptr, 0,
+                                    i ? nullptr : add);
+        }
+      });
+}
+
 #endif  // KVPAGE_SIMD
 
 // Online-softmax attention of request r's queries (all n of them) over context tokens [t0, t1), every
 // head. State rows are (query j, head qh) -> j * H + qh: m/l [n*H], acc [n*H, D], updated in place.
-// GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does.
-// Tokens the SIMD paths gather before attending to them (whole blocks: at least one). 32 measured best at
-// SmolLM2's shape (batch 32, depth 1,024 / 4,096, one thread, against 16 and 64): int8 1.09-1.11x, bf16
-// 1.05-1.06x one block of 16 at a time; int4's blocks of 32 unchanged; 64 tokens of float rows (48 KiB
-// each for K and V) no longer fit L1 and cost int4 5%.
-constexpr int64_t kChunkTokens = 32;
-inline int64_t chunk_blocks(int64_t bs) { return std::max<int64_t>(1, kChunkTokens / bs); }
-// Floats between the score rows of a query-head group (a chunk's tokens rounded up to 8).
-inline int64_t score_ld(int64_t bs) { return chunk_blocks(bs) * bs + 8; }
+// GQA: query head qh reads kv head qh / G, as SDPA's enable_gqa does. The SIMD paths gather chunks of
+// kChunkTokens: sealed pool blocks are read as packed codes (packed_update) when a whole chunk is made of them,
+// any chunk holding a tail or sink block is decoded into float rows (SealedSource::load).
 
 template <int DC, class Src>
 void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t* qi, const float* qs, int64_t r,
@@ -711,12 +1078,35 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
             std::memcpy(kc + at * stride, kr, nt * stride);
             std::memcpy(vc + at * stride, vr, nt * stride);
           });
-          block_update<DC>(n, H, G, s, a, e, static_cast<const int8_t*>(vc), stride, vsb, Hkv, m, l, acc, sc, ldsc,
-                           [&](auto group, int64_t row, int64_t h, int64_t lim, float* mx) {
-                             scores_i8<DC, decltype(group)::value>(qi + row * DC, qs + row, kc + h * DC, stride, lim,
-                                                                   b.sm_scale, ksb + h, Hkv, sc, ldsc, mx);
-                           });
+          block_update(n, H, G, s, a, e, Hkv, m, l, sc, ldsc,
+                       [&](auto group, int64_t row, int64_t h, int64_t lim, float* mx) {
+                         scores_i8<DC, decltype(group)::value>(qi + row * DC, qs + row, kc + h * DC, stride, lim,
+                                                               b.sm_scale, ksb + h, Hkv, sc, ldsc, mx);
+                       },
+                       [&](auto group, int64_t row, int64_t h, int64_t lim, const float* corr) {
+                         accumulate<DC, decltype(group)::value, PlainRows<int8_t>>(
+                             acc + row * DC, corr, vc + h * DC, stride, lim, sc, ldsc, vsb + h, Hkv);
+                       });
           continue;
+        }
+      }
+      if constexpr (Src::kPackedBits > 0 && packed_fits<DC>()) {
+        if (has_value && src.Gv * value_group(DC) == DC) {  // (a key-only layer's values are its keys)
+          PackedChunk pc;
+          pc.count = 0;
+          bool pool = true;
+          each_block([&](int64_t k, int64_t off, int64_t nt, int64_t at) {
+            int64_t idx = 0;
+            pool = pool && src.pool_block(r, k, idx);
+            pc.at[pc.count] = at;
+            pc.n[pc.count] = nt;
+            pc.blk[pc.count] = idx;
+            pc.row[pc.count++] = (idx * bs + off) * Hkv;
+          });
+          if (pool) {  // kb / vb serve as scratch: nothing is decoded
+            packed_update<DC>(src, pc, qf, b.sm_scale, n, H, G, s, a, e, m, l, acc, sc, ldsc, kb, vb);
+            continue;
+          }
         }
       }
       bool folded = false;
@@ -725,12 +1115,17 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
                                        vsb + at * Hkv);
       });
       const float* ks = folded ? ksb : nullptr;
-      block_update<DC>(n, H, G, s, a, e, static_cast<const float*>(has_value ? vb : kb), stride,
-                       folded ? (has_value ? vsb : ksb) : nullptr, Hkv, m, l, acc, sc, ldsc,
-                       [&](auto group, int64_t row, int64_t h, int64_t lim, float* mx) {
-                         scores_f32<DC, decltype(group)::value>(qf + row * DC, kb + h * DC, stride, lim, b.sm_scale,
-                                                                ks ? ks + h : nullptr, Hkv, sc, ldsc, mx);
-                       });
+      const float* vals = has_value ? vb : kb;
+      const float* vs = folded ? (has_value ? vsb : ksb) : nullptr;
+      block_update(n, H, G, s, a, e, Hkv, m, l, sc, ldsc,
+                   [&](auto group, int64_t row, int64_t h, int64_t lim, float* mx) {
+                     scores_f32<DC, decltype(group)::value>(qf + row * DC, kb + h * DC, stride, lim, b.sm_scale,
+                                                            ks ? ks + h : nullptr, Hkv, sc, ldsc, mx);
+                   },
+                   [&](auto group, int64_t row, int64_t h, int64_t lim, const float* corr) {
+                     accumulate<DC, decltype(group)::value, PlainRows<float>>(
+                         acc + row * DC, corr, vals + h * DC, stride, lim, sc, ldsc, vs ? vs + h : nullptr, Hkv);
+                   });
     }
     return;
   }
