@@ -665,10 +665,6 @@ inline void score_rows(const float* q, const typename K::R* kbase, int64_t strid
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g) c[g] = add ? _mm256_set1_ps(add[g]) : _mm256_setzero_ps();
   for (int64_t t0 = 0; t0 < lim; t0 += 8) {
-    // q read from memory (L1) by each FMA: hoisted out of this loop, GB query rows of DC floats took the registers
-    // the 8 x GB accumulators need, and those spilled to the stack
-    const float* qm = q;
-    asm("" : "+r"(qm));
     typename V::T a[GB][8];
     const typename K::R* rows[8];
 #pragma GCC unroll 8
@@ -686,7 +682,7 @@ inline void score_rows(const float* q, const typename K::R* kbase, int64_t strid
 #pragma GCC unroll 2
         for (int i = 0; i < KV; ++i) {
 #pragma GCC unroll 4
-          for (int g = 0; g < GB; ++g) a[g][u] = V::fma(V::load(qm + g * DC + d + i * V::N), k[i], a[g][u]);
+          for (int g = 0; g < GB; ++g) a[g][u] = V::fma(V::load(q + g * DC + d + i * V::N), k[i], a[g][u]);
         }
       }
     }
