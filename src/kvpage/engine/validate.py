@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any, SupportsIndex
+from typing import Any, Literal, SupportsIndex, get_args
 
 
 def as_int(value: object) -> int | None:
@@ -109,7 +109,9 @@ def check_prompt(prompt: object, vocab_size: int | None) -> tuple[str | None, li
 
 #: The message roles a conversation may hold, the same for :meth:`LLM.chat <kvpage.engine.llm.LLM.chat>` and the
 #: server's ``/v1/chat/completions`` (OpenAI's, without tool messages); ``developer`` is rendered as ``system``.
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+ChatRole = Literal["system", "developer", "user", "assistant"]
+#: :data:`ChatRole`'s values, in order.
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
 def _one_of(words: tuple[str, ...]) -> str:

@@ -168,9 +168,7 @@ class GgufLinear(nn.Module):
         self.register_buffer("tiles", torch.from_numpy(to_tiles(weight)))
 
     def _kernels(self) -> Any:
-        from kvpage.ops.cpu.build import load_kernels
-
-        from kvpage.ops.cpu.build import kernels_unavailable_reason
+        from kvpage.ops.cpu.build import kernels_unavailable_reason, load_kernels
 
         k = load_kernels()
         if k is None:

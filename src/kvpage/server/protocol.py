@@ -62,7 +62,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvpage.engine.sampling import MAX_N, SamplingParams
-from kvpage.engine.validate import CHAT_ROLES
+from kvpage.engine.validate import ChatRole
 from kvpage.server.nullable import NullMeansDefault
 from kvpage.server.unsupported import OffChat, OffCommon, OffCompletion, integral
 
@@ -222,7 +222,7 @@ class ChatMessage(BaseModel):
 
     model_config = _STRICT
 
-    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]  # the Python API's roles (kvpage.engine.validate)
+    role: ChatRole  # the Python API's roles (kvpage.engine.validate)
     content: Union[str, list[ContentPart], None] = Field(None, validate_default=True)
     name: str | None = None
 

@@ -60,8 +60,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-fno-math-errno"
 LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
-#: ``"mod"``: what :func:`load_kernels` returned (module or ``None``); ``"why"``: the reason when ``None``.
-_state: dict[str, ModuleType | str | None] = {}
+_state: dict[str, ModuleType | None] = {}  # "mod": what load_kernels returned (module or None)
+_why: dict[str, str] = {}                   # "why": the reason when it returned None
 
 
 def _cpu_flags() -> str:
@@ -238,13 +238,13 @@ def load_kernels() -> ModuleType | None:
     (:func:`_pinned_env`).
     """
     if "mod" in _state:
-        return _state["mod"]  # type: ignore[return-value]
+        return _state["mod"]
     with _lock:
         if "mod" in _state:
-            return _state["mod"]  # type: ignore[return-value]
+            return _state["mod"]
         mod: ModuleType | None = None
         if os.environ.get("KVPAGE_CPU_KERNELS", "1") == "0":
-            _state["why"] = DISABLED_REASON
+            _why["why"] = DISABLED_REASON
             _state["mod"] = None
             return None
         try:
@@ -278,7 +278,7 @@ def load_kernels() -> ModuleType | None:
                 stacklevel=2,
             )
             mod = None
-            _state["why"] = BUILD_FAILED_REASON
+            _why["why"] = BUILD_FAILED_REASON
         _state["mod"] = mod
         return mod
 
@@ -297,4 +297,4 @@ def kernels_unavailable_reason() -> str | None:
     """
     if load_kernels() is not None:
         return None
-    return str(_state.get("why", BUILD_FAILED_REASON))
+    return _why.get("why", BUILD_FAILED_REASON)
