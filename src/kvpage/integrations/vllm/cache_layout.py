@@ -131,7 +131,8 @@ class CpuAttnAmxBlocks(CpuAttnBlocks):
                 f"{self.head_size} must be multiples of 16")
 
     def keys_from(self, half: torch.Tensor) -> torch.Tensor:
-        """See :meth:`CpuAttnBlocks.keys_from` (a view): ``[n, h, bs/16, d/2, 16, 2]`` -> ``[n, bs, h, d]``."""
+        """See :meth:`CpuAttnBlocks.keys_from`: ``[n, h, bs/16, d/2, 16, 2]`` -> ``[n, bs, h, d]`` (a copy: the tiles
+        do not flatten to a view)."""
         n, h = half.shape[:2]
         t = half.view(n, h, self.block_size // 16, self.head_size // 2, 16, 2)
         return t.permute(0, 2, 4, 1, 3, 5).reshape(n, self.block_size, h, self.head_size)

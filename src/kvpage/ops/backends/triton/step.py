@@ -143,7 +143,8 @@ def sealed_step(ctx: SealContext, meta: AttentionMetadata, group: int, head_dim:
             items += [i, q0]
     longest = max((meta.seq_lens[i] for i in src.kernel_rows), default=0)
     return SealedStep(
-        kind=to_device(src.kind, torch.uint8, device), index=to_device(src.index, torch.long, device), kernel_rows=src.kernel_rows, sdpa_rows=src.sdpa_rows,
+        kind=to_device(src.kind, torch.uint8, device), index=to_device(src.index, torch.long, device),
+        kernel_rows=src.kernel_rows, sdpa_rows=src.sdpa_rows,
         items=to_device(items, torch.int32, device).view(-1, 2),
         seq_lens=to_device(meta.seq_lens, torch.int32, device),
         query_start_loc=to_device(qsl, torch.int32, device),
