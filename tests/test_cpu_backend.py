@@ -400,11 +400,16 @@ def test_a_stale_torch_build_lock_is_cleared_under_the_os_lock(tmp_path) -> None
 
 @pytest.mark.parametrize("fmt", SEALED_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_from_a_block_boundary_splits_own_blocks_and_matches(fmt: str, dtype: torch.dtype,
+@pytest.mark.parametrize("stair_columns", [16384, 100])
+def test_prefill_from_a_block_boundary_splits_own_blocks_and_matches(fmt: str, dtype: torch.dtype, stair_columns: int,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Long passes starting at a block boundary (fresh prefill, a prefix hit, a whole-block chunk) attend as two
     parts merged by log-sum-exp; the result is the reference's (run_batch's bounds), GQA and a partial last
-    block included. int2's window copies keep the masked path for passes that read them."""
+    block included. int2's window copies keep the masked path for passes that read them. The segments' masks
+    come from a fresh staircase cache, grown as the passes need it, or (``stair_columns`` 100) built per
+    segment past its cap."""
+    monkeypatch.setattr(cpu_module, "_stairs", {})
+    monkeypatch.setattr(cpu_module, "_STAIR_COLUMNS", stair_columns)
     calls: list[int] = []
     real = cpu_module._block_split_attention
 

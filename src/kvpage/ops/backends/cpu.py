@@ -28,6 +28,7 @@ by every layer of the group.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -126,7 +127,8 @@ _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 
 
 #: Query rows of one segment of :func:`_block_split_attention`'s earlier-blocks part (whole blocks): measured at
-#: 512 queries, 9 heads of 64, blocks of 32 (one thread), segments of 64/128/256/512 rows took 5.3/5.7/6.3/8.2 ms.
+#: 512 queries from position 0, 9 heads of 64 over 3 kv heads, blocks of 32, bfloat16, one thread (a Xeon with
+#: AMX), segments of 32/64/128/256/512 rows took 2.6/2.3/2.2/2.5/2.8 ms; from position 1,536: 14.0/9.8/9.1/9.6/10.1.
 _SEGMENT_ROWS = 128
 
 
@@ -135,6 +137,51 @@ def _own_block_split(read: RequestRead, seq_len: int, n: int, block_size: int, p
     a block boundary (a prefill chunk or a prefix hit) and no window copies (each query would read its own)."""
     return (_FLASH_WITH_LSE is not None and params.is_plain and not read.fp_blocks and n > 0
             and (seq_len - n) % block_size == 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _own_block_mask(block_size: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[block_size * g, block_size]`` additive mask of a block's own rows in the folded GQA layout: row
+    ``t * g + i`` (token ``t``, the kv head's ``i``-th query head) reads columns ``0 .. t`` (0), not the rest
+    (``-inf``). Cached per shape and dtype; callers never write to it."""
+    t = torch.arange(block_size)
+    causal = t[None, :] > t[:, None]
+    return torch.zeros((block_size, block_size), dtype=dtype).masked_fill_(causal, float("-inf")).repeat_interleave(g, 0)
+
+
+#: Columns up to which :func:`_earlier_blocks_mask` keeps its staircase (longer segments build their mask).
+_STAIR_COLUMNS = 16384
+_stairs: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
+
+
+def _earlier_blocks_mask(k: int, rows: int, s_seg: int, block_size: int, g: int, seg: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, s_seg]`` additive mask of a segment of ``k`` query blocks (``k <= seg``) over the stored rows
+    before its last block, in the folded GQA layout (row ``r`` is query ``r // g``): a query of the segment's
+    block ``b`` reads the first ``s_seg - (k - 1 - b) * block_size`` columns (every block before its own).
+
+    A view of a cached right-aligned staircase (``seg`` blocks of ``block_size * g`` rows, block ``b`` reading
+    all but the last ``(seg - 1 - b) * block_size`` of its columns), so a prefill builds no mask per segment;
+    segments longer than :data:`_STAIR_COLUMNS` build their own. The result is shared: callers never write to it.
+    """
+    if s_seg > _STAIR_COLUMNS:
+        stair = _staircase(seg, block_size, g, s_seg, dtype)
+    else:
+        key = (seg, block_size, g, dtype)
+        stair = _stairs.get(key)
+        if stair is None or stair.shape[1] < s_seg:
+            cap = min(_STAIR_COLUMNS, max(s_seg, 2 * (0 if stair is None else stair.shape[1])))
+            stair = _stairs[key] = _staircase(seg, block_size, g, cap, dtype)
+    r0 = (seg - k) * block_size * g
+    return stair[r0:r0 + rows, stair.shape[1] - s_seg:]
+
+
+def _staircase(seg: int, block_size: int, g: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[seg * block_size * g, cols]`` staircase of :func:`_earlier_blocks_mask`."""
+    rblk = torch.arange(seg * block_size * g) // (block_size * g)
+    limit = cols - (seg - 1 - rblk) * block_size                                      # columns each row reads
+    blocked = torch.arange(cols)[None, :] >= limit[:, None]
+    return torch.zeros((rblk.numel(), cols), dtype=dtype).masked_fill_(blocked, float("-inf"))
 
 
 def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_keys: torch.Tensor,
@@ -148,7 +195,10 @@ def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     the two parts are two attentions merged by their log-sum-exp (the flash-decoding merge, the kernels'
     ``merge_attention``): the stored blocks before each query's own under a block mask, a segment of
     :data:`_SEGMENT_ROWS` query rows at a time (each reads only up to its last block), and the own blocks batched
-    block by block under a causal mask. Float32 merge, result in ``q.dtype``.
+    block by block under a causal mask. Both run GQA folded into rows (a kv head's ``g`` query heads are ``g``
+    rows each of one attention over that kv head's keys), so keys and values are read as they are, never
+    repeated per query head; the masks are views of cached ones; the merge reads flash's outputs as they come.
+    Float32 merge, result in ``q.dtype``.
 
     Args:
         q: ``[n, H, D]`` queries of positions ``start .. start + n - 1``.
@@ -165,25 +215,25 @@ def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         ``[n, H, Dv]`` in ``q.dtype``. No side effects.
     """
     assert _FLASH_WITH_LSE is not None
-    n, h, _ = q.shape
-    g = h // keys.shape[1]
+    n, h, d = q.shape
+    hkv = keys.shape[1]
+    g = h // hkv
     nb = -(-n // block_size)
     pad = nb * block_size - n
-    # own blocks: one batch entry per query block, causal inside it (padding rows come last and are never read)
-    qb = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad)).view(nb, block_size, h, -1).transpose(1, 2)
-    kb, vb = (torch.nn.functional.pad(t.repeat_interleave(g, 1), (0, 0, 0, 0, 0, pad)).view(nb, block_size, h, -1)
-              .transpose(1, 2) for t in (own_keys, own_values))
-    ob, lb = _FLASH_WITH_LSE(qb.contiguous(), kb.contiguous(), vb.contiguous(), is_causal=True, scale=scale)[:2]
-    own_lse = lb.transpose(1, 2).reshape(nb * block_size, h).contiguous()             # [nb*bs, H]
-    ob = ob.contiguous()
+    # GQA folded into rows: a kv head's g query heads are g rows each of one attention over that kv head's keys
+    # (rows in (token, head) order), so keys are read as stored, never repeated per query head. One copy of q.
+    qp = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad)) if pad else q
+    qs = qp.view(nb * block_size, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, nb * block_size * g, d)
+    # own blocks: one batch entry per query block, each row reading its block's rows up to its own token
+    # (padding rows come last and are never read); keys and values as views of the rows
+    qo = qs[0].view(hkv, nb, block_size * g, d).transpose(0, 1)                      # [nb, Hkv, bs*g, D]
+    ko, vo = ((torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t).view(nb, block_size, hkv, -1)
+              .transpose(1, 2) for t in (own_keys, own_values))                       # [nb, Hkv, bs, D]
+    ob, lb = _FLASH_WITH_LSE(qo, ko, vo, attn_mask=_own_block_mask(block_size, g, q.dtype), scale=scale)[:2]
     # earlier blocks: each query reads the stored blocks before its own, a segment of query blocks at a time so
     # that a segment's keys end where its last block starts (the masked-out share falls from ~1/2 to ~1/(2k)).
-    # GQA: a kv head's g query heads are g rows each of one attention over that kv head's keys (rows in
-    # (token, head) order), so the keys are read as stored, never repeated per query head.
     a0 = start // block_size
-    hkv = keys.shape[1]
     out = torch.empty((n, h, ob.shape[-1]), dtype=q.dtype, device=q.device)
-    qs = q.reshape(n, hkv, g, -1).permute(1, 0, 2, 3).reshape(1, hkv, n * g, -1)      # [1, Hkv, n*g, D]
     s_before = start + (nb - 1) * block_size                                          # keys before the last block
     kq, vq = (t[:s_before].transpose(0, 1).unsqueeze(0) for t in (keys, values))      # [1, Hkv, s', D] (views)
     seg = max(1, _SEGMENT_ROWS // block_size)                                         # query blocks a segment
@@ -192,19 +242,14 @@ def _block_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         r0, r1 = j0 * block_size, min(n, j1 * block_size)
         s_seg = start + (j1 - 1) * block_size
         if s_seg == 0:  # block 0 of a pass from position 0: nothing before it
-            out[r0:r1] = ob[j0:j1].transpose(1, 2).reshape((j1 - j0) * block_size, h, -1)[: r1 - r0]
+            out[r0:r1] = (ob[j0:j1].unflatten(2, (block_size, g)).permute(0, 2, 1, 3, 4)
+                          .reshape((j1 - j0) * block_size, h, -1)[: r1 - r0])
             continue
-        qblk = a0 + torch.arange(r0, r1, device=q.device) // block_size              # [r1 - r0]
-        kblk = torch.arange(s_seg, device=q.device) // block_size                     # [s_seg]
-        mask = torch.zeros((r1 - r0, s_seg), dtype=q.dtype, device=q.device)
-        mask.masked_fill_(kblk[None, :] >= qblk[:, None], float("-inf"))
-        oa, la = _FLASH_WITH_LSE(qs[:, :, r0 * g:r1 * g], kq[:, :, :s_seg], vq[:, :, :s_seg],
-                                 attn_mask=mask.repeat_interleave(g, 0), scale=scale)[:2]
-        rows = r1 - r0
-        oa = oa[0].view(hkv, rows, g, -1).permute(1, 0, 2, 3).reshape(rows, h, -1)    # [rows, H, Dv]
-        la = la[0].view(hkv, rows, g).permute(1, 0, 2).reshape(rows, h)               # [rows, H]
-        # the first block's queries read no earlier block when the pass starts at 0 (the op leaves them at 0)
-        kernels.merge_attention(out[r0:r1], oa, la, ob[j0:j1], own_lse[r0:j1 * block_size],
+        mask = _earlier_blocks_mask(j1 - j0, (r1 - r0) * g, s_seg, block_size, g, seg, q.dtype)
+        oa, la = _FLASH_WITH_LSE(qs[:, :, r0 * g:r1 * g], kq[:, :, :s_seg], vq[:, :, :s_seg], attn_mask=mask,
+                                 scale=scale)[:2]
+        # the first block's queries read no earlier block when the pass starts at 0 (the merge skips them)
+        kernels.merge_attention(out[r0:r1], oa[0], la[0], ob[j0:j1], lb[j0:j1],
                                 block_size if a0 == 0 and j0 == 0 else 0)
     return out
 

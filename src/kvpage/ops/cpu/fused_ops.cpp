@@ -288,20 +288,28 @@ at::Tensor hadamard_rows(at::Tensor x) {
 
 // The flash-decoding merge of two attentions of the same queries over disjoint key sets, each with its
 // log-sum-exp: out = (wa * oa + wb * ob) / (wa + wb), wa = exp(la - m), wb = exp(lb - m), m = max(la, lb), in
-// float32 (torch's expression, rounded at its points), stored in out's dtype. a: oa [n, H, Dv] (flash's
-// [1, H, n, Dv] output of [n, H, D] queries, transposed), la [n, H] float32, its first `skip` rows read no key
-// (their la taken as -inf). b: the queries as nb blocks of bs rows (flash's batched output): ob [nb, H, bs, Dv],
-// lb [nb * bs, H] float32, row p at block p / bs, row p % bs (rows from n on are padding, never read).
-// out [n, H, Dv]. All contiguous.
+// float32 (torch's expression, rounded at its points), stored in out's dtype. Both inputs are in the folded GQA
+// layout of flash attention over a kv head's keys: query p's head h = c * g + i (kv head c, H = Hkv * g heads) is
+// row p * g + i of kv head c. a: oa [Hkv, n * g, Dv], la [Hkv, n * g] float32; its first `skip` queries read no
+// key (their la taken as -inf). b: the queries as nb blocks of bs (flash's batched output): ob [nb, Hkv, bs * g,
+// Dv], lb [nb, Hkv, bs * g] float32, query p at block p / bs, row (p % bs) * g + i (queries from n on are padding,
+// never read). oa and ob: any strides with contiguous channels (flash's outputs as they come, no copy); la and lb
+// any strides. out [n, H, Dv] contiguous.
 void merge_attention(at::Tensor out, at::Tensor oa, at::Tensor la, at::Tensor ob, at::Tensor lb, int64_t skip) {
-  TORCH_CHECK(out.is_contiguous() && oa.is_contiguous() && ob.is_contiguous() && la.is_contiguous() &&
-                  lb.is_contiguous() && out.dim() == 3 && oa.dim() == 3 && ob.dim() == 4,
-              "merge_attention: out and oa [n, H, Dv] and ob [nb, H, bs, Dv] must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 3 && oa.dim() == 3 && la.dim() == 2 && ob.dim() == 4 &&
+                  lb.dim() == 3 && oa.stride(2) == 1 && ob.stride(3) == 1,
+              "merge_attention: out [n, H, Dv] contiguous, oa [Hkv, n * g, Dv] and ob [nb, Hkv, bs * g, Dv] with "
+              "contiguous channels, la [Hkv, n * g], lb [nb, Hkv, bs * g]");
   TORCH_CHECK(la.scalar_type() == at::kFloat && lb.scalar_type() == at::kFloat, "la and lb must be float32");
-  const int64_t n = out.size(0), H = out.size(1), Dv = out.size(2), nb = ob.size(0), bs = ob.size(2);
-  TORCH_CHECK(oa.size(0) == n && oa.size(1) == H && oa.size(2) == Dv && la.numel() == n * H,
+  const int64_t n = out.size(0), H = out.size(1), Dv = out.size(2), Hkv = oa.size(0), nb = ob.size(0);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "merge_attention: out's heads are not a multiple of oa's kv heads");
+  const int64_t g = H / Hkv;
+  TORCH_CHECK(ob.size(2) % g == 0, "merge_attention: ob's rows are not whole queries");
+  const int64_t bs = ob.size(2) / g;
+  TORCH_CHECK(oa.size(1) == n * g && oa.size(2) == Dv && la.size(0) == Hkv && la.size(1) == n * g,
               "oa / la do not match out");
-  TORCH_CHECK(ob.size(1) == H && ob.size(3) == Dv && nb * bs >= n && lb.numel() == nb * H * bs,
+  TORCH_CHECK(ob.size(1) == Hkv && ob.size(3) == Dv && nb * bs >= n && lb.size(0) == nb && lb.size(1) == Hkv &&
+                  lb.size(2) == bs * g,
               "ob / lb do not match out");
   const int64_t eo = kvpage_cpu::float_encoding(out.scalar_type()), ea = kvpage_cpu::float_encoding(oa.scalar_type()),
                 eb = kvpage_cpu::float_encoding(ob.scalar_type());
@@ -309,18 +317,25 @@ void merge_attention(at::Tensor out, at::Tensor oa, at::Tensor la, at::Tensor ob
   const uint8_t* pb = static_cast<const uint8_t*>(ob.data_ptr());
   uint8_t* po = static_cast<uint8_t*>(out.data_ptr());
   const int64_t sa = oa.element_size(), sb = ob.element_size(), so = out.element_size();
+  const int64_t a0 = oa.stride(0), a1 = oa.stride(1), b0 = ob.stride(0), b1 = ob.stride(1), b2 = ob.stride(2);
+  const int64_t la0 = la.stride(0), la1 = la.stride(1), lb0 = lb.stride(0), lb1 = lb.stride(1), lb2 = lb.stride(2);
   const float* lap = la.data_ptr<float>();
   const float* lbp = lb.data_ptr<float>();
   at::parallel_for(0, n * H, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> xa(Dv), xb(Dv), y(Dv);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t p = w / H, h = w % H;
-      const int64_t rb = ((p / bs) * H + h) * bs + p % bs;  // row of b
-      const float a = p < skip ? -std::numeric_limits<float>::infinity() : lap[w], b = lbp[w];
+      const int64_t p = w / H, h = w % H, c = h / g, i = h % g;
+      const int64_t ra = p * g + i, j = p / bs, rb = (p % bs) * g + i;  // rows of a and b
+      const float a = p < skip ? -std::numeric_limits<float>::infinity() : lap[c * la0 + ra * la1];
+      const float b = lbp[j * lb0 + c * lb1 + rb * lb2];
       const float m = a > b || std::isnan(a) ? a : b;  // torch.maximum (NaN propagates)
       const float wa = std::exp(a - m), wb = std::exp(b - m), den = wa + wb;
-      kvpage_cpu::rows_to_float(ea, pa + w * Dv * sa, xa.data(), Dv);
-      kvpage_cpu::rows_to_float(eb, pb + rb * Dv * sb, xb.data(), Dv);
+      if (p < skip) {  // a's row may be unwritten (no key): never read it, however it is filled
+        std::fill(xa.begin(), xa.end(), 0.0f);
+      } else {
+        kvpage_cpu::rows_to_float(ea, pa + (c * a0 + ra * a1) * sa, xa.data(), Dv);
+      }
+      kvpage_cpu::rows_to_float(eb, pb + (j * b0 + c * b1 + rb * b2) * sb, xb.data(), Dv);
       for (int64_t d = 0; d < Dv; ++d) y[d] = (wa * xa[d] + wb * xb[d]) / den;
       kvpage_cpu::float_to_rows(eo, y.data(), po + (p * H + h) * Dv * so, Dv);
     }
