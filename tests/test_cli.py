@@ -151,7 +151,7 @@ def test_generate_passes_max_num_seqs_and_max_model_len(tiny, monkeypatch, capsy
     cfg = built[0].engine_config
     assert (cfg.max_num_seqs, cfg.max_model_len, built[0].max_model_len) == (3, 100, 100)
     assert cli.main(["generate", "abc", "--kv-cache-dtype", "int4", "--block-size", "7"]) == 2
-    assert "block_size=7 is too small for kv_cache_dtype='int4'" in capsys.readouterr().err
+    assert "--block-size=7 is too small for --kv-cache-dtype='int4'" in capsys.readouterr().err
 
 
 # -- tier counters ------------------------------------------------------------------------------------
@@ -389,7 +389,42 @@ def test_generate_refuses_max_tokens_beyond_the_context(tiny, monkeypatch, capsy
     assert cli.main([*argv, "--max-tokens", "1000"]) == 2
     captured = capsys.readouterr()
     (line,) = [x for x in captured.err.splitlines() if not x.startswith("[kvpage] engine:")]  # the start-up line
-    assert line.startswith("kvpage: error: prompt of 3 tokens + max_tokens 1000 = 1003 tokens exceed")
-    assert "max_model_len) of 100" in line and "at most 97" in line and captured.out == ""
+    assert line.startswith("kvpage: error: prompt of 3 tokens + --max-tokens 1000 = 1003 tokens exceed")
+    assert "--max-model-len) of 100" in line and "at most 97" in line and captured.out == ""
     assert cli.main([*argv, "--max-tokens", "97"]) == 0
     assert "3 prompt tokens, 97 output tokens (length)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--kv-cache-memory-fraction", "2"], "--kv-cache-memory-fraction must be a number in (0, 1]"),
+    (["--swap-space", "-1"], "--swap-space must be a finite number of GiB >= 0"),
+    (["--max-model-len", "100000"], "--max-model-len=100000 exceeds the model's context of 256 tokens"),
+    (["--kv-cache-memory-bytes", "10"], "(--kv-cache-memory-bytes); raise it"),
+    (["--num-blocks", "1", "--max-tokens", "40"], "Raise --kv-cache-memory-bytes/--num-blocks, pick a smaller "
+                                                  "--kv-cache-dtype, or lower --max-tokens"),
+])
+def test_generate_engine_errors_name_the_flags(tiny, monkeypatch, capsys, argv, words) -> None:
+    """Errors found when the engine is built, or when it checks the request, named the Python fields
+    (``swap_space must be ...``, ``Raise kv_cache_memory_bytes/num_blocks``) on the command line: every field
+    ``build_llm`` passes from a flag is named as the flag, in one error line, status 2."""
+    from kvpage import cli
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    assert cli.main(["generate", "abc", "--no-chat", "--threads", "1", *argv]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kvpage: error:")]
+    assert words in line, line
+    assert not re.search(r"(?<![\w-])(swap_space|num_blocks|kv_cache_memory_\w+|max_model_len|max_tokens|kv_cache_dtype)",
+                         line), line
+
+
+def test_every_named_engine_flag_is_a_flag_of_generate_and_serve() -> None:
+    """:data:`~kvpage.cli.engine_flags.ENGINE_FLAGS` names only flags the commands have."""
+    from kvpage.cli import build_parser
+    from kvpage.cli.engine_flags import ENGINE_FLAGS
+
+    p = build_parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    for cmd in ("generate", "serve"):
+        flags = {o for a in sub[cmd]._actions for o in a.option_strings}
+        assert set(ENGINE_FLAGS.values()) <= flags, (cmd, set(ENGINE_FLAGS.values()) - flags)

@@ -41,9 +41,16 @@ def _layer_dtypes(text: str) -> dict[int, str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-#: Engine fields whose errors :func:`build_llm` reports under their flag's name (errors raised after parsing, when
-#: the engine is built: ``kv_layer_dtypes: layer 99 is out of range`` -> ``--kv-layer-dtypes: layer 99 ...``).
-_ENGINE_FLAGS = {"kv_layer_dtypes": "--kv-layer-dtypes"}
+#: Engine fields whose errors :func:`build_llm` (and the commands' later calls) report under their flag's name:
+#: errors raised after parsing, when the engine is built or a request checked (``kv_layer_dtypes: layer 99 is out
+#: of range`` -> ``--kv-layer-dtypes: layer 99 ...``, ``block_size=7 is too small`` -> ``--block-size=7 ...``).
+#: Every field build_llm passes from a flag, except ``model`` and ``dtype``: common words in messages.
+ENGINE_FLAGS = {field: "--" + field.replace("_", "-") for field in (
+    "kv_cache_dtype", "kv_layer_dtypes", "kv_cache_scales", "block_size", "kv_quant_residual_tokens",
+    "kv_cache_memory_bytes", "kv_cache_memory_fraction", "num_blocks", "weights_dtype", "attention_backend",
+    "max_model_len", "max_num_seqs", "speculative_config", "prefix_caching_hash_algo", "kv_events_config",
+    "swap_space", "kv_offload_policy", "preemption_mode", "kv_disk_dir", "kv_disk_max_bytes", "kv_store",
+    "kv_transfer_config")} | {"num_threads": "--threads"}
 
 
 def name_flags(e: BaseException, flags: dict[str, str]) -> None:
@@ -180,6 +187,6 @@ def build_llm(args: argparse.Namespace, **extra: Any) -> LLM:
             **extra,
         )
     except (ValueError, KVPageError) as e:  # e.g. a --kv-layer-dtypes layer beyond the model's: name the flag
-        name_flags(e, _ENGINE_FLAGS)
+        name_flags(e, ENGINE_FLAGS)
         raise
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from kvpage.cli.engine_flags import add_engine_args, build_llm, name_flags
+from kvpage.cli.engine_flags import ENGINE_FLAGS, add_engine_args, build_llm, name_flags
+from kvpage.errors import KVPageError
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
@@ -61,8 +62,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.chat and not args.prompt.strip():
         raise ValueError("empty prompt: give a non-blank message")
     llm = build_llm(args)
-    prompt = llm.chat_prompt(args.prompt) if args.chat else args.prompt
-    out = llm.generate([prompt], params)[0]
+    try:  # a request the engine cannot hold: "Raise --kv-cache-memory-bytes/--num-blocks, ... lower --max-tokens"
+        prompt = llm.chat_prompt(args.prompt) if args.chat else args.prompt
+        out = llm.generate([prompt], params)[0]
+    except (ValueError, KVPageError) as e:
+        name_flags(e, {**ENGINE_FLAGS, **_SAMPLING_FLAGS})
+        raise
     comp, m = out.outputs[0], out.metrics
     print(comp.text.strip())
     print()
