@@ -210,3 +210,47 @@ def test_kernel_codec_takes_any_index_tensor_the_reference_takes() -> None:
     src, dst = torch.arange(14.0).view(7, 2), torch.zeros(4, 2)
     _writer().move_rows(dst, torch.tensor([3, 9, 1, 9, 0])[::2], src, ids)   # dst rows 3, 1, 0 <- src 5, 3, 6
     assert dst.tolist() == [[12.0, 13.0], [6.0, 7.0], [0.0, 0.0], [10.0, 11.0]]
+
+
+def _half_step_groups(n: int, count: int, qmax: int) -> torch.Tensor:
+    """``[count, n]`` float32 groups with values a hair from half a step: group ``g`` spans exactly ``[-M, qmax - M]``
+    steps of a UE5M3 step ``s`` (so its min/max step is ``s``, both of that step's offsets ``-M``), seven in eight of
+    its other values on that grid (so ``(s, -M)`` wins the search at 4 and 3 bits, often at 2) and every eighth at
+    ``(j + 1/2) * s``, exact or one float32 ulp towards or away from zero. Divided by ``s`` such a value sits at or
+    beside a half, where ``round(y - m)`` (``y - m`` rounded to float32 first, as the format does) and
+    ``round(y) - m`` part: ``0.5 - 2**-25 + 1`` rounds to ``1.5``, then to 2, where ``round(0.5 - 2**-25) + 1`` is 1."""
+    g = torch.arange(count)
+    code = 8 * (16 + (g // 8) % 5 - 2) + g % 8                                   # steps 0.25 .. 7.5
+    s = decode_scale(code.to(torch.uint8)).double()[:, None]                        # [count, 1]
+    big_m = (1 + (g % 13) % (qmax - 1))[:, None]                                    # offsets -1 .. -(qmax - 1)
+    i = torch.arange(n - 2)[None, :]
+    j = (i * 5 % qmax - big_m).double()                                             # grid points -M .. qmax - M - 1
+    half = i % 8 == 7
+    x = ((j + half.double() * 0.5) * s).float()                                     # exact: few significant bits
+    nudge = (i // 8) % 3                                                            # 0 exact, 1 towards 0, 2 away
+    x = torch.where(half & (nudge == 1), torch.nextafter(x, torch.zeros_like(x)), x)
+    x = torch.where(half & (nudge == 2), torch.nextafter(x, x.sign() * float("inf")), x)
+    lo, hi = (-big_m * s).float(), ((qmax - big_m) * s).float()
+    return torch.cat([lo, hi, x], 1)
+
+
+@pytest.mark.parametrize("fmt_name", ["int4", "int3", "int2"])
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_values_a_hair_from_half_a_step_code_as_the_format(fmt_name: str, kind: str) -> None:
+    """Values that divide to a half-integer or one ulp beside it, in groups whose offsets are negative: the kernel
+    codes them as ``round(x / s - m)``, ``x / s - m`` one float32 expression as in the format, and writes the format's
+    bytes (``round(x / s) - m`` in the kernel's final coding fails every case here; in its search alone it moves a
+    candidate's error by about 1e-7 of it, which changes bytes only where two candidates nearly tie)."""
+    fmt = get_format(fmt_name)
+    qmax = 2**fmt.bits - 1
+    if kind == "key":   # channel c of block b: group 64 b + c, over the block's 32 tokens
+        blocks = _half_step_groups(32, 128, qmax).view(2, 64, 32).transpose(1, 2).unsqueeze(2)
+    else:               # token t of block b: group 32 b + t, over its 64 channels
+        blocks = _half_step_groups(64, 64, qmax).view(2, 32, 1, 64)
+    blocks = blocks.contiguous()
+    ref, got = _pools(fmt_name, kind, 32, 1, 64, 2)
+    ids = torch.tensor([1, 0])
+    REFERENCE_CODEC.write_blocks(ref, fmt, kind, blocks, ids)
+    _writer().write_blocks(got, fmt, kind, blocks, ids)
+    for name in ref:
+        assert torch.equal(ref[name].view(torch.uint8), got[name].view(torch.uint8)), name
