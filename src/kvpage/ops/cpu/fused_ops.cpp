@@ -18,6 +18,14 @@
 
 #include "kv_common.h"
 
+// 512-bit vectors for the loops GCC vectorises here, where the CPU has them (its tuning for Intel's AVX-512 parts
+// prefers 256): silu_mul of a decode batch (32 x 1,536 bfloat16) 54 -> 36 us, of a 1,840-token prefill 3.3 -> 2.6 ms
+// (Xeon, AVX-512, one thread); RMSNorm 8.2 -> 6.8 us. Not for paged_attention.cpp: attention.py ran ~10% slower. After
+// the includes, so torch's headers compile as they do everywhere else.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
 // torch rounds every product and sum separately; keep the compiler from fusing them into FMAs here
 #pragma GCC optimize("fp-contract=off")
 
