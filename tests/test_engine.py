@@ -154,7 +154,7 @@ def test_cli_reports_bad_input_with_exit_code_2(capsys):
     from kvpage import cli
 
     assert cli.main(["generate", "hi", "--kv-cache-dtype", "nope"]) == 2
-    assert "unknown kv_cache_dtype 'nope'" in capsys.readouterr().err
+    assert "unknown --kv-cache-dtype 'nope'" in capsys.readouterr().err  # the flag, not the Python field
     assert cli.main(["generate", "hi", "--model", "/nonexistent/x.gguf"]) == 2
     assert "/nonexistent/x.gguf" in capsys.readouterr().err
 

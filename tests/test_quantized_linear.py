@@ -343,7 +343,7 @@ def test_cli_weights_dtype_flag_reaches_the_engine(tiny_gguf: Path, capsys: pyte
            "2 Q8_0 projections as shipped, " in err
     code = main(["generate", "hello", "--model", str(tiny_gguf), "--weights-dtype", "int3"])
     err = capsys.readouterr().err
-    assert code != 0 and "weights_dtype must be one of auto, as_shipped, dequantized; got 'int3'" in err
+    assert code != 0 and "--weights-dtype must be one of auto, as_shipped, dequantized; got 'int3'" in err
 
 
 def test_weights_dtype_off_the_cpu() -> None:
