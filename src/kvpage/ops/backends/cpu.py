@@ -143,10 +143,8 @@ def _own_block_split(read: RequestRead, seq_len: int, n: int, block_size: int, p
 def _own_block_mask(block_size: int, g: int, dtype: torch.dtype) -> torch.Tensor:
     """``[block_size * g, block_size]`` additive mask of a block's own rows in the folded GQA layout: row
     ``t * g + i`` (token ``t``, the kv head's ``i``-th query head) reads columns ``0 .. t`` (0), not the rest
-    (``-inf``). Cached per shape and dtype; callers never write to it."""
-    t = torch.arange(block_size)
-    causal = t[None, :] > t[:, None]
-    return torch.zeros((block_size, block_size), dtype=dtype).masked_fill_(causal, float("-inf")).repeat_interleave(g, 0)
+    (``-inf``): :func:`_staircase` with a step per token. Cached per shape and dtype; callers never write to it."""
+    return _staircase(block_size, 1, g, block_size, dtype)
 
 
 #: Columns up to which :func:`_earlier_blocks_mask` keeps its staircase (longer segments build their mask).
