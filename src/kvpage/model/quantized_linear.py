@@ -13,16 +13,18 @@ rounding ``x`` to bfloat16) and sums the code products in int32 per block, scale
 off the float64 product by at most that half step times ``sum |w|`` plus float32 summation (the tests' bound;
 measured about ``1e-5`` of ``sum |x| |w|``).
 
-Speed (one thread, this project's AVX-512 CPU, weights hot in cache; ``gguf_matmul`` vs torch's
+Speed (one thread, this project's AVX-512 CPU). Hot in cache, one projection alone (``gguf_matmul`` vs torch's
 ``_weight_int4pack_mm_for_cpu`` vs the oneDNN-prepacked bfloat16 :class:`~kvpage.model.linear.PackedLinear`),
 at one row: 960x576 Q4_1 22 / 41 / 36 us, 3072x576 64 / 108 / 74 us, 576x1536 32 / 59 / 45 us, the 49152x576
-Q8_0 LM head 0.90 / - / 2.8 ms. At 4 rows and more the bfloat16 matmul is faster (at 16 rows 2x), so from
-:data:`DENSE_ROWS` rows on (prefill chunks, large decode batches) the weight is decoded to bfloat16 for the
-call and multiplied by the BLAS; between, the kernel still beats decoding. In a model the weights are not hot:
-a token streams all of them (90 MB for the bundled model) from the last-level cache or memory, and the kernel
-prefetches 4 KiB ahead of the block it multiplies (the 121 projections of one token, one thread: 14.3 ms
-without, 8.8 ms with; batch-1 decode 48.6 -> 73.2 tokens/s). The as-shipped form pays at batch 1-3
-(the README's ``--weights-dtype`` notes): ``--weights-dtype dequantized`` for batch throughput.
+Q8_0 LM head 0.90 / - / 2.8 ms. In a model the weights are not hot: a step streams all of them (90 MB for the
+bundled model) from the last-level cache or memory, and the kernel prefetches 4 KiB ahead of the block it
+multiplies (the 121 projections of one token, one thread: 14.3 ms without, 8.8 ms with; batch-1 decode
+48.6 -> 73.2 tokens/s). Streamed so, the kernel also beats decoding the weight to bfloat16 for the BLAS up to
+about 36 rows (all 121 projections per step, one thread / two: 24 rows 75.7 / 41.6 ms against 93.3 / 63.1,
+32 rows 99.8 / 56.6 against 113.4 / 60.6, 40 rows 120.7 against 107.6), so from :data:`DENSE_ROWS` rows on
+(prefill chunks, the largest decode batches) the weight is decoded to bfloat16 for the call and multiplied by
+the BLAS. A bfloat16 copy held beside it (``--weights-dtype dequantized``: 26-30 ms per step at 1-32 rows)
+is faster from about 8 rows on, at 2x the memory: the as-shipped form is for batch 1-8.
 
 Fallback: where kvpage's CPU kernels are not built (no compiler), :func:`quantized_linear` returns ``None``
 and the loader dequantizes as before (with a warning).
@@ -42,9 +44,11 @@ __all__ = ["DENSE_ROWS", "QUANTIZED_TYPES", "TILE_ROWS", "WEIGHTS_DTYPES", "Gguf
 #: ggml type ids (``gguf.GGMLQuantizationType``) of the blocks :class:`GgufLinear` runs.
 QUANTIZED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 #: Rows of ``x`` from which :meth:`GgufLinear.forward` decodes the weight to bfloat16 and runs a dense matmul
-#: instead of the kernel. Measured (one thread, 3072x576 Q4_1): kernel 594 us at 16 rows and 1,213 at 32,
-#: decode 424 + bfloat16 matmul 611 = 1,035 at 32; the two cross near 24 rows for SmolLM2's shapes.
-DENSE_ROWS = 24
+#: instead of the kernel. Measured over a whole step of the bundled model (every projection once, weights
+#: streamed as a decode step streams them; module docstring): the two cross between 32 and 40 rows at one
+#: thread and at two. (One projection hot in cache alone put it near 24: that measure misses the kernel's
+#: smaller stream.)
+DENSE_ROWS = 36
 #: Bytes of one row's scales and of its 32 codes in a block: Q4_0 = float16 d + 16 code bytes; Q4_1 = float16
 #: d and m + 16 code bytes; Q8_0 = float16 d + 32 int8 codes.
 _SCALE_BYTES = {2: 2, 3: 4, 8: 2}
