@@ -142,7 +142,7 @@ inline void tile_rows(const uint8_t* tile, int64_t nb, const CodedRows& c, int64
   const __m128i nib = _mm_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = tile + b * tb;
-    prefetch_lines<3>(blk + kPrefetchBytes, tb);
+    if (i0 == 0) prefetch_lines<3>(blk + kPrefetchBytes, tb);  // later passes over the tile find it in cache
     __m128 d4, m4;
     if constexpr (T == kQ4_1) {
       const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));

@@ -19,8 +19,9 @@ namespace kvpage_cpu {
 
 
 // Asks the caches for the n bytes from p, one request per 64-byte line, without waiting for them, so that a
-// stream read with much arithmetic per byte (gguf_matmul's weights) arrives ahead of its use. LOCALITY is
-// __builtin_prefetch's (3: every level, 2: L2 and below). Prefetches never fault, so p may point past the end of a buffer.
+// stream read with much arithmetic per byte arrives ahead of its use (gguf_matmul's weights; the paged
+// attention's next chunk). LOCALITY is __builtin_prefetch's (3: every level, 2: L2 and below). Prefetches never
+// fault, so p may point past the end of a buffer.
 // The empty volatile asm is there for GCC: prefetches count as free of side effects, so a function that holds
 // nothing else (a source's prefetch_rows) was judged const and every call to it deleted (GCC 12, from -O1: no
 // prefetch instruction left in paged_attention.o); a volatile asm is a side effect it keeps, and emits nothing.
