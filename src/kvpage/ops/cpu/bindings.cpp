@@ -10,12 +10,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor va
                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs,
                      int64_t enc, double sm_scale);
 bool int8_keys_as_codes(int64_t head_dim);
+bool sealed_int_dots(int64_t head_dim);
 void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor key_scale, at::Tensor key_zero,
                       at::Tensor value, at::Tensor value_scale, at::Tensor value_zero, at::Tensor tail_key,
                       at::Tensor tail_value, at::Tensor sink_key, at::Tensor sink_key_scale, at::Tensor sink_value,
                       at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor seq_lens,
                       at::Tensor query_start_loc, at::Tensor reqs, int64_t bits, int64_t tail_enc, bool has_value,
-                      double sm_scale);
+                      double sm_scale, bool int_dots);
 // write_rows.cpp
 void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,
                 double qmax);
@@ -41,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_keys_as_codes", &int8_keys_as_codes,
         "whether paged_attention reads int8 keys as codes, q coded as int16, at this head_dim (CPU)");
   m.def("sealed_attention", &sealed_attention, "paged attention over quantize-on-seal blocks (CPU)");
+  m.def("sealed_int_dots", &sealed_int_dots,
+        "whether sealed_attention's int_dots takes integer dot products over pool blocks at this head_dim (CPU)");
   m.def("write_rows", &write_rows, "fused quantize-and-store of new K or V rows (CPU)");
   m.def("move_rows", &move_rows, "dst[dst_idx] = src[src_idx] row by row (CPU)");
   m.def("seal_blocks", &seal_blocks, "quantize-on-seal of whole int4/int3/int2 blocks into the pool (CPU)");

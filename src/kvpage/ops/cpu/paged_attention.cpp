@@ -16,7 +16,10 @@
 // Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them.
 //
 // Numerics: float32 throughout (but int8 keys' q . k: exact in int32, q rounded to 16 bits; sealed pool blocks:
-// the dequantization (code + z) * step distributed over the sums, another rounding order); exp is a Cephes-style
+// the dequantization (code + z) * step distributed over the sums, another rounding order; with int_dots, AVX-512
+// and head_dim 64 or 128 their q' = q * step * sm_scale is coded as int16 per (block, query head) and the weights
+// times the value steps as int16 per (chunk, query head, value group), each with one scale max / 32767, for integer
+// dot products: scores_packed_i16, accumulate_packed_i16); exp is a Cephes-style
 // polynomial (relative error ~2e-7) so the compiler can vectorize it; dot products are vectorized reductions
 // (another summation order than SDPA's, within float32 rounding).
 #include <torch/extension.h>
@@ -239,6 +242,23 @@ struct Int3Gather {
   }
 };
 constexpr Int3Gather kInt3Gather{};
+
+// Int3Gather for 16-bit lanes: idx[h] gathers into word j of 128-bit lane L the byte holding int3 code 8L + j of
+// 32 (bits 3i .. 3i+2 from byte 3i/8) and, when the code straddles it, the next one, from a 16-byte window
+// broadcast to every lane; the codes start at byte 4*h of the window (the second window starts 4 bytes early).
+struct Int3Gather16 {
+  alignas(64) int8_t idx[2][64];
+  constexpr Int3Gather16() : idx{} {
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 32; ++i) {
+        const int k = 4 * h + (3 * i) / 8, L = i / 8, j = i % 8;
+        idx[h][16 * L + 2 * j] = static_cast<int8_t>(k);
+        idx[h][16 * L + 2 * j + 1] = static_cast<int8_t>((3 * i) % 8 > 5 ? k + 1 : -128);  // -128: a zero byte
+      }
+    }
+  }
+};
+constexpr Int3Gather16 kInt3Gather16{};
 #endif
 
 #ifdef KVPAGE_SIMD
@@ -430,6 +450,7 @@ struct SealedSource {
   const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 sink slot
   const int64_t* src_idx;      // [B, W]
   int64_t W, bs, Hkv, D, P, Gv;
+  bool int_dots;               // pool blocks' dot products on int16-coded q' and weights where the build has them
 
   static constexpr bool kInt8Codes = false;  // (TokenSource<I8>'s int8_rows path)
   // Sealed pool blocks can be read as packed codes by the attention (attend_range's packed path).
@@ -982,6 +1003,273 @@ inline void packed_query(const float* q, float sm_scale, const uint8_t* step, co
   }
 }
 
+#ifdef KVPAGE_AVX512
+// ---- sealed pool blocks' keys read in place: q' . code as an integer dot product ----
+// Per (block, query head) q' = q * step * sm_scale (packed_query's) is coded as int16 with one scale,
+// qs = max|q'| / 32767, rounded to nearest (quantize_rows_i16's coding), and a token's score is
+// qs * sum_d qi[d] * code[t, d] + c, c = sum_d q'[d] * z[d] kept in float from the uncoded q': the codes are
+// zero-extended to 16-bit lanes and multiplied pairwise into int32 (vpdpwssd, or vpmaddwd + add without VNNI),
+// 32 channels per instruction, exact in int32 (head_dim 128 * 15 * 32767 < 2^31). Each score moves by at most
+// (qs / 2) * sum_d code[t, d] from the float path's (q' rounded to half a step), 1/65534 of max|q'| per unit of
+// code. Replaces unpacking every code to float32 (measured on int4 at SmolLM2's shape in the commit that added
+// it); the int8 keys' scores_i8 is the same idea on int8 codes.
+
+// 64 channels of a packed row as two registers of 32 int16 codes, in the lane order channel() gives (the order
+// the codes unpack in cheaply; qi is stored in that order too, so the dot product needs no reshuffling of codes).
+template <int BITS>
+struct PackedCodes16 {
+  // Channel (0 .. 63, relative to the unit's first) of lane p of the pair (register p / 32, lane p % 32).
+  //   int4: byte i of the 32 holds channels 2i (low nibble, register 0) and 2i+1 (high nibble, register 1);
+  //   int2: byte i of the 16 holds channels 4i + k at bits 2k: register x, half h (16 lanes each) holds k = 2x + h;
+  //   int3: channel order (each lane gathers the two bytes its code straddles).
+  static constexpr int channel(int p) {
+    if (BITS == 4) return p < 32 ? 2 * p : 2 * (p - 32) + 1;
+    if (BITS == 2) return 4 * (p % 16) + 2 * (p / 32) + (p % 32) / 16;
+    return p;
+  }
+
+  // Channels c .. c+63 (c % 64 == 0) of a packed row into x[0], x[1]; reads only the row's bytes of those codes.
+  static inline void load(const uint8_t* row, int64_t c, __m512i* x) {
+    if constexpr (BITS == 4) {  // the 32 bytes widened to 16-bit lanes: low nibble, then high nibble
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2)));
+      x[0] = _mm512_and_si512(w, _mm512_set1_epi16(15));
+      x[1] = _mm512_srli_epi16(w, 4);
+    } else if constexpr (BITS == 2) {  // the 16 bytes twice, widened, each half shifted by its pair of bit offsets
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 4))));
+      const __m512i m = _mm512_set1_epi16(3);
+      x[0] = _mm512_and_si512(_mm512_srlv_epi16(w, _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1)), m);
+      x[1] = _mm512_and_si512(_mm512_srlv_epi16(w, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)), m);
+    } else {
+      // codes 32h .. 32h+31 are the 12 bytes from 3c/8 + 12h: a 16-byte window (the second starting 4 bytes
+      // early, so that it ends inside the row) broadcast to the four 128-bit lanes; lane L's words gather the
+      // byte(s) of codes 8L .. 8L+7 (Int3Gather16) and shift them down
+      const uint8_t* b = row + 3 * c / 8;
+      const __m512i sh = _mm512_set4_epi32(0x00050002, 0x0007'0004, 0x0001'0006, 0x0003'0000);  // 3j % 8, j = 0..7
+      const __m512i m = _mm512_set1_epi16(7);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 12 * h - 4 * h)));
+        const __m512i g = _mm512_shuffle_epi8(w, _mm512_load_si512(kInt3Gather16.idx[h]));
+        x[h] = _mm512_and_si512(_mm512_srlv_epi16(g, sh), m);
+      }
+    }
+  }
+};
+
+// q' = q * step * sm_scale for the GB query rows q + g*DC against one block's key channels (UE5M3 steps step,
+// offsets z), coded as packed_query does not: qi + g*DC holds round(q' / qs[g]) in PackedCodes16<BITS>'s lane
+// order (per 64 channels), qs[g] = max|q'| / 32767 (0 for a zero row), and c[g] = sum_d q'[d] * z[d] (float).
+template <int DC, int GB, int BITS>
+inline void packed_query_i16(const float* q, float sm_scale, const uint8_t* step, const int8_t* z, int16_t* qi,
+                             float* qs, float* c) {
+  using V = VecF16;
+  constexpr int NV = DC / 16;
+  static_assert(DC % 64 == 0, "whole 64-channel units");
+  __m512 st[NV];
+  const __m512 sm = V::set1(sm_scale);
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) st[i] = V::mul(V::ue5m3(step + 16 * i), sm);
+  // lane p of a unit's pair takes natural channel channel(p): vpermt2w indices into [channels 0..31, 32..63]
+  alignas(64) static constexpr struct Perm {
+    int16_t idx[64];
+    constexpr Perm() : idx{} {
+      for (int p = 0; p < 64; ++p) idx[p] = static_cast<int16_t>(PackedCodes16<BITS>::channel(p));
+    }
+  } perm{};
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    __m512 x[NV], cz = V::zero(), mx = V::zero();
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      x[i] = V::mul(V::load(q + g * DC + 16 * i), st[i]);
+      cz = V::fma(x[i], V::load(z + 16 * i), cz);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x[i]));
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    qs[g] = m / 32767.0f;
+    const __m512 inv = V::set1(m > 0.0f ? 32767.0f / m : 0.0f);
+    int16_t* out = qi + g * DC;
+#pragma GCC unroll 2
+    for (int u = 0; u < DC / 64; ++u) {
+      __m512i nat[2];  // channels 64u .. 64u+31, 64u+32 .. 64u+63 as int16 (|x * inv| <= 32767: no clamp needed)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i lo = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(V::mul(x[4 * u + 2 * h], inv)));
+        const __m256i hi = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(V::mul(x[4 * u + 2 * h + 1], inv)));
+        nat[h] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      if constexpr (BITS == 3) {
+        _mm512_storeu_si512(out + 64 * u, nat[0]);
+        _mm512_storeu_si512(out + 64 * u + 32, nat[1]);
+      } else {
+        _mm512_storeu_si512(out + 64 * u, _mm512_permutex2var_epi16(nat[0], _mm512_loadu_si512(perm.idx), nat[1]));
+        _mm512_storeu_si512(out + 64 * u + 32,
+                            _mm512_permutex2var_epi16(nat[0], _mm512_loadu_si512(perm.idx + 32), nat[1]));
+      }
+    }
+    c[g] = _mm512_reduce_add_ps(cz);
+  }
+}
+
+// [sum(a[0]), ..., sum(a[7])] of eight 16-lane int32 registers: VecF16::hsum8's transpose on integers (single-uop
+// shuffles, where folding to eight lanes and hsum8_i32's vphaddd took about 29 uops).
+inline __m256i hsum8_i32x16(const __m512i* a) {
+  __m512i x[4], y[2];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    y[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi32(y[0], y[1]), _mm512_unpackhi_epi32(y[0], y[1]));
+  z = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(1, 0, 3, 2))));
+  return _mm512_castsi512_si256(
+      _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), z));
+}
+
+// score_rows for a sealed pool block's packed key rows (kbase + t*stride, t < lim) and the GB int16-coded query
+// rows of packed_query_i16: sc[g*ldsc + t] = qs[g] * (qi_g . code_t) + c[g], vmax as score_rows.
+template <int DC, int GB, int BITS>
+inline void scores_packed_i16(const int16_t* qi, const float* qs, const float* c, const uint8_t* kbase,
+                              int64_t stride, int64_t lim, float* sc, int64_t ldsc, __m256* vmax) {
+  using V = VecI16x32;
+  __m256 f[GB], add[GB];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    f[g] = _mm256_set1_ps(qs[g]);
+    add[g] = _mm256_set1_ps(c[g]);
+  }
+  for (int64_t t0 = 0; t0 < lim; t0 += 8) {
+    __m512i a[GB][8];
+    const uint8_t* rows[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      rows[u] = kbase + (t0 + std::min<int64_t>(u, lim - 1 - t0)) * stride;  // past the end: the last row again
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) a[g][u] = V::zero();
+    }
+#pragma GCC unroll 2
+    for (int64_t d = 0; d < DC; d += 64) {
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        __m512i k[2];
+        PackedCodes16<BITS>::load(rows[u], d, k);
+#pragma GCC unroll 2
+        for (int x = 0; x < 2; ++x) {
+#pragma GCC unroll 4
+          for (int g = 0; g < GB; ++g) a[g][u] = V::dot(a[g][u], k[x], V::load(qi + g * DC + d + 32 * x));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+      const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_i32x16(a[g])), f[g], add[g]);
+      _mm256_storeu_ps(sc + g * ldsc + t0, v);
+      vmax[g] = _mm256_max_ps(vmax[g], v);
+    }
+  }
+}
+
+// Where accumulate_packed_i16's int32 lanes land in channel order: register k = 2x + hh (unpacklo / unpackhi (hh)
+// of PackedCodes16's register x of two tokens), dword m holds the pair of word 8*(m/4) + 4*hh + m%4 of register x.
+// Output vector o (channels 16o .. 16o+15 of the unit) = blend(mask[o], permutex2var(r0, idx[0][o], r1),
+// permutex2var(r2, idx[1][o], r3)).
+template <int BITS>
+struct PairLanes {
+  alignas(64) int32_t idx[2][4][16];
+  uint16_t mask[4];
+  constexpr PairLanes() : idx{}, mask{} {
+    for (int k = 0; k < 4; ++k) {
+      for (int m = 0; m < 16; ++m) {
+        const int x = k / 2, hh = k % 2, ch = PackedCodes16<BITS>::channel(32 * x + 8 * (m / 4) + 4 * hh + m % 4);
+        idx[x][ch / 16][ch % 16] = m + 16 * hh;
+        if (x) mask[ch / 16] = static_cast<uint16_t>(mask[ch / 16] | (1u << (ch % 16)));
+      }
+    }
+  }
+};
+
+// accumulate for a sealed pool block's packed value rows (vbase + t*stride, t < lim) with integer weights: the
+// weights times the tokens' steps coded as int16 per (chunk, query head, value group of 64 channels), wi + (g*NU
+// + u)*ldw (wi[t] ~ w'[t] / ws[g*NU + u]), two tokens per vpdpwssd (their codes interleaved per channel, the
+// weights as one int32 pair), exact in int32 (a chunk's 2 * 32767 * 3 per token pair ... < 2^31 up to 65,536
+// tokens); then ac_g = ac_g * corr[g] + ws * sums (+ add[g*NU + u] over unit u, if add).
+template <int DC, int GB, int BITS>
+inline void accumulate_packed_i16(float* ac, const float* corr, const uint8_t* vbase, int64_t stride, int64_t lim,
+                                  const int16_t* wi, int64_t ldw, const float* ws, const float* add) {
+  using V = VecI16x32;
+  constexpr int NU = DC / 64;
+  static constexpr PairLanes<BITS> lanes{};
+#pragma GCC unroll 2
+  for (int u = 0; u < NU; ++u) {
+    __m512i a[GB][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) a[g][k] = V::zero();
+    }
+    for (int64_t t = 0; t < lim; t += 2) {
+      const bool two = t + 1 < lim;
+      const uint8_t* r0 = vbase + t * stride;
+      __m512i x0[2], x1[2];
+      PackedCodes16<BITS>::load(r0, 64 * u, x0);
+      PackedCodes16<BITS>::load(two ? r0 + stride : r0, 64 * u, x1);
+      __m512i wt[GB];
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) {
+        const int16_t* wr = wi + (g * NU + u) * ldw + t;
+        int32_t pair;
+        if (two) {
+          std::memcpy(&pair, wr, 4);
+        } else {
+          pair = static_cast<uint16_t>(wr[0]);  // the odd last token: its partner weighs 0
+        }
+        wt[g] = _mm512_set1_epi32(pair);
+      }
+#pragma GCC unroll 2
+      for (int x = 0; x < 2; ++x) {
+        const __m512i lo = _mm512_unpacklo_epi16(x0[x], x1[x]), hi = _mm512_unpackhi_epi16(x0[x], x1[x]);
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) {
+          a[g][2 * x] = V::dot(a[g][2 * x], lo, wt[g]);
+          a[g][2 * x + 1] = V::dot(a[g][2 * x + 1], hi, wt[g]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+      const __m512 f = _mm512_set1_ps(ws[g * NU + u]), cr = _mm512_set1_ps(corr[g]);
+      __m512 r[4];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) r[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(a[g][k]), f);
+      const __m512 ad = _mm512_set1_ps(add ? add[g * NU + u] : 0.0f);
+      float* o = ac + g * DC + 64 * u;
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m512 e = _mm512_permutex2var_ps(r[0], _mm512_load_si512(lanes.idx[0][v]), r[1]);
+        const __m512 d = _mm512_permutex2var_ps(r[2], _mm512_load_si512(lanes.idx[1][v]), r[3]);
+        const __m512 sum = _mm512_add_ps(_mm512_mask_blend_ps(lanes.mask[v], e, d), ad);
+        _mm512_storeu_ps(o + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * v), cr, sum));
+      }
+    }
+  }
+}
+#endif  // KVPAGE_AVX512
+
+// Whether packed_update scores sealed pool blocks' keys as integer dot products (scores_packed_i16) at head_dim DC.
+template <int DC>
+constexpr bool packed_int_scores() {
+#ifdef KVPAGE_AVX512
+  return DC > 0 && DC % 64 == 0;
+#else
+  return false;
+#endif
+}
+
 // One chunk of pool blocks (pc) through block_update for request rows as attend_range describes them: scores
 // from the key codes with each block's q' and c, values accumulated from the codes with weights w_t * step_t per
 // value group, their offsets' sums added once. Scratch: w (GB * NG score rows of ldsc floats), bytes (2 * NG rows
@@ -1006,9 +1294,22 @@ void packed_update(const Src& src, const PackedChunk& pc, const float* qf, float
         for (int g = 0; g < GB; ++g) vmax[g] = _mm256_set1_ps(NEG_INF);
         for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {  // in token order: a segment's padding lanes
           const int64_t kh = (pc.blk[i] * Hkv + h) * DC;             // are overwritten by the next one's scores
+          const int64_t cnt = std::min(pc.n[i], lim - pc.at[i]);
+#ifdef KVPAGE_AVX512
+          if constexpr (packed_int_scores<DC>()) {
+            if (src.int_dots) {
+            alignas(64) int16_t qi[GB * DC];
+            float qs[GB];
+            packed_query_i16<DC, GB, BITS>(qf + row * DC, sm_scale, src.key_scale + kh, src.key_zero + kh, qi, qs, c);
+            scores_packed_i16<DC, GB, BITS>(qi, qs, c, src.key + (pc.row[i] + h) * P, stride, cnt, sc + pc.at[i],
+                                            ldsc, vmax);
+            continue;
+            }
+          }
+#endif
           packed_query<DC, GB, Kk>(qf + row * DC, sm_scale, src.key_scale + kh, src.key_zero + kh, qp, c);
-          score_rows<DC, GB, Kk>(qp, src.key + (pc.row[i] + h) * P, stride, std::min(pc.n[i], lim - pc.at[i]), 1.0f,
-                                nullptr, 0, c, sc + pc.at[i], ldsc, vmax);
+          score_rows<DC, GB, Kk>(qp, src.key + (pc.row[i] + h) * P, stride, cnt, 1.0f, nullptr, 0, c,
+                                 sc + pc.at[i], ldsc, vmax);
         }
 #pragma GCC unroll 4
         for (int g = 0; g < GB; ++g) mx[g] = hmax8(vmax[g]);
@@ -1061,6 +1362,42 @@ void packed_update(const Src& src, const PackedChunk& pc, const float* qf, float
             add[g * NG + j] = sum;
           }
         }
+#ifdef KVPAGE_AVX512
+        if constexpr (packed_int_scores<DC>()) {
+          if (src.int_dots) {
+          static_assert(GS == 64, "one value group per 64-channel unit");
+          // the weights w' coded in place as int16 (row (g, j) of w read as 2*ldsc int16: code t is written over
+          // bytes of floats already read), one scale per (query head, group) of the chunk
+          float ws[GB * NG];
+#pragma GCC unroll 4
+          for (int gj = 0; gj < GB * NG; ++gj) {
+            float* wj = w + gj * ldsc;
+            int16_t* qj = reinterpret_cast<int16_t*>(wj);
+            __m256 mx8 = _mm256_setzero_ps();
+            int64_t t = 0;
+            for (; t + 8 <= lim; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(wj + t));
+            float mx = hmax8(mx8);
+            for (; t < lim; ++t) mx = std::max(mx, wj[t]);
+            ws[gj] = mx / 32767.0f;
+            const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+            const __m256 iv = _mm256_set1_ps(inv);
+            for (t = 0; t + 8 <= lim; t += 8) {
+              const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(wj + t), iv));
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(qj + t),
+                               _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
+            }
+            for (; t < lim; ++t) qj[t] = static_cast<int16_t>(std::nearbyint(std::min(wj[t] * inv, 32767.0f)));
+          }
+          const int16_t* wi = reinterpret_cast<const int16_t*>(w);
+          for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {
+            accumulate_packed_i16<DC, GB, BITS>(acc + row * DC, i ? one : corr, src.value + (pc.row[i] + h) * P,
+                                                stride, std::min(pc.n[i], lim - pc.at[i]), wi + pc.at[i], 2 * ldsc,
+                                                ws, i ? nullptr : add);
+          }
+          return;
+          }
+        }
+#endif
         for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {
           accumulate<DC, GB, Kv, GS>(acc + row * DC, i ? one : corr, src.value + (pc.row[i] + h) * P, stride,
                                     std::min(pc.n[i], lim - pc.at[i]), w + pc.at[i], ldsc, nullptr, 0,
@@ -1365,14 +1702,25 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor va
   }
 }
 
+// Whether sealed_attention with int_dots takes integer dot products over sealed pool blocks at this head_dim in
+// this build (scores_packed_i16, accumulate_packed_i16); elsewhere int_dots changes nothing.
+bool sealed_int_dots(int64_t head_dim) {
+#ifdef KVPAGE_AVX512
+  return head_dim == 64 || head_dim == 128;  // packed_int_scores over run()'s fixed widths
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 // Attention over quantize-on-seal (KIVI) layers: see SealedSource. Key-only layers pass has_value=false
-// (value tensors are then not read; pass the key tensors in their place).
+// (value tensors are then not read; pass the key tensors in their place). int_dots: SealedSource's.
 void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor key_scale, at::Tensor key_zero,
                       at::Tensor value, at::Tensor value_scale, at::Tensor value_zero, at::Tensor tail_key,
                       at::Tensor tail_value, at::Tensor sink_key, at::Tensor sink_key_scale, at::Tensor sink_value,
                       at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor seq_lens,
                       at::Tensor query_start_loc, at::Tensor reqs, int64_t bits, int64_t tail_enc, bool has_value,
-                      double sm_scale) {
+                      double sm_scale, bool int_dots) {
   const int64_t bs = key.size(1), Hkv = key.size(2), P = key.size(3), D = key_scale.size(2);
   TORCH_CHECK(D <= 512, "head_dim above 512");
   TORCH_CHECK(src_kind.scalar_type() == at::kByte && src_idx.scalar_type() == at::kLong, "src_kind uint8, src_idx int64");
@@ -1391,7 +1739,7 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
         static_cast<const uint8_t*>(tail_key.data_ptr()), static_cast<const uint8_t*>(tail_value.data_ptr()),
         sink_key.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_key_scale.data_ptr()),
         sink_value.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_value_scale.data_ptr()),
-        src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), src_kind.size(1), bs, Hkv, D, P, Gv};
+        src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), src_kind.size(1), bs, Hkv, D, P, Gv, int_dots};
     run(src, b, reqs.data_ptr<int64_t>(), reqs.numel(), has_value);
   };
   TORCH_CHECK(bits == 4 || bits == 3 || bits == 2, "bits must be 4, 3 or 2");
