@@ -1260,7 +1260,8 @@ inline void accumulate_packed_i16(float* ac, const float* corr, const uint8_t* v
 }
 #endif  // KVPAGE_AVX512
 
-// Whether packed_update scores sealed pool blocks' keys as integer dot products (scores_packed_i16) at head_dim DC.
+// Whether packed_update can take integer dot products over sealed pool blocks (scores_packed_i16,
+// accumulate_packed_i16) at head_dim DC; SealedSource::int_dots chooses them.
 template <int DC>
 constexpr bool packed_int_scores() {
 #ifdef KVPAGE_AVX512
@@ -1298,12 +1299,13 @@ void packed_update(const Src& src, const PackedChunk& pc, const float* qf, float
 #ifdef KVPAGE_AVX512
           if constexpr (packed_int_scores<DC>()) {
             if (src.int_dots) {
-            alignas(64) int16_t qi[GB * DC];
-            float qs[GB];
-            packed_query_i16<DC, GB, BITS>(qf + row * DC, sm_scale, src.key_scale + kh, src.key_zero + kh, qi, qs, c);
-            scores_packed_i16<DC, GB, BITS>(qi, qs, c, src.key + (pc.row[i] + h) * P, stride, cnt, sc + pc.at[i],
-                                            ldsc, vmax);
-            continue;
+              alignas(64) int16_t qi[GB * DC];
+              float qs[GB];
+              packed_query_i16<DC, GB, BITS>(qf + row * DC, sm_scale, src.key_scale + kh, src.key_zero + kh, qi, qs,
+                                             c);
+              scores_packed_i16<DC, GB, BITS>(qi, qs, c, src.key + (pc.row[i] + h) * P, stride, cnt, sc + pc.at[i],
+                                              ldsc, vmax);
+              continue;
             }
           }
 #endif
@@ -1365,36 +1367,36 @@ void packed_update(const Src& src, const PackedChunk& pc, const float* qf, float
 #ifdef KVPAGE_AVX512
         if constexpr (packed_int_scores<DC>()) {
           if (src.int_dots) {
-          static_assert(GS == 64, "one value group per 64-channel unit");
-          // the weights w' coded in place as int16 (row (g, j) of w read as 2*ldsc int16: code t is written over
-          // bytes of floats already read), one scale per (query head, group) of the chunk
-          float ws[GB * NG];
+            static_assert(GS == 64, "one value group per 64-channel unit");
+            // the weights w' coded in place as int16 (row (g, j) of w read as 2*ldsc int16: code t is written over
+            // bytes of floats already read), one scale per (query head, group) of the chunk
+            float ws[GB * NG];
 #pragma GCC unroll 4
-          for (int gj = 0; gj < GB * NG; ++gj) {
-            float* wj = w + gj * ldsc;
-            int16_t* qj = reinterpret_cast<int16_t*>(wj);
-            __m256 mx8 = _mm256_setzero_ps();
-            int64_t t = 0;
-            for (; t + 8 <= lim; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(wj + t));
-            float mx = hmax8(mx8);
-            for (; t < lim; ++t) mx = std::max(mx, wj[t]);
-            ws[gj] = mx / 32767.0f;
-            const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
-            const __m256 iv = _mm256_set1_ps(inv);
-            for (t = 0; t + 8 <= lim; t += 8) {
-              const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(wj + t), iv));
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(qj + t),
-                               _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
+            for (int gj = 0; gj < GB * NG; ++gj) {
+              float* wj = w + gj * ldsc;
+              int16_t* qj = reinterpret_cast<int16_t*>(wj);
+              __m256 mx8 = _mm256_setzero_ps();
+              int64_t t = 0;
+              for (; t + 8 <= lim; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(wj + t));
+              float mx = hmax8(mx8);
+              for (; t < lim; ++t) mx = std::max(mx, wj[t]);
+              ws[gj] = mx / 32767.0f;
+              const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+              const __m256 iv = _mm256_set1_ps(inv);
+              for (t = 0; t + 8 <= lim; t += 8) {
+                const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(wj + t), iv));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(qj + t),
+                                 _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
+              }
+              for (; t < lim; ++t) qj[t] = static_cast<int16_t>(std::nearbyint(std::min(wj[t] * inv, 32767.0f)));
             }
-            for (; t < lim; ++t) qj[t] = static_cast<int16_t>(std::nearbyint(std::min(wj[t] * inv, 32767.0f)));
-          }
-          const int16_t* wi = reinterpret_cast<const int16_t*>(w);
-          for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {
-            accumulate_packed_i16<DC, GB, BITS>(acc + row * DC, i ? one : corr, src.value + (pc.row[i] + h) * P,
-                                                stride, std::min(pc.n[i], lim - pc.at[i]), wi + pc.at[i], 2 * ldsc,
-                                                ws, i ? nullptr : add);
-          }
-          return;
+            const int16_t* wi = reinterpret_cast<const int16_t*>(w);
+            for (int64_t i = 0; i < pc.count && pc.at[i] < lim; ++i) {
+              accumulate_packed_i16<DC, GB, BITS>(acc + row * DC, i ? one : corr, src.value + (pc.row[i] + h) * P,
+                                                  stride, std::min(pc.n[i], lim - pc.at[i]), wi + pc.at[i], 2 * ldsc,
+                                                  ws, i ? nullptr : add);
+            }
+            return;
           }
         }
 #endif
