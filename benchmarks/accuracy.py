@@ -414,6 +414,41 @@ mixes pay about a bit per layer for 20-40%). Covering only the first 4 or 16 tok
 sealed with the sink in its groups) was worse than the whole block in a one-off run (`int4_rotated`: 0.0045 mean
 KLD of the three for both, against 0.0040).
 
+**Part of the first-block copy** (`kv_tries.py screen --variants <format>_sinkcopyK,<format>_sinkrows<n>`;
+`accuracy/tries/screen_int3_int3_rotated_int3_rotated_sinkcopyK_*.json`, `screen_int3_rotated_sinkrows1_*.json`;
+references re-measured in the same runs). Two ways to keep the copy's benefit for fewer bits: the keys only (block
+0's values read sealed: they are grouped per token, so the sink's outliers stretch only its own row's range), or
+block 0's first `n` rows only, with block 0 sealed **without** them in its groups (those rows replaced by row `n`
+before the seal, so the sink stretches no key channel's range; the rows covered read from the copy):
+
+| try | bits | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl | mean KLD / Δppl | mean KLD of the first three |
+|---|---|---|---|---|---|---|---|
+| `int4_rotated` (reference: int8 copy) | 4.633 | 0.0046 / +0.25% | 0.0037 / +0.72% | 0.0040 / +0.50% | 0.0492 / -2.99% | 0.0154 / -0.38% | 0.0041 |
+| `int4_rotated`, keys only | 4.504 | 0.0062 / +0.75% | 0.0044 / +0.69% | 0.0043 / -0.08% | 0.0447 / -1.51% | 0.0149 / -0.04% | 0.0050 |
+| `int4_rotated`, row 0 only | 4.383 | 0.0060 / +0.22% | 0.0040 / +0.80% | 0.0040 / +0.57% | 0.0487 / -2.25% | 0.0157 / -0.17% | 0.0047 |
+| `int4_rotated`, rows 0-1 | 4.391 | 0.0058 / -0.03% | 0.0042 / +0.62% | 0.0039 / +0.76% | 0.0549 / -1.89% | 0.0172 / -0.13% | 0.0046 |
+| `int4` (reference) | 4.633 | 0.0061 / +0.41% | 0.0068 / +0.71% | 0.0053 / +0.65% | 0.0582 / +2.71% | 0.0191 / +1.12% | 0.0061 |
+| `int4`, keys only | 4.504 | 0.0089 / +1.93% | 0.0084 / +0.79% | 0.0070 / +0.61% | 0.0512 / +3.75% | 0.0189 / +1.77% | 0.0081 |
+| `int3_rotated` (reference) | 3.633 | 0.0187 / -0.60% | 0.0187 / +2.49% | 0.0165 / +1.73% | 0.1407 / +2.89% | 0.0486 / +1.63% | 0.0180 |
+| `int3_rotated`, keys only | 3.504 | 0.0228 / -1.09% | 0.0221 / +2.88% | 0.0202 / +2.20% | 0.1199 / +1.69% | 0.0463 / +1.42% | 0.0217 |
+| `int3_rotated`, row 0 only | 3.383 | 0.0226 / +1.02% | 0.0194 / +2.66% | 0.0182 / +2.30% | 0.1375 / +2.77% | 0.0494 / +2.19% | 0.0201 |
+| `int3_rotated`, rows 0-1 | 3.391 | 0.0237 / +0.92% | 0.0210 / +2.66% | 0.0163 / +1.54% | 0.1306 / +2.86% | 0.0479 / +1.99% | 0.0203 |
+| `int3_rotated`, rows 0-3 | 3.407 | 0.0232 / -0.28% | 0.0184 / +2.74% | 0.0178 / +1.60% | 0.1377 / +5.49% | 0.0493 / +2.39% | 0.0198 |
+| `int3_rotated`, rows 0-7 | 3.439 | 0.0224 / +0.41% | 0.0191 / +3.54% | 0.0162 / +1.57% | 0.1570 / +9.99% | 0.0537 / +3.88% | 0.0192 |
+| `int3` (reference) | 3.633 | 0.0259 / +3.18% | 0.0311 / +3.79% | 0.0258 / +3.59% | 0.1702 / -5.12% | 0.0632 / +1.36% | 0.0276 |
+| `int3`, keys only | 3.504 | 0.0406 / +1.37% | 0.0361 / +3.91% | 0.0339 / +2.50% | 0.1956 / -1.98% | 0.0766 / +1.45% | 0.0369 |
+
+Keys only loses: KLD of the first three +20-22% rotated, +33-34% unrotated (the sink takes much of each query's
+weight, so its value row's rounding error, though confined to its own row, is multiplied by that weight). Row 0
+only keeps most of the copy's benefit at a quarter-bit less: KLD of the first three +12% (`int3_rotated`) and +15%
+(`int4_rotated`), the four members' mean +2%; covering rows 0-7 gains nothing over row 0 (the rest of the gap is
+block 0's other tokens read sealed, most on `gpl3`). It meets both 1,024-token bit floors (3.38 and 4.38 bits) at a
+better rate than the 6-bit copy (+7-11% for 0.055 bits), and the quarter-bit it frees would buy about seven more
+`int4` layers in a per-layer mix. **Not built this round**: block 0's sealed bytes stop being readable on their own
+(row 0 holds row 1's codes), so every reader that may meet block 0 without its copy (a prefix hit or a tier load
+after an idle copy was dropped, the transformers `Cache`, the CPU and Triton kernels' per-block sources, the
+reference) must carry the row with the block, and the kernels read block 0 from two sources.
+
 """
 
 

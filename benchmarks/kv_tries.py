@@ -28,8 +28,9 @@ Variants beyond the real formats (all fake quantization, in this file only):
 * **per-layer precision**: any format per layer (``int8``/``int4``/``int3``/``int2``, rotated or not, ``auto``),
   a quantize-on-seal layer optionally with its own window (``kv_quant_residual_tokens``; ``int2`` without its
   32-token window is the only way below ``int2``'s bits, which the mix at ``int2``'s budget uses);
-* **the first-block copy** at fewer bits or none (``<format>_sinkcopy<bits>``): the int8 copy costs 0.26 bits per
-  value at 1,024 tokens, the margin by which ``int4``/``int3`` miss their 4.6/3.6-bit floors there.
+* **the first-block copy** at fewer bits or none (``<format>_sinkcopy<bits>``), or of the keys only
+  (``<format>_sinkcopyK``, block 0's values read sealed): the int8 copy costs 0.26 bits per value at 1,024 tokens,
+  the margin by which ``int4``/``int3`` miss their 4.6/3.6-bit floors there.
 
 Usage (one thread; the machine is shared)::
 
@@ -208,6 +209,12 @@ class LayerPlan:
             read sealed), or fewer bits (:func:`sink_fake_quant`).
         window_bits: the window copies (the blocks before the query's own that a format with a window reads
             unsealed): 16 (the engine's float16 tail rows) or 8 (int8 rows as the first-block copy's).
+        sink_copy_values: whether the first-block copy holds the values too (``False``: keys only, block 0's values
+            read sealed: values are grouped per token, so the sink token's outliers stretch no other token's range,
+            while a key group spans the block's 32 tokens of one channel).
+        sink_copy_tokens: how many of block 0's first tokens the copy holds: fewer than the block's, block 0 is
+            sealed with those rows replaced by the first one after them (so they stretch no key group's range) and
+            its other rows are read sealed.
     """
 
     fmt: str = "auto"
@@ -218,6 +225,8 @@ class LayerPlan:
     residual_tokens: int | None = None
     sink_copy_bits: int = 8
     window_bits: int = 16
+    sink_copy_values: bool = True
+    sink_copy_tokens: int = BLOCK
 
 
 def fp_start_block(b: int, window: int, sink: bool) -> int:
@@ -248,7 +257,13 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     k_hat, v_hat = k16.clone(), v16.clone()
     if nf:
         n = nf * BLOCK
-        vb = v16[:n].view(nf, BLOCK, *v16.shape[1:])
+        n_copy = plan.sink_copy_tokens if fmt.sink_bits and plan.sink_copy_bits else BLOCK
+        if n_copy < BLOCK:  # block 0 sealed without the copied rows in its groups
+            k16s, v16s = k16.clone(), v16.clone()
+            k16s[:n_copy], v16s[:n_copy] = k16[n_copy], v16[n_copy]
+        else:
+            k16s, v16s = k16, v16
+        vb = v16s[:n].view(nf, BLOCK, *v16.shape[1:])
         v_hat[:n] = block_fake_quant(fmt, vb, VALUE, plan.value_levels).flatten(0, 1)
         if plan.pre_rope or plan.block_rope:
             at = positions % BLOCK if plan.block_rope else positions             # the angle taken off, re-applied
@@ -257,11 +272,12 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
             back = fmt.to_stored_basis(deq) if rot else deq
             k_hat[:n] = to_basis(apply_rope(back, at[:n], *rope))
         else:
-            kb = k16[:n].view(nf, BLOCK, *k16.shape[1:])
+            kb = k16s[:n].view(nf, BLOCK, *k16.shape[1:])
             k_hat[:n] = block_fake_quant(fmt, kb, KEY, plan.key_levels).flatten(0, 1)
         if fmt.sink_bits and plan.sink_copy_bits:
-            k_hat[:BLOCK] = sink_fake_quant(k16[:BLOCK], KEY, plan.sink_copy_bits)
-            v_hat[:BLOCK] = sink_fake_quant(v16[:BLOCK], VALUE, plan.sink_copy_bits)
+            k_hat[:n_copy] = sink_fake_quant(k16[:n_copy], KEY, plan.sink_copy_bits)
+            if plan.sink_copy_values:
+                v_hat[:n_copy] = sink_fake_quant(v16[:n_copy], VALUE, plan.sink_copy_bits)
     residual = fmt.default_residual_tokens if plan.residual_tokens is None else plan.residual_tokens
     window = math.ceil(residual / BLOCK)
     if plan.window_bits != 16:
@@ -314,11 +330,12 @@ def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt
 
 
 def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None, sink_copy_bits: int = 8,
-               window_bits: int = 16) -> float:
+               window_bits: int = 16, sink_copy_values: bool = True, sink_copy_tokens: int = BLOCK) -> float:
     """Effective bits per value of one SmolLM2 layer in ``fmt`` at ``num_tokens`` tokens (``auto``: 16, a 16-bit
     cache; a sealed format counts its window (``residual_tokens``, ``None``: the format's default) and first-block
     copy, as ``kvpage eval`` does; a copy at ``sink_copy_bits`` other than 8 is counted by
-    :func:`sink_copy_bytes` instead of the engine's int8 one; window copies at ``window_bits`` 8 as int8 rows)."""
+    :func:`sink_copy_bytes` instead of the engine's int8 one, half of them without ``sink_copy_values``; window
+    copies at ``window_bits`` 8 as int8 rows)."""
     if fmt == "auto":
         return 16.0
     f = get_format(fmt)
@@ -326,9 +343,12 @@ def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = N
         residual = f.default_residual_tokens if residual_tokens is None else residual_tokens
         bits = f.effective_bits_per_value(num_tokens=num_tokens, block_size=BLOCK, kv_heads=3, head_dim=64,
                                           residual_tokens=residual)
-        if f.sink_bits and num_tokens >= BLOCK and sink_copy_bits != 8:  # swap the int8 copy's bytes for these
+        if f.sink_bits and num_tokens >= BLOCK and (sink_copy_bits != 8 or not sink_copy_values
+                                                    or sink_copy_tokens != BLOCK):
             per_value = 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)               # bits per value per copied byte
-            bits += (sink_copy_bytes(sink_copy_bits, 64) - sink_copy_bytes(8, 64)) * per_value
+            kept = (sink_copy_bytes(sink_copy_bits, 64) * (1.0 if sink_copy_values else 0.5)
+                    * sink_copy_tokens / BLOCK)
+            bits += (kept - sink_copy_bytes(8, 64)) * per_value                 # swap the int8 copy's bytes for these
         if window_bits == 8:  # each window block's 16-bit rows (2 * 64 bytes per token and head) as int8 rows
             blocks = min(math.ceil(residual / BLOCK), num_tokens // BLOCK)
             bits += blocks * (sink_copy_bytes(8, 64) - 2 * 64 * 2) * 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)
@@ -350,8 +370,8 @@ class Variant:
 
     def bits(self, num_tokens: int = 1024) -> float:
         """Mean effective bits per value over the layers at ``num_tokens`` tokens (:func:`layer_bits`)."""
-        return float(np.mean([layer_bits(p.fmt, num_tokens, p.residual_tokens, p.sink_copy_bits, p.window_bits)
-                              for p in self.plans]))
+        return float(np.mean([layer_bits(p.fmt, num_tokens, p.residual_tokens, p.sink_copy_bits, p.window_bits,
+                                         p.sink_copy_values, p.sink_copy_tokens) for p in self.plans]))
 
 
 def uniform(name: str, fmt: str, layers: int = 30, **kw: Any) -> Variant:
@@ -705,6 +725,8 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
     for f in fmts:  # the first-block copy: without it, and at 6 and 4 bits (what the 1,024-token bit floors cost)
         if getattr(get_format(f), "sink_bits", 0):
             vs += [uniform(f"{f}_sinkcopy{b}", f, layers, sink_copy_bits=b) for b in (0, 6, 4)]
+            vs.append(uniform(f"{f}_sinkcopyK", f, layers, sink_copy_values=False))  # keys only, int8
+            vs += [uniform(f"{f}_sinkrows{t}", f, layers, sink_copy_tokens=t) for t in (1, 2, 4, 8)]
         if getattr(get_format(f), "default_residual_tokens", 0):  # a window: its copies as int8 rows
             vs.append(uniform(f"{f}_window8", f, layers, window_bits=8))
     sens = out / "sensitivity_int2.json"

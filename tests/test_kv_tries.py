@@ -170,6 +170,41 @@ def test_first_block_copy_bits_are_counted_and_read() -> None:
     assert len(torch.unique(y[0, 0])) <= 64
 
 
+@pytest.mark.parametrize(("values", "rows"), [(False, 32), (True, 1), (True, 4)])
+def test_part_of_the_first_block_copy_is_counted_and_read(values: bool, rows: int) -> None:
+    """The partial first-block copies: the keys only (half the copy's bytes; block 0's values read sealed) or the
+    first ``rows`` rows (``rows / 32`` of its bytes; block 0 sealed with those rows replaced by the next one, the
+    covered rows read from the copy), checked for a query in block 1 against attention built here."""
+    per_byte = 32 * 8 / (2 * 1024 * 64)
+    full = kv_tries.layer_bits("int4")
+    part = kv_tries.layer_bits("int4", sink_copy_values=values, sink_copy_tokens=rows)
+    assert full - part == pytest.approx(2 * 66 * per_byte * (1 - (1.0 if values else 0.5) * rows / 32))
+    fmt = get_format("int4")
+    T, H, Hkv, D = 40, 2, 1, 64
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(T, n, D, generator=g) for n in (H, Hkv, Hkv))
+    k[0] *= 20                                                       # a sink-like outlier row
+    plan = kv_tries.LayerPlan(fmt="int4", sink_copy_values=values, sink_copy_tokens=rows)
+    out = kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), plan, None, (None, None))
+    k16, v16 = k.half().float(), v.half().float()
+    ks16, vs16 = k16[:32].clone(), v16[:32].clone()
+    if rows < 32:
+        ks16[:rows], vs16[:rows] = k16[rows], v16[rows]              # sealed without the covered rows
+    seal = lambda x, kind: fmt.unseal_rotated(fmt.seal_rotated(x[None], kind), kind, torch.float32, D)[0]  # noqa: E731
+    k0, v0 = seal(ks16, KEY), seal(vs16, VALUE)
+    k0[:rows] = kv_tries.sink_fake_quant(k16[:rows], KEY)
+    if values:
+        v0[:rows] = kv_tries.sink_fake_quant(v16[:rows], VALUE)
+    i = 37
+    kk, vv = torch.cat([k0, k16[32:i + 1]]), torch.cat([v0, v16[32:i + 1]])
+    o = F.scaled_dot_product_attention(q[i:i + 1].transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                                       vv.transpose(0, 1)[None], enable_gqa=True)[0].transpose(0, 1)[0]
+    torch.testing.assert_close(out[i], o, rtol=1e-4, atol=1e-5)
+    whole = kv_tries.sealed_layer_attention(q, k, v, torch.arange(T), kv_tries.LayerPlan(fmt="int4"), None,
+                                            (None, None))
+    assert not torch.allclose(out[i], whole[i], rtol=0, atol=1e-6)
+
+
 def test_one_angle_per_block_is_pre_rope_with_positions_taken_within_the_block() -> None:
     """``block_rope`` takes off (and puts back) each key's offset in its block: for block 0, whose positions are
     their offsets, exactly ``pre_rope``; for later blocks not (their keys keep the block's first angle)."""
