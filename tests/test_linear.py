@@ -1,4 +1,5 @@
-"""PackedLinear: oneDNN-prepacked bf16 CPU weights match F.linear's numerics; every other case is plain F.linear."""
+"""PackedLinear: bf16 CPU weights packed for oneDNN or into AMX tiles match F.linear's numerics; every other case is
+plain F.linear."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from kvpage.model import linear as packed_linear
 from kvpage.model.config import ModelConfig
-from kvpage.model.linear import PackedLinear, packing_available
+from kvpage.model.linear import PACKINGS, AmxTiles, OneDnnBlocked, PackedLinear, packing_available, packing_for
+from kvpage.model.loader import weight_bytes
 from kvpage.model.llama import LlamaForCausalLM
 
 BF16_U = 2.0**-8  # bf16 unit roundoff (8-bit significand): one rounding moves a value by at most this, relatively
@@ -85,6 +87,50 @@ def test_copy_of_shared_weight_is_dropped_not_moved():
     copy.to("meta")
     assert not copy.is_packed and not list(copy.parameters())
     assert not PackedLinear(w.float(), copy_of_shared=True).is_packed  # never a dense second copy
+
+
+WORKING = [p for p in PACKINGS if p.works()]
+
+
+@pytest.mark.skipif(not WORKING, reason="no packing runs on this torch/CPU")
+@pytest.mark.parametrize("packing", WORKING, ids=lambda p: p.name)
+@pytest.mark.parametrize("m", [1, 5, 16, 31, 32, 33, 64, 100, 512])
+@pytest.mark.parametrize("n,k", [(960, 576), (17, 600), (50, 100), (33, 1536)])
+def test_each_packing_round_trips_and_matches_float64(packing, m, n, k):
+    """Every packing this machine runs (AMX tiles: whole 16-row tiles, rows beyond 32 in K slices, outputs and inputs
+    padded to 16 and 32): the weight back bit for bit, and products within one bf16 rounding of float64."""
+    w, x = _case(n, k, m, seed=7 * n + k + m)
+    packed = packing.pack(w)
+    assert torch.equal(packing.unpack(packed, n, k), w)
+    y = packing.matmul(x, packed, n)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = x.double() @ w.double().T
+    ours, theirs = _rel_err(y, ref), _rel_err(F.linear(x, w), ref)
+    assert ours.max() <= MAX_REL, ours.max()
+    assert ours.mean() <= 1.25 * theirs.mean() + 1e-4, (ours.mean(), theirs.mean())
+
+
+@pytest.mark.skipif(not AmxTiles().works(), reason="no AMX on this CPU/build")
+def test_amx_tiles_are_preferred_padded_and_checked(monkeypatch):
+    """Where AMX runs, PackedLinear takes the tiles (oneDNN with KVPAGE_AMX_LINEAR off); the tiles are padded to
+    16 outputs x 32 inputs, which weight_bytes counts; a packed tensor of the wrong size is refused by name."""
+    w, x = _case(50, 100, 3)
+    lin = PackedLinear(w)
+    assert lin.packing is packing_for(w) and isinstance(lin.packing, AmxTiles) and "packed=amx" in repr(lin)
+    assert lin.packed_nbytes == 64 * 128 * 2
+    model = torch.nn.Sequential(lin)
+    assert weight_bytes(model) == 64 * 128 * 2
+    assert torch.equal(lin(x.view(3, 1, 100)).view(3, 50), lin(x)) and lin(x[:0]).shape == (0, 50)
+    kernels = AmxTiles.kernels()
+    with pytest.raises(RuntimeError, match="packed holds"):
+        kernels.amx_linear(x, lin._packed[:-1], 50)
+    with pytest.raises(RuntimeError, match="2-D bfloat16"):
+        kernels.amx_linear(x.float(), lin._packed, 50)
+    monkeypatch.setattr(packed_linear, "AMX_ENABLED", False)
+    other = PackedLinear(w)
+    if OneDnnBlocked().works():
+        assert isinstance(other.packing, OneDnnBlocked) and torch.equal(other.weight, w)
+        assert other.packed_nbytes == 50 * 100 * 2
 
 
 def test_unsupported_cases_stay_plain_f_linear(monkeypatch):

@@ -1,106 +1,240 @@
-"""Bias-free linear layers whose bfloat16 CPU weights are prepacked once for oneDNN.
+"""Bias-free linear layers whose bfloat16 CPU weights are packed once for a matrix-multiply kernel.
 
 Why: on CPU, torch's ``F.linear`` in bfloat16 streams the weight at only ~7 GB/s
 when the batch is small (one thread, SmolLM2-135M shapes), no faster per
 parameter than float32 at twice the bytes, and decode is bound by exactly that
-read. The same weights reordered once into oneDNN's preferred blocked layout
-stream at ~10-15 GB/s: at one row 1.4x faster summed over a decoder layer's four
-projections and 1.7x for SmolLM2's 49152-row LM head, 1.1-2.0x per projection
-for 1 to 32 rows, 1.3-1.5x for 512-row prefill chunks (LM head 1.0x there).
-Measured on a Xeon with AMX/AVX512-BF16, one thread, weights cold in cache,
-end to end ~11 ms of a ~52 ms batch-1 decode step at depth 1,000 (commit
-message of the change that added this file). float32 gains nothing from
-packing (MKL's and oneDNN's packed float32 paths are at best 1.05x), float16
-only ~1.1x, so both stay on plain ``F.linear``.
+read. Two packings of the same bytes, behind one interface (:class:`WeightPacking`),
+the first that works on this CPU and torch chosen per weight (:data:`PACKINGS`):
 
-Where it comes from: the ops inductor's CPU freezing pass emits for a bfloat16
-linear (``torch/_inductor/fx_passes/mkldnn_fusion.py``):
-``torch.ops.mkldnn._reorder_linear_weight(weight [N, K])`` returns the weight
-as an opaque MKLDNN tensor in the blocked layout (same number of bytes as the
-dense weight; the dense one can then be freed), and
-``torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")`` computes
-``x @ weight.T`` from it. The batch-size hint of the reorder is left unset: one
-layout then serves decode and prefill, and it measured within noise of the
-per-batch-size layouts.
+* :class:`AmxTiles` (CPUs with AMX: Intel Xeon 4th generation and later): the weight
+  reordered into the AMX B tiles that ``TDPBF16PS`` reads, multiplied by kvpage's
+  own kernel (``ops/cpu/amx_linear.cpp``), which prefetches the weight's lines
+  ahead of the tiles it multiplies and costs ~1 us a call. A decode step's 121
+  SmolLM2-135M projections at 32 rows, one thread, weights cold: 31 ms with
+  oneDNN's packing, 22 ms with these tiles (1.4x; 1.2x at one row); at 2 threads
+  18.7 -> 11.6 ms. At 128 and 512 rows (prefill chunks) oneDNN's own kernel is
+  faster per projection (the tiles reach 0.92x and 0.79x of it) -- one weight
+  copy serves both, so the tiles take those too (``benchmarks/ab_commits.py``'s
+  mix, prefill included, is the check).
+* :class:`OneDnnBlocked` (any CPU oneDNN runs bfloat16 on): the weight reordered once
+  into oneDNN's preferred blocked layout streams at ~10-15 GB/s: at one row 1.4x
+  faster than ``F.linear`` summed over a decoder layer's four projections and 1.7x
+  for SmolLM2's 49152-row LM head, 1.3-1.5x for 512-row prefill chunks. Where it
+  comes from: the ops inductor's CPU freezing pass emits for a bfloat16 linear
+  (``torch/_inductor/fx_passes/mkldnn_fusion.py``):
+  ``torch.ops.mkldnn._reorder_linear_weight(weight [N, K])`` returns the weight as an
+  opaque MKLDNN tensor in the blocked layout (same number of bytes as the dense
+  weight; the dense one can then be freed), and
+  ``torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")`` computes
+  ``x @ weight.T`` from it. The batch-size hint of the reorder is left unset: one
+  layout then serves decode and prefill, within noise of per-batch-size layouts.
+
+float32 gains nothing from packing (MKL's and oneDNN's packed float32 paths are at
+best 1.05x), float16 only ~1.1x, so both stay on plain ``F.linear``.
 
 Numerics: bfloat16 inputs and weights, float32 accumulation, one rounding of
-each output to bfloat16: the same contract as ``F.linear`` in bfloat16 on CPU;
-the two differ only in summation order (so a few outputs differ by one bf16
-rounding step). The reorder is lossless (``to_dense()`` gives back the weight
-bit for bit).
+each output to bfloat16 (nearest even): the same contract as ``F.linear`` in
+bfloat16 on CPU; they differ only in summation order (so a few outputs differ by
+one bf16 rounding step). Both packings are lossless (``weight`` gives back the
+dense weight bit for bit).
 
 Fallback: the plain ``F.linear`` is used, with the dense weight kept as an
-ordinary parameter, whenever packing does not apply: a weight that is not a
-2-D bfloat16 CPU tensor (float32, float16, CUDA, ...), a torch without these
-ops or without oneDNN, a CPU that oneDNN cannot run bfloat16 on, the module
-switch :data:`ENABLED` off, or a one-time self-check of the ops failing. So the
-module runs on any CPU, any torch 2.x and any device.
+ordinary parameter, whenever no packing applies: a weight that is not a 2-D
+bfloat16 CPU tensor (float32, float16, CUDA, ...), a torch without the ops, a CPU
+that runs neither, the module switch :data:`ENABLED` off, or a packing's one-time
+self-check failing. So the module runs on any CPU, any torch 2.x and any device.
 """
 from __future__ import annotations
 
 import functools
 import os
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ENABLED", "PACK_TIED_LM_HEAD", "PackedLinear", "packing_available"]
+__all__ = ["AMX_ENABLED", "ENABLED", "PACKINGS", "PACK_TIED_LM_HEAD", "AmxTiles", "OneDnnBlocked", "PackedLinear",
+           "WeightPacking", "packing_available", "packing_for"]
 
 #: Pack bfloat16 CPU weights (``KVPAGE_PACKED_LINEAR=0`` turns it off). Read when a weight is packed,
 #: i.e. at model load; flipping it later does not unpack already-loaded models.
 ENABLED: bool = os.environ.get("KVPAGE_PACKED_LINEAR", "1") != "0"
+
+#: Prefer :class:`AmxTiles` where the CPU has AMX (``KVPAGE_AMX_LINEAR=0``: oneDNN's packing instead, e.g. for an
+#: A/B). Read when a weight is packed.
+AMX_ENABLED: bool = os.environ.get("KVPAGE_AMX_LINEAR", "1") != "0"
 
 #: With tied embeddings, also keep a packed copy of the embedding matrix for the LM head. This is
 #: a second copy of that matrix (the embedding lookup needs the dense one): ``V * E * 2`` bytes,
 #: 56.6 MB for SmolLM2-135M, +21% of its bf16 weights. ``KVPAGE_PACK_TIED_LM_HEAD=0`` turns it off.
 PACK_TIED_LM_HEAD: bool = os.environ.get("KVPAGE_PACK_TIED_LM_HEAD", "1") != "0"
 
+_CHECKED_ERRORS = (AttributeError, RuntimeError, NotImplementedError, TypeError)
 
-@functools.lru_cache(maxsize=None)
-def _onednn_bf16_works() -> bool:
-    """Whether this torch and CPU run the packed bfloat16 linear, checked once per process on a tiny case."""
-    try:
-        mkldnn = torch.ops.mkldnn
-        reorder, linear = mkldnn._reorder_linear_weight, mkldnn._linear_pointwise
-        if not torch.backends.mkldnn.is_available() or not mkldnn._is_mkldnn_bf16_supported():
+
+def _self_check(pack: Callable[[torch.Tensor], torch.Tensor],
+                matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> bool:
+    """Whether ``matmul(x, pack(w), N)`` is ``x @ w.T`` within bfloat16 rounding on a tiny case (odd sizes)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=gen).bfloat16()  # [N, K]
+    x = torch.randn(3, 40, generator=gen).bfloat16()  # [M, K]
+    with torch.no_grad():
+        y = matmul(x, pack(w), 48)  # [M, N]
+    ref = x.double() @ w.double().T
+    return y.dtype == torch.bfloat16 and y.shape == ref.shape and bool(
+        torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-2))
+
+
+class WeightPacking:
+    """A way to hold a 2-D bfloat16 CPU weight ``[N, K]`` for a kernel: pack once, multiply many times, unpack.
+
+    Subclasses implement the five methods; :data:`PACKINGS` lists them in order of preference.
+    """
+
+    #: Short name, shown in :meth:`PackedLinear.extra_repr`.
+    name = ""
+
+    def works(self) -> bool:
+        """Whether this torch and CPU run the packing (checked once per process, on a tiny case)."""
+        raise NotImplementedError
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` (contiguous bfloat16 CPU) -> the packed tensor (no side effects)."""
+        raise NotImplementedError
+
+    def unpack(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """The dense ``[N, K]`` weight of ``packed``, bit for bit, as a new tensor."""
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """``x [M, K]`` bfloat16 -> ``x @ weight.T`` ``[M, N]`` bfloat16 (float32 sums, one rounding)."""
+        raise NotImplementedError
+
+    def nbytes(self, packed: torch.Tensor, out_features: int, in_features: int) -> int:
+        """Bytes ``packed`` takes in memory."""
+        raise NotImplementedError
+
+
+class OneDnnBlocked(WeightPacking):
+    """oneDNN's blocked layout (an opaque MKLDNN tensor), multiplied by ``torch.ops.mkldnn._linear_pointwise``."""
+
+    name = "onednn"
+
+    @functools.lru_cache(maxsize=None)  # (one instance per class, module-level: the cache holds no garbage)
+    def works(self) -> bool:
+        """See :meth:`WeightPacking.works`."""
+        try:
+            mkldnn = torch.ops.mkldnn
+            if not torch.backends.mkldnn.is_available() or not mkldnn._is_mkldnn_bf16_supported():
+                return False
+            return _self_check(self.pack, self.matmul)
+        except _CHECKED_ERRORS:
             return False
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(48, 40, generator=gen).bfloat16()  # [N, K]
-        x = torch.randn(3, 40, generator=gen).bfloat16()  # [M, K]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """See :meth:`WeightPacking.pack`: an MKLDNN tensor of ``N * K`` bfloat16s."""
         with torch.no_grad():
-            y = linear(x, reorder(w), None, "none", [], "")  # [M, N]
-        ref = x.double() @ w.double().T
-        return y.dtype == torch.bfloat16 and y.shape == ref.shape and bool(
-            torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-2)
-        )
-    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
-        return False
+            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+    def unpack(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """See :meth:`WeightPacking.unpack`."""
+        return packed.to_dense()
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """See :meth:`WeightPacking.matmul` (any leading shape of ``x`` also works)."""
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def nbytes(self, packed: torch.Tensor, out_features: int, in_features: int) -> int:
+        """See :meth:`WeightPacking.nbytes`: the dense size, which the blocked layout keeps."""
+        return out_features * in_features * 2
+
+
+class AmxTiles(WeightPacking):
+    """AMX B tiles (``ops/cpu/amx_linear.cpp``: 16 outputs x 32 inputs per 1 KiB tile, zero-padded), multiplied by
+    kvpage's ``amx_linear`` kernel. Works where the kernels built with AMX and the OS grants the tile state."""
+
+    name = "amx"
+
+    @staticmethod
+    def kernels() -> ModuleType | None:
+        """The compiled CPU kernels (:func:`~kvpage.ops.cpu.build.load_kernels`: may build them once)."""
+        from kvpage.ops.cpu.build import load_kernels
+
+        return load_kernels()
+
+    def works(self) -> bool:
+        """See :meth:`WeightPacking.works` (the kernels are looked up each time: they can be turned off, e.g. by
+        ``KVPAGE_CPU_KERNELS=0``; the self-check runs once per build of them)."""
+        k = self.kernels()
+        return k is not None and self._checked(k)
+
+    @functools.lru_cache(maxsize=None)  # (one instance per class, module-level: the cache holds no garbage)
+    def _checked(self, kernels: ModuleType) -> bool:
+        """Whether ``kernels`` run AMX here and pass the self-check."""
+        try:
+            return bool(kernels.amx_linear_available()) and _self_check(self.pack, self.matmul)
+        except _CHECKED_ERRORS:
+            return False
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """See :meth:`WeightPacking.pack`: a flat bfloat16 tensor of ``ceil(N/16)*16 * ceil(K/32)*32`` elements."""
+        k = self.kernels()
+        assert k is not None  # works() was checked
+        return k.amx_pack_linear(weight.contiguous())
+
+    def unpack(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """See :meth:`WeightPacking.unpack`."""
+        k = self.kernels()
+        assert k is not None
+        return k.amx_unpack_linear(packed, out_features, in_features)
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """See :meth:`WeightPacking.matmul` (any leading shape of ``x`` also works)."""
+        k = self.kernels()
+        assert k is not None
+        lead = x.shape[:-1]
+        y = k.amx_linear(x.reshape(-1, x.shape[-1]), packed, out_features)  # [M, N]
+        return y.view(*lead, out_features)
+
+    def nbytes(self, packed: torch.Tensor, out_features: int, in_features: int) -> int:
+        """See :meth:`WeightPacking.nbytes`: the padded tiles."""
+        return packed.numel() * packed.element_size()
+
+
+#: The packings, most preferred first; :func:`packing_for` takes the first that works.
+PACKINGS: tuple[WeightPacking, ...] = (AmxTiles(), OneDnnBlocked())
+
+
+def packing_for(weight: torch.Tensor) -> WeightPacking | None:
+    """The packing :class:`PackedLinear` uses for ``weight`` (a 2-D bfloat16 strided CPU tensor, :data:`ENABLED`;
+    :class:`AmxTiles` only with :data:`AMX_ENABLED`), or ``None`` (plain ``F.linear``)."""
+    if not (ENABLED and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.layout == torch.strided and torch.backends.mkldnn.enabled):
+        return None
+    for packing in PACKINGS:
+        if isinstance(packing, AmxTiles) and not AMX_ENABLED:
+            continue
+        if packing.works():
+            return packing
+    return None
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    """Whether :class:`PackedLinear` would pack ``weight`` (2-D bfloat16 strided CPU tensor, ops working)."""
-    return (
-        ENABLED
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and weight.layout == torch.strided
-        and torch.backends.mkldnn.enabled
-        and _onednn_bf16_works()
-    )
+    """Whether :class:`PackedLinear` would pack ``weight`` (:func:`packing_for` finds a packing)."""
+    return packing_for(weight) is not None
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ weight.T`` (no bias), from a oneDNN-prepacked weight where that pays, else plain ``F.linear``.
+    """``y = x @ weight.T`` (no bias), from a packed weight (:func:`packing_for`) where that pays, else ``F.linear``.
 
     Shapes and dtypes: ``weight [N, K]`` (``out_features``, ``in_features``);
     ``forward(x [..., K]) -> [..., N]`` in ``x``'s dtype, which must equal the
     weight's (as for ``F.linear``).
 
-    Packed (2-D bfloat16 CPU weight, see the module docstring): the module holds
-    only the packed tensor; the dense weight passed in is not kept (drop your own
+    Packed (2-D bfloat16 CPU weight, see the module docstring; ``packing`` names the
+    :class:`WeightPacking`): the module holds only the packed tensor; the dense weight passed in is not kept (drop your own
     references to it to free it). ``weight`` then returns a fresh dense copy, for
     inspection; it is not a parameter, and ``parameters()`` does not list it.
     Moving or casting the module (``.to("cuda")``, ``.float()``, ...) unpacks
@@ -128,16 +262,22 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.copy_of_shared = copy_of_shared
         self._packed: torch.Tensor | None = None
+        self.packing: WeightPacking | None = None
         self._set_weight(weight.detach())
 
     def _set_weight(self, weight: torch.Tensor) -> None:
         self._parameters.pop("weight", None)
         self._packed = None
-        if packing_available(weight):
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())  # opaque [N, K]
+        self.packing = packing_for(weight)
+        if self.packing is not None:
+            self._packed = self.packing.pack(weight)
         elif not self.copy_of_shared:
             self._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+
+    def _dense(self) -> torch.Tensor:
+        """The dense ``[N, K]`` weight of the packed tensor (a new tensor)."""
+        assert self._packed is not None and self.packing is not None
+        return self.packing.unpack(self._packed, self.out_features, self.in_features)
 
     @property
     def is_packed(self) -> bool:
@@ -145,10 +285,17 @@ class PackedLinear(nn.Module):
         return self._packed is not None
 
     @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed weight (0 when not packed)."""
+        if self._packed is None or self.packing is None:
+            return 0
+        return self.packing.nbytes(self._packed, self.out_features, self.in_features)
+
+    @property
     def weight(self) -> torch.Tensor:
         """``[N, K]``: the parameter when unpacked; a new dense copy of the packed weight otherwise."""
         if self._packed is not None:
-            return self._packed.to_dense()
+            return self._dense()
         if "weight" not in self._parameters:
             raise AttributeError("this PackedLinear holds no weight (a dropped copy of a shared weight)")
         return self._parameters["weight"]
@@ -156,8 +303,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` → ``[..., N]``."""
         packed = self._packed
-        if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        if packed is not None and self.packing is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return self.packing.matmul(x, packed, self.out_features)
         return F.linear(x, self.weight)  # unpacked, or a mismatched input (F.linear raises its usual error)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> PackedLinear:
@@ -171,15 +318,16 @@ class PackedLinear(nn.Module):
         if probe.device.type == "cpu" and probe.dtype == torch.bfloat16:
             return self  # .to("cpu"), share_memory_(), ...: stays packed (MKLDNN tensors cannot be shared)
         if self.copy_of_shared:
-            self._packed = None
+            self._packed = self.packing = None
             return self
-        self._set_weight(fn(self._packed.to_dense()))
+        self._set_weight(fn(self._dense()))
         return self
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         if self._packed is not None and not self.copy_of_shared:
-            destination[prefix + "weight"] = self._packed.to_dense()
+            destination[prefix + "weight"] = self._dense()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.is_packed}"
+        packed = self.packing.name if self.is_packed and self.packing is not None else False
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={packed}"

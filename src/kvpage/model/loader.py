@@ -191,8 +191,8 @@ def load_model(
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights take in memory: parameters, persistent buffers (GGUF blocks kept as shipped) and
-    oneDNN-packed copies (:class:`~kvpage.model.linear.PackedLinear`, counted as their dense size, which the
-    blocked layout keeps); non-persistent buffers (RoPE tables) are left out."""
+    packed copies (:class:`~kvpage.model.linear.PackedLinear`, counted as the packing holds them: oneDNN's
+    blocked layout at the dense size, AMX tiles padded to 16 outputs by 32 inputs); non-persistent buffers (RoPE tables) are left out."""
     from kvpage.model.linear import PackedLinear
 
     seen: set[int] = set()
@@ -204,8 +204,8 @@ def weight_bytes(model: nn.Module) -> int:
             if t is not None and t.device.type != "meta" and id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
-        if isinstance(module, PackedLinear) and module.is_packed:
-            total += module.out_features * module.in_features * 2  # bfloat16 in oneDNN's blocked layout
+        if isinstance(module, PackedLinear):
+            total += module.packed_nbytes  # the packing's own tensor (oneDNN's blocked layout, AMX tiles)
     return total
 
 

@@ -29,6 +29,11 @@ void unseal_blocks(at::Tensor out, at::Tensor codes, at::Tensor scale, at::Tenso
 // gguf_matmul.cpp
 at::Tensor gguf_matmul(at::Tensor x, at::Tensor w, int64_t type, int64_t N);
 at::Tensor gguf_dequantize(at::Tensor w, int64_t type, int64_t N, int64_t K, bool bf16);
+// amx_linear.cpp
+bool amx_linear_available();
+at::Tensor amx_pack_linear(at::Tensor w);
+at::Tensor amx_unpack_linear(at::Tensor packed, int64_t N, int64_t K);
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N);
 // fused_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
@@ -50,6 +55,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unseal_blocks", &unseal_blocks, "dequantize whole int4/int3/int2 pool blocks (the inverse of seal_blocks, CPU)");
   m.def("gguf_matmul", &gguf_matmul, "x @ W.T with W as tiles of GGUF Q4_0/Q4_1/Q8_0 blocks, expanded in registers (CPU)");
   m.def("gguf_dequantize", &gguf_dequantize, "tiles of GGUF Q4_0/Q4_1/Q8_0 blocks to a dense float32 or bfloat16 matrix (CPU)");
+  m.def("amx_linear_available", &amx_linear_available,
+        "whether this build and CPU run amx_linear (AMX tiles with bfloat16, the OS granting the tile state)");
+  m.def("amx_pack_linear", &amx_pack_linear, "a bfloat16 weight [N, K] packed into AMX B tiles (CPU)");
+  m.def("amx_unpack_linear", &amx_unpack_linear, "the dense [N, K] weight of amx_pack_linear's tiles (CPU)");
+  m.def("amx_linear", &amx_linear, "x @ W.T in bfloat16 from AMX-packed W, float32 sums (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("rope_split", &rope_split, "RoPE on q/k of a fused qkv projection, split into q, k, v (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection (CPU)");

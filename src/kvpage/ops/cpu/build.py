@@ -48,7 +48,7 @@ import torch
 _HERE = Path(__file__).parent
 #: Translation units of the extension (bindings.cpp defines the module) and the header they share.
 SOURCES = tuple(_HERE / n for n in ("bindings.cpp", "paged_attention.cpp", "write_rows.cpp", "seal_blocks.cpp",
-                                    "fused_ops.cpp", "gguf_matmul.cpp"))
+                                    "fused_ops.cpp", "gguf_matmul.cpp", "amx_linear.cpp"))
 HEADERS = (_HERE / "kv_common.h",)
 #: Compiler flags: ``-fopenmp`` makes ``at::parallel_for`` run on torch's OpenMP threads (its body is inlined from
 #: ATen's headers into the kernels: compiled without OpenMP it silently runs serially, measured 1.0x at 2 threads,
