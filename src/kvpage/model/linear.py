@@ -9,13 +9,13 @@ the first that works on this CPU and torch chosen per weight (:data:`PACKINGS`):
 * :class:`AmxTiles` (CPUs with AMX: Intel Xeon 4th generation and later): the weight
   reordered into the AMX B tiles that ``TDPBF16PS`` reads, multiplied by kvpage's
   own kernel (``ops/cpu/amx_linear.cpp``), which prefetches the weight's lines
-  ahead of the tiles it multiplies and costs ~1 us a call. A decode step's 121
-  SmolLM2-135M projections at 32 rows, one thread, weights cold: 31 ms with
-  oneDNN's packing, 22 ms with these tiles (1.4x; 1.2x at one row); at 2 threads
-  18.7 -> 11.6 ms. At 128 and 512 rows (prefill chunks) oneDNN's own kernel is
-  faster per projection (the tiles reach 0.92x and 0.79x of it) -- one weight
-  copy serves both, so the tiles take those too (``benchmarks/ab_commits.py``'s
-  mix, prefill included, is the check).
+  ahead of the tiles it multiplies and costs ~1 us a call against oneDNN's ~15.
+  A decode step's 121 SmolLM2-135M projections, one thread, weights cold: at 32
+  rows 31.2 ms with oneDNN's packing, 21.6 ms with these tiles (1.44x); at one row
+  25.6 -> 19.8 ms; two threads at 32 rows 17.9 -> 11.8 ms. Prefill is the other
+  way round: compute-bound at 256-2,048 rows, oneDNN's kernel is faster (the
+  tiles take 1.2-1.4x its time per decoder layer), and the one packed copy serves
+  both; ``benchmarks/ab_commits.py``'s mix, prefill included, is the check.
 * :class:`OneDnnBlocked` (any CPU oneDNN runs bfloat16 on): the weight reordered once
   into oneDNN's preferred blocked layout streams at ~10-15 GB/s: at one row 1.4x
   faster than ``F.linear`` summed over a decoder layer's four projections and 1.7x

@@ -15,9 +15,15 @@
 //
 // The product: x padded to whole tiles (rows to 16, K to 32); output blocks of 32 columns (two B tiles) by 32 rows
 // (two A tiles, read straight from x) accumulate in four C tiles over all of K; rows beyond 32 run the same blocks
-// again with K in slices of kKSlice steps, the column pair's weight slice staying in L1 while every 32-row chunk
-// passes over it (partial sums parked in float32 between slices). Sums are float32 and each output is rounded once
-// to bfloat16 (round to nearest even): F.linear's contract in bfloat16 on CPU, up to summation order.
+// again with K in even slices of at most kKSlice steps, the column pair's weight slice staying in L1 while every
+// 32-row chunk passes over it (partial sums parked in float32 between slices), and x in blocks of kRowBlock rows,
+// each kept in L2 while all the weights pass. Sums are float32 and each output is rounded once to bfloat16 (round
+// to nearest even): F.linear's contract in bfloat16 on CPU, up to summation order.
+//
+// Where it is slower: prefill. Compute-bound at 256-2,048 rows, a product here takes ~40 cycles a TDPBF16PS against
+// oneDNN's ~26 (a decoder layer's four projections: 1.0x oneDNN's time at 128 rows, 0.83x at 256-512, 0.72-0.77x at
+// 2,048); one packed copy serves both, so prefill pays that (benchmarks/ab_commits.py's mix, prefill included, is the
+// check).
 //
 // Where the CPU or the build has no AMX (or the kernel is denied the tile state), amx_linear_available() is false and
 // the other functions raise; model/linear.py then packs for oneDNN instead.
