@@ -348,6 +348,7 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N) {
   }
   return y;
 #else
+  (void)M;
   TORCH_CHECK(false, "amx_linear: this build has no AMX (see amx_linear_available)");
   return at::Tensor();
 #endif
