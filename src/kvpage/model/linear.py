@@ -46,6 +46,7 @@ self-check failing. So the module runs on any CPU, any torch 2.x and any device.
 """
 from __future__ import annotations
 
+import abc
 import functools
 import os
 from types import ModuleType
@@ -87,7 +88,7 @@ def _self_check(pack: Callable[[torch.Tensor], torch.Tensor],
         torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-2))
 
 
-class WeightPacking:
+class WeightPacking(abc.ABC):
     """A way to hold a 2-D bfloat16 CPU weight ``[N, K]`` for a kernel: pack once, multiply many times, unpack.
 
     Subclasses implement the five methods; :data:`PACKINGS` lists them in order of preference.
@@ -96,22 +97,27 @@ class WeightPacking:
     #: Short name, shown in :meth:`PackedLinear.extra_repr`.
     name = ""
 
+    @abc.abstractmethod
     def works(self) -> bool:
         """Whether this torch and CPU run the packing (checked once per process, on a tiny case)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` (contiguous bfloat16 CPU) -> the packed tensor (no side effects)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def unpack(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
         """The dense ``[N, K]`` weight of ``packed``, bit for bit, as a new tensor."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """``x [M, K]`` bfloat16 -> ``x @ weight.T`` ``[M, N]`` bfloat16 (float32 sums, one rounding)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def nbytes(self, packed: torch.Tensor, out_features: int, in_features: int) -> int:
         """Bytes ``packed`` takes in memory."""
         raise NotImplementedError
