@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/ab_commits.py --base 8441d79 [--head WORKTREE] [--rounds 3] [--formats float32,int8]
                                     [--batch 1,8] [--tokens 48] [--prompt-tokens 0 | --mix]
+                                    [--dtype bfloat16 --weights-dtype dequantized]
 
 ``--base`` is checked out into a temporary ``git worktree`` (or, naming a checkout folder, used as it is:
 its kernels, built once into its ``.kvpage-extensions``, then serve every run); ``--head`` defaults to this checkout. Each round
@@ -14,8 +15,10 @@ summed over the batch. With ``--prompt-tokens N`` the load is prefill-heavy inst
 tokens each (distinct texts: no prefix hits), ``--tokens`` out, and the figure is prompt tokens per second of the
 whole run. With ``--mix`` it is the request mix of ``benchmarks/vs_vllm.py``'s batch rows: ``batch`` requests of
 64..512-token prompts (distinct texts), ``--tokens`` out each, and the figure is output tokens per second of the
-whole run, prefill included (``--batch 32 --tokens 128 --mix`` is that row). The table gives the median of the rounds and head / base; the load average is printed
-before and after (the machines are shared).
+whole run, prefill included (``--batch 32 --tokens 128 --mix`` is that row). The model runs as ``LLM(None)``
+does (the GGUF's blocks as shipped) unless ``--dtype`` / ``--weights-dtype`` say otherwise: ``--dtype bfloat16
+--weights-dtype dequantized`` is how ``vs_vllm.py`` runs kvpage (bf16 linears). The table gives the median of the
+rounds and head / base; the load average is printed before and after (the machines are shared).
 """
 from __future__ import annotations
 
@@ -36,8 +39,10 @@ import torch
 from kvpage import LLM, SamplingParams
 fmt, batch, tokens, threads, plen = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
                                      int(sys.argv[5]))
+dtype, weights_dtype = sys.argv[6], sys.argv[7]
 torch.set_num_threads(threads)
-llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=512 * 2**20, max_num_seqs=batch)
+llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=512 * 2**20, max_num_seqs=batch,
+          dtype=dtype, weights_dtype=weights_dtype)
 if plen < 0:  # the mix: prompts of 64..512 tokens (as benchmarks/vs_vllm.py's batch rows), distinct texts
     import random
     words = " ".join(f"word{k} is number {k * 13 % 97}." for k in range(600 * batch))
@@ -70,13 +75,14 @@ print(json.dumps({"tokens_per_s": rate}))
 """
 
 
-def run(src: Path, fmt: str, batch: int, tokens: int, threads: int, prompt_tokens: int = 0) -> float:
+def run(src: Path, fmt: str, batch: int, tokens: int, threads: int, prompt_tokens: int = 0, dtype: str = "auto",
+        weights_dtype: str = "auto") -> float:
     # each checkout compiles its CPU kernels into its own folder (ninja records source paths: a shared folder
     # would be rebuilt at every alternation)
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "KVPAGE_EXTENSIONS_DIR": str(src.parent / ".kvpage-extensions")}
-    out = subprocess.run([sys.executable, "-c", CHILD, fmt, str(batch), str(tokens), str(threads), str(prompt_tokens)],
-                         env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, fmt, str(batch), str(tokens), str(threads), str(prompt_tokens),
+                          dtype, weights_dtype], env=env, capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
 
 
@@ -94,6 +100,10 @@ def main() -> None:
     p.add_argument("--mix", action="store_true",
                    help="the request mix: batch requests of 64..512-token prompts, --tokens out each; report "
                         "output tokens/s of the whole run (prefill included)")
+    p.add_argument("--dtype", default="auto",
+                   help="the model's compute dtype (LLM's dtype; bfloat16 with --weights-dtype dequantized is what "
+                        "vs_vllm.py runs kvpage with: the bf16 linears)")
+    p.add_argument("--weights-dtype", default="auto", help="LLM's weights_dtype (auto: the GGUF's blocks as shipped)")
     args = p.parse_args()
     if args.mix and args.prompt_tokens:
         p.error("--mix and --prompt-tokens are two workloads: give one")
@@ -114,7 +124,8 @@ def main() -> None:
                     order = [("base", base / "src"), ("head", args.head / "src")]
                     for name, src in (order if r % 2 == 0 else order[::-1]):
                         res.setdefault((fmt, batch, name), []).append(
-                            run(src, fmt, batch, args.tokens, args.threads, args.prompt_tokens))
+                            run(src, fmt, batch, args.tokens, args.threads, args.prompt_tokens, args.dtype,
+                                args.weights_dtype))
         finally:
             if base != given:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
@@ -123,7 +134,8 @@ def main() -> None:
             else f"prefill (prompt tokens/s of the run, {args.prompt_tokens}-token prompts)" if args.prompt_tokens
             else "decode tokens/s")
     print(f"\nkvpage {what}, median of {args.rounds} interleaved rounds, {args.threads} thread(s), "
-          f"{args.tokens} tokens per request; base {args.base}, head {args.head}")
+          f"{args.tokens} tokens per request, dtype {args.dtype}, weights {args.weights_dtype}; base {args.base}, "
+          f"head {args.head}")
     print("| format | batch | base | head | head / base |")
     print("|---|---:|---:|---:|---:|")
     for fmt, batch in cases:
