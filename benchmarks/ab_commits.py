@@ -39,10 +39,11 @@ import torch
 from kvpage import LLM, SamplingParams
 fmt, batch, tokens, threads, plen = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
                                      int(sys.argv[5]))
-dtype, weights_dtype = sys.argv[6], sys.argv[7]
+# only what is asked for: an older base commit may not know weights_dtype
+model_args = {k: v for k, v in (("dtype", sys.argv[6]), ("weights_dtype", sys.argv[7])) if v != "auto"}
 torch.set_num_threads(threads)
 llm = LLM(None, progress=False, kv_cache_dtype=fmt, kv_cache_memory_bytes=512 * 2**20, max_num_seqs=batch,
-          dtype=dtype, weights_dtype=weights_dtype)
+          **model_args)
 if plen < 0:  # the mix: prompts of 64..512 tokens (as benchmarks/vs_vllm.py's batch rows), distinct texts
     import random
     words = " ".join(f"word{k} is number {k * 13 % 97}." for k in range(600 * batch))

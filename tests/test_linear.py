@@ -102,7 +102,7 @@ def test_each_packing_round_trips_and_matches_float64(packing, m, n, k):
     w, x = _case(n, k, m, seed=7 * n + k + m)
     packed = packing.pack(w)
     assert torch.equal(packing.unpack(packed, n, k), w)
-    y = packing.matmul(x, packed, n)
+    y = packing.matmul(x, packed, n, k)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     ref = x.double() @ w.double().T
     ours, theirs = _rel_err(y, ref), _rel_err(F.linear(x, w), ref)
@@ -110,10 +110,11 @@ def test_each_packing_round_trips_and_matches_float64(packing, m, n, k):
     assert ours.mean() <= 1.25 * theirs.mean() + 1e-4, (ours.mean(), theirs.mean())
 
 
-@pytest.mark.skipif(not AmxTiles().works(), reason="no AMX on this CPU/build")
+@pytest.mark.skipif(not PACKINGS[0].works(), reason="no AMX on this CPU/build")
 def test_amx_tiles_are_preferred_padded_and_checked(monkeypatch):
     """Where AMX runs, PackedLinear takes the tiles (oneDNN with KVPAGE_AMX_LINEAR off); the tiles are padded to
     16 outputs x 32 inputs, which weight_bytes counts; a packed tensor of the wrong size is refused by name."""
+    monkeypatch.setattr(packed_linear, "AMX_ENABLED", True)  # (whatever KVPAGE_AMX_LINEAR says here)
     w, x = _case(50, 100, 3)
     lin = PackedLinear(w)
     assert lin.packing is packing_for(w) and isinstance(lin.packing, AmxTiles) and "packed=amx" in repr(lin)
@@ -123,9 +124,17 @@ def test_amx_tiles_are_preferred_padded_and_checked(monkeypatch):
     assert torch.equal(lin(x.view(3, 1, 100)).view(3, 50), lin(x)) and lin(x[:0]).shape == (0, 50)
     kernels = AmxTiles.kernels()
     with pytest.raises(RuntimeError, match="packed holds"):
-        kernels.amx_linear(x, lin._packed[:-1], 50)
+        kernels.amx_linear(x, lin._packed[:-1], 50, 100)
     with pytest.raises(RuntimeError, match="2-D bfloat16"):
-        kernels.amx_linear(x.float(), lin._packed, 50)
+        kernels.amx_linear(x.float(), lin._packed, 50, 100)
+    with pytest.raises(RuntimeError, match="x has 64 inputs, the packed weight 100"):  # same tiles, wrong width
+        kernels.amx_linear(torch.zeros(3, 64, dtype=torch.bfloat16), lin._packed, 50, 100)
+    with pytest.raises(RuntimeError):
+        lin(torch.zeros(3, 64, dtype=torch.bfloat16))  # as F.linear raises
+    empty_k = PackedLinear(torch.zeros(50, 0, dtype=torch.bfloat16))  # K == 0: empty sums, zeros out
+    assert torch.equal(empty_k(torch.zeros(40, 0, dtype=torch.bfloat16)), torch.zeros(40, 50, dtype=torch.bfloat16))
+    xt = x.T.contiguous().T  # non-contiguous x
+    assert torch.equal(kernels.amx_linear(xt, lin._packed, 50, 100), kernels.amx_linear(x, lin._packed, 50, 100))
     monkeypatch.setattr(packed_linear, "AMX_ENABLED", False)
     other = PackedLinear(w)
     if OneDnnBlocked().works():

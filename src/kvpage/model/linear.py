@@ -76,16 +76,20 @@ _CHECKED_ERRORS = (AttributeError, RuntimeError, NotImplementedError, TypeError)
 
 
 def _self_check(pack: Callable[[torch.Tensor], torch.Tensor],
-                matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> bool:
-    """Whether ``matmul(x, pack(w), N)`` is ``x @ w.T`` within bfloat16 rounding on a tiny case (odd sizes)."""
+                matmul: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]) -> bool:
+    """Whether ``matmul(x, pack(w), N, K)`` is ``x @ w.T`` within bfloat16 rounding on two tiny cases: odd sizes, and
+    a model's (K a multiple of 32, more than 32 rows)."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(48, 40, generator=gen).bfloat16()  # [N, K]
-    x = torch.randn(3, 40, generator=gen).bfloat16()  # [M, K]
-    with torch.no_grad():
-        y = matmul(x, pack(w), 48)  # [M, N]
-    ref = x.double() @ w.double().T
-    return y.dtype == torch.bfloat16 and y.shape == ref.shape and bool(
-        torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-2))
+    for n, k, m in ((48, 40, 3), (40, 64, 40)):
+        w = torch.randn(n, k, generator=gen).bfloat16()  # [N, K]
+        x = torch.randn(m, k, generator=gen).bfloat16()  # [M, K]
+        with torch.no_grad():
+            y = matmul(x, pack(w), n, k)  # [M, N]
+        ref = x.double() @ w.double().T
+        if not (y.dtype == torch.bfloat16 and y.shape == ref.shape
+                and bool(torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-2))):
+            return False
+    return True
 
 
 class WeightPacking(abc.ABC):
@@ -113,8 +117,12 @@ class WeightPacking(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """``x [M, K]`` bfloat16 -> ``x @ weight.T`` ``[M, N]`` bfloat16 (float32 sums, one rounding)."""
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """``x [M, K]`` bfloat16 -> ``x @ weight.T`` ``[M, N]`` bfloat16 (float32 sums, one rounding).
+
+        Raises:
+            RuntimeError: ``x``'s last size is not ``in_features`` (as ``F.linear`` does).
+        """
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -128,7 +136,7 @@ class OneDnnBlocked(WeightPacking):
 
     name = "onednn"
 
-    @functools.lru_cache(maxsize=None)  # (one instance per class, module-level: the cache holds no garbage)
+    @functools.lru_cache(maxsize=None)  # (few instances: PACKINGS' and the tests'; each cached for the process)
     def works(self) -> bool:
         """See :meth:`WeightPacking.works`."""
         try:
@@ -148,7 +156,7 @@ class OneDnnBlocked(WeightPacking):
         """See :meth:`WeightPacking.unpack`."""
         return packed.to_dense()
 
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
         """See :meth:`WeightPacking.matmul` (any leading shape of ``x`` also works)."""
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
@@ -171,12 +179,12 @@ class AmxTiles(WeightPacking):
         return load_kernels()
 
     def works(self) -> bool:
-        """See :meth:`WeightPacking.works` (the kernels are looked up each time: they can be turned off, e.g. by
-        ``KVPAGE_CPU_KERNELS=0``; the self-check runs once per build of them)."""
+        """See :meth:`WeightPacking.works` (the kernels are looked up each time, as :func:`~kvpage.ops.cpu.build.
+        load_kernels` answers now (it caches its answer; tests reset it); the self-check runs once per module)."""
         k = self.kernels()
         return k is not None and self._checked(k)
 
-    @functools.lru_cache(maxsize=None)  # (one instance per class, module-level: the cache holds no garbage)
+    @functools.lru_cache(maxsize=None)  # (few instances: PACKINGS' and the tests'; each cached for the process)
     def _checked(self, kernels: ModuleType) -> bool:
         """Whether ``kernels`` run AMX here and pass the self-check."""
         try:
@@ -196,13 +204,14 @@ class AmxTiles(WeightPacking):
         assert k is not None
         return k.amx_unpack_linear(packed, out_features, in_features)
 
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
         """See :meth:`WeightPacking.matmul` (any leading shape of ``x`` also works)."""
         k = self.kernels()
         assert k is not None
         lead = x.shape[:-1]
-        y = k.amx_linear(x.reshape(-1, x.shape[-1]), packed, out_features)  # [M, N]
-        return y.view(*lead, out_features)
+        rows = x.reshape(lead.numel(), x.shape[-1])  # (not -1: K may be 0)
+        y = k.amx_linear(rows, packed, out_features, in_features)  # raises on a wrong K
+        return y.view(*lead, out_features)  # [..., N]
 
     def nbytes(self, packed: torch.Tensor, out_features: int, in_features: int) -> int:
         """See :meth:`WeightPacking.nbytes`: the padded tiles."""
@@ -215,12 +224,15 @@ PACKINGS: tuple[WeightPacking, ...] = (AmxTiles(), OneDnnBlocked())
 
 def packing_for(weight: torch.Tensor) -> WeightPacking | None:
     """The packing :class:`PackedLinear` uses for ``weight`` (a 2-D bfloat16 strided CPU tensor, :data:`ENABLED`;
-    :class:`AmxTiles` only with :data:`AMX_ENABLED`), or ``None`` (plain ``F.linear``)."""
+    :class:`AmxTiles` only with :data:`AMX_ENABLED`, :class:`OneDnnBlocked` only with
+    ``torch.backends.mkldnn.enabled``), or ``None`` (plain ``F.linear``)."""
     if not (ENABLED and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.layout == torch.strided and torch.backends.mkldnn.enabled):
+            and weight.layout == torch.strided):
         return None
     for packing in PACKINGS:
         if isinstance(packing, AmxTiles) and not AMX_ENABLED:
+            continue
+        if isinstance(packing, OneDnnBlocked) and not torch.backends.mkldnn.enabled:
             continue
         if packing.works():
             return packing
@@ -310,7 +322,7 @@ class PackedLinear(nn.Module):
         """``x [..., K]`` → ``[..., N]``."""
         packed = self._packed
         if packed is not None and self.packing is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return self.packing.matmul(x, packed, self.out_features)
+            return self.packing.matmul(x, packed, self.out_features, self.in_features)
         return F.linear(x, self.weight)  # unpacked, or a mismatched input (F.linear raises its usual error)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> PackedLinear:
@@ -322,7 +334,7 @@ class PackedLinear(nn.Module):
             return self
         probe = fn(torch.empty(0, dtype=torch.bfloat16))  # where does fn send a CPU bf16 tensor?
         if probe.device.type == "cpu" and probe.dtype == torch.bfloat16:
-            return self  # .to("cpu"), share_memory_(), ...: stays packed (MKLDNN tensors cannot be shared)
+            return self  # .to("cpu"), share_memory_(), ...: stays packed, as it is (not moved into shared memory)
         if self.copy_of_shared:
             self._packed = self.packing = None
             return self

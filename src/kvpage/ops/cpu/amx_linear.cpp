@@ -26,7 +26,12 @@
 // check).
 //
 // Where the CPU or the build has no AMX (or the kernel is denied the tile state), amx_linear_available() is false and
-// the other functions raise; model/linear.py then packs for oneDNN instead.
+// amx_linear raises (packing and unpacking still work, by scalar loops); model/linear.py then packs for oneDNN.
+//
+// Two departures from F.linear besides summation order: TDPBF16PS and VCVTNEPS2BF16 treat denormal inputs and
+// results as zero. And the tile state: each call configures the tiles on every thread it runs on and releases them
+// at the end, so AMX code elsewhere in the process must configure its own tiles per call (torch's brgemm users call
+// brgemm_release at the end of their ops, which makes the next call configure again).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -294,17 +299,18 @@ at::Tensor amx_unpack_linear(at::Tensor packed, int64_t N, int64_t K) {
   return out;
 }
 
-at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N) {
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
               "amx_linear: x must be a 2-D bfloat16 CPU tensor [M, K], got ", x.scalar_type(), " ", x.sizes());
-  const int64_t M = x.size(0), K = x.size(1), NB = blocks(N, kTileN), KS = blocks(K, kTileK);
+  TORCH_CHECK(x.size(1) == K, "amx_linear: x has ", x.size(1), " inputs, the packed weight ", K);
+  const int64_t M = x.size(0), NB = blocks(N, kTileN), KS = blocks(K, kTileK);
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.numel() == NB * KS * kTileBytes / 2,
               "amx_linear: packed holds ", packed.numel(), " elements, not the tiles of a [", N, ", ", K, "] weight");
 #ifdef KVPAGE_AMX
   TORCH_CHECK(tile_state_granted(), "amx_linear: the OS did not grant this process the AMX tile state");
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0 || K == 0) return y.zero_();  // (K == 0: empty sums)
   const int64_t Mp = blocks(M, 16) * 16, Kp = KS * kTileK;
   at::Tensor xp = x;
   if (Mp != M || Kp != K || !x.is_contiguous()) {  // whole tiles, zeros outside x

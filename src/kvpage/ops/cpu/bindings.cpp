@@ -33,7 +33,7 @@ at::Tensor gguf_dequantize(at::Tensor w, int64_t type, int64_t N, int64_t K, boo
 bool amx_linear_available();
 at::Tensor amx_pack_linear(at::Tensor w);
 at::Tensor amx_unpack_linear(at::Tensor packed, int64_t N, int64_t K);
-at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N);
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t N, int64_t K);
 // fused_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
