@@ -540,3 +540,25 @@ def test_int8_keys_as_codes_at_the_extremes(head_dim: int) -> None:
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert (got[0, 0] - v[:, 0].mean(dim=0)).abs().max() < 0.02  # zero q: uniform weights over the values
     assert (got.double() - float64_attention(q, k, v, s - 1)).abs().max().item() < LOOSE["int8"]
+
+
+def test_sealed_integer_dots_fall_back_past_the_int32_range() -> None:
+    """A chunk longer than the integer value sums hold exactly (int4: 4,369 tokens at codes of 15 times weights
+    of 32,767; blocks of 8,192 tokens here, read one block per chunk) takes the float weights: equal scores
+    (zero keys) give every token the largest weight code, and values alternating 0 and 1 over the channels
+    the largest code in half of them, where int32 sums wrap (regression: without the fall-back the outputs were
+    off by 0.37)."""
+    fmt, bs = "int4", 8192
+    if not cpu_module.cpu_backend().kernels.sealed_int_dots(64):
+        pytest.skip("this build takes no integer dot products over sealed blocks")
+    pair = Pair(fmt, kv_heads=1, head_dim=64, block_size=bs, num_blocks=5, integer_dots=True)
+    s = 3 * bs + 1  # block 0: its sink copy; block 1: the pool's codes; block 2: its window copy
+    k = torch.zeros(s, 1, 64)
+    v = (torch.arange(64) % 2).float().expand(s, 1, 64).contiguous()
+    table = [[0, 1, 2, 3]]
+    for a in range(0, s - 1, bs):  # the cached part, a block per step
+        q = torch.zeros(bs, 1, 64)
+        pair.step(table, [a + bs], [bs], q, k[a:a + bs], v[a:a + bs])
+    ref, got = pair.step(table, [s], [1], torch.randn(1, 1, 64), k[-1:], v[-1:])
+    torch.testing.assert_close(ref, v[-1:], rtol=0, atol=1e-2)  # int4 codes 0 and 15 of a UE5M3 step
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
