@@ -95,11 +95,16 @@ def _self_check(pack: Callable[[torch.Tensor], torch.Tensor],
 class WeightPacking(abc.ABC):
     """A way to hold a 2-D bfloat16 CPU weight ``[N, K]`` for a kernel: pack once, multiply many times, unpack.
 
-    Subclasses implement the five methods; :data:`PACKINGS` lists them in order of preference.
+    Subclasses implement the five abstract methods (and may narrow :meth:`allowed`); :data:`PACKINGS` lists them in
+    order of preference.
     """
 
     #: Short name, shown in :meth:`PackedLinear.extra_repr`.
     name = ""
+
+    def allowed(self) -> bool:
+        """Whether the switches let :func:`packing_for` choose this packing now (read at each call; default: yes)."""
+        return True
 
     @abc.abstractmethod
     def works(self) -> bool:
@@ -135,6 +140,10 @@ class OneDnnBlocked(WeightPacking):
     """oneDNN's blocked layout (an opaque MKLDNN tensor), multiplied by ``torch.ops.mkldnn._linear_pointwise``."""
 
     name = "onednn"
+
+    def allowed(self) -> bool:
+        """See :meth:`WeightPacking.allowed`: only with ``torch.backends.mkldnn.enabled``."""
+        return torch.backends.mkldnn.enabled
 
     @functools.lru_cache(maxsize=None)  # (few instances: PACKINGS' and the tests'; each cached for the process)
     def works(self) -> bool:
@@ -177,6 +186,10 @@ class AmxTiles(WeightPacking):
         from kvpage.ops.cpu.build import load_kernels
 
         return load_kernels()
+
+    def allowed(self) -> bool:
+        """See :meth:`WeightPacking.allowed`: only with :data:`AMX_ENABLED`."""
+        return AMX_ENABLED
 
     def works(self) -> bool:
         """See :meth:`WeightPacking.works` (the kernels are looked up each time, as :func:`~kvpage.ops.cpu.build.
@@ -230,11 +243,7 @@ def packing_for(weight: torch.Tensor) -> WeightPacking | None:
             and weight.layout == torch.strided):
         return None
     for packing in PACKINGS:
-        if isinstance(packing, AmxTiles) and not AMX_ENABLED:
-            continue
-        if isinstance(packing, OneDnnBlocked) and not torch.backends.mkldnn.enabled:
-            continue
-        if packing.works():
+        if packing.allowed() and packing.works():
             return packing
     return None
 
