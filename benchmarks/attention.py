@@ -25,10 +25,27 @@ request has ``depth`` cached tokens and decodes one new token, so the step write
   sees depth exactly ``depth`` and no reset is needed.
 
 Per-step state a model shares across layers (the metadata's tensors, the cpu
-backend's per-step source table) is built in the warm-up, not timed. Each sample
-times a loop of calls (enough for ~2 ms) and divides; reference and cpu samples
-alternate (A/B, order flipped each round) because the machine is shared. The
-table gives the median and the min of the samples, the KV bytes the step must
+backend's per-step source table) is built in the warm-up, not timed. Reference and
+cpu samples alternate (A/B, order flipped each round) because the machine is shared.
+
+* **Cold** (the default): each sample is one call with the KV out of every cache, as
+  in a model's decode step, where a layer's blocks were last read one step and all
+  other layers ago, while the code and the interpreter's state are warm from the
+  layer before. Before it, untimed: a buffer of four times the last-level cache (at
+  least 64 MiB, allocated once) is rewritten three times, which the cache keeps in
+  preference to lines read once (a single streaming pass left much of a depth-1,024
+  cache resident), then the same backend runs the same format on a one-request,
+  two-block cache of its own (code, dispatch and page walks warm again; batch 1,
+  depth 256, int4: 90 µs warm, ~400 µs after the flush alone).
+* ``--warm``: each sample times a loop of calls (enough for ~2 ms) and divides, so
+  every call but the first finds the KV where the previous one left it (in the
+  last-level cache when it fits).
+
+Either way glibc's heap is trimmed (``malloc_trim(0)``, untimed) before each sample:
+the next large ``free`` returns the memory freed since to the OS, and a cpu call right
+after a reference call otherwise paid for the reference's ~100 MiB of temporaries (a
+``brk`` of 4-6 ms inside the call: 3-4x the call itself at batch 32, depth 1,024,
+int8). The table gives the median and the min of the samples, the KV bytes the step must
 read (the whole blocks covering each context, all tensors incl. scales; for the
 sealed formats the pool blocks read plus the 16-bit window/open rows and the
 8-bit sink block with its scales), GB/s = bytes / median, that as a fraction of
@@ -38,6 +55,9 @@ count, read + write bytes counted), and the cpu/reference speed-up.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import functools
 import gc
 import json
 import math
@@ -94,6 +114,58 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * src.nbytes / best / 1e9
+
+
+def last_level_cache_bytes() -> int:
+    """This machine's largest CPU cache in bytes (Linux sysfs), or 32 MiB where it cannot be read."""
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * unit)
+    return best or 32 << 20
+
+
+@functools.cache
+def _eviction_buffer() -> torch.Tensor:
+    """The float32 buffer :func:`evict_caches` rewrites: 4x the last-level cache, at least 64 MiB (made once)."""
+    return torch.zeros(max(4 * last_level_cache_bytes(), 64 << 20) // 4, dtype=torch.float32)
+
+
+def evict_caches() -> None:
+    """Push every cache line of earlier work out of the CPU caches: rewrite :func:`_eviction_buffer` three times.
+
+    Reused lines are what a last-level cache keeps (a single streaming read or write leaves much of what it
+    held), so the buffer is read and written three times over; it is allocated once, so no page is faulted here.
+    """
+    buf = _eviction_buffer()
+    for _ in range(3):
+        buf.add_(1.0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or ``None`` (another C library, another OS)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def trim_heap() -> None:
+    """Return the heap's free memory to the OS now (glibc), so that no timed call pays for an earlier one's frees."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
 
 
 def build_spec(fmt: str) -> CacheSpec:
@@ -194,20 +266,28 @@ def sealed_case(fmt: str, batch: int, depth: int, gen: torch.Generator, setup_th
     return Case(calls, total, table.finish)
 
 
-def time_ab(calls: dict[str, Callable[[], torch.Tensor]], repeats: int, budget_s: float) -> tuple[dict[str, list[float]], int]:
+def time_ab(calls: dict[str, Callable[[], torch.Tensor]], repeats: int, budget_s: float,
+            primers: dict[str, Callable[[], torch.Tensor]] | None = None) -> tuple[dict[str, list[float]], int]:
     """Seconds per call, one sample per round and backend, rounds interleaved A/B (order flipped each round).
 
-    Two warm-up calls each; a sample loops enough calls for ~:data:`SAMPLE_S`. The round count is
-    ``repeats``, cut to fit ``budget_s`` but never below 3. Returns the samples and the round count.
+    Two warm-up calls each. Before each sample, untimed: :func:`trim_heap`, and when ``primers`` are given (cold
+    samples) :func:`evict_caches` then ``primers[name]()`` (the backend on a small cache of its own); a cold sample
+    is one call, a warm one loops enough calls for ~:data:`SAMPLE_S`. The round count is ``repeats``, cut to fit
+    ``budget_s`` (the evictions counted) but never below 3. Returns the samples and the round count.
     """
+    cold = primers is not None
     est: dict[str, float] = {}
     for name, f in calls.items():
         f()
         t = time.perf_counter()
         f()
         est[name] = time.perf_counter() - t
-    number = {n: max(1, int(SAMPLE_S / max(e, 1e-7))) for n, e in est.items()}
-    per_round = sum(est[n] * number[n] for n in calls)
+    t = time.perf_counter()
+    if cold:
+        evict_caches()
+    settle = time.perf_counter() - t
+    number = {n: 1 if cold else max(1, int(SAMPLE_S / max(e, 1e-7))) for n, e in est.items()}
+    per_round = sum(est[n] * number[n] + settle for n in calls)
     rounds = max(3, min(repeats, int(budget_s / max(per_round, 1e-9))))
     samples: dict[str, list[float]] = {n: [] for n in calls}
     names = list(calls)
@@ -217,6 +297,10 @@ def time_ab(calls: dict[str, Callable[[], torch.Tensor]], repeats: int, budget_s
         for r in range(rounds):
             for n in names if r % 2 == 0 else names[::-1]:
                 f, k = calls[n], number[n]
+                trim_heap()
+                if primers is not None:
+                    evict_caches()
+                    primers[n]()
                 t = time.perf_counter()
                 for _ in range(k):
                     f()
@@ -226,19 +310,26 @@ def time_ab(calls: dict[str, Callable[[], torch.Tensor]], repeats: int, budget_s
     return samples, rounds
 
 
-def run_row(fmt: str, batch: int, depth: int, repeats: int, budget_s: float, bandwidth: float, seed: int) -> dict:
-    """Prepare, time and summarize one (format, batch, depth) row; returns its JSON-able record."""
+def run_row(fmt: str, batch: int, depth: int, repeats: int, budget_s: float, bandwidth: float, seed: int,
+            cold: bool = True) -> dict:
+    """Prepare, time (``cold``: see :func:`time_ab`) and summarize one (format, batch, depth) row; its JSON-able record."""
     gen = torch.Generator().manual_seed(seed)
-    if fmt in SEALED:
-        # the prefill that fills the cache runs on the timing's own threads: with more, an OpenMP worker left
-        # spinning after it took samples from the timed calls (int4 at depth 4,096: 8.6 ms timed, 6.0 without it)
-        case = sealed_case(fmt, batch, depth, gen, torch.get_num_threads())
-    else:
-        case = token_case(fmt, batch, depth, gen)
+
+    def make(b: int, d: int) -> Case:
+        if fmt in SEALED:
+            # the prefill that fills the cache runs on the timing's own threads: with more, an OpenMP worker left
+            # spinning after it took samples from the timed calls (int4 at depth 4,096: 8.6 ms timed, 6.0 without it)
+            return sealed_case(fmt, b, d, gen, torch.get_num_threads())
+        return token_case(fmt, b, d, gen)
+
+    primer = make(1, 2 * build_spec(fmt).block_size - 1) if cold else None
+    case = make(batch, depth)
     try:
-        samples, rounds = time_ab(case.calls, repeats, budget_s)
+        samples, rounds = time_ab(case.calls, repeats, budget_s, primer.calls if primer else None)
     finally:
         case.close()
+        if primer:
+            primer.close()
     row: dict = {"format": fmt, "batch": batch, "depth": depth, "bytes": case.bytes_read, "rounds": rounds,
                  "load": list(os.getloadavg())}
     for n, s in samples.items():
@@ -275,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per row (default 15; cut by --budget)")
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of timed rounds per row before cutting (min 3 rounds)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads while timing (default 1)")
+    ap.add_argument("--warm", action="store_true",
+                    help="time loops of calls that find the KV where the last call left it (default: each call cold)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke test: batch 1,8, depth 256, float32,int8,int4, 3 rounds")
     ap.add_argument("--json", type=Path, default=None, help="write the header and rows here")
@@ -290,15 +383,21 @@ def main(argv: list[str] | None = None) -> int:
     select_backend("cpu", build_spec("float32").layer(0), "cpu")  # compile the kernels before any timing
     bandwidth = memory_bandwidth()
     header = {"torch": torch.__version__, "threads": a.threads, "cpus": os.cpu_count(), "copy_gbps": bandwidth,
+              "cache": "warm" if a.warm else "cold", "last_level_cache_bytes": last_level_cache_bytes(),
               "load": list(os.getloadavg()), "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}}
     print(f"# attention decode layer-step: {HEADS} q heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}; "
           f"torch {torch.__version__}, {a.threads} thread(s), {os.cpu_count()} cpus")
     print(f"# memory bandwidth (512 MiB copy, read+write): {bandwidth:.2f} GB/s; load {load()}", flush=True)
+    print("# " + ("warm: loops of calls, the KV where the last call left it" if a.warm else
+                  f"cold: one call per sample, the caches flushed before it (a {_eviction_buffer().nbytes >> 20} MiB "
+                  f"buffer rewritten; last-level cache {last_level_cache_bytes() >> 20} MiB), then the code warmed "
+                  f"on a small cache") +
+          "; heap trimmed before each sample", flush=True)
     rows = []
     for batch in batches:
         for depth in depths:
             for fmt in formats:
-                r = run_row(fmt, batch, depth, repeats, a.budget, bandwidth, a.seed)
+                r = run_row(fmt, batch, depth, repeats, a.budget, bandwidth, a.seed, cold=not a.warm)
                 rows.append(r)
                 print(f"B={batch:<3d} S={depth:<5d} {fmt:19s} ref {r['reference']['median_us']:10,.0f} µs  "
                       f"cpu {r['cpu']['median_us']:9,.1f} µs  x{r['speedup']:5.1f}  cpu {r['cpu']['gbps']:6.2f} GB/s "
