@@ -273,21 +273,26 @@ def time_ab(calls: dict[str, Callable[[], torch.Tensor]], repeats: int, budget_s
     Two warm-up calls each. Before each sample, untimed: :func:`trim_heap`, and when ``primers`` are given (cold
     samples) :func:`evict_caches` then ``primers[name]()`` (the backend on a small cache of its own); a cold sample
     is one call, a warm one loops enough calls for ~:data:`SAMPLE_S`. The round count is ``repeats``, cut to fit
-    ``budget_s`` (the evictions counted) but never below 3. Returns the samples and the round count.
+    ``budget_s`` (the untimed preparations counted) but never below 3. Returns the samples and the round count.
     """
-    cold = primers is not None
+    def prepare(name: str) -> None:
+        trim_heap()
+        if primers is not None:
+            evict_caches()
+            primers[name]()
+
     est: dict[str, float] = {}
+    settle: dict[str, float] = {}
     for name, f in calls.items():
         f()
         t = time.perf_counter()
+        prepare(name)
+        settle[name] = time.perf_counter() - t
+        t = time.perf_counter()
         f()
         est[name] = time.perf_counter() - t
-    t = time.perf_counter()
-    if cold:
-        evict_caches()
-    settle = time.perf_counter() - t
-    number = {n: 1 if cold else max(1, int(SAMPLE_S / max(e, 1e-7))) for n, e in est.items()}
-    per_round = sum(est[n] * number[n] + settle for n in calls)
+    number = {n: 1 if primers is not None else max(1, int(SAMPLE_S / max(e, 1e-7))) for n, e in est.items()}
+    per_round = sum(est[n] * number[n] + settle[n] for n in calls)
     rounds = max(3, min(repeats, int(budget_s / max(per_round, 1e-9))))
     samples: dict[str, list[float]] = {n: [] for n in calls}
     names = list(calls)
@@ -297,10 +302,7 @@ def time_ab(calls: dict[str, Callable[[], torch.Tensor]], repeats: int, budget_s
         for r in range(rounds):
             for n in names if r % 2 == 0 else names[::-1]:
                 f, k = calls[n], number[n]
-                trim_heap()
-                if primers is not None:
-                    evict_caches()
-                    primers[n]()
+                prepare(n)
                 t = time.perf_counter()
                 for _ in range(k):
                     f()
