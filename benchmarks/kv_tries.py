@@ -212,9 +212,12 @@ class LayerPlan:
         sink_copy_values: whether the first-block copy holds the values too (``False``: keys only, block 0's values
             read sealed: values are grouped per token, so the sink token's outliers stretch no other token's range,
             while a key group spans the block's 32 tokens of one channel).
-        sink_copy_tokens: how many of block 0's first tokens the copy holds: fewer than the block's, block 0 is
-            sealed with those rows replaced by the first one after them (so they stretch no key group's range) and
-            its other rows are read sealed.
+        sink_copy_tokens: how many of block 0's first tokens the copy holds (``None``: the format's own,
+            :meth:`~kvpage.formats.BlockFormat.copied_rows`, block 0 sealed as it is): fewer than the block's,
+            block 0 is sealed with those rows replaced by the first one after them (so they stretch no key group's
+            range) and its other rows are read sealed.
+        sink_rows_sealed: with ``sink_copy_tokens`` below the block's, block 0 is sealed as it is (the copied rows
+            in its groups, so the sealed block stays readable on its own) instead of without them.
     """
 
     fmt: str = "auto"
@@ -226,7 +229,8 @@ class LayerPlan:
     sink_copy_bits: int = 8
     window_bits: int = 16
     sink_copy_values: bool = True
-    sink_copy_tokens: int = BLOCK
+    sink_copy_tokens: int | None = None
+    sink_rows_sealed: bool = False
 
 
 def fp_start_block(b: int, window: int, sink: bool) -> int:
@@ -257,8 +261,12 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     k_hat, v_hat = k16.clone(), v16.clone()
     if nf:
         n = nf * BLOCK
-        n_copy = plan.sink_copy_tokens if fmt.sink_bits and plan.sink_copy_bits else BLOCK
-        if n_copy < BLOCK:  # block 0 sealed without the copied rows in its groups
+        own = plan.sink_copy_tokens is None
+        n_copy = fmt.copied_rows(BLOCK) if own else plan.sink_copy_tokens
+        if not (fmt.sink_bits and plan.sink_copy_bits):
+            n_copy = BLOCK
+        assert n_copy is not None
+        if n_copy < BLOCK and not (own or plan.sink_rows_sealed):  # block 0 sealed without the copied rows
             k16s, v16s = k16.clone(), v16.clone()
             k16s[:n_copy], v16s[:n_copy] = k16[n_copy], v16[n_copy]
         else:
@@ -330,7 +338,7 @@ def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt
 
 
 def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None, sink_copy_bits: int = 8,
-               window_bits: int = 16, sink_copy_values: bool = True, sink_copy_tokens: int = BLOCK) -> float:
+               window_bits: int = 16, sink_copy_values: bool = True, sink_copy_tokens: int | None = None) -> float:
     """Effective bits per value of one SmolLM2 layer in ``fmt`` at ``num_tokens`` tokens (``auto``: 16, a 16-bit
     cache; a sealed format counts its window (``residual_tokens``, ``None``: the format's default) and first-block
     copy, as ``kvpage eval`` does; a copy at ``sink_copy_bits`` other than 8 is counted by
@@ -343,12 +351,12 @@ def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = N
         residual = f.default_residual_tokens if residual_tokens is None else residual_tokens
         bits = f.effective_bits_per_value(num_tokens=num_tokens, block_size=BLOCK, kv_heads=3, head_dim=64,
                                           residual_tokens=residual)
-        if f.sink_bits and num_tokens >= BLOCK and (sink_copy_bits != 8 or not sink_copy_values
-                                                    or sink_copy_tokens != BLOCK):
+        own = f.copied_rows(BLOCK)                                              # rows the format's copy holds
+        tokens = own if sink_copy_tokens is None else sink_copy_tokens
+        if f.sink_bits and num_tokens >= BLOCK and (sink_copy_bits != 8 or not sink_copy_values or tokens != own):
             per_value = 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)               # bits per value per copied byte
-            kept = (sink_copy_bytes(sink_copy_bits, 64) * (1.0 if sink_copy_values else 0.5)
-                    * sink_copy_tokens / BLOCK)
-            bits += (kept - sink_copy_bytes(8, 64)) * per_value                 # swap the int8 copy's bytes for these
+            kept = sink_copy_bytes(sink_copy_bits, 64) * (1.0 if sink_copy_values else 0.5) * tokens / BLOCK
+            bits += (kept - sink_copy_bytes(8, 64) * own / BLOCK) * per_value   # swap the int8 copy's bytes
         if window_bits == 8:  # each window block's 16-bit rows (2 * 64 bytes per token and head) as int8 rows
             blocks = min(math.ceil(residual / BLOCK), num_tokens // BLOCK)
             bits += blocks * (sink_copy_bytes(8, 64) - 2 * 64 * 2) * 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)
@@ -727,6 +735,8 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
             vs += [uniform(f"{f}_sinkcopy{b}", f, layers, sink_copy_bits=b) for b in (0, 6, 4)]
             vs.append(uniform(f"{f}_sinkcopyK", f, layers, sink_copy_values=False))  # keys only, int8
             vs += [uniform(f"{f}_sinkrows{t}", f, layers, sink_copy_tokens=t) for t in (1, 2, 4, 8)]
+            vs += [uniform(f"{f}_sinkhead{t}", f, layers, sink_copy_tokens=t, sink_rows_sealed=True)
+                   for t in (1, 2, 4, 8, 16)]  # the first rows copied, block 0 sealed as it is
         if getattr(get_format(f), "default_residual_tokens", 0):  # a window: its copies as int8 rows
             vs.append(uniform(f"{f}_window8", f, layers, window_bits=8))
     sens = out / "sensitivity_int2.json"

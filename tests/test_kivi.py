@@ -30,7 +30,7 @@ from kvpage.formats.kivi import (
 )
 from kvpage.ops.attention import AttentionMetadata, paged_attention
 from kvpage.ops.sealed_attention import SealContext, sealed_attention
-from kvpage.spec import CacheSpec, TailLayout
+from kvpage.spec import CacheSpec, TailLayout, sink_rows
 
 from _forced import assert_greedy_agrees_up_to_a_near_tie, divergence, teacher_forced_logits
 from _kv_kinds import OfferingConnector
@@ -322,6 +322,9 @@ def test_effective_bits_hand_counted() -> None:
     got = fmt.effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64)
     assert got == pytest.approx(per_value + sink)
     assert got <= 5.0
+    # int4_rotated: the copy holds row 0 alone (within issue 34's 4.6 bits at 1,024 tokens)
+    rot = get_format("int4_rotated").effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64)
+    assert rot == pytest.approx(per_value + (8 + 16 / 64) / 1024) and rot <= 4.6
     # int2 with its one-block 16-bit window: the copy of the last block (the next token reads it)
     int2 = get_format("int2").effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64,
                                                        residual_tokens=32)
@@ -332,11 +335,14 @@ def test_effective_bits_hand_counted() -> None:
     assert int2b == pytest.approx((33 * 3648 + 2 * 2 * 32 * 3 * 64 * 2 + 2 * 32 * 3 * 66) * 8 / (2 * 1025 * 3 * 64))
     assert int2 <= 3.5
     # int3: 3-bit codes, int4's metadata and first-block copy, no window: 3.375 bits in the pool, 3.633 with the
-    # first-block copy at 1,024 tokens; 3.44 at 4,096 tokens (the evaluation set's tuning mean is 3.584)
+    # first-block copy at 1,024 tokens (int3_rotated's copy of row 0: 3.383); 3.44 at 4,096 tokens
     int3 = get_format("int3")
     assert int3.effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3, head_dim=64,
                                          residual_tokens=int3.default_residual_tokens) == pytest.approx(
         3 + (8 + 8) / 32 / 2 + (8 + 8) / 64 / 2 + sink)
+    rot3 = get_format("int3_rotated").effective_bits_per_value(num_tokens=1024, block_size=32, kv_heads=3,
+                                                               head_dim=64)
+    assert rot3 == pytest.approx(3.375 + (8 + 16 / 64) / 1024) and rot3 <= 3.6
     spec = CacheSpec.build(num_layers=1, num_kv_heads=3, head_dim=64, block_size=32, kv_cache_dtype="int3")
     assert spec.layer(0).bits_per_value == pytest.approx(3.375)
     assert int3.effective_bits_per_value(num_tokens=4096, block_size=32, kv_heads=3, head_dim=64) == pytest.approx(
@@ -353,8 +359,9 @@ def _reference_context(x: torch.Tensor, p: int, s: int, bs: int, name: str, kind
                        ) -> torch.Tensor:
     """What query ``p`` of a step ending at ``s`` tokens must read, ``[p + 1, kv_heads, head_dim]`` float64.
 
-    The blocks before its own: the first one 8-bit, the window (the ``window_blocks`` blocks before the
-    step's last query's own block) fp16, older ones sealed; then its own block's tokens up to ``p`` in fp16.
+    The blocks before its own: the first one sealed with its first ``sink_rows`` rows 8-bit, the window (the
+    ``window_blocks`` blocks before the step's last query's own block) fp16, older ones sealed; then its own
+    block's tokens up to ``p`` in fp16.
     """
     fmt, int8 = get_format(name), get_format("int8")
     xh = x[:s].half().float()
@@ -363,8 +370,10 @@ def _reference_context(x: torch.Tensor, p: int, s: int, bs: int, name: str, kind
     for j in range(own):
         blk = xh[j * bs:(j + 1) * bs]
         if j == 0:
-            q = int8.quantize(blk, kind=kind)
-            parts.append(int8.dequantize(q.codes, q.scale, torch.float64, kind=kind))
+            n = sink_rows(fmt, bs)
+            q = int8.quantize(blk[:n], kind=kind)
+            sealed = fmt.unseal(fmt.seal(blk[None], kind), kind, torch.float64, x.shape[-1])[0]
+            parts.append(torch.cat([int8.dequantize(q.codes, q.scale, torch.float64, kind=kind), sealed[n:]]))
         elif j >= last - window_blocks:
             parts.append(blk.double())
         else:

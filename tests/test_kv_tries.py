@@ -75,7 +75,8 @@ def test_fp_start_block() -> None:
                                                                 ("int2", None, 16), ("int2_rotated", 0, 16),
                                                                 ("int2_rotated", None, 8), ("int2", 64, 8)])
 def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | None, window_bits: int) -> None:
-    """Query by query, the harness equals attention over [int8 copy of block 0, sealed blocks, window at float16
+    """Query by query, the harness equals attention over [block 0 sealed, its first rows from the int8 copy,
+    sealed blocks, window at float16
     (``window_bits`` 8: as int8 rows), own block at float16 up to the query], built here from the formats' own calls
     (``residual``: the window in tokens, ``None`` the format's default; ``int2`` with 0 has no window)."""
     fmt = get_format(name)
@@ -93,14 +94,18 @@ def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | N
         ks, vs = [], []
         for j in range(b + 1):
             rows = slice(32 * j, min(32 * (j + 1), i + 1))
+            blk = lambda x, kind: fmt.unseal_rotated(fmt.seal_rotated(x[rows][None], kind), kind,  # noqa: E731
+                                                     torch.float32, D)[0]
             if j == b or (b - window <= j and j > 0 and window_bits == 16):
                 ks.append(k16[rows]), vs.append(v16[rows])
-            elif (b - window <= j and j > 0) or j == 0:  # a window block as int8 rows, or the first-block copy
+            elif b - window <= j and j > 0:  # a window block as int8 rows
                 ks.append(kv_tries.sink_fake_quant(k16[rows], KEY))
                 vs.append(kv_tries.sink_fake_quant(v16[rows], VALUE))
+            elif j == 0:  # the first block sealed, its first rows from the int8 copy (the format's copied_rows)
+                n = fmt.copied_rows(32)
+                ks.append(torch.cat([kv_tries.sink_fake_quant(k16[:n], KEY), blk(k16, KEY)[n:]]))
+                vs.append(torch.cat([kv_tries.sink_fake_quant(v16[:n], VALUE), blk(v16, VALUE)[n:]]))
             else:
-                blk = lambda x, kind: fmt.unseal_rotated(fmt.seal_rotated(x[rows][None], kind), kind,  # noqa: E731
-                                                         torch.float32, D)[0]
                 ks.append(blk(k16, KEY)), vs.append(blk(v16, VALUE))
         kk, vv = torch.cat(ks), torch.cat(vs)
         o = F.scaled_dot_product_attention(qs[i:i + 1].transpose(0, 1)[None], kk.transpose(0, 1)[None],
@@ -110,13 +115,14 @@ def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | N
 
 def test_int2_budget_mix_costs_int2s_bits() -> None:
     """Dropping int2's 32-token window saves what int3 costs over int2 at 1,024 tokens, so the int2-budget mix (10
-    layers int3, 10 int2 without the window) has int2's bits exactly."""
-    assert kv_tries.layer_bits("int2_rotated", residual_tokens=0) < kv_tries.layer_bits("int2_rotated")
-    two = kv_tries.uniform("int2_rotated", "int2_rotated")
+    layers int3, 10 int2 without the window) has int2's bits exactly (the unrotated formats: both copy the whole
+    first block)."""
+    assert kv_tries.layer_bits("int2", residual_tokens=0) < kv_tries.layer_bits("int2")
+    two = kv_tries.uniform("int2", "int2")
     order = list(range(30))
-    mix = [kv_tries.LayerPlan(fmt="int3_rotated") if i in order[:10] else
-           kv_tries.LayerPlan(fmt="int2_rotated", residual_tokens=0) if i in order[-10:] else
-           kv_tries.LayerPlan(fmt="int2_rotated") for i in range(30)]
+    mix = [kv_tries.LayerPlan(fmt="int3") if i in order[:10] else
+           kv_tries.LayerPlan(fmt="int2", residual_tokens=0) if i in order[-10:] else
+           kv_tries.LayerPlan(fmt="int2") for i in range(30)]
     assert kv_tries.Variant("mix", mix).bits() == pytest.approx(two.bits())
 
 
@@ -153,15 +159,15 @@ def test_token_wise_formats_read_every_token_as_stored() -> None:
 
 
 def test_first_block_copy_bits_are_counted_and_read() -> None:
-    """The first-block copy try: at 8 bits the engine's copy and bits; none removes exactly the copy's bytes
+    """The first-block copy try (``int4``: a copy of the whole block): at 8 bits the engine's copy and bits; none removes exactly the copy's bytes
     (``effective_bits_per_value`` without it); at 6 bits the codes take 6 bits and the step/zero 32 bits per row,
     and the rows read back within half a step of each row's range."""
-    eight = kv_tries.layer_bits("int4_rotated")
-    assert eight == pytest.approx(get_format("int4_rotated").effective_bits_per_value(
+    eight = kv_tries.layer_bits("int4")
+    assert eight == pytest.approx(get_format("int4").effective_bits_per_value(
         num_tokens=1024, block_size=32, kv_heads=3, head_dim=64))
     per_byte = 32 * 8 / (2 * 1024 * 64)        # bits per value of one byte per (token, head) over block 0
-    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=0) == pytest.approx(2 * 66 * per_byte)
-    assert eight - kv_tries.layer_bits("int4_rotated", sink_copy_bits=6) == pytest.approx(2 * (66 - 52) * per_byte)
+    assert eight - kv_tries.layer_bits("int4", sink_copy_bits=0) == pytest.approx(2 * 66 * per_byte)
+    assert eight - kv_tries.layer_bits("int4", sink_copy_bits=6) == pytest.approx(2 * (66 - 52) * per_byte)
     x = torch.randn(32, 3, 64, generator=torch.Generator().manual_seed(5)) * 3
     assert torch.equal(kv_tries.sink_fake_quant(x, KEY), kv_tries.sink_fake_quant(x, KEY, 8))
     y = kv_tries.sink_fake_quant(x, VALUE, 6)

@@ -239,10 +239,25 @@ class BlockFormat(KVFormat):
     Attributes:
         sink_bits: precision of the extra copy of a request's first block that attention reads instead of its
             codes (attention sinks); 0 keeps none. The group kind sizes its first-block slots from it.
+        sink_rows: how many of the first block's rows that copy holds (its first ones: the sink is token 0),
+            ``None`` for the whole block; the rest of the block is read from its sealed codes, which hold every
+            row, so a block 0 without its copy reads as any block does. :meth:`copied_rows` at a block size.
     """
 
     block_wise = True
     sink_bits: ClassVar[int] = 0
+    sink_rows: ClassVar[int | None] = None
+
+    def copied_rows(self, block_size: int) -> int:
+        """Rows of a first block of ``block_size`` tokens that the 8-bit copy holds: :attr:`sink_rows` (the whole
+        block when ``None``), at most the block, lowered to a divisor of ``2 * block_size`` (whole copies fill a
+        16-bit tail slot's bytes, :func:`~kvpage.spec.sinks_per_group`); 0 without a copy. No side effects."""
+        if not self.sink_bits:
+            return 0
+        n = block_size if self.sink_rows is None else max(1, min(self.sink_rows, block_size))
+        while (2 * block_size) % n:
+            n -= 1
+        return n
 
     @abstractmethod
     def names(self, kind: str) -> tuple[str, ...]:

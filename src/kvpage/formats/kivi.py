@@ -271,6 +271,8 @@ class SealedFormat(BlockFormat):
         step_search: the candidate steps of that search (UE5M3 codes relative to the min/max step's).
         sink_bits: precision of the extra copy of a request's first block (attention sinks,
             kept as in KVQuant, IntactKV and SKVQ).
+        sink_rows: rows of the first block that copy holds (``None``: all): the whole block here; ``int3``,
+            ``int3_rotated`` and ``int4_rotated`` copy row 0 alone (chosen per format by screening).
     """
 
     quantized = True
@@ -381,7 +383,8 @@ class SealedFormat(BlockFormat):
         block's pool block too), the 16-bit tail slot of its partial block, the 16-bit copies
         of the sealed blocks in the full-precision window (the ``ceil(residual_tokens /
         block_size)`` blocks before the next token's block), and, unless ``sink_bits`` is 0,
-        the 8-bit copy of its first block (int8 codes plus one float16 scale per token and head).
+        the 8-bit copy of its first block's ``sink_rows`` rows (int8 codes plus one float16 scale per token and
+        head).
 
         Raises:
             ValueError: ``num_tokens <= 0``.
@@ -392,7 +395,7 @@ class SealedFormat(BlockFormat):
         sealed, partial = divmod(num_tokens, bs)
         block_bytes = sum(s.nbytes for s in self.tensor_specs(block_size=bs, kv_heads=kv_heads, head_dim=head_dim))
         fp_block_bytes = 2 * bs * kv_heads * head_dim * 2
-        sink_bytes = 2 * bs * kv_heads * (head_dim + 2)
+        sink_bytes = 2 * self.copied_rows(bs) * kv_heads * (head_dim + 2)
         fp_blocks = (1 if partial else 0) + min(math.ceil(residual_tokens / bs), sealed)
         total = math.ceil(num_tokens / bs) * block_bytes + fp_blocks * fp_block_bytes
         total += sink_bytes if sealed and self.sink_bits else 0
@@ -435,19 +438,21 @@ class Int3Format(SealedFormat):
 
     Between ``int4`` and ``int2``: ``P = ceil(head_dim * 3 / 8)`` bytes per packed row (24 at head_dim 64), the
     metadata of ``int4``. At SmolLM2's geometry (3 kv heads, head_dim 64, blocks of 32) a sequence costs 3.375
-    bits per value in the pool, plus the 8-bit first-block copy: 3.633 at exactly 1,024 tokens, 3.584 averaged
-    over the evaluation set's tuning members (``benchmarks/ACCURACY.md``), 3.44 at 4,096.
+    bits per value in the pool, plus the 8-bit copy of its first token: 3.383 at exactly 1,024 tokens.
 
     Chosen on the tuning members (chunked-32, ``kvpage eval --suite``; ``benchmarks/ACCURACY.md``): no
-    full-precision window (one 32-token block would add 0.5 bits at 1,024 tokens), and the first-block copy kept:
-    without it KLD was 2-3x as high on three of the four members (gpl3 0.082 against 0.026 with the search below),
-    for 0.26 bits.
+    full-precision window (one 32-token block would add 0.5 bits at 1,024 tokens), and a first-block copy kept:
+    without one KLD was 2-3x as high on three of the four members (gpl3 0.082 against 0.026 with the search below).
+    The copy holds row 0 alone (``sink_rows = 1``, block 0 sealed as it is): 0.0280 mean KLD of the first three
+    tuning members against 0.0276 for the whole block, 0.25 bits less at 1,024 tokens (``int4`` lost 29% so and
+    keeps its whole block).
     """
 
     name = "int3"
     aliases = ("kivi3", "int3_kivi", "int3_zp")
     bits = 3
     default_residual_tokens = 0
+    sink_rows = 1
     #: int4's candidates. Wider searches clip more and measured worse, as at 2 bits (tuning members gpl3 /
     #: matplotlibrc KLD: -1..2 0.026 / 0.025, 0..2 0.033 / 0.028, -2..4 0.040 / 0.032, -3..8 0.049 / 0.038);
     #: int4's ``max_error`` of 0.6 steps gained nothing here (0.031 / 0.025).

@@ -10,12 +10,12 @@ Write (once per layer, following the step's :class:`~kvpage.ops.seal_plan.SealPl
    slot, new tokens from this step -- rounded to the tail dtype (so a block's bytes
    do not depend on whether prefill or decode filled it), sealed
    (:meth:`~kvpage.formats.BlockFormat.seal`) and written to the pool; first
-   blocks also get their 8-bit sink copy;
+   blocks also get their 8-bit sink copy of their first rows (:func:`~kvpage.spec.sink_rows`);
 2. new tokens of open blocks and window blocks go to their tail slots.
 
 Read (per request, after the write): its full blocks dequantized from the pool,
-with window blocks replaced by their 16-bit copies and the first block by its
-8-bit copy when they exist, then the open block's tokens from its tail slot.
+with window blocks replaced by their 16-bit copies and the first block's first
+rows by its 8-bit copy when they exist, then the open block's tokens from its tail slot.
 A query reads **its own block** at full precision (the block's rows as sealed,
 in the tail dtype, in the step that seals it; the open slot before): KIVI's
 group being filled stays in full precision, and it makes one rule for every
@@ -47,7 +47,7 @@ from kvpage.ops.attention import AttentionMetadata, check_inputs
 from kvpage.ops.causal import masked_attention, request_attention
 from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.seal_plan import RequestRead, SealPlan
-from kvpage.spec import LayerSpec
+from kvpage.spec import LayerSpec, sink_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +57,11 @@ class SealContext:
     Attributes:
         plan: the step's plan (shared by all layers).
         tails: global layer index -> that layer's tail tensors (name -> tensor): ``key``/``value``
-            ``[S * block_size, kv_heads, head_dim]`` 16-bit rows, ``sink_key``/``sink_value``
-            ``[K * block_size, kv_heads, head_dim]`` codes and ``sink_key_scale``/``sink_value_scale``
-            ``[K * block_size, kv_heads]`` in ``sink_format``'s layout (rows flat as
-            ``slot * block_size + offset``). Written in place by :func:`sealed_attention`.
+            ``[S * block_size, kv_heads, head_dim]`` 16-bit rows (flat as ``slot * block_size + offset``),
+            ``sink_key``/``sink_value`` ``[K * n, kv_heads, head_dim]`` codes and
+            ``sink_key_scale``/``sink_value_scale`` ``[K * n, kv_heads]`` in ``sink_format``'s layout (``n`` =
+            :func:`~kvpage.spec.sink_rows` rows per copy, flat as ``slot * n + offset``). Written in place by
+            :func:`sealed_attention`.
         sink_format: the token-wise format of the first-block (sink) copies (``int8``).
     """
 
@@ -103,9 +104,8 @@ class SealCodec:
 
     def write_sink(self, codes: torch.Tensor, scales: torch.Tensor, sink_format: TokenFormat, kind: str,
                    rows: torch.Tensor, dst: torch.Tensor) -> None:
-        """Quantize ``rows`` (``[n, kv_heads, head_dim]``) with ``sink_format`` into rows ``dst`` (``[n]`` int64) of
-        the sink ``codes`` (``[K * block_size, kv_heads, head_dim]``) and ``scales`` (``[K * block_size, kv_heads]``),
-        in place."""
+        """Quantize ``rows`` (``[m, kv_heads, head_dim]``) with ``sink_format`` into rows ``dst`` (``[m]`` int64) of
+        the sink ``codes`` (``[K * n, kv_heads, head_dim]``) and ``scales`` (``[K * n, kv_heads]``), in place."""
         q = sink_format.quantize(rows, kind=kind)
         assert q.scale is not None  # the sink format stores a scale per token and head
         codes.index_copy_(0, dst, q.codes)
@@ -150,9 +150,10 @@ def write_sealed(
         blocks = data.view(m, bs, *x.shape[1:])                                # [m, bs, Hkv, D]
         codec.write_blocks(cache, fmt, kind, blocks, plan.seal_ids)
         if plan.sink_pos.numel():
-            dst = (plan.sink_slots[:, None] * bs + torch.arange(bs, device=x.device)).flatten()
+            n = sink_rows(fmt, bs)
+            dst = (plan.sink_slots[:, None] * n + torch.arange(n, device=x.device)).flatten()
             codec.write_sink(tail["sink_" + kind], tail["sink_" + _scale_name(kind)], sink_format, kind,
-                             blocks[plan.sink_pos].flatten(0, 1), dst)
+                             blocks[plan.sink_pos, :n].flatten(0, 1), dst)
     codec.move_rows(rows, plan.tail_dst, xt, plan.tail_src)
     return blocks
 
@@ -279,8 +280,8 @@ def sealed_request_attention(
 
 def read_window_copies(tail: Mapping[str, torch.Tensor], spec: LayerSpec, read: RequestRead, dtype: torch.dtype,
                        first: int = 0) -> WindowCopies:
-    """The request's window copies from block ``first`` on (block 0's only without a first-block copy, which
-    :func:`read_sealed` reads instead), in ``dtype``. No side effects."""
+    """The request's window copies from block ``first`` on (block 0's only without a first-block copy: with one,
+    :func:`read_sealed` reads that block from its codes and the copy), in ``dtype``. No side effects."""
     bs = spec.block_size
     blocks = [(j, slot) for j, slot in read.fp_blocks if j >= first and not (j == 0 and read.sink_slot is not None)]
     dev = tail[KEY].device
@@ -298,18 +299,22 @@ def read_sealed(
     """One request's context keys or values from block ``first`` on (a windowed layer's earlier blocks are never
     read: :func:`first_read_block`), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype`` (no
     side effects). ``copies``: blocks with a window copy (``read.fp_blocks``) read from it; ``False``: as stored.
-    ``codec`` dequantizes the pool blocks."""
+    A first block with an 8-bit copy (``read.sink_slot``) reads its first :func:`~kvpage.spec.sink_rows` rows from
+    it and the others as stored (never from a window copy). ``codec`` dequantizes the pool blocks."""
     bs, d = spec.block_size, spec.head_dim
     rows = tail[kind]
     ids = read.full_ids[first:]
     full = codec.read_blocks(cache, fmt, kind, ids, dtype, d)                  # [nf-first, bs, Hkv, D]
+    sink = read.sink_slot is not None and first == 0 and ids.numel() > 0
     for j, slot in read.fp_blocks if copies else ():
-        if j >= first:
+        if j >= first and not (j == 0 and sink):
             full[j - first] = rows[slot * bs:(slot + 1) * bs]
-    if read.sink_slot is not None and first == 0:
-        a = read.sink_slot * bs
-        codes, scales = tail["sink_" + kind][a:a + bs], tail["sink_" + _scale_name(kind)][a:a + bs]
-        full[0] = sink_format.dequantize(codes, scales, dtype, kind=kind)
+    if sink:
+        assert read.sink_slot is not None
+        n = sink_rows(fmt, bs)
+        a = read.sink_slot * n
+        codes, scales = tail["sink_" + kind][a:a + n], tail["sink_" + _scale_name(kind)][a:a + n]
+        full[0, :n] = sink_format.dequantize(codes, scales, dtype, kind=kind)
     out = full.flatten(0, 1)                                                   # [nf*bs, Hkv, D]
     if read.open_slot is not None:
         a = read.open_slot * bs

@@ -17,10 +17,12 @@ from kvpage.spec.kinds import (
     TailLayout,
     blocks_per_slot,
     kind_of,
+    sink_rows,
+    sinks_per_group,
     tail_dtype,
 )
 from kvpage.spec.layer import LayerSpec
 
 __all__ = ["SPEC_VERSION", "CacheSizing", "CacheSpec", "FullAttention", "GroupKind", "GroupMemory", "LayerGroupSpec",
            "LayerSpec", "Sealed", "SealedWindow", "SlidingWindow", "TailLayout", "blocks_per_slot", "kind_of",
-           "format_group_name", "missing_scales_error", "tail_dtype"]
+           "format_group_name", "missing_scales_error", "sink_rows", "sinks_per_group", "tail_dtype"]

@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
-from kvpage.formats import KEY, VALUE, BlockFormat
+from kvpage.formats import KEY, VALUE, BlockFormat, KVFormat
 
 if TYPE_CHECKING:
     from kvpage.spec.cache_spec import LayerGroupSpec
     from kvpage.spec.layer import LayerSpec
 
 __all__ = ["CacheSizing", "FullAttention", "GroupKind", "GroupMemory", "Sealed", "SealedWindow", "SlidingWindow",
-           "TailLayout", "blocks_per_slot", "for_kind", "kind_of", "tail_dtype"]
+           "TailLayout", "blocks_per_slot", "for_kind", "kind_of", "sink_rows", "sinks_per_group", "tail_dtype"]
 
 
 def tail_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -165,6 +165,19 @@ def blocks_per_slot(layer: LayerSpec) -> int | None:
     if (VALUE in specs and layer.has_value and int(specs[VALUE].shape[2]) != p) or (2 * d) % p:
         return None
     return 2 * d // p
+
+
+def sink_rows(fmt: KVFormat, block_size: int) -> int:
+    """Rows of a request's first block that the 8-bit first-block copy of ``fmt`` at ``block_size`` holds
+    (:meth:`~kvpage.formats.BlockFormat.copied_rows`), 0 when the format keeps no copy. No side effects."""
+    return fmt.copied_rows(block_size) if isinstance(fmt, BlockFormat) else 0
+
+
+def sinks_per_group(layer: LayerSpec) -> int:
+    """First-block copies one carved group holds: its 16-bit slot's code bytes (``2 * block_size`` int8 rows per
+    kv head) over a copy's :func:`sink_rows` int8 rows; 0 when the format keeps no copy. No side effects."""
+    n = sink_rows(layer.format, layer.block_size)
+    return 2 * layer.block_size // n if n else 0
 
 
 class GroupKind:
@@ -306,8 +319,8 @@ class Sealed(GroupKind):
         return r if num_blocks >= request + (window + provisional + 4) * r else None
 
     def tail(self, group: LayerGroupSpec, sizing: CacheSizing, num_blocks: int | None = None) -> TailLayout:
-        """Carved over a pool of ``num_blocks`` blocks when :meth:`carve_ratio` allows (all its groups' slots, two
-        first-block slots per group), else fixed pools for ``max_num_seqs`` requests."""
+        """Carved over a pool of ``num_blocks`` blocks when :meth:`carve_ratio` allows (all its groups' slots,
+        :func:`sinks_per_group` first-block slots per group), else fixed pools for ``max_num_seqs`` requests."""
         r = None if num_blocks is None else self.carve_ratio(group, sizing, num_blocks)
         return self._layout(group, sizing, None if r is None or num_blocks is None else (r, num_blocks))
 
@@ -317,7 +330,7 @@ class Sealed(GroupKind):
         if carved is not None:
             r, num_blocks = carved
             groups = num_blocks // r
-            return TailLayout(groups, 2 * groups * sink, window, r)
+            return TailLayout(groups, sinks_per_group(group.layer) * groups * sink, window, r)
         n = sizing.max_num_seqs
         return TailLayout(n * (1 + window + provisional), 2 * n * sink, window)
 
@@ -350,15 +363,17 @@ class Sealed(GroupKind):
     @staticmethod
     def sink_slot_bytes(group: LayerGroupSpec) -> int:
         """Bytes of one 8-bit first-block slot across the group's layers (int8 codes + a float16 scale per token and
-        head, K and V)."""
+        head, K and V, for :func:`sink_rows` rows)."""
         ls = group.layer
-        return group.num_layers * (2 if ls.has_value else 1) * ls.block_size * ls.kv_heads * (ls.head_dim + 2)
+        rows = sink_rows(ls.format, ls.block_size)
+        return group.num_layers * (2 if ls.has_value else 1) * rows * ls.kv_heads * (ls.head_dim + 2)
 
     @staticmethod
     def sink_scale_bytes(group: LayerGroupSpec, num_sink_slots: int) -> int:
         """Bytes of the first-block copies' scales alone (all a carved tail allocates beside the pool)."""
         ls = group.layer
-        return group.num_layers * (2 if ls.has_value else 1) * num_sink_slots * ls.block_size * ls.kv_heads * 2
+        rows = num_sink_slots * sink_rows(ls.format, ls.block_size)
+        return group.num_layers * (2 if ls.has_value else 1) * rows * ls.kv_heads * 2
 
 
 class SealedWindow(Sealed):

@@ -16,9 +16,11 @@ when it is full. Until then its tokens live here, in a small pool of 16-bit
   it: a prompt block may come from the prefix cache or a tier without a copy, so
   reading copies of prompt blocks (or another request's) would make the output
   depend on whether the prefix was cached.
-* **sink** slot: an 8-bit (``int8``, per token and head) copy of a request's first
-  block, read instead of its low-bit codes (attention sinks; KVQuant keeps the
-  first token in fp16, IntactKV the pivot tokens, SKVQ 5 sink tokens). Kept while
+* **sink** slot: an 8-bit (``int8``, per token and head) copy of the first rows of a
+  request's first block (:func:`~kvpage.spec.sink_rows`: token 0), read instead of
+  their low-bit codes (attention sinks; KVQuant keeps the first token in fp16,
+  IntactKV the pivot tokens, SKVQ 5 sink tokens); the block's other rows are read
+  from its sealed codes, which hold every row, as any block's are. Kept while
   the block's content lives (in use, or cached and not evicted), so a prefix hit on
   a first block reads the same 8-bit copy the request that wrote it read.
 

@@ -22,8 +22,9 @@ class TailEntries:
         num_sink_slots: 8-bit first-block slots (0 disables sink copies).
         window_blocks: sealed blocks per request that keep their 16-bit copy.
         side: carve slots out of the device block pool on demand (:class:`~kvpage.cache.tail.side.SideGroups`:
-            slot ``g`` is group ``g``, sink slots ``2g`` and ``2g + 1`` its halves); ``num_slots`` must then be
-            its ``num_groups`` and ``num_sink_slots`` 0 or ``2 * num_groups``. Default: fixed pools of these sizes.
+            slot ``g`` is group ``g``; with ``c = num_sink_slots / num_groups`` copies per group, sink slots
+            ``c*g .. c*g + c - 1`` its parts); ``num_slots`` must then be its ``num_groups`` and ``num_sink_slots``
+            0 or a multiple of it. Default: fixed pools of these sizes.
 
     Raises:
         ValueError: negative sizes, or ``num_slots < 1``; sizes that disagree with ``side``.
@@ -37,9 +38,9 @@ class TailEntries:
         window_blocks: int,
         side: SideGroups | None = None,
     ) -> None:
-        if side is not None and (num_slots != side.num_groups or num_sink_slots not in (0, 2 * side.num_groups)):
-            raise ValueError(f"a tail over {side.num_groups} side groups has that many slots and 0 or twice as "
-                             f"many sink slots, got {num_slots}, {num_sink_slots}")
+        if side is not None and (num_slots != side.num_groups or num_sink_slots % max(1, side.num_groups)):
+            raise ValueError(f"a tail over {side.num_groups} side groups has that many slots and a multiple of it "
+                             f"as sink slots, got {num_slots}, {num_sink_slots}")
         if block_size <= 0 or num_slots < 1 or num_sink_slots < 0 or window_blocks < 0:
             raise ValueError(
                 f"bad tail sizes: block_size={block_size}, num_slots={num_slots}, "
@@ -56,7 +57,9 @@ class TailEntries:
         self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
         self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
-        self._half_free: set[int] = set()                     # side groups: sink slots whose other half is held
+        self._part_free: set[int] = set()                     # side groups: free sink slots of groups a copy holds
+        self._group_copies: dict[int, int] = {}               # side group -> first-block copies it holds
+        self.sinks_per_group = num_sink_slots // side.num_groups if side is not None and side.num_groups else 0
         self.side = side
         self._planning = False                                # a plan is being made: freed groups stay reserved
         self._sealed_after: list[int] = []                   # sealed blocks whose open slot the seal gather reads
@@ -90,8 +93,9 @@ class TailEntries:
 
     @property
     def num_sink_groups(self) -> int:
-        """Side groups the first-block copies hold (two copies share a group); 0 over fixed pools."""
-        return 0 if self.side is None else len({slot // 2 for slot in self._sink.values()})
+        """Side groups the first-block copies hold (:attr:`sinks_per_group` copies share a group); 0 over fixed
+        pools."""
+        return len(self._group_copies)
 
     @property
     def num_free(self) -> int:
@@ -176,11 +180,16 @@ class TailEntries:
             return
         if self.side is None:
             self._sink_slots.put([slot])
-        elif slot ^ 1 in self._half_free:  # the group's other half is free too: the group goes
-            self._half_free.discard(slot ^ 1)
-            self._free_group(slot // 2)
-        else:
-            self._half_free.add(slot)
+            return
+        c = self.sinks_per_group
+        g = slot // c
+        self._group_copies[g] -= 1
+        if self._group_copies[g]:
+            self._part_free.add(slot)
+        else:  # the group's last copy: the group goes
+            del self._group_copies[g]
+            self._part_free.difference_update(range(c * g, c * g + c))
+            self._free_group(g)
 
     def _free_group(self, g: int) -> None:
         """A side group no entry holds any more: reserved for the plan being made, else back to the pool."""
@@ -228,20 +237,23 @@ class TailEntries:
         return g
 
     def _take_side_sink(self, b: int, protected: set[int]) -> int | None:
-        """:meth:`_take_sink` over side groups: the free half of a group another copy holds (an 8-bit copy takes
-        half a group's bytes), else a reserved group (the scheduler counts a chunk that seals a first block), else
-        a free one, else an idle copy's."""
+        """:meth:`_take_sink` over side groups: a free part of a group other copies hold (an 8-bit copy takes
+        ``1 / sinks_per_group`` of a group's bytes), else a reserved group (the scheduler counts a chunk that seals
+        a first block), else a free one, else an idle copy's."""
         assert self.side is not None
-        if self._half_free:
-            slot = min(self._half_free)
-            self._half_free.discard(slot)
+        c = self.sinks_per_group
+        if self._part_free:
+            slot = min(self._part_free)
+            self._part_free.discard(slot)
+            self._group_copies[slot // c] += 1
             self._sink[b] = slot
             return slot
         g = self.side.take()
         if g is not None:
-            self._sink[b] = 2 * g
-            self._half_free.add(2 * g + 1)
-            return 2 * g
+            self._sink[b] = c * g
+            self._group_copies[g] = 1
+            self._part_free.update(range(c * g + 1, c * g + c))
+            return c * g
         victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
         if victim is None and self._is_in_use is not None:
             in_use = self._is_in_use

@@ -15,7 +15,7 @@ from kvpage.cache.step_plan import SealOps
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, Int8Format
 from kvpage.ops.seal_plan import RequestRead, SealPlan
 from kvpage.ops.sealed_attention import SealContext
-from kvpage.spec import CacheSpec, TailLayout, tail_dtype
+from kvpage.spec import CacheSpec, TailLayout, sink_rows, tail_dtype
 
 #: Format of first-block (sink) copies: int8 per (token, head), unrotated.
 SINK_FORMAT = Int8Format()
@@ -41,14 +41,14 @@ class TailPool:
     Tensors of layer ``L`` (``S`` = ``num_slots``, ``K`` = ``num_sink_slots``, rows flat
     as ``slot * block_size + offset``):
     ``key``/``value`` ``[S * block_size, kv_heads, head_dim]`` in :func:`~kvpage.spec.tail_dtype`;
-    ``sink_key``/``sink_value`` ``[K * block_size, kv_heads, head_dim]`` uint8 and
-    ``sink_key_scale``/``sink_value_scale`` ``[K * block_size, kv_heads]`` float16 (the
-    ``int8`` format's per-token codes).
+    ``sink_key``/``sink_value`` ``[K * n, kv_heads, head_dim]`` uint8 and
+    ``sink_key_scale``/``sink_value_scale`` ``[K * n, kv_heads]`` float16 (the ``int8`` format's per-token
+    codes; ``n`` = :func:`~kvpage.spec.sink_rows`, sink slot ``s`` its rows ``s*n .. s*n + n - 1``).
 
     Over side groups (a carved :class:`~kvpage.spec.TailLayout`, :mod:`kvpage.cache.tail.side`) the 16-bit rows
     and the sink codes are zero-copy views of the layer's pool codes (``key``/``value``, its first ``S * r``
-    blocks): slot ``g`` is blocks ``[r*g, r*g + r)``, sink slots ``2g`` and ``2g + 1`` the two halves of their
-    code bytes; only the sink scales (``K = 2S``) are tensors of their own. The views follow a re-allocated pool
+    blocks): slot ``g`` is blocks ``[r*g, r*g + r)``, its code bytes ``2 * block_size`` int8 rows that hold
+    :func:`~kvpage.spec.sinks_per_group` sink slots; only the sink scales are tensors of their own. The views follow a re-allocated pool
     (``caches`` is read again at each :meth:`context`).
 
     Args:
@@ -78,19 +78,20 @@ class TailPool:
         self.sink_format = SINK_FORMAT
         self.layers: dict[int, dict[str, torch.Tensor]] = {}
         bs = spec.block_size
-        rows, sink_rows = layout.num_slots * bs, layout.num_sink_slots * bs
+        rows = layout.num_slots * bs
         for i in range(spec.num_layers) if layers is None else layers:
             ls = spec.layer(i)
             if not ls.format.block_wise:
                 continue
+            n_sink = layout.num_sink_slots * sink_rows(ls.format, ls.block_size)
             t: dict[str, torch.Tensor] = {}
             for kind in (KEY, VALUE) if ls.has_value else (KEY,):
                 if not layout.carved:
                     t[kind] = torch.zeros((rows, ls.kv_heads, ls.head_dim), dtype=self.dtype, device=device)
-                    t["sink_" + kind] = torch.zeros((sink_rows, ls.kv_heads, ls.head_dim), dtype=torch.uint8,
+                    t["sink_" + kind] = torch.zeros((n_sink, ls.kv_heads, ls.head_dim), dtype=torch.uint8,
                                                     device=device)
                 scale_name = KEY_SCALE if kind == KEY else VALUE_SCALE
-                t["sink_" + scale_name] = torch.zeros((sink_rows, ls.kv_heads), dtype=torch.float16, device=device)
+                t["sink_" + scale_name] = torch.zeros((n_sink, ls.kv_heads), dtype=torch.float16, device=device)
             self.layers[i] = t
         if not self.layers:
             raise ValueError("the cache spec has no quantize-on-seal layer; it needs no tail pool")
@@ -106,10 +107,11 @@ class TailPool:
             if self._viewed.get(i) is cache[KEY]:
                 continue
             ls, rows = self.spec.layer(i), self.layout.num_slots * self.spec.block_size
+            n_sink = self.layout.num_sink_slots * sink_rows(ls.format, ls.block_size)       # at most 2 * rows
             for kind in (KEY, VALUE) if ls.has_value else (KEY,):
                 flat = cache[kind].view(-1)[: rows * ls.kv_heads * ls.head_dim * 2]           # uint8, contiguous
                 t[kind] = flat.view(self.dtype).view(rows, ls.kv_heads, ls.head_dim)         # [S*bs, Hkv, D]
-                t["sink_" + kind] = flat.view(2 * rows, ls.kv_heads, ls.head_dim)             # [2S*bs, Hkv, D]
+                t["sink_" + kind] = flat.view(2 * rows, ls.kv_heads, ls.head_dim)[:n_sink]    # [K*n, Hkv, D]
             self._viewed[i] = cache[KEY]
 
     def context(self, ops: SealOps) -> SealContext:

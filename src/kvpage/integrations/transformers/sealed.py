@@ -8,12 +8,13 @@ row and in the 16-bit :func:`tail dtype <kvpage.spec.tail_dtype>`:
 * the **open block**: the rows of its last, partial block (its pool block is reserved, as the engine's is);
 * the **window**: 16-bit copies of the ``ceil(residual_tokens / block_size)`` sealed blocks before the next
   token's block (KIVI's full-precision residual; ``int2``'s default is one block, ``int4``'s none);
-* the **sink**: an 8-bit (``int8`` per token and head) copy of the first block, read instead of its low-bit codes.
+* the **sink**: an 8-bit (``int8`` per token and head) copy of the first block's first rows
+  (:func:`~kvpage.spec.sink_rows`: token 0), read instead of their low-bit codes.
 
 What :meth:`SealedKVPageLayer.update` returns for block ``j`` of the context (a step writes positions
 ``L .. L + n - 1``): blocks from ``L // block_size`` on -- the blocks this step writes, sealed in it or not --
-the rows as written (rounded to the tail dtype); older blocks their window copy when in the window, the sink
-copy for block 0, else the sealed codes dequantized (:meth:`BlockFormat.unseal
+the rows as written (rounded to the tail dtype); older blocks their window copy when in the window, block 0
+with a sink copy its codes and the copy's rows, else the sealed codes dequantized (:meth:`BlockFormat.unseal
 <kvpage.formats.BlockFormat.unseal>`). In decode (one token per step) that is exactly what kvpage's engine
 reads: a query reads its own block at full precision. In a longer step (prefill) every query reads the
 step's blocks at full precision, as transformers' own quantized caches do.
@@ -37,7 +38,7 @@ from kvpage.spec import tail_dtype
 from kvpage.errors import KVCacheLayoutError
 from kvpage.formats import KEY, KEY_SCALE, VALUE, VALUE_SCALE, BlockFormat
 from kvpage.integrations.transformers.layer import KVPageLayer
-from kvpage.spec import LayerSpec
+from kvpage.spec import LayerSpec, sink_rows
 
 _KINDS = (KEY, VALUE)
 _SCALE = {KEY: KEY_SCALE, VALUE: VALUE_SCALE}
@@ -59,9 +60,10 @@ class SealedKVPageLayer(KVPageLayer):
         copies: block index -> kind -> ``[batch, block_size, kv_heads, head_dim]`` 16-bit rows of sealed blocks:
             the window (the ``window_blocks`` sealed blocks before the next token's), and while ``record_past``
             also every block sealed or pushed out of the window since the last :meth:`crop`.
-        sink: ``sink_key``/``sink_value`` ``[batch, block_size, kv_heads, head_dim]`` uint8 codes and
-            ``sink_key_scale``/``sink_value_scale`` ``[batch, block_size, kv_heads]`` float16.
-        sink_rows: per batch row, whether its first block is sealed and read from the 8-bit copy.
+        sink: ``sink_key``/``sink_value`` ``[batch, n, kv_heads, head_dim]`` uint8 codes and
+            ``sink_key_scale``/``sink_value_scale`` ``[batch, n, kv_heads]`` float16: the first block's first ``n``
+            rows (``sink_n``, :func:`~kvpage.spec.sink_rows`).
+        sink_held: per batch row, whether its first block is sealed and its first rows read from the 8-bit copy.
 
     Left padding: every row's own tokens form their own block stream, counted from its first real token (its
     :attr:`~KVPageLayer.pads` are never stored), so a padded row's blocks, scales, window and first-block copy
@@ -86,11 +88,12 @@ class SealedKVPageLayer(KVPageLayer):
         self.residual_tokens = residual
         self.window_blocks = -(-residual // spec.block_size)
         self.sink_enabled = bool(getattr(fmt, "sink_bits", 8))
+        self.sink_n = sink_rows(fmt, spec.block_size)
         self.tail_dtype = torch.float16
         self.open_rows: dict[str, torch.Tensor] = {}
         self.copies: dict[int, dict[str, torch.Tensor]] = {}
         self.sink: dict[str, torch.Tensor] = {}
-        self.sink_rows: list[bool] = []
+        self.sink_held: list[bool] = []
 
     def _check_format(self, spec: LayerSpec, layer_index: int) -> None:
         if not isinstance(spec.format, BlockFormat):
@@ -109,14 +112,15 @@ class SealedKVPageLayer(KVPageLayer):
         self.sink = {}
         if self.sink_enabled:
             for k in _KINDS:
-                self.sink["sink_" + k] = torch.zeros((num_rows, bs, h, d), dtype=torch.uint8, device=dev)
-                self.sink["sink_" + _SCALE[k]] = torch.zeros((num_rows, bs, h), dtype=torch.float16, device=dev)
-        self.sink_rows = [False] * num_rows
+                n = self.sink_n
+                self.sink["sink_" + k] = torch.zeros((num_rows, n, h, d), dtype=torch.uint8, device=dev)
+                self.sink["sink_" + _SCALE[k]] = torch.zeros((num_rows, n, h), dtype=torch.float16, device=dev)
+        self.sink_held = [False] * num_rows
 
     @property
     def has_sink(self) -> bool:
-        """Whether any row reads its first block from the 8-bit copy (:attr:`sink_rows` per row)."""
-        return any(self.sink_rows)
+        """Whether any row reads its first block's first rows from the 8-bit copy (:attr:`sink_held` per row)."""
+        return any(self.sink_held)
 
     # -- each row's own token stream ---------------------------------------------------------------
     def _local(self, row: int, position: int | None = None) -> int:
@@ -212,14 +216,15 @@ class SealedKVPageLayer(KVPageLayer):
                     held[kind] = torch.zeros_like(self.open_rows[kind])
                 held[kind][idx] = blocks[:, j - q0]
             if q0 == 0 and self.sink_enabled:
-                q = SINK_FORMAT.quantize(blocks[:, 0].flatten(0, 1), kind=kind)   # [G*bs, Hkv, D]
+                n = self.sink_n
+                q = SINK_FORMAT.quantize(blocks[:, 0, :n].flatten(0, 1), kind=kind)   # [G*n, Hkv, D]
                 assert q.scale is not None
                 g = blocks.shape[0]
-                self.sink["sink_" + kind][idx] = q.codes.view(g, bs, *q.codes.shape[1:])
-                self.sink["sink_" + _SCALE[kind]][idx] = q.scale.view(g, bs, -1)
+                self.sink["sink_" + kind][idx] = q.codes.view(g, n, *q.codes.shape[1:])
+                self.sink["sink_" + _SCALE[kind]][idx] = q.scale.view(g, n, -1)
         if q0 == 0 and self.sink_enabled:
             for b in range(len(self.pads))[idx] if isinstance(idx, slice) else idx.tolist():
-                self.sink_rows[b] = True
+                self.sink_held[b] = True
 
     def _trim(self) -> None:
         """Drop the 16-bit copies outside every row's window (the sealed blocks before its next token's block)."""
@@ -240,7 +245,7 @@ class SealedKVPageLayer(KVPageLayer):
         bs, first = self.spec.block_size, self.table.first
         last_block = (end - 1) // bs
         rows = range(len(self.pads))[idx] if isinstance(idx, slice) else idx.tolist()
-        sink = first == 0 and self.sink_rows[rows[0]]   # the rows of a group share their history
+        sink = first == 0 and self.sink_held[rows[0]]   # the rows of a group share their history
         out = []
         for kind in _KINDS:
             parts = []
@@ -250,12 +255,12 @@ class SealedKVPageLayer(KVPageLayer):
                 old = self.format.unseal({t: self.pool[t][ids] for t in names}, kind, dtype,
                                          self.spec.head_dim)                              # [G, nq, bs, Hkv, D]
                 for j in range(max(first, last_block - self.window_blocks), min(q0, last_block)):
-                    if j in self.copies:
+                    if j in self.copies and not (j == 0 and sink):   # block 0 with a copy: codes + copy
                         old[:, j - first] = self.copies[j][kind][idx].to(dtype)
-                if sink:  # after the window, as the engine reads it
+                if sink:  # its first rows from the 8-bit copy, as the engine reads them
                     codes = self.sink["sink_" + kind][idx]
                     scale = self.sink["sink_" + _SCALE[kind]][idx]
-                    old[:, 0] = SINK_FORMAT.dequantize(codes, scale, dtype, kind=kind)
+                    old[:, 0, :self.sink_n] = SINK_FORMAT.dequantize(codes, scale, dtype, kind=kind)
                 parts.append(old.flatten(1, 2))
             parts.append(fresh[kind].to(dtype))
             out.append(torch.cat(parts, dim=1))                                         # [G, kept, Hkv, D]
@@ -268,7 +273,7 @@ class SealedKVPageLayer(KVPageLayer):
         oldest = min(max(0, self._local(b) - self.sliding_window + 1) for b in range(len(self.pads)))
         self.table.drop_before(oldest // self.spec.block_size)
         if self.table.first > 0:
-            self.sink_rows = [False] * len(self.sink_rows)   # block 0 slid out of every window
+            self.sink_held = [False] * len(self.sink_held)   # block 0 slid out of every window
 
     # -- rollback and batch ----------------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
@@ -300,7 +305,7 @@ class SealedKVPageLayer(KVPageLayer):
             cut = max(cut, j)
             if keep - pad < bs:
                 for b in range(len(self.pads))[idx] if isinstance(idx, slice) else idx.tolist():
-                    self.sink_rows[b] = False
+                    self.sink_held[b] = False
         super()._truncate(keep)
         self.copies = {b: c for b, c in self.copies.items() if b < cut}   # blocks from there on are no longer sealed
 
@@ -309,14 +314,14 @@ class SealedKVPageLayer(KVPageLayer):
         idx = torch.tensor(list(index), dtype=torch.long, device=self.device)
         self.open_rows = {k: t.index_select(0, idx) for k, t in self.open_rows.items()}
         self.sink = {k: t.index_select(0, idx) for k, t in self.sink.items()}
-        self.sink_rows = [self.sink_rows[i] for i in index]
+        self.sink_held = [self.sink_held[i] for i in index]
         self.copies = {b: {k: t.index_select(0, idx) for k, t in rows.items()} for b, rows in self.copies.items()}
 
     def reset(self) -> None:
         """As :meth:`KVPageLayer.reset`; the 16-bit copies and the sink are dropped too."""
         super().reset()
         self.copies = {}
-        self.sink_rows = []
+        self.sink_held = []
 
     # -- accounting ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -332,7 +337,7 @@ class SealedKVPageLayer(KVPageLayer):
         total = self.table.blocks_in_use() * self.spec.bytes_per_block
         total += fp_block * sum(1 for b in range(len(self.pads)) if self._local(b) % bs)
         total += sum(t.numel() * t.element_size() for c in self.copies.values() for t in c.values())
-        total += sum(self.sink_rows) * sum(t[0].numel() * t.element_size() for t in self.sink.values())
+        total += sum(self.sink_held) * sum(t[0].numel() * t.element_size() for t in self.sink.values())
         return total
 
     def code_tokens(self) -> int:

@@ -53,7 +53,7 @@ from kvpage.ops.sealed_attention import (
     SealContext, SealCodec, enter_stored_basis, read_sealed_context, sealed_attention_checks, sealed_request,
     write_sealed_kv,
 )
-from kvpage.spec import LayerSpec
+from kvpage.spec import LayerSpec, sink_rows
 
 #: Requests with at most this many new tokens attend in the fused kernel; longer runs use SDPA.
 KERNEL_MAX_QUERY = 32
@@ -100,10 +100,12 @@ class _StepRows:
 
 @dataclass(frozen=True, slots=True)
 class _SealedSources:
-    """Per logical block of each request: 0 = sealed pool block, 1 = 16-bit tail slot, 2 = int8 sink slot."""
+    """Per logical block of each request: 0 = sealed pool block, 1 = 16-bit tail slot, 2 = sealed first block with its
+    first rows from the int8 sink slot ``sink[request]``."""
 
     kind: torch.Tensor   # [B, W] uint8
     index: torch.Tensor  # [B, W] int64
+    sink: torch.Tensor   # [B] int64 (-1: none)
     kernel_rows: torch.Tensor   # [b] int64 requests the kernel serves
     sdpa_rows: tuple[int, ...]  # the others: long query runs, and short ones whose own block sealed without a slot
 
@@ -391,7 +393,7 @@ class CpuBackend(AttentionBackend):
         if self._sources is not None and self._sources[0] is ctx:
             return self._sources[1]
         tables = sealed_sources(ctx, meta, KERNEL_MAX_QUERY)
-        src = _SealedSources(tables.kind, tables.index, torch.tensor(tables.kernel_rows, dtype=torch.long),
+        src = _SealedSources(tables.kind, tables.index, tables.sink, torch.tensor(tables.kernel_rows, dtype=torch.long),
                              tables.sdpa_rows)
         self._sources = (ctx, src)
         return src
@@ -507,7 +509,8 @@ class CpuBackend(AttentionBackend):
                 out, qa, cache[ks[0]], cache[ks[1]], cache[ks[2]], cache[vs[0]], cache[vs[1]], cache[vs[2]],
                 tail[KEY], tail_v, tail["sink_" + KEY], tail["sink_" + KEY_SCALE],
                 tail["sink_" + vn], tail["sink_" + (VALUE_SCALE if has_value else KEY_SCALE)],
-                src.kind, src.index, rows.seq_lens, rows.query_start_loc, kernel_rows,
+                src.kind, src.index, src.sink, max(1, sink_rows(fmt, spec.block_size)), rows.seq_lens,
+                rows.query_start_loc, kernel_rows,
                 fmt.bits, _FLOAT_ENC[tail[KEY].dtype], has_value, _scale(spec, params), self.integer_dots,
             )
         dt = _sdpa_dtype(qa.dtype)

@@ -1,7 +1,7 @@
 """Per-step source tables of the quantize-on-seal formats for kernels that read them block by block.
 
 For each request and logical block of its context: where its rows live after this step's writes (a sealed pool
-block, a 16-bit tail slot, an 8-bit first-block copy) and at which index; and which requests a fused kernel can
+block, a 16-bit tail slot, a sealed first block whose first rows an 8-bit copy holds) and at which index; and which requests a fused kernel can
 serve (one source per block for all of a request's queries) and which must attend through the reference path.
 Torch only; shared by the ``cpu`` and ``triton`` backends, so both kernels serve exactly the same requests.
 """
@@ -15,7 +15,9 @@ from kvpage.ops.attention import AttentionMetadata
 from kvpage.ops.sealed_attention import SealContext
 
 #: Source kinds of a logical block: its sealed pool block, a 16-bit tail slot (a window copy, the block sealed
-#: this step while its slot still holds the rows, or the open block), the int8 first-block (sink) copy.
+#: this step while its slot still holds the rows, or the open block), a sealed first block whose first
+#: :func:`~kvpage.spec.sink_rows` rows are read from its int8 (sink) copy instead (index: the pool block; the copy's
+#: slot in :attr:`SealedSources.sink`).
 SRC_POOL, SRC_TAIL, SRC_SINK = 0, 1, 2
 
 
@@ -26,7 +28,8 @@ class SealedSources:
     Attributes:
         kind: ``[B, W]`` uint8 source kind of each request's logical block (``W`` = most blocks of any context;
             padding entries are :data:`SRC_POOL` 0 and never read).
-        index: ``[B, W]`` int64 pool block id, tail slot or sink slot of each.
+        index: ``[B, W]`` int64 pool block id (:data:`SRC_POOL`, :data:`SRC_SINK`) or tail slot of each.
+        sink: ``[B]`` int64 each request's sink slot (-1: none), read where its first block is :data:`SRC_SINK`.
         kernel_rows: requests the kernel serves (ascending).
         sdpa_rows: the others (ascending): query runs longer than ``max_query``, runs whose queries lie in
             several blocks, and short ones whose own block sealed without a slot.
@@ -34,6 +37,7 @@ class SealedSources:
 
     kind: torch.Tensor
     index: torch.Tensor
+    sink: torch.Tensor
     kernel_rows: tuple[int, ...]
     sdpa_rows: tuple[int, ...]
 
@@ -49,16 +53,18 @@ def sealed_sources(ctx: SealContext, meta: AttentionMetadata, max_query: int) ->
     width = max((-(-s // bs) for s in meta.seq_lens), default=0)
     kinds: list[list[int]] = []
     index: list[list[int]] = []
+    sinks: list[int] = []
     sdpa: set[int] = set()
     qsl = meta.query_start_loc
     for i, read in enumerate(ctx.plan.reads):
-        # the order of read_sealed: pool blocks, then window copies, then the sink copy of block 0
+        # the order of read_sealed: pool blocks, then window copies, then block 0 with its sink copy
         ids = read.full_ids.tolist()
         kind = [SRC_POOL] * len(ids)
         for j, slot in read.fp_blocks:
             kind[j], ids[j] = SRC_TAIL, slot
-        if read.sink_slot is not None:
-            kind[0], ids[0] = SRC_SINK, read.sink_slot
+        sinks.append(-1 if read.sink_slot is None or not ids else read.sink_slot)
+        if sinks[-1] >= 0:
+            kind[0], ids[0] = SRC_SINK, int(read.full_ids[0])
         s, n = meta.seq_lens[i], qsl[i + 1] - qsl[i]
         if n > max_query:
             sdpa.add(i)
@@ -83,6 +89,7 @@ def sealed_sources(ctx: SealContext, meta: AttentionMetadata, max_query: int) ->
     return SealedSources(
         torch.tensor(kinds, dtype=torch.uint8).reshape(b, width),
         torch.tensor(index, dtype=torch.long).reshape(b, width),
+        torch.tensor(sinks, dtype=torch.long),
         tuple(i for i in range(meta.num_requests) if i not in sdpa),
         tuple(sorted(sdpa)),
     )

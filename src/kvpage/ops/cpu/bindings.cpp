@@ -14,8 +14,9 @@ bool sealed_int_dots(int64_t head_dim);
 void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor key_scale, at::Tensor key_zero,
                       at::Tensor value, at::Tensor value_scale, at::Tensor value_zero, at::Tensor tail_key,
                       at::Tensor tail_value, at::Tensor sink_key, at::Tensor sink_key_scale, at::Tensor sink_value,
-                      at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor seq_lens,
-                      at::Tensor query_start_loc, at::Tensor reqs, int64_t bits, int64_t tail_enc, bool has_value,
+                      at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor src_sink,
+                      int64_t sink_rows, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t bits,
+                      int64_t tail_enc, bool has_value,
                       double sm_scale, bool int_dots);
 // write_rows.cpp
 void write_rows(at::Tensor cache, c10::optional<at::Tensor> scale, at::Tensor x, at::Tensor slots, int64_t enc,

@@ -433,7 +433,8 @@ struct PackedRows {
 #endif  // KVPAGE_SIMD
 
 // Quantize-on-seal formats (KIVI int4/int3/int2): sealed pool blocks, 16-bit tail rows (window copies and the
-// open block) and int8 sink copies of first blocks, chosen per logical block by src_kind / src_idx.
+// open block) and sealed first blocks whose first sink_n rows come from their int8 (sink) copy, chosen per logical
+// block by src_kind / src_idx (the copy's slot: src_sink).
 template <int BITS, int TAIL>
 struct SealedSource {
   const uint8_t* key;          // [NB, bs, Hkv, P]
@@ -448,9 +449,10 @@ struct SealedSource {
   const c10::Half* sink_key_scale;  // [K*bs, Hkv]
   const uint8_t* sink_value;
   const c10::Half* sink_value_scale;
-  const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 sink slot
-  const int64_t* src_idx;      // [B, W]
-  int64_t W, bs, Hkv, D, P, Gv;
+  const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 pool block with its first sink_n rows from the copy
+  const int64_t* src_idx;      // [B, W] pool block id (0, 2) or tail slot (1)
+  const int64_t* src_sink;     // [B] sink slot of the request's first block (read where its kind is 2)
+  int64_t W, bs, Hkv, D, P, Gv, sink_n;  // sink_n: rows per sink copy (slot s: rows s*sink_n ..)
   bool int_dots;               // pool blocks' dot products on int16-coded q' and weights where the build has them
 
   static constexpr bool kInt8Codes = false;  // (TokenSource<I8>'s int8_rows path)
@@ -528,14 +530,24 @@ struct SealedSource {
       }
       return false;
     }
-    if (kind == 2) {
-      for (int64_t i = 0; i < nt * Hkv; ++i) {
-        const int64_t row = first + i;
-        decode_row<I8, DC>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
-        if (has_value) decode_row<I8, DC>(sink_value + row * D, static_cast<float>(sink_value_scale[row]), vb + i * D, D);
+    load_pool<DC>(idx, first, nt, kb, vb, has_value);
+    if (kind == 2) {  // the first block: its first sink_n rows from the int8 copy instead
+      const int64_t base = src_sink[r] * sink_n;
+      for (int64_t t = off; t < std::min(off + nt, sink_n); ++t) {
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t row = (base + t) * Hkv + h, i = (t - off) * Hkv + h;
+          decode_row<I8, DC>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
+          if (has_value) decode_row<I8, DC>(sink_value + row * D, static_cast<float>(sink_value_scale[row]), vb + i * D, D);
+        }
       }
-      return false;
     }
+    return false;
+  }
+
+  // Pool block idx's rows first .. first+nt*Hkv-1 (flat [token][kv head]) decoded into kb / vb, fully scaled.
+  template <int DC>
+  void load_pool(int64_t idx, int64_t first, int64_t nt, float* kb, float* vb, bool has_value) const {
+    const int64_t D = DC ? DC : this->D;
     // keys: one step and zero point per (kv head, channel) of the block
     const float* lut = ue5m3().v;
     float ks[8 * 512], kz[8 * 512];
@@ -551,11 +563,17 @@ struct SealedSource {
     // the widest lanes the head size and the value groups allow (scaled_rows; the loop below is the portable one)
 #ifdef KVPAGE_AVX512
     if constexpr (DC > 0 && DC % 16 == 0) {
-      if (fits && gs % 16 == 0) return scaled_rows<DC, VecF16>(first, nt, ks, kz, gs, kb, vb, has_value);
+      if (fits && gs % 16 == 0) {
+        scaled_rows<DC, VecF16>(first, nt, ks, kz, gs, kb, vb, has_value);
+        return;
+      }
     }
 #endif
     if constexpr (DC > 0 && DC % 8 == 0) {
-      if (fits && gs % 8 == 0) return scaled_rows<DC, VecF8>(first, nt, ks, kz, gs, kb, vb, has_value);
+      if (fits && gs % 8 == 0) {
+        scaled_rows<DC, VecF8>(first, nt, ks, kz, gs, kb, vb, has_value);
+        return;
+      }
     }
 #endif
     for (int64_t i = 0; i < nt * Hkv; ++i) {
@@ -586,7 +604,6 @@ struct SealedSource {
         for (int64_t c = 0; c < gs; ++c) x[c] = x[c] * s + z;
       }
     }
-    return false;
   }
 };
 
@@ -1740,12 +1757,14 @@ bool sealed_int_dots(int64_t head_dim) {
 void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor key_scale, at::Tensor key_zero,
                       at::Tensor value, at::Tensor value_scale, at::Tensor value_zero, at::Tensor tail_key,
                       at::Tensor tail_value, at::Tensor sink_key, at::Tensor sink_key_scale, at::Tensor sink_value,
-                      at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor seq_lens,
-                      at::Tensor query_start_loc, at::Tensor reqs, int64_t bits, int64_t tail_enc, bool has_value,
-                      double sm_scale, bool int_dots) {
+                      at::Tensor sink_value_scale, at::Tensor src_kind, at::Tensor src_idx, at::Tensor src_sink,
+                      int64_t sink_rows, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor reqs, int64_t bits,
+                      int64_t tail_enc, bool has_value, double sm_scale, bool int_dots) {
   const int64_t bs = key.size(1), Hkv = key.size(2), P = key.size(3), D = key_scale.size(2);
   TORCH_CHECK(D <= 512, "head_dim above 512");
   TORCH_CHECK(src_kind.scalar_type() == at::kByte && src_idx.scalar_type() == at::kLong, "src_kind uint8, src_idx int64");
+  TORCH_CHECK(src_sink.scalar_type() == at::kLong && src_sink.numel() == src_kind.size(0), "src_sink: int64 [B]");
+  TORCH_CHECK(sink_rows >= 1 && sink_rows <= bs, "sink_rows must be in 1 .. block_size");
   TORCH_CHECK(tail_key.element_size() == 2, "tail rows must be 16-bit");
   TORCH_CHECK(key_zero.scalar_type() == at::kChar && value_zero.scalar_type() == at::kChar,
               "zero points must be int8 offsets (format version 2)");
@@ -1761,7 +1780,8 @@ void sealed_attention(at::Tensor out, at::Tensor q, at::Tensor key, at::Tensor k
         static_cast<const uint8_t*>(tail_key.data_ptr()), static_cast<const uint8_t*>(tail_value.data_ptr()),
         sink_key.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_key_scale.data_ptr()),
         sink_value.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(sink_value_scale.data_ptr()),
-        src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), src_kind.size(1), bs, Hkv, D, P, Gv, int_dots};
+        src_kind.data_ptr<uint8_t>(), src_idx.data_ptr<int64_t>(), src_sink.data_ptr<int64_t>(), src_kind.size(1), bs,
+        Hkv, D, P, Gv, sink_rows, int_dots};
     run(src, b, reqs.data_ptr<int64_t>(), reqs.numel(), has_value);
   };
   TORCH_CHECK(bits == 4 || bits == 3 || bits == 2, "bits must be 4, 3 or 2");

@@ -39,7 +39,7 @@ from kvpage.ops.layer_attention import PLAIN, LayerAttention
 from kvpage.ops.sealed_attention import (
     SealContext, enter_stored_basis, sealed_attention_checks, sealed_request, write_sealed_kv,
 )
-from kvpage.spec import LayerSpec
+from kvpage.spec import LayerSpec, sink_rows
 
 #: Largest head_dim the kernels take (one ``[rows, head_dim]`` tile in registers).
 MAX_HEAD_DIM = 256
@@ -309,7 +309,8 @@ class TritonBackend(AttentionBackend):
             splits = split_count(num_programs, plan.longest_tiles, target_programs=self._target(q.device))
             self._sealed.sealed_attention(
                 out, qa, (key[0], key[1], key[2]), None if value is None else (value[0], value[1], value[2]),
-                tk, tv, sink_k, sink_v, plan.kind, plan.index, plan.seq_lens, plan.query_start_loc, plan.items,
+                tk, tv, sink_k, sink_v, plan.kind, plan.index, plan.sink, plan.seq_lens, plan.query_start_loc,
+                plan.items, sink_rows=max(1, sink_rows(fmt, spec.block_size)),
                 bits=fmt.bits, group_size=value_group_size(spec.head_dim), tail_encoding=tail_enc,
                 block_q=plan.block_q, block_m=plan.block_m,
                 sm_scale=spec.head_dim**-0.5 if params.scale is None else params.scale,

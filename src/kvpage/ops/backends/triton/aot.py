@@ -40,9 +40,10 @@ _WRITE_ARGS = {"x_ptr": "*fp32", "slots_ptr": "*i64", "codes_ptr": "*u8", "scale
 _SEALED_ARGS = {
     "out_ptr": "*fp32", "lse_ptr": "*fp32", "q_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*u8", "kz_ptr": "*i8",
     "v_ptr": "*u8", "vs_ptr": "*u8", "vz_ptr": "*i8", "sk_ptr": "*u8", "sks_ptr": "*fp16", "sv_ptr": "*u8",
-    "svs_ptr": "*fp16", "kind_ptr": "*u8", "idx_ptr": "*i64", "seq_lens_ptr": "*i32", "qstart_ptr": "*i32",
-    "items_ptr": "*i32", "num_tokens": "i32", "num_heads": "i32", "kv_heads": "i32", "head_dim": "i32",
-    "block_size": "i32", "src_stride": "i32", "sm_scale": "fp32", "tiles_per_split": "i32",
+    "svs_ptr": "*fp16", "kind_ptr": "*u8", "idx_ptr": "*i64", "sink_ptr": "*i64", "seq_lens_ptr": "*i32",
+    "qstart_ptr": "*i32", "items_ptr": "*i32", "num_tokens": "i32", "num_heads": "i32", "kv_heads": "i32",
+    "head_dim": "i32", "block_size": "i32", "src_stride": "i32", "sink_rows": "i32", "sm_scale": "fp32",
+    "tiles_per_split": "i32",
 }
 
 

@@ -5,7 +5,7 @@ GQA heads, online softmax, split-K merged by log-sum-exp), reading each context 
 source tables (:mod:`kvpage.ops.backends.sealed_sources`) instead of a block table: a sealed pool block (KIVI
 codes: keys per (kv head, channel) of the block, values per (token, kv head, channel group); UE5M3 steps and int8
 zero points in steps, ``x = (code + zero) * step``), a 16-bit tail slot (window copies, the open block, the
-block sealed this step) or the int8 first-block (sink) copy. The decode is the C++ ``SealedSource``'s
+block sealed this step) or a sealed first block whose first rows its int8 (sink) copy holds. The decode is the C++ ``SealedSource``'s
 (``ops/cpu/paged_attention.cpp``) and :meth:`kvpage.formats.kivi.SealedFormat.unseal`'s. Imports triton; loaded
 lazily by :mod:`kvpage.ops.backends.triton`.
 """
@@ -52,16 +52,18 @@ def _unpack(ptr, row, d, m2, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 @triton.jit
 def _load_sealed(codes_ptr, scale_ptr, zero_ptr, tail_ptr, sink_ptr, sink_scale_ptr,
-                 kind, idx, off, kvh, kv_heads, head_dim, block_size, d, mask,
+                 kind, idx, off, sink_slot, sink_rows, kvh, kv_heads, head_dim, block_size, d, mask,
                  IS_KEY: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr, GROUPS: tl.constexpr,
                  GROUP_SIZE: tl.constexpr, TAIL_ENC: tl.constexpr):
     """Dequantized ``[BLOCK_N, BLOCK_D]`` float32 rows of kv head ``kvh``: position ``i`` is offset ``off[i]`` of
-    logical block source ``(kind[i], idx[i])`` (0 pool, 1 tail slot, 2 sink slot); 0 where ``mask`` is off."""
+    logical block source ``(kind[i], idx[i])`` (0 pool block, 1 tail slot, 2 pool block whose offsets below
+    ``sink_rows`` read the request's sink slot ``sink_slot``); 0 where ``mask`` is off."""
     dm = d < head_dim
     m2 = mask[:, None] & dm[None, :]
     row = (idx * block_size + off) * kv_heads + kvh                                  # [BLOCK_N] int64 (token, head)
+    in_sink = (kind == 2) & (off < sink_rows)
     # sealed pool block
-    pm = m2 & (kind == 0)[:, None]
+    pm = m2 & (((kind == 0) | (kind == 2)) & ~in_sink)[:, None]
     code = _unpack(codes_ptr, row, d, pm, BITS, PACKED)
     if IS_KEY:  # one step and zero point per (kv head, channel) of the block
         meta = (idx * kv_heads + kvh)[:, None] * head_dim + d[None, :]
@@ -74,10 +76,11 @@ def _load_sealed(codes_ptr, scale_ptr, zero_ptr, tail_ptr, sink_ptr, sink_scale_
     tm = m2 & (kind == 1)[:, None]
     t = tl.load(tail_ptr + row[:, None] * head_dim + d[None, :], mask=tm, other=0)
     x = tl.where(tm, dequantize(t, 1.0, TAIL_ENC), x)
-    # int8 first-block copy, one float16 scale per (token, kv head)
-    sm = m2 & (kind == 2)[:, None]
-    sc = tl.load(sink_ptr + row[:, None] * head_dim + d[None, :], mask=sm, other=0)
-    ss = tl.load(sink_scale_ptr + row, mask=mask & (kind == 2), other=0.0).to(tl.float32)
+    # int8 first-block copy of the first rows, one float16 scale per (token, kv head)
+    sm = m2 & in_sink[:, None]
+    srow = (sink_slot * sink_rows + off) * kv_heads + kvh
+    sc = tl.load(sink_ptr + srow[:, None] * head_dim + d[None, :], mask=sm, other=0)
+    ss = tl.load(sink_scale_ptr + srow, mask=mask & in_sink, other=0.0).to(tl.float32)
     x = tl.where(sm, decode_int8(sc) * ss[:, None], x)
     return tl.where(m2, x, 0.0)
 
@@ -86,8 +89,8 @@ def _load_sealed(codes_ptr, scale_ptr, zero_ptr, tail_ptr, sink_ptr, sink_scale_
 def _sealed_attention_kernel(
     out_ptr, lse_ptr, q_ptr,
     k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, sk_ptr, sks_ptr, sv_ptr, svs_ptr,
-    kind_ptr, idx_ptr, seq_lens_ptr, qstart_ptr, items_ptr,
-    num_tokens, num_heads, kv_heads, head_dim, block_size, src_stride, sm_scale, tiles_per_split,
+    kind_ptr, idx_ptr, sink_ptr, seq_lens_ptr, qstart_ptr, items_ptr,
+    num_tokens, num_heads, kv_heads, head_dim, block_size, src_stride, sink_rows, sm_scale, tiles_per_split,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr, GROUPS: tl.constexpr,
     GROUP_SIZE: tl.constexpr, TAIL_ENC: tl.constexpr, HAS_VALUE: tl.constexpr, SPLIT: tl.constexpr,
@@ -104,6 +107,7 @@ def _sealed_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    sink_slot = tl.load(sink_ptr + req).to(tl.int64)                                 # -1: none (kind 2 absent)
     for s0 in range(start, hi, BLOCK_N):
         kpos = s0 + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
@@ -111,11 +115,12 @@ def _sealed_attention_kernel(
         kind = tl.load(kind_ptr + req * src_stride + blk, mask=kmask, other=0).to(tl.int32)
         idx = tl.load(idx_ptr + req * src_stride + blk, mask=kmask, other=0).to(tl.int64)
         off = kpos % block_size
-        k = _load_sealed(k_ptr, ks_ptr, kz_ptr, tk_ptr, sk_ptr, sks_ptr, kind, idx, off, kvh, kv_heads, head_dim,
-                         block_size, d, kmask, True, BITS, PACKED, GROUPS, GROUP_SIZE, TAIL_ENC)
+        k = _load_sealed(k_ptr, ks_ptr, kz_ptr, tk_ptr, sk_ptr, sks_ptr, kind, idx, off, sink_slot, sink_rows, kvh,
+                         kv_heads, head_dim, block_size, d, kmask, True, BITS, PACKED, GROUPS, GROUP_SIZE, TAIL_ENC)
         if HAS_VALUE:
-            v = _load_sealed(v_ptr, vs_ptr, vz_ptr, tv_ptr, sv_ptr, svs_ptr, kind, idx, off, kvh, kv_heads,
-                             head_dim, block_size, d, kmask, False, BITS, PACKED, GROUPS, GROUP_SIZE, TAIL_ENC)
+            v = _load_sealed(v_ptr, vs_ptr, vz_ptr, tv_ptr, sv_ptr, svs_ptr, kind, idx, off, sink_slot, sink_rows,
+                             kvh, kv_heads, head_dim, block_size, d, kmask, False, BITS, PACKED, GROUPS, GROUP_SIZE,
+                             TAIL_ENC)
         else:  # a key-only layer's values are its keys
             v = k
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale                # [BLOCK_M, BLOCK_N]
@@ -130,8 +135,8 @@ def sealed_attention(
     value: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     tail_key: torch.Tensor, tail_value: torch.Tensor, sink_key: tuple[torch.Tensor, torch.Tensor],
     sink_value: tuple[torch.Tensor, torch.Tensor], src_kind: torch.Tensor, src_index: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, items: torch.Tensor,
-    *, bits: int, group_size: int, tail_encoding: int, block_q: int, block_m: int, sm_scale: float,
+    src_sink: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, items: torch.Tensor,
+    *, sink_rows: int, bits: int, group_size: int, tail_encoding: int, block_q: int, block_m: int, sm_scale: float,
     num_splits: int, tiles_per_split: int, block_n: int = 16,
 ) -> None:
     """Attention of the queries of ``items`` over their quantize-on-seal contexts, written into ``out`` (one launch,
@@ -146,9 +151,11 @@ def sealed_attention(
             ``[num_blocks, block_size, kv_heads, G]``; ``None`` for a key-only layer (its values are its keys).
         tail_key, tail_value: ``[S * block_size, kv_heads, head_dim]`` 16-bit tail rows (float16, or bfloat16
             viewed as int16); a key-only layer passes its keys twice.
-        sink_key, sink_value: ``(codes, scales)``: int8 codes as uint8 ``[K * block_size, kv_heads, head_dim]`` and
-            float16 ``[K * block_size, kv_heads]`` of the first-block copies.
-        src_kind: ``[B, W]`` uint8, src_index: ``[B, W]`` int64 (:mod:`kvpage.ops.backends.sealed_sources`).
+        sink_key, sink_value: ``(codes, scales)``: int8 codes as uint8 ``[K * sink_rows, kv_heads, head_dim]`` and
+            float16 ``[K * sink_rows, kv_heads]`` of the first-block copies (slot ``s``: rows ``s * sink_rows ..``).
+        src_kind: ``[B, W]`` uint8, src_index: ``[B, W]`` int64, src_sink: ``[B]`` int64
+            (:mod:`kvpage.ops.backends.sealed_sources`).
+        sink_rows: rows of the first block each copy holds (:func:`~kvpage.spec.sink_rows`, at least 1).
         seq_lens: ``[B]`` int32 context lengths after this step; query_start_loc: ``[B + 1]`` int32.
         items: ``[num_items, 2]`` int32 ``(request, first query)`` of each query tile (only kernel rows).
         bits: 4, 3 or 2; group_size: value channels per group (:func:`~kvpage.formats.kivi.value_group_size`).
@@ -173,8 +180,9 @@ def sealed_attention(
     _sealed_attention_kernel[grid](
         part, lse, q, key[0], key[1], key[2], vals[0], vals[1], vals[2], tail_key, tail_value,
         sink_key[0], sink_key[1], sink_value[0], sink_value[1],
-        src_kind, src_index, seq_lens, query_start_loc, items,
-        num_tokens, num_heads, kv_heads, head_dim, key[0].shape[1], src_kind.stride(0), sm_scale, tiles_per_split,
+        src_kind, src_index, src_sink, seq_lens, query_start_loc, items,
+        num_tokens, num_heads, kv_heads, head_dim, key[0].shape[1], src_kind.stride(0), sink_rows, sm_scale,
+        tiles_per_split,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         BITS=bits, PACKED=key[0].shape[3], GROUPS=head_dim // group_size, GROUP_SIZE=group_size,
         TAIL_ENC=tail_encoding, HAS_VALUE=value is not None, SPLIT=split,

@@ -109,7 +109,8 @@ class SealedStep:
 
     Attributes:
         kind: ``[B, W]`` uint8 source kind of each request's logical block, on the device.
-        index: ``[B, W]`` int64 pool block, tail slot or sink slot of each, on the device.
+        index: ``[B, W]`` int64 pool block or tail slot of each, on the device.
+        sink: ``[B]`` int64 each request's first-block (sink) slot, -1 for none, on the device.
         kernel_rows: requests the kernel serves; sdpa_rows: the others (host tuples).
         items: ``[num_items, 2]`` int32 ``(request, first query of the tile)`` of the kernel rows, on the device.
         seq_lens: ``[B]`` int32; query_start_loc: ``[B + 1]`` int32, on the device.
@@ -119,6 +120,7 @@ class SealedStep:
 
     kind: torch.Tensor
     index: torch.Tensor
+    sink: torch.Tensor
     kernel_rows: tuple[int, ...]
     sdpa_rows: tuple[int, ...]
     items: torch.Tensor
@@ -144,7 +146,7 @@ def sealed_step(ctx: SealContext, meta: AttentionMetadata, group: int, head_dim:
     longest = max((meta.seq_lens[i] for i in src.kernel_rows), default=0)
     return SealedStep(
         kind=to_device(src.kind, torch.uint8, device), index=to_device(src.index, torch.long, device),
-        kernel_rows=src.kernel_rows, sdpa_rows=src.sdpa_rows,
+        sink=to_device(src.sink, torch.long, device), kernel_rows=src.kernel_rows, sdpa_rows=src.sdpa_rows,
         items=to_device(items, torch.int32, device).view(-1, 2),
         seq_lens=to_device(meta.seq_lens, torch.int32, device),
         query_start_loc=to_device(qsl, torch.int32, device),
