@@ -190,18 +190,19 @@ def render(payload: dict, *, command: str, eval_command: str, skipped: list[str]
     return "\n".join(lines)
 
 
-#: The issue's targets on the evaluation set, checked on the tuning mean and on the held-back member apart:
-#: format (name or kv_cache_dtype) -> (max Δppl %, max effective bits per value or None). The KLD targets
-#: compare with llama.cpp's caches in the same run (benchmarks/vs_llamacpp.py), so they are not checked here.
+#: The issues' targets on the evaluation set (issue 34's for 4, 3 and 2 bits), checked on the tuning mean and on
+#: the held-back member apart: format (name or kv_cache_dtype) -> (max Δppl %, max effective bits per value at
+#: 1,024 tokens, or None). The bits checked are a 1,024-token member's (the longer members' are lower). The KLD
+#: targets are not checked here (issue 34's 0.004 for 4 bits: see the summary's KLD columns).
 SUITE_TARGETS: dict[str, tuple[float, float | None]] = {
     "int8": (0.15, None),
-    "int4": (0.5, 4.75),
+    "int4": (0.5, 4.6),
     "int3": (2.5, 3.6),
-    "int2": (10.0, 3.0),
-    # the rotated variants store the same bytes: the same targets
-    "int4_rotated": (0.5, 4.75),
+    "int2": (6.0, 3.0),
+    # the rotated variants: the same targets
+    "int4_rotated": (0.5, 4.6),
     "int3_rotated": (2.5, 3.6),
-    "int2_rotated": (10.0, 3.0),
+    "int2_rotated": (6.0, 3.0),
 }
 
 
@@ -449,6 +450,41 @@ better rate than the 6-bit copy (+7-11% for 0.055 bits), and the quarter-bit it 
 after an idle copy was dropped, the transformers `Cache`, the CPU and Triton kernels' per-block sources, the
 reference) must carry the row with the block, and the kernels read block 0 from two sources.
 
+**Row 0 copied, block 0 sealed as it is: built** (`kv_tries.py screen --variants <format>_sinkhead<n>` for the
+first `n` rows copied with block 0 sealed unchanged, so its codes stay readable on their own: every reader without
+the copy reads block 0 as any block; `accuracy/tries/screen_*sinkhead*.json`, `screen_int2_rotated_sinkrows1_int4_sinkrows1.json`;
+2026-12-06, references re-measured in the same runs; bits at 1,024 tokens, counted by hand where the screen's
+column predates the per-format copy):
+
+| try | bits | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl | mean KLD of the first three |
+|---|---|---|---|---|---|---|
+| `int4_rotated`, whole block (was) | 4.633 | 0.0056 / +0.16% | 0.0039 / +0.93% | 0.0037 / +0.37% | 0.0526 / -4.15% | 0.0044 |
+| **`int4_rotated`, row 0 (now)** | 4.383 | 0.0059 / -0.06% | 0.0042 / +1.12% | 0.0039 / +0.38% | 0.0545 / -0.16% | 0.0047 |
+| `int4_rotated`, rows 0-3 | 4.407 | 0.0059 / +0.20% | 0.0042 / +1.08% | 0.0040 / +0.42% | 0.0553 / -0.91% | 0.0047 |
+| `int4_rotated`, no copy | 4.375 | 0.0133 / +0.54% | 0.0084 / +1.26% | 0.0075 / +0.48% | 0.0488 / -1.88% | 0.0097 |
+| **`int4`, whole block (kept)** | 4.633 | 0.0061 / +0.33% | 0.0064 / +0.71% | 0.0053 / +0.93% | 0.0619 / +1.84% | 0.0059 |
+| `int4`, row 0 | 4.383 | 0.0095 / +1.04% | 0.0075 / +0.91% | 0.0061 / +0.21% | 0.0592 / +1.66% | 0.0077 |
+| `int4`, row 0, block 0 sealed without it | 4.383 | 0.0079 / +0.39% | 0.0078 / +1.17% | 0.0054 / +0.44% | 0.0606 / +0.93% | 0.0070 |
+| `int3_rotated`, whole block (was) | 3.633 | 0.0193 / -0.99% | 0.0192 / +2.44% | 0.0152 / +1.43% | 0.1348 / +1.06% | 0.0179 |
+| **`int3_rotated`, row 0 (now)** | 3.383 | 0.0209 / +0.01% | 0.0196 / +3.02% | 0.0170 / +2.44% | 0.1490 / +2.51% | 0.0191 |
+| **`int3`, row 0 (now)** | 3.383 | 0.0286 / +2.47% | 0.0306 / +3.79% | 0.0248 / +3.21% | 0.1785 / -3.89% | 0.0280 (whole block above: 0.0276) |
+| **`int2_rotated`, whole block (kept)** | 3.133 | 0.0347 / +3.33% | 0.0591 / +7.10% | 0.0379 / +4.08% | 0.2170 / -13.23% | 0.0439 |
+| `int2_rotated`, row 0 | 2.883 | 0.0634 / +3.39% | 0.0687 / +7.04% | 0.0448 / +4.98% | 0.2757 / -7.20% | 0.0590 |
+| `int2_rotated`, rows 0-7 | 2.940 | 0.0645 / +4.17% | 0.0712 / +7.72% | 0.0428 / +5.27% | 0.2700 / -6.98% | 0.0595 |
+| `int2_rotated`, rows 0-15 | 3.004 | 0.0454 / +3.03% | 0.0690 / +7.41% | 0.0386 / +4.16% | 0.2507 / -12.67% | 0.0510 |
+| `int2_rotated`, row 0, block 0 sealed without it | 2.883 | 0.0624 / +3.41% | 0.0685 / +7.80% | 0.0391 / +4.13% | 0.2540 / -8.37% | 0.0567 |
+
+Sealed as it is, row 0 alone keeps most of the copy for the rotated formats (+6-7% KLD of the first three) and for
+`int3` (+1.5%), at 0.25 bits less: `int4_rotated`, `int3_rotated` and `int3` copy row 0 (`sink_rows = 1`; 4.383,
+3.383 and 3.383 bits at 1,024 tokens, inside the issue's 4.6 and 3.6). Unrotated `int4` loses 29% so (the sink's
+outlier channels stretch block 0's key steps over its other 31 rows; sealing block 0 without row 0 recovers a
+fifth of that, not worth rows that stop being readable on their own) and keeps its whole block. At 2 bits block 0's
+other rows matter themselves (row 0 sealed apart gains nothing, 16 rows recover half): `int2` and `int2_rotated`
+keep the whole block, 3.133 bits at 1,024 tokens, over the 3.0 floor; 16 rows (3.004 bits) would not be under it
+either. The engine: sink slots of `sink_rows` rows (a carved group of `16 / bits` pool blocks holds
+`2 * block_size / sink_rows` copies), block 0's source in the kernels is its pool block with its first rows from
+the copy (`SRC_SINK`); no fingerprint change (the sealed bytes are the same).
+
 """
 
 
@@ -477,12 +513,14 @@ def _targets_table(payload: dict) -> list[str]:
         if target is None:
             continue
         want = f"Δppl ≤ +{target[0]:g}%" + (f" at ≤ {target[1]:g} bits" if target[1] is not None else "")
-        hb = held["results"][i]["bits_per_value"] if held else s["bits_per_value"]
-        lines.append(f"| `{s['name']}` | {want} | {_met(s['tuning_delta_ppl_percent'], s['bits_per_value'], target)} | "
-                     f"{_met(s['held_back_delta_ppl_percent'], hb, target)} |")
+        bits = next((m["results"][i]["bits_per_value"] for m in members if m["num_tokens"] == 1024),
+                    s["bits_per_value"])
+        lines.append(f"| `{s['name']}` | {want} | {_met(s['tuning_delta_ppl_percent'], bits, target)} | "
+                     f"{_met(s['held_back_delta_ppl_percent'], bits, target)} |")
     if not lines:
         return []
-    return ["| format | issue target | tuning mean | held back |", "|---|---|---|---|", *lines, ""]
+    return ["| format | issue target (bits at 1,024 tokens) | tuning mean | held back |", "|---|---|---|---|",
+            *lines, ""]
 
 
 def _plot_links(name: str, suite_dir: Path, note_dir: Path) -> list[str]:

@@ -28,9 +28,11 @@ Variants beyond the real formats (all fake quantization, in this file only):
 * **per-layer precision**: any format per layer (``int8``/``int4``/``int3``/``int2``, rotated or not, ``auto``),
   a quantize-on-seal layer optionally with its own window (``kv_quant_residual_tokens``; ``int2`` without its
   32-token window is the only way below ``int2``'s bits, which the mix at ``int2``'s budget uses);
-* **the first-block copy** at fewer bits or none (``<format>_sinkcopy<bits>``), or of the keys only
-  (``<format>_sinkcopyK``, block 0's values read sealed): the int8 copy costs 0.26 bits per value at 1,024 tokens,
-  the margin by which ``int4``/``int3`` miss their 4.6/3.6-bit floors there.
+* **the first-block copy** at fewer bits or none (``<format>_sinkcopy<bits>``), of the keys only
+  (``<format>_sinkcopyK``, block 0's values read sealed), or of block 0's first ``n`` rows (``<format>_sinkrows<n>``:
+  block 0 sealed without them; ``<format>_sinkhead<n>``: sealed as it is, what the engine's ``sink_rows`` does);
+  a format as it is copies :meth:`~kvpage.formats.BlockFormat.copied_rows` rows (the whole block costs 0.26 bits
+  per value at 1,024 tokens).
 
 Usage (one thread; the machine is shared)::
 

@@ -331,12 +331,13 @@ def test_bundled_model_lossy_formats_track_dynamic_cache(hf_smollm2, gpl3_ids) -
     """Teacher-forced on 64 tokens after a 40-token prompt (prefill, then one token per step), against
     DynamicCache on the same tokens. Measured on this machine: int8 0 flips, mean KL 0.0032; int4 0 / 0.0054;
     int2 0 / 0.0018 (its window and 8-bit first block cover most of 104 tokens); int4_rotated (sealed and
-    unsealed in the original basis here) within int4's bound. A wrong block, scale or rotation gives KL of whole
-    nats."""
+    unsealed in the original basis here) 6 / 0.0118: its 8-bit copy holds the first token alone, so 31 of the
+    104 tokens that int4's copy keeps in 8 bits are read at 4 here (1 / 0.0042 when it copied the whole block,
+    at 2.5 more bits per value at this length). A wrong block, scale or rotation gives KL of whole nats."""
     chunks = [40] + [1] * 63
     ids = gpl3_ids[:103]                # row t predicts token t + 1; the last token predicts nothing
     ref = forward_logits(hf_smollm2, DynamicCache(config=hf_smollm2.config), ids, chunks)[39:]
-    bounds = {"int8": (2, 0.01), "int4": (3, 0.03), "int2": (6, 0.1), "int4_rotated": (3, 0.03)}
+    bounds = {"int8": (2, 0.01), "int4": (3, 0.03), "int2": (6, 0.1), "int4_rotated": (9, 0.03)}
     for fmt in LOSSY_SAMPLE:
         cache = KVPageCache(hf_smollm2.config, fmt)
         got = forward_logits(hf_smollm2, cache, ids, chunks)[39:]
