@@ -69,8 +69,8 @@ class Int4RotatedFormat(RotatedSealedFormat, Int4Format):
     """``int4_rotated``: ``int4``'s codes and bytes of Hadamard-rotated rows (module docstring: bound, cost).
 
     Its first-block copy holds row 0 alone (``sink_rows = 1``): screened on the tuning members
-    (``benchmarks/ACCURACY.md``, "Part of the first-block copy"), the copy of the whole block (0.26 bits at 1,024
-    tokens) gave 0.0044 mean KLD of the first three members, row 0 alone (0.008 bits, block 0 sealed as it is)
+    (``benchmarks/ACCURACY.md``, "Row 0 copied, block 0 sealed as it is"), the copy of the whole block (0.26 bits at
+    1,024 tokens) gave 0.0044 mean KLD of the first three members, row 0 alone (0.008 bits, block 0 sealed as it is)
     0.0047, no copy 0.0097: the rotation spreads the sink's outlier channels, so block 0's other rows survive their
     seal (unrotated ``int4`` lost 29% there, and keeps the whole block).
     """

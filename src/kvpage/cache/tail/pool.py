@@ -48,8 +48,8 @@ class TailPool:
     Over side groups (a carved :class:`~kvpage.spec.TailLayout`, :mod:`kvpage.cache.tail.side`) the 16-bit rows
     and the sink codes are zero-copy views of the layer's pool codes (``key``/``value``, its first ``S * r``
     blocks): slot ``g`` is blocks ``[r*g, r*g + r)``, its code bytes ``2 * block_size`` int8 rows that hold
-    :func:`~kvpage.spec.sinks_per_group` sink slots; only the sink scales are tensors of their own. The views follow a re-allocated pool
-    (``caches`` is read again at each :meth:`context`).
+    :func:`~kvpage.spec.sinks_per_group` sink slots; only the sink scales are tensors of their own. The views
+    follow a re-allocated pool (``caches`` is read again at each :meth:`context`).
 
     Args:
         spec: the cache layout; only layers whose format seals get tensors.

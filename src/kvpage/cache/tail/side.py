@@ -4,8 +4,9 @@ A quantize-on-seal block's packed codes take ``bits / 16`` of a 16-bit row's byt
 consecutive pool blocks (an aligned *group*, ``[r*g, r*g + r)``) hold one 16-bit tail slot exactly in
 their key codes (and its values in their value codes): the tail tensors are zero-copy views of the pool
 (:class:`~kvpage.cache.tail.pool.TailPool`), slot ``g`` = group ``g``. A first block's 8-bit copy of
-:func:`~kvpage.spec.sink_rows` rows takes ``c = sinks_per_group`` of a group's code bytes (sink slots
-``c*g .. c*g + c - 1``: that many copies share a group). A slot is taken by claiming its group's blocks out of the pool
+:func:`~kvpage.spec.sink_rows` rows takes ``1 / c`` of a group's code bytes (``c`` =
+:func:`~kvpage.spec.sinks_per_group`; sink slots ``c*g .. c*g + c - 1``: that many copies share a group). A slot
+is taken by claiming its group's blocks out of the pool
 (:meth:`~kvpage.cache.prefix_cache.PrefixBlockPool.claim`, evicting cached, unused ones) and freed by
 giving them back, so side space is paid for only while requests hold it. Tensor-free.
 """

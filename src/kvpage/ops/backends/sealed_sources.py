@@ -1,8 +1,9 @@
 """Per-step source tables of the quantize-on-seal formats for kernels that read them block by block.
 
 For each request and logical block of its context: where its rows live after this step's writes (a sealed pool
-block, a 16-bit tail slot, a sealed first block whose first rows an 8-bit copy holds) and at which index; and which requests a fused kernel can
-serve (one source per block for all of a request's queries) and which must attend through the reference path.
+block, a 16-bit tail slot, a sealed first block whose first rows an 8-bit copy holds) and at which index; and
+which requests a fused kernel can serve (one source per block for all of a request's queries) and which must
+attend through the reference path.
 Torch only; shared by the ``cpu`` and ``triton`` backends, so both kernels serve exactly the same requests.
 """
 from __future__ import annotations
