@@ -217,7 +217,8 @@ budget). The search int2 uses (-3..8) clips too deep at 3 bits, as deeper clippi
 8-bit copy of the first block KLD is 2-3x as high on three members (about equal on `torch_readme`), which
 its 0.26 bits (at 1,024 tokens) pay for. Kept:
 int4's candidates -1..2 without int4's `max_error`, and the first-block copy; ranges -1..1 and -1..4 were
-within the noise of it.
+within the noise of it. (Since 2026-12-06 the copy holds the first token alone, 3.383 bits at 1,024 tokens: "Row 0
+copied, block 0 sealed as it is" below; the rows here copy the whole block.)
 
 | step search (UE5M3 codes around the min/max step) | 8-bit first block | bits at 1,024 tokens | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl |
 |---|---|---|---|---|---|---|
@@ -240,12 +241,13 @@ ROTATED_NOTE = """\
 ### The `_rotated` quantize-on-seal formats
 
 `int4_rotated`, `int3_rotated` and `int2_rotated` store the bytes of `int4`, `int3` and `int2` (same block
-layout, step search, window and first-block copy) of Hadamard-rotated rows: the attention ops rotate q, k and v
+layout, step search, window and first-block copy, but `int4_rotated`'s copy holds the first token alone since
+2026-12-06, as `int3`'s does) of Hadamard-rotated rows: the attention ops rotate q, k and v
 by the per-head orthonormal Hadamard matrix when a layer's pass enters them and the output back, so the pool, the
 16-bit tail and window and the 8-bit first-block copy all hold rotated rows and the kernels run unchanged
 (`kvpage/formats/kivi_rotated.py`). The rotation spreads the keys' outlier channels over the head before the
 per-channel key steps and per-token value steps are chosen. Compare each with its base format in the tables
-above: same bits, lower KLD. They are separate names, not a new version of `int4`: a value group with a large
+above: same bits (`int4_rotated`: 0.25 fewer at 1,024 tokens), lower KLD. They are separate names, not a new version of `int4`: a value group with a large
 common offset (case C21: values in [5, 6] at head_dim 96) loses `int4`'s 0.04 bound, since the rotation
 gathers the offset into one coordinate; their own bound is the base bound in the rotated basis, an L2 bound
 in the original one (`tests/test_kivi.py`). Engine decode speed against the base format:
