@@ -305,14 +305,13 @@ def read_sealed(
     rows = tail[kind]
     ids = read.full_ids[first:]
     full = codec.read_blocks(cache, fmt, kind, ids, dtype, d)                  # [nf-first, bs, Hkv, D]
-    sink = read.sink_slot is not None and first == 0 and ids.numel() > 0
+    sink = read.sink_slot if first == 0 and ids.numel() else None               # block 0 read with its copy
     for j, slot in read.fp_blocks if copies else ():
-        if j >= first and not (j == 0 and sink):
+        if j >= first and not (j == 0 and sink is not None):
             full[j - first] = rows[slot * bs:(slot + 1) * bs]
-    if sink:
-        assert read.sink_slot is not None
+    if sink is not None:
         n = sink_rows(fmt, bs)
-        a = read.sink_slot * n
+        a = sink * n
         codes, scales = tail["sink_" + kind][a:a + n], tail["sink_" + _scale_name(kind)][a:a + n]
         full[0, :n] = sink_format.dequantize(codes, scales, dtype, kind=kind)
     out = full.flatten(0, 1)                                                   # [nf*bs, Hkv, D]

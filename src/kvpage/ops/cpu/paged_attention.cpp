@@ -445,8 +445,8 @@ struct SealedSource {
   const int8_t* value_zero;    // [NB, bs, Hkv, Gv] offset in steps
   const uint8_t* tail_key;     // [S*bs, Hkv, D] TAIL encoding
   const uint8_t* tail_value;
-  const uint8_t* sink_key;     // [K*bs, Hkv, D] int8
-  const c10::Half* sink_key_scale;  // [K*bs, Hkv]
+  const uint8_t* sink_key;     // [K*sink_n, Hkv, D] int8
+  const c10::Half* sink_key_scale;  // [K*sink_n, Hkv]
   const uint8_t* sink_value;
   const c10::Half* sink_value_scale;
   const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 pool block with its first sink_n rows from the copy
@@ -530,10 +530,15 @@ struct SealedSource {
       }
       return false;
     }
-    load_pool<DC>(idx, first, nt, kb, vb, has_value);
-    if (kind == 2) {  // the first block: its first sink_n rows from the int8 copy instead
+    // the first block (kind 2): its first sink_n rows from the int8 copy, only the rows after them from the pool
+    const int64_t copied = kind == 2 ? std::clamp<int64_t>(sink_n - off, 0, nt) : 0;
+    if (copied < nt) {
+      float* vrest = has_value ? vb + copied * Hkv * D : vb;
+      load_pool<DC>(idx, first + copied * Hkv, nt - copied, kb + copied * Hkv * D, vrest, has_value);
+    }
+    if (copied) {
       const int64_t base = src_sink[r] * sink_n;
-      for (int64_t t = off; t < std::min(off + nt, sink_n); ++t) {
+      for (int64_t t = off; t < off + copied; ++t) {
         for (int64_t h = 0; h < Hkv; ++h) {
           const int64_t row = (base + t) * Hkv + h, i = (t - off) * Hkv + h;
           decode_row<I8, DC>(sink_key + row * D, static_cast<float>(sink_key_scale[row]), kb + i * D, D);
