@@ -399,18 +399,20 @@ beside the first-block copy's trades for `int2` (`screen_int2_int2_rotated_*_sin
 | try | bits | `gpl3` KLD / Δppl | `argparse` KLD / Δppl | `matplotlibrc` KLD / Δppl | `torch_readme` KLD / Δppl | mean KLD / Δppl | verdict |
 |---|---|---|---|---|---|---|---|
 | `int2_rotated` (reference) | 3.133 | 0.0351 / +3.30% | 0.0623 / +7.57% | 0.0372 / +4.51% | 0.2379 / -13.99% | 0.0931 / +0.35% | — |
-| `int2_rotated`, window as int8 rows | 2.891 | 0.0350 / +3.64% | 0.0605 / +7.46% | 0.0364 / +4.49% | 0.2197 / -13.46% | 0.0879 / +0.53% | **kept** (not built): the same KLD on three members (-8% on the fourth) at 0.24 fewer bits |
+| `int2_rotated`, window as int8 rows | 2.891 | 0.0350 / +3.64% | 0.0605 / +7.46% | 0.0364 / +4.49% | 0.2197 / -13.46% | 0.0879 / +0.53% | **kept** (built since 2026-12-06: the engine's default): the same KLD on three members (-8% on the fourth) at 0.24 fewer bits |
 | `int2_rotated`, 6-bit first-block copy | 3.078 | 0.0359 / +3.77% | 0.0623 / +7.80% | 0.0360 / +4.33% | 0.2274 / -12.79% | 0.0904 / +0.78% | within noise at 0.055 fewer bits; the window trade saves more |
 | `int2_rotated`, no first-block copy | 2.875 | 0.1692 / +8.80% | 0.2121 / +21.69% | 0.1624 / +16.19% | 0.2838 / -8.23% | 0.2069 / +9.61% | rejected: KLD 3-5x |
 | `int2` (reference) | 3.133 | 0.0567 / +4.72% | 0.1024 / +11.99% | 0.0559 / +5.72% | 0.2774 / +0.90% | 0.1231 / +5.83% | — |
-| `int2`, window as int8 rows | 2.891 | 0.0577 / +5.44% | 0.1044 / +12.11% | 0.0583 / +5.72% | 0.2866 / -2.24% | 0.1267 / +5.26% | kept (not built): KLD +2-4% at 0.24 fewer bits |
+| `int2`, window as int8 rows | 2.891 | 0.0577 / +5.44% | 0.1044 / +12.11% | 0.0583 / +5.72% | 0.2866 / -2.24% | 0.1267 / +5.26% | kept (built, as `int2_rotated`'s): KLD +2-4% at 0.24 fewer bits |
 | `int2`, no first-block copy | 2.875 | 0.1947 / +8.20% | 0.2237 / +16.64% | 0.3325 / +37.32% | 0.3914 / +5.05% | 0.2856 / +16.80% | rejected |
 
-Building the int8 window means window copies in the tail's 8-bit slots (the first-block copies' pool, which the
-kernels already read as int8 rows): written at the seal from the open slot's rows, whose 16-bit slot is then
-freed, except a provisional block of speculative decoding, which must keep its 16-bit rows until verified (a
-rollback reopens the block from them); and, for the bytes to be saved in the engine, two 8-bit copies sharing one
-carved group of pool blocks, as first-block copies do.
+Built so (`window_bits = 8` on `int2` and `int2_rotated`, `kvpage/cache/tail/`): window copies live in the tail's
+8-bit slots (the first-block copies' pool, whose whole-block copies the kernels read as int8 rows: source kind 3
+in the `cpu` and `triton` kernels), written by the seal from the block's rows, whose 16-bit slot is then freed,
+except a provisional block of speculative decoding, which keeps its 16-bit rows too until verified (a rollback
+reopens the block from them); over a carved tail two 8-bit copies share one group of pool blocks, as first-block
+copies do, a window copy taking a free half beside a first-block copy first. The transformers `Cache` keeps
+16-bit window copies (its `crop` reopens sealed blocks from them).
 
 The int8 copy stays: 0.055 bits buy 7-11% less KLD, a better rate than any other trade screened here (per-layer
 mixes pay about a bit per layer for 20-40%). Covering only the first 4 or 16 tokens of block 0 (the rest read

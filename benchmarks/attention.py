@@ -224,8 +224,11 @@ def sealed_case(fmt: str, batch: int, depth: int, gen: torch.Generator, setup_th
     window = -(-ls.format.default_residual_tokens // bs)
     nbr = math.ceil((depth + 1) / bs)
     cache = CacheController(spec).initialize_kv_cache(batch * nbr)[0]
-    layout = TailLayout(num_slots=batch * (1 + window), num_sink_slots=2 * batch, window_blocks=window)
-    table = TailTable(bs, layout.num_slots, layout.num_sink_slots, layout.window_blocks)
+    bits = ls.format.window_copy_bits(bs) if window else 16  # int2: int8 window copies in 8-bit slots
+    layout = (TailLayout(num_slots=batch * (1 + window), num_sink_slots=2 * batch, window_blocks=window)
+              if bits == 16 else TailLayout(num_slots=2 * batch, num_sink_slots=batch * (3 + window),
+                                            window_blocks=window, window_bits=8))
+    table = TailTable(bs, layout.num_slots, layout.num_sink_slots, layout.window_blocks, window_bits=bits)
     pool = TailPool(spec, layout, torch.float32)  # a float32 model: float16 tail rows
     tables = _tables(batch, nbr)
     cpu = select_backend("cpu", ls, "cpu")
@@ -254,15 +257,19 @@ def sealed_case(fmt: str, batch: int, depth: int, gen: torch.Generator, setup_th
     sink_row = KV_HEADS * HEAD_DIM + KV_HEADS * 2              # int8 codes + float16 per-head scale
     tensors = 2 if ls.has_value else 1
     total = 0
+    copied = ls.format.copied_rows(bs)                         # rows of block 0 its 8-bit copy holds
     for read in plan.reads:  # the sources the cpu backend reads, block by block (see its _sealed_sources)
         kind = ["pool"] * len(read.full_ids)
         for j, _ in read.fp_blocks:
             kind[j] = "window"
+        for j, _ in read.copy_blocks:
+            kind[j] = "copy"
         if read.sink_slot is not None:
-            kind[0] = "sink"
+            kind[0] = "sink"  # the copy's rows, the block's others from the pool
+            total += ls.bytes_per_block if copied < bs else 0
         total += kind.count("pool") * ls.bytes_per_block
-        total += tensors * (bs * (kind.count("window") * tail_row + kind.count("sink") * sink_row)
-                            + read.open_len * tail_row)
+        total += tensors * (bs * (kind.count("window") * tail_row + kind.count("copy") * sink_row)
+                            + kind.count("sink") * copied * sink_row + read.open_len * tail_row)
     return Case(calls, total, table.finish)
 
 

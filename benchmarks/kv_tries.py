@@ -210,7 +210,8 @@ class LayerPlan:
         sink_copy_bits: the first-block copy of a format that keeps one: 8 (the engine's int8), 0 (none: block 0
             read sealed), or fewer bits (:func:`sink_fake_quant`).
         window_bits: the window copies (the blocks before the query's own that a format with a window reads
-            unsealed): 16 (the engine's float16 tail rows) or 8 (int8 rows as the first-block copy's).
+            unsealed): 16 (float16 tail rows), 8 (int8 rows as the first-block copy's) or ``None``, the engine's
+            (:meth:`~kvpage.formats.BlockFormat.window_copy_bits`: 8 for ``int2``/``int2_rotated`` since 2026-12-06).
         sink_copy_values: whether the first-block copy holds the values too (``False``: keys only, block 0's values
             read sealed: values are grouped per token, so the sink token's outliers stretch no other token's range,
             while a key group spans the block's 32 tokens of one channel).
@@ -229,7 +230,7 @@ class LayerPlan:
     value_levels: torch.Tensor | None = None
     residual_tokens: int | None = None
     sink_copy_bits: int = 8
-    window_bits: int = 16
+    window_bits: int | None = None
     sink_copy_values: bool = True
     sink_copy_tokens: int | None = None
     sink_rows_sealed: bool = False
@@ -290,8 +291,9 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
                 v_hat[:n_copy] = sink_fake_quant(v16[:n_copy], VALUE, plan.sink_copy_bits)
     residual = fmt.default_residual_tokens if plan.residual_tokens is None else plan.residual_tokens
     window = math.ceil(residual / BLOCK)
-    if plan.window_bits != 16:
-        k_win, v_win = sink_fake_quant(k16, KEY, plan.window_bits), sink_fake_quant(v16, VALUE, plan.window_bits)
+    window_bits = fmt.window_copy_bits(BLOCK) if plan.window_bits is None else plan.window_bits
+    if window_bits != 16:
+        k_win, v_win = sink_fake_quant(k16, KEY, window_bits), sink_fake_quant(v16, VALUE, window_bits)
     sink = bool(fmt.sink_bits and plan.sink_copy_bits)
     params = LayerAttention(scale=scale)
     out = torch.empty_like(qs)
@@ -305,7 +307,7 @@ def sealed_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         j_fp = torch.arange(fs, e)
         m_hat = blk[j_hat][None, :] < lo[:, None]                              # [n, e]
         m_fp = (blk[j_fp][None, :] >= lo[:, None]) & (j_fp[None, :] <= qi[:, None])  # [n, e - fs]
-        if plan.window_bits == 16:
+        if window_bits == 16:
             keys = torch.cat([k_hat[:e], k16[fs:e]])
             vals = torch.cat([v_hat[:e], v16[fs:e]])
             out[s:e] = masked_attention(qs[s:e], keys, vals, torch.cat([m_hat, m_fp], 1), params)
@@ -340,28 +342,26 @@ def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt
 
 
 def layer_bits(fmt: str, num_tokens: int = 1024, residual_tokens: int | None = None, sink_copy_bits: int = 8,
-               window_bits: int = 16, sink_copy_values: bool = True, sink_copy_tokens: int | None = None) -> float:
+               window_bits: int | None = None, sink_copy_values: bool = True, sink_copy_tokens: int | None = None
+               ) -> float:
     """Effective bits per value of one SmolLM2 layer in ``fmt`` at ``num_tokens`` tokens (``auto``: 16, a 16-bit
     cache; a sealed format counts its window (``residual_tokens``, ``None``: the format's default) and first-block
     copy, as ``kvpage eval`` does; a copy at ``sink_copy_bits`` other than 8 is counted by
     :func:`sink_copy_bytes` instead of the engine's int8 one, half of them without ``sink_copy_values``; window
-    copies at ``window_bits`` 8 as int8 rows)."""
+    copies at ``window_bits``, ``None`` the format's own, as the engine counts them)."""
     if fmt == "auto":
         return 16.0
     f = get_format(fmt)
     if isinstance(f, SealedFormat):
         residual = f.default_residual_tokens if residual_tokens is None else residual_tokens
         bits = f.effective_bits_per_value(num_tokens=num_tokens, block_size=BLOCK, kv_heads=3, head_dim=64,
-                                          residual_tokens=residual)
+                                          residual_tokens=residual, window_bits=window_bits)
         own = f.copied_rows(BLOCK)                                              # rows the format's copy holds
         tokens = own if sink_copy_tokens is None else sink_copy_tokens
         if f.sink_bits and num_tokens >= BLOCK and (sink_copy_bits != 8 or not sink_copy_values or tokens != own):
             per_value = 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)               # bits per value per copied byte
             kept = sink_copy_bytes(sink_copy_bits, 64) * (1.0 if sink_copy_values else 0.5) * tokens / BLOCK
             bits += (kept - sink_copy_bytes(8, 64) * own / BLOCK) * per_value   # swap the int8 copy's bytes
-        if window_bits == 8:  # each window block's 16-bit rows (2 * 64 bytes per token and head) as int8 rows
-            blocks = min(math.ceil(residual / BLOCK), num_tokens // BLOCK)
-            bits += blocks * (sink_copy_bytes(8, 64) - 2 * 64 * 2) * 8 * BLOCK * 3 / (2 * num_tokens * 3 * 64)
         return bits
     return f.effective_bits_per_value(num_tokens=num_tokens, block_size=16, kv_heads=3, head_dim=64)
 
@@ -739,8 +739,8 @@ def build_variants(out: Path, layers: int, fmts: Sequence[str]) -> list[Variant]
             vs += [uniform(f"{f}_sinkrows{t}", f, layers, sink_copy_tokens=t) for t in (1, 2, 4, 8)]
             vs += [uniform(f"{f}_sinkhead{t}", f, layers, sink_copy_tokens=t, sink_rows_sealed=True)
                    for t in (1, 2, 4, 8, 16)]  # the first rows copied, block 0 sealed as it is
-        if getattr(get_format(f), "default_residual_tokens", 0):  # a window: its copies as int8 rows
-            vs.append(uniform(f"{f}_window8", f, layers, window_bits=8))
+        if getattr(get_format(f), "default_residual_tokens", 0):  # a window: its copies as int8 or 16-bit rows
+            vs += [uniform(f"{f}_window{b}", f, layers, window_bits=b) for b in (8, 16)]
     sens = out / "sensitivity_int2.json"
     if sens.exists():
         rows = json.loads(sens.read_text())["rows"]

@@ -91,9 +91,12 @@ class Pair:
         self.backends = [ReferenceBackend(), select_backend("cpu", self.layer, "cpu")]
         self.backends[1].integer_dots = integer_dots  # False: the float path, which agrees to 1e-5
         if self.sealed:
-            layout = TailLayout(num_slots=24, num_sink_slots=8, window_blocks=window_blocks)
+            # the format's window copies: int2's are int8 copies in 8-bit slots (read by the kernel as source kind 3)
+            bits = self.layer.format.window_copy_bits(block_size) if window_blocks else 16
+            layout = TailLayout(num_slots=24, num_sink_slots=8 if bits == 16 else 32, window_blocks=window_blocks,
+                                window_bits=bits)
             self.tables = [TailTable(block_size, num_slots=layout.num_slots, num_sink_slots=layout.num_sink_slots,
-                                     window_blocks=layout.window_blocks) for _ in range(2)]
+                                     window_blocks=layout.window_blocks, window_bits=bits) for _ in range(2)]
             self.pools = [TailPool(self.spec, layout, torch.float32) for _ in self.tables]
 
     def step(self, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],

@@ -73,12 +73,14 @@ def test_fp_start_block() -> None:
 
 @pytest.mark.parametrize(("name", "residual", "window_bits"), [("int4", None, 16), ("int3_rotated", None, 16),
                                                                 ("int2", None, 16), ("int2_rotated", 0, 16),
-                                                                ("int2_rotated", None, 8), ("int2", 64, 8)])
-def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | None, window_bits: int) -> None:
+                                                                ("int2_rotated", None, 8), ("int2", 64, 8),
+                                                                ("int2", None, None)])
+def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | None, window_bits: int | None) -> None:
     """Query by query, the harness equals attention over [block 0 sealed, its first rows from the int8 copy,
     sealed blocks, window at float16
     (``window_bits`` 8: as int8 rows), own block at float16 up to the query], built here from the formats' own calls
-    (``residual``: the window in tokens, ``None`` the format's default; ``int2`` with 0 has no window)."""
+    (``residual``: the window in tokens, ``None`` the format's default; ``int2`` with 0 has no window;
+    ``window_bits`` ``None``: the format's own, int8 rows for ``int2``)."""
     fmt = get_format(name)
     T, H, Hkv, D = 70, 2, 1, 64
     g = torch.Generator().manual_seed(3)
@@ -96,7 +98,7 @@ def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | N
             rows = slice(32 * j, min(32 * (j + 1), i + 1))
             blk = lambda x, kind: fmt.unseal_rotated(fmt.seal_rotated(x[rows][None], kind), kind,  # noqa: E731
                                                      torch.float32, D)[0]
-            if j == b or (b - window <= j and j > 0 and window_bits == 16):
+            if j == b or (b - window <= j and j > 0 and (window_bits or fmt.window_copy_bits(32)) == 16):
                 ks.append(k16[rows]), vs.append(v16[rows])
             elif b - window <= j and j > 0:  # a window block as int8 rows
                 ks.append(kv_tries.sink_fake_quant(k16[rows], KEY))
@@ -114,11 +116,13 @@ def test_layer_attention_reads_what_the_suite_reads(name: str, residual: int | N
 
 
 def test_int2_budget_mix_bits_are_the_layers_mean() -> None:
-    """A per-layer mix costs the mean of its layers' bits: dropping int2's 32-token window saves exactly its 0.5 bits
-    at 1,024 tokens (16 bits over 32 of 1,024 tokens), and the int2-budget mix (10 layers int3, 10 int2 without the
-    window, 10 int2) is the mean of those three, counted here by hand from the formats' own bits."""
+    """A per-layer mix costs the mean of its layers' bits: dropping int2's 32-token window saves exactly its 0.258
+    bits at 1,024 tokens (an int8 copy: 8 bits and a float16 scale per 64 values, over 32 of 1,024 tokens; 0.5 as
+    16-bit rows), and the int2-budget mix (10 layers int3, 10 int2 without the window, 10 int2) is the mean of
+    those three, counted here by hand from the formats' own bits."""
     with_window, without = kv_tries.layer_bits("int2"), kv_tries.layer_bits("int2", residual_tokens=0)
-    assert with_window - without == pytest.approx(16 * 32 / 1024)
+    assert with_window - without == pytest.approx((8 + 16 / 64) * 32 / 1024)
+    assert kv_tries.layer_bits("int2", window_bits=16) - without == pytest.approx(16 * 32 / 1024)
     three = kv_tries.layer_bits("int3")
     assert three == pytest.approx(get_format("int3").effective_bits_per_value(
         num_tokens=1024, block_size=32, kv_heads=3, head_dim=64))

@@ -198,8 +198,10 @@ def test_forward_sealed_writes_the_reference_bytes_through_the_kernels(fmt_name:
     layer = spec.layer(0)
     nb = 10
     caches = [CacheController(spec, DEVICE, fill_value=float("nan")).initialize_kv_cache(nb)[0] for _ in range(2)]
-    layout = TailLayout(num_slots=12, num_sink_slots=4, window_blocks=1)
-    tables = [TailTable(bs, num_slots=12, num_sink_slots=4, window_blocks=1) for _ in range(2)]
+    # int2_rotated: the window copies are int8 copies in 8-bit slots, written by the same sink-copy kernel
+    bits = layer.format.window_copy_bits(bs)
+    layout = TailLayout(num_slots=12, num_sink_slots=8, window_blocks=1, window_bits=bits)
+    tables = [TailTable(bs, num_slots=12, num_sink_slots=8, window_blocks=1, window_bits=bits) for _ in range(2)]
     pools = [TailPool(spec, layout, torch.bfloat16, DEVICE) for _ in range(2)]
     gen = torch.Generator().manual_seed(1)
     lens, block_tables = [bs + 1, 3 * bs], [[7, 2], [0, 5, 9]]
@@ -234,4 +236,5 @@ def test_forward_sealed_writes_the_reference_bytes_through_the_kernels(fmt_name:
         assert torch.equal(t.view(torch.uint8).cpu(), caches[1][name].view(torch.uint8).cpu()), (fmt_name, name)
     for name, t in pools[0].layers[0].items():
         assert torch.equal(t.view(torch.uint8).cpu(), pools[1].layers[0][name].view(torch.uint8).cpu()), name
+    assert (tables[0].num_window_copies > 0) == (bits == 8)
     assert calls["seal_blocks"] >= 4 and calls["write_rows"] >= 2 and calls["unseal_blocks"] >= 1, calls

@@ -72,9 +72,12 @@ def run_batch(fmt: str, *, lens: list[int], query_lens: list[int], heads: int, k
         kernel(*args, **kw)
 
     backends = [ReferenceBackend(), tri]
-    layout = TailLayout(num_slots=24, num_sink_slots=sink_slots, window_blocks=window_blocks)
+    # the format's window copies (int2's: int8 copies in 8-bit slots, source kind 3) where there are 8-bit slots
+    bits = layer.format.window_copy_bits(bs) if window_blocks and sink_slots else 16
+    layout = TailLayout(num_slots=24, num_sink_slots=sink_slots + (24 if bits == 8 else 0),
+                        window_blocks=window_blocks, window_bits=bits)
     tables_ = [TailTable(bs, num_slots=layout.num_slots, num_sink_slots=layout.num_sink_slots,
-                         window_blocks=layout.window_blocks) for _ in range(2)]
+                         window_blocks=layout.window_blocks, window_bits=bits) for _ in range(2)]
     pools = [TailPool(spec, layout, dtype, DEVICE) for _ in tables_]
     ids = list(range(nb))
     random.Random(seed).shuffle(ids)

@@ -64,6 +64,7 @@ class SealRead:
     open_len: int
     sealed_now: tuple[tuple[int, int, int | None], ...] = ()
     window_blocks: int = 0
+    copy_blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,7 +129,8 @@ class KVFormat(ABC):
         return 8 * sum(s.nbytes for s in specs) / values
 
     def effective_bits_per_value(
-        self, *, num_tokens: int, block_size: int, kv_heads: int, head_dim: int, residual_tokens: int = 0
+        self, *, num_tokens: int, block_size: int, kv_heads: int, head_dim: int, residual_tokens: int = 0,
+        window_bits: int | None = None,
     ) -> float:
         """Bits per cached value that one sequence of ``num_tokens`` tokens really costs, everything counted.
 
@@ -142,6 +143,7 @@ class KVFormat(ABC):
         Args:
             num_tokens: tokens in the sequence (> 0).
             residual_tokens: the full-precision window (``kv_quant_residual_tokens``), in tokens.
+            window_bits: the window copies' precision where it is not the format's own (block-wise formats).
         """
         return self.bits_per_value(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
 
@@ -242,11 +244,15 @@ class BlockFormat(KVFormat):
         sink_rows: how many of the first block's rows that copy holds (its first ones: the sink is token 0),
             ``None`` for the whole block; the rest of the block is read from its sealed codes, which hold every
             row, so a block 0 without its copy reads as any block does. :meth:`copied_rows` at a block size.
+        window_bits: precision of the copies of the sealed blocks in the recent window (KIVI's residual): 16 keeps
+            the block's own 16-bit rows; 8 an ``int8`` copy per token and head in a first-block-copy slot, read
+            instead (half the bytes; only where that slot holds a whole block: :meth:`window_copy_bits`).
     """
 
     block_wise = True
     sink_bits: ClassVar[int] = 0
     sink_rows: ClassVar[int | None] = None
+    window_bits: ClassVar[int] = 16
 
     def copied_rows(self, block_size: int) -> int:
         """Rows of a first block of ``block_size`` tokens that the 8-bit copy holds: :attr:`sink_rows` (the whole
@@ -258,6 +264,12 @@ class BlockFormat(KVFormat):
         while (2 * block_size) % n:
             n -= 1
         return n
+
+    def window_copy_bits(self, block_size: int) -> int:
+        """Bits per value of a window copy at ``block_size``: :attr:`window_bits` when 8 and the format's 8-bit
+        copy slots hold whole blocks (:meth:`copied_rows` is the block: the window copies share those slots), else 16.
+        No side effects."""
+        return 8 if self.window_bits == 8 and self.sink_bits == 8 and self.copied_rows(block_size) == block_size else 16
 
     @abstractmethod
     def names(self, kind: str) -> tuple[str, ...]:

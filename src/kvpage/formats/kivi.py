@@ -375,30 +375,37 @@ class SealedFormat(BlockFormat):
     # -- accounting -------------------------------------------------------------------------------
 
     def effective_bits_per_value(
-        self, *, num_tokens: int, block_size: int, kv_heads: int, head_dim: int, residual_tokens: int = 0
+        self, *, num_tokens: int, block_size: int, kv_heads: int, head_dim: int, residual_tokens: int = 0,
+        window_bits: int | None = None,
     ) -> float:
         """Bits per value one sequence of ``num_tokens`` tokens holds, everything counted.
 
         Counts the pool blocks it occupies (codes, scales, zero points; the partial last
-        block's pool block too), the 16-bit tail slot of its partial block, the 16-bit copies
+        block's pool block too), the 16-bit tail slot of its partial block, the copies
         of the sealed blocks in the full-precision window (the ``ceil(residual_tokens /
-        block_size)`` blocks before the next token's block), and, unless ``sink_bits`` is 0,
+        block_size)`` blocks before the next token's block; 16-bit rows, or int8 codes plus one float16 scale per
+        token and head where :meth:`window_copy_bits` is 8), and, unless ``sink_bits`` is 0,
         the 8-bit copy of its first block's ``sink_rows`` rows (int8 codes plus one float16 scale per token and
-        head).
+        head). ``window_bits`` overrides the window copies' precision (16 or 8; ``None``: the engine's,
+        :meth:`window_copy_bits`; the transformers cache keeps 16-bit ones).
 
         Raises:
-            ValueError: ``num_tokens <= 0``.
+            ValueError: ``num_tokens <= 0``; ``window_bits`` not 8, 16 or ``None``.
         """
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        if window_bits not in (None, 8, 16):
+            raise ValueError(f"window_bits must be 8, 16 or None, got {window_bits}")
         bs = block_size
         sealed, partial = divmod(num_tokens, bs)
         block_bytes = sum(s.nbytes for s in self.tensor_specs(block_size=bs, kv_heads=kv_heads, head_dim=head_dim))
         fp_block_bytes = 2 * bs * kv_heads * head_dim * 2
         sink_bytes = 2 * self.copied_rows(bs) * kv_heads * (head_dim + 2)
-        fp_blocks = (1 if partial else 0) + min(math.ceil(residual_tokens / bs), sealed)
-        total = math.ceil(num_tokens / bs) * block_bytes + fp_blocks * fp_block_bytes
-        total += sink_bytes if sealed and self.sink_bits else 0
+        window = min(math.ceil(residual_tokens / bs), sealed)
+        eight = (self.window_copy_bits(bs) if window_bits is None else window_bits) == 8
+        window_bytes = 2 * bs * kv_heads * (head_dim + 2) if eight else fp_block_bytes
+        total = math.ceil(num_tokens / bs) * block_bytes + (1 if partial else 0) * fp_block_bytes
+        total += window * window_bytes + (sink_bytes if sealed and self.sink_bits else 0)
         return 8 * total / (2 * num_tokens * kv_heads * head_dim)
 
     def full_precision_tokens(self, *, num_tokens: int, block_size: int, residual_tokens: int = 0) -> int:
@@ -460,12 +467,20 @@ class Int3Format(SealedFormat):
 
 
 class Int2Format(SealedFormat):
-    """``int2``: 2-bit asymmetric KIVI codes, 4 per byte, with a one-block full-precision window."""
+    """``int2``: 2-bit asymmetric KIVI codes, 4 per byte, with a one-block window read from 8-bit copies.
+
+    The window's copies are ``int8`` per token and head (``window_bits = 8``) in the slots of the whole-block
+    first-block copies, not 16-bit rows: screened on the tuning members (``benchmarks/ACCURACY.md``, KLD of gpl3 /
+    argparse / matplotlibrc / torch_readme) ``int2_rotated`` 0.0350 / 0.0605 / 0.0364 / 0.2197 against 0.0351 /
+    0.0623 / 0.0372 / 0.2379 with 16-bit copies, ``int2`` +2-4%, at 0.24 fewer bits at 1,024 tokens (2.891 against
+    3.133 at SmolLM2's geometry).
+    """
 
     name = "int2"
     aliases = ("kivi2", "int2_kivi", "int2_zp")
     bits = 2
     default_residual_tokens = 32
+    window_bits = 8
     #: At 2 bits the least-squares step of a bell-shaped group is 0.55-0.75 of the min/max step (UE5M3
     #: codes -7..-3 around it), but clipping that far measured worse where it counts (GPL-3, 1,024
     #: tokens: KLD 0.082 with codes -8..0 against 0.056 with -3..8): squared error is not attention's

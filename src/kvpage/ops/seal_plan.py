@@ -22,6 +22,9 @@ class RequestRead:
             pass reads: the query at position ``p`` reads block ``j``'s copy when ``p // block_size -
             window_blocks <= j < p // block_size`` (its own window, as decoding at ``p`` reads it), the block
             as stored otherwise. When all the pass's queries lie in one block they all read every copy.
+        copy_blocks: ``(block index, 8-bit slot)`` of full blocks whose window copy is an ``int8`` copy in an 8-bit
+            (first-block copy) slot instead (a format whose :meth:`~kvpage.formats.BlockFormat.window_copy_bits` is
+            8; the slot holds the whole block), read by the same rule as :attr:`fp_blocks`.
         sink_slot: sink slot of its first block, or ``None`` (read the quantized block).
         open_slot: slot of its partial last block, or ``None`` when the context fills whole blocks.
         open_len: tokens in the partial block (0 when ``open_slot`` is ``None``).
@@ -43,6 +46,12 @@ class RequestRead:
     open_len: int
     sealed_now: tuple[tuple[int, int, int | None], ...] = ()
     window_blocks: int = 0
+    copy_blocks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def window_copies(self) -> bool:
+        """Whether any block is read from a window copy (16-bit or 8-bit)."""
+        return bool(self.fp_blocks or self.copy_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +69,10 @@ class SealPlan:
             taken from new tokens.
         seal_from_tail_dst / seal_from_tail_src: rows of the seal batch taken from tail rows
             (tokens written in earlier steps).
-        sink_pos: ``[k]`` int64 indices into ``seal_ids`` of first blocks getting a sink copy.
-        sink_slots: ``[k]`` int64 their sink slots.
+        sink_pos: ``[k]`` int64 indices into ``seal_ids`` of blocks getting an 8-bit copy of their first
+            :func:`~kvpage.spec.sink_rows` rows: first blocks, and window blocks of a format whose window copies
+            are 8-bit (:attr:`RequestRead.copy_blocks`).
+        sink_slots: ``[k]`` int64 their 8-bit slots.
         reads: one :class:`RequestRead` per request.
     """
 

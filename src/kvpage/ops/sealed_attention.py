@@ -10,12 +10,13 @@ Write (once per layer, following the step's :class:`~kvpage.ops.seal_plan.SealPl
    slot, new tokens from this step -- rounded to the tail dtype (so a block's bytes
    do not depend on whether prefill or decode filled it), sealed
    (:meth:`~kvpage.formats.BlockFormat.seal`) and written to the pool; first
-   blocks also get their 8-bit sink copy of their first rows (:func:`~kvpage.spec.sink_rows`);
+   blocks also get their 8-bit sink copy of their first rows (:func:`~kvpage.spec.sink_rows`), and window blocks
+   of a format with 8-bit window copies an 8-bit copy of all their rows, by the same write;
 2. new tokens of open blocks and window blocks go to their tail slots.
 
 Read (per request, after the write): its full blocks dequantized from the pool,
-with window blocks replaced by their 16-bit copies and the first block's first
-rows by its 8-bit copy when they exist, then the open block's tokens from its tail slot.
+with window blocks replaced by their copies (16-bit rows, or ``int8`` ones in an 8-bit slot for a format whose
+window copies are 8-bit) and the first block's first rows by its 8-bit copy when they exist, then the open block's tokens from its tail slot.
 A query reads **its own block** at full precision (the block's rows as sealed,
 in the tail dtype, in the step that seals it; the open slot before): KIVI's
 group being filled stays in full precision, and it makes one rule for every
@@ -194,7 +195,8 @@ def first_read_block(params: LayerAttention, seq_len: int, num_new: int, block_s
 
 @dataclass(frozen=True, slots=True)
 class WindowCopies:
-    """One request's 16-bit window copies (:attr:`RequestRead.fp_blocks`) as extra keys, for a pass whose queries
+    """One request's window copies (:attr:`RequestRead.fp_blocks`, :attr:`RequestRead.copy_blocks`) as extra keys,
+    for a pass whose queries
     lie in several blocks and so read different windows (:func:`read_window_copies`).
 
     Attributes:
@@ -260,7 +262,8 @@ def sealed_request_attention(
     """Attention of one request's new tokens, each reading what decoding reads at its position.
 
     ``keys``/``values`` (``[s - first * block_size, kv_heads, head_dim]``, from :func:`read_sealed_context`)
-    hold every block from block ``first`` on as stored -- with the window copies (``read.fp_blocks``) in place
+    hold every block from block ``first`` on as stored -- with the window copies (``read.fp_blocks``,
+    ``read.copy_blocks``) in place
     when ``copies`` is ``None``, which is exact when all queries lie in one block (they share one window);
     without them when ``copies`` gives them apart (:func:`read_window_copies`): then the query at position
     ``p`` reads the copy of each block of its own window (``p // block_size - read.window_blocks <= j <
@@ -278,17 +281,40 @@ def sealed_request_attention(
     return masked_attention(q, k_all, v_all, mask, params)
 
 
-def read_window_copies(tail: Mapping[str, torch.Tensor], spec: LayerSpec, read: RequestRead, dtype: torch.dtype,
-                       first: int = 0) -> WindowCopies:
-    """The request's window copies from block ``first`` on (block 0's only without a first-block copy: with one,
-    :func:`read_sealed` reads that block from its codes and the copy), in ``dtype``. No side effects."""
+def _window_rows(tail: Mapping[str, torch.Tensor], sink_format: TokenFormat, spec: LayerSpec, kind: str,
+                 read: RequestRead, dtype: torch.dtype, first: int, skip_first_block: bool
+                 ) -> list[tuple[int, torch.Tensor]]:
+    """``(block index, [block_size, kv_heads, head_dim] rows in dtype)`` of the request's window copies from block
+    ``first`` on, ascending: 16-bit ones from their tail slot, 8-bit ones dequantized from their slot (which holds
+    the whole block). ``skip_first_block``: leave out block 0 (read with its first-block copy). No side effects."""
     bs = spec.block_size
-    blocks = [(j, slot) for j, slot in read.fp_blocks if j >= first and not (j == 0 and read.sink_slot is not None)]
-    dev = tail[KEY].device
-    rows = torch.tensor([slot * bs + r for _, slot in blocks for r in range(bs)], dtype=torch.long, device=dev)
-    keys = tail[KEY][rows].to(dtype)                                                         # [c*bs, Hkv, D]
-    values = tail[VALUE][rows].to(dtype) if spec.has_value else keys
-    return WindowCopies(torch.tensor([j for j, _ in blocks], dtype=torch.long, device=dev), keys, values)
+    out: list[tuple[int, torch.Tensor]] = []
+    for j, slot in read.fp_blocks:
+        if j >= first and not (j == 0 and skip_first_block):
+            out.append((j, tail[kind][slot * bs:(slot + 1) * bs].to(dtype)))
+    for j, slot in read.copy_blocks:
+        if j >= first and not (j == 0 and skip_first_block):
+            codes = tail["sink_" + kind][slot * bs:(slot + 1) * bs]
+            scales = tail["sink_" + _scale_name(kind)][slot * bs:(slot + 1) * bs]
+            out.append((j, sink_format.dequantize(codes, scales, dtype, kind=kind)))
+    return sorted(out, key=lambda x: x[0])
+
+
+def read_window_copies(tail: Mapping[str, torch.Tensor], sink_format: TokenFormat, spec: LayerSpec,
+                       read: RequestRead, dtype: torch.dtype, first: int = 0) -> WindowCopies:
+    """The request's window copies from block ``first`` on (16-bit and 8-bit ones; block 0's only without a
+    first-block copy: with one, :func:`read_sealed` reads that block from its codes and the copy), in ``dtype``.
+    No side effects."""
+    skip = read.sink_slot is not None
+    keys_of = _window_rows(tail, sink_format, spec, KEY, read, dtype, first, skip)
+    dev, shape = tail[KEY].device, (0, spec.kv_heads, spec.head_dim)
+    keys = torch.cat([r for _, r in keys_of]) if keys_of else torch.empty(shape, dtype=dtype, device=dev)
+    if spec.has_value:
+        vals_of = _window_rows(tail, sink_format, spec, VALUE, read, dtype, first, skip)
+        values = torch.cat([r for _, r in vals_of]) if vals_of else torch.empty(shape, dtype=dtype, device=dev)
+    else:
+        values = keys
+    return WindowCopies(torch.tensor([j for j, _ in keys_of], dtype=torch.long, device=dev), keys, values)
 
 
 def read_sealed(
@@ -298,7 +324,8 @@ def read_sealed(
 ) -> torch.Tensor:
     """One request's context keys or values from block ``first`` on (a windowed layer's earlier blocks are never
     read: :func:`first_read_block`), ``[seq_len - first * block_size, kv_heads, head_dim]`` in ``dtype`` (no
-    side effects). ``copies``: blocks with a window copy (``read.fp_blocks``) read from it; ``False``: as stored.
+    side effects). ``copies``: blocks with a window copy (``read.fp_blocks``, ``read.copy_blocks``) read from it;
+    ``False``: as stored.
     A first block with an 8-bit copy (``read.sink_slot``) reads its first :func:`~kvpage.spec.sink_rows` rows from
     it and the others as stored (never from a window copy). ``codec`` dequantizes the pool blocks."""
     bs, d = spec.block_size, spec.head_dim
@@ -306,9 +333,9 @@ def read_sealed(
     ids = read.full_ids[first:]
     full = codec.read_blocks(cache, fmt, kind, ids, dtype, d)                  # [nf-first, bs, Hkv, D]
     sink = read.sink_slot if first == 0 and ids.numel() else None               # block 0 read with its copy
-    for j, slot in read.fp_blocks if copies else ():
-        if j >= first and not (j == 0 and sink is not None):
-            full[j - first] = rows[slot * bs:(slot + 1) * bs]
+    if copies:
+        for j, copy in _window_rows(tail, sink_format, spec, kind, read, dtype, first, sink is not None):
+            full[j - first] = copy
     if sink is not None:
         n = sink_rows(fmt, bs)
         a = sink * n
@@ -353,10 +380,10 @@ def sealed_request(
     """
     bs, n = spec.block_size, q.shape[0]
     first = first_read_block(params, seq_len, n, bs)
-    apart = bool(read.fp_blocks) and (seq_len - n) // bs != (seq_len - 1) // bs
+    apart = read.window_copies and (seq_len - n) // bs != (seq_len - 1) // bs
     keys, vals = read_sealed_context(cache, tail, fmt, ctx.sink_format, spec, read, q.dtype, first, copies=not apart,
                                      codec=codec)
-    copies = read_window_copies(tail, spec, read, q.dtype, first) if apart else None
+    copies = read_window_copies(tail, ctx.sink_format, spec, read, q.dtype, first) if apart else None
     return sealed_request_attention(q, keys, vals, read, batch, bs, params, first, copies)
 
 

@@ -91,18 +91,21 @@ class TailLayout:
     """Sizes of a quantize-on-seal group's tail (:mod:`kvpage.cache.tail`).
 
     Attributes:
-        num_slots: 16-bit slots (open blocks + window copies + provisional blocks).
-        num_sink_slots: 8-bit first-block slots (0: no first-block copies).
-        window_blocks: sealed blocks per request that keep their 16-bit copy (``ceil(residual_tokens / bs)``).
+        num_slots: 16-bit slots (open blocks + window copies at 16 bits + provisional blocks).
+        num_sink_slots: 8-bit slots: first-block copies (0: none) and, at ``window_bits`` 8, window copies.
+        window_blocks: sealed blocks per request that keep a window copy (``ceil(residual_tokens / bs)``).
         blocks_per_slot: ``r > 0`` when the slots are carved from the block pool on demand (``r`` pool blocks
             hold one slot, :func:`blocks_per_slot`; ``num_slots`` is then the pool's ``num_blocks // r`` and nothing
             is reserved); 0 for fixed pools of these sizes.
+        window_bits: precision of the window copies (:meth:`~kvpage.formats.BlockFormat.window_copy_bits`): 16, the
+            block's 16-bit slot kept; 8, an ``int8`` copy in an 8-bit slot.
     """
 
     num_slots: int
     num_sink_slots: int
     window_blocks: int
     blocks_per_slot: int = 0
+    window_bits: int = 16
 
     @property
     def carved(self) -> bool:
@@ -118,7 +121,7 @@ class GroupMemory:
         rows: rows of each of its layers' tensors (``N``, or its window slots).
         row_bytes: bytes of one row across the group's layers (scales included).
         tail_open_bytes: fixed 16-bit tail slots beside the tensors (open blocks and provisional ones).
-        tail_window_bytes: fixed 16-bit window copies.
+        tail_window_bytes: fixed window copies (16-bit slots, or 8-bit ones at ``window_bits`` 8).
         sink_bytes: first-block copies beside the tensors (fixed pools: codes and scales; carved: scales only).
         tail: the tail's sizes (``None`` for token-wise kinds).
     """
@@ -327,12 +330,28 @@ class Sealed(GroupKind):
     def _layout(self, group: LayerGroupSpec, sizing: CacheSizing, carved: tuple[int, int] | None) -> TailLayout:
         """The tail carved as ``(r, num_blocks)``, or fixed pools (``None``)."""
         window, provisional, sink = self._fixed(group, sizing)
+        bits = self.window_bits(group)
         if carved is not None:
             r, num_blocks = carved
             groups = num_blocks // r
-            return TailLayout(groups, sinks_per_group(group.layer) * groups * sink, window, r)
+            return TailLayout(groups, sinks_per_group(group.layer) * groups * sink, window, r, bits)
         n = sizing.max_num_seqs
+        if bits == 8 and window:  # 16-bit: open blocks, the block sealed now, provisional ones; 8-bit window copies
+            return TailLayout(n * (2 + provisional), 2 * n * sink + self._window_copies(window, provisional, n),
+                              window, 0, 8)
         return TailLayout(n * (1 + window + provisional), 2 * n * sink, window)
+
+    @staticmethod
+    def window_bits(group: LayerGroupSpec) -> int:
+        """Precision of the group's window copies (:meth:`~kvpage.formats.BlockFormat.window_copy_bits`)."""
+        fmt = group.layer.format
+        return fmt.window_copy_bits(group.layer.block_size) if isinstance(fmt, BlockFormat) else 16
+
+    @staticmethod
+    def _window_copies(window: int, provisional: int, num_seqs: int) -> int:
+        """Fixed 8-bit window-copy slots: per request its window, the copy made at a block end (the window's oldest
+        goes after that step) and one per provisional block."""
+        return num_seqs * (window + 1 + provisional)
 
     def memory(self, group: LayerGroupSpec, num_blocks: int, sizing: CacheSizing,
                num_window_slots: int | None = None, *, carve: bool | None = None) -> GroupMemory:
@@ -349,6 +368,12 @@ class Sealed(GroupKind):
             return GroupMemory(rows, group.bytes_per_block, sink_bytes=self.sink_scale_bytes(group, t.num_sink_slots),
                                tail=t)
         fp_slot = self.tail_slot_bytes(group, sizing)
+        if t.window_bits == 8:
+            _, provisional, _ = self._fixed(group, sizing)
+            copies = self._window_copies(t.window_blocks, provisional, sizing.max_num_seqs)
+            return GroupMemory(rows, group.bytes_per_block, tail_open_bytes=t.num_slots * fp_slot,
+                               tail_window_bytes=copies * self.sink_slot_bytes(group),
+                               sink_bytes=(t.num_sink_slots - copies) * self.sink_slot_bytes(group), tail=t)
         window = sizing.max_num_seqs * t.window_blocks * fp_slot
         return GroupMemory(rows, group.bytes_per_block, tail_open_bytes=t.num_slots * fp_slot - window,
                            tail_window_bytes=window, sink_bytes=t.num_sink_slots * self.sink_slot_bytes(group), tail=t)

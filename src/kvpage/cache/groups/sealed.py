@@ -44,7 +44,7 @@ class SealedGroupManager(GroupManager):
         self.layers = group.layer_indices
         self.layout = layout
         self.table = TailTable(group.layer.block_size, layout.num_slots, layout.num_sink_slots, layout.window_blocks,
-                               side)
+                               side, window_bits=layout.window_bits)
         self._reserved = 0  # fixed pools: slots promised to the next plan
         self._heirs: dict[int, int] = {}  # a duplicate first block -> its indexed twin, heir of its 8-bit copy
         self._final = False  # the last plan was a final pass (its slots retire at commit)
@@ -177,14 +177,20 @@ class SealedGroupManager(GroupManager):
                      num_draft: int = 0, copy_on_write: bool = False) -> SideNeed:
         """``(tail slots)`` the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the plans;
         its last ``num_draft`` tokens unverified, as the plan's drafts); over side groups also the group of the
-        first block's 8-bit copy when the chunk seals that block (provisionally or not). (A block-wise group is
-        never copied on write: forks share whole blocks.)"""
-        prompt = getattr(request, "num_prompt_tokens", None)
-        need = self.table.slots_to_take(block_ids, num_computed, num_new,
-                                        0 if prompt is None else int(prompt), request.request_id, num_draft=num_draft)
-        bs = self.table.block_size
-        if self.table.side is not None and self.table.num_sink_slots and num_computed < bs <= num_computed + num_new:
+        first block's 8-bit copy when the chunk seals that block (provisionally or not), and the groups its 8-bit
+        window copies need beyond the free parts of held groups (:meth:`TailTable.copies_to_take`). (A block-wise
+        group is never copied on write: forks share whole blocks.)"""
+        given = getattr(request, "num_prompt_tokens", None)
+        prompt = 0 if given is None else int(given)
+        table = self.table
+        need = table.slots_to_take(block_ids, num_computed, num_new, prompt, request.request_id, num_draft=num_draft)
+        bs = table.block_size
+        if table.side is not None and table.num_sink_slots and num_computed < bs <= num_computed + num_new:
             need += 1
+        if table.side is not None:
+            copies = table.copies_to_take(block_ids, num_computed, num_new, prompt, request.request_id,
+                                          num_draft=num_draft)
+            need += -(-max(0, copies - table.num_free_copy_parts) // max(1, table.sinks_per_group))
         return (need,)
 
     def seal_ops(self, requests: Sequence[PassRequest], final: bool) -> SealOps:

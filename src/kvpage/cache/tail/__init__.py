@@ -15,7 +15,11 @@ when it is full. Until then its tokens live here, in a small pool of 16-bit
   blocks holding generated tokens get one, and only the request that sealed it reads
   it: a prompt block may come from the prefix cache or a tier without a copy, so
   reading copies of prompt blocks (or another request's) would make the output
-  depend on whether the prefix was cached.
+  depend on whether the prefix was cached. A format whose window copies are 8-bit
+  (:meth:`~kvpage.formats.BlockFormat.window_copy_bits`: ``int2``, ``int2_rotated``) keeps
+  instead an ``int8`` copy (per token and head) in an **8-bit slot** like a sink slot,
+  written by the seal, and its 16-bit slot goes as outside the window (a provisional
+  block keeps both until :meth:`TailTable.rollback`); half the bytes.
 * **sink** slot: an 8-bit (``int8``, per token and head) copy of the first rows of a
   request's first block (:func:`~kvpage.spec.sink_rows`: token 0), read instead of
   their low-bit codes (attention sinks; KVQuant keeps the first token in fp16,

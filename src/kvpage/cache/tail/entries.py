@@ -1,8 +1,8 @@
-"""``TailEntries``: which 16-bit slot and which 8-bit first-block slot each block id holds (tensor-free).
+"""``TailEntries``: which 16-bit slot and which 8-bit slot (first-block or window copy) each block id holds.
 
 The state under :class:`~kvpage.cache.tail.table.TailTable`: the entries, their LRU order, taking and
 dropping slots, and the counts the scheduler reads. The per-step plan lives in :mod:`.table`. Imports
-only :mod:`kvpage.cache.idpool` and :mod:`kvpage.errors`.
+only :mod:`kvpage.cache.idpool` and :mod:`kvpage.errors`. Tensor-free.
 """
 from __future__ import annotations
 
@@ -18,16 +18,20 @@ class TailEntries:
 
     Args:
         block_size: tokens per block.
-        num_slots: 16-bit slots (open blocks + window copies).
-        num_sink_slots: 8-bit first-block slots (0 disables sink copies).
-        window_blocks: sealed blocks per request that keep their 16-bit copy.
+        num_slots: 16-bit slots (open blocks + window copies at 16 bits).
+        num_sink_slots: 8-bit slots: first-block copies (0 disables them) and window copies at 8 bits.
+        window_blocks: sealed blocks per request that keep a window copy.
         side: carve slots out of the device block pool on demand (:class:`~kvpage.cache.tail.side.SideGroups`:
             slot ``g`` is group ``g``; with ``c = num_sink_slots / num_groups`` copies per group, sink slots
             ``c*g .. c*g + c - 1`` its parts); ``num_slots`` must then be its ``num_groups`` and ``num_sink_slots``
             0 or a multiple of it. Default: fixed pools of these sizes.
+        window_bits: 16: a window copy is the block's 16-bit slot, kept; 8: an ``int8`` copy in an 8-bit slot
+            (written at the seal; the 16-bit slot goes), which must then hold a whole block
+            (:meth:`~kvpage.formats.BlockFormat.window_copy_bits`).
 
     Raises:
-        ValueError: negative sizes, or ``num_slots < 1``; sizes that disagree with ``side``.
+        ValueError: negative sizes, or ``num_slots < 1``; sizes that disagree with ``side``; ``window_bits`` other
+            than 8 or 16, or 8 without 8-bit slots while there is a window.
     """
 
     def __init__(
@@ -37,6 +41,8 @@ class TailEntries:
         num_sink_slots: int,
         window_blocks: int,
         side: SideGroups | None = None,
+        *,
+        window_bits: int = 16,
     ) -> None:
         if side is not None and (num_slots != side.num_groups or num_sink_slots % max(1, side.num_groups)):
             raise ValueError(f"a tail over {side.num_groups} side groups has that many slots and a multiple of it "
@@ -46,7 +52,11 @@ class TailEntries:
                 f"bad tail sizes: block_size={block_size}, num_slots={num_slots}, "
                 f"num_sink_slots={num_sink_slots}, window_blocks={window_blocks}"
             )
+        if window_bits not in (8, 16) or (window_bits == 8 and window_blocks and not num_sink_slots):
+            raise ValueError(f"window_bits must be 16, or 8 with 8-bit slots for the copies; got {window_bits} "
+                             f"with {num_sink_slots} 8-bit slots and a window of {window_blocks} blocks")
         self.block_size = block_size
+        self.window_bits = window_bits
         self.num_slots = num_slots
         self.num_sink_slots = num_sink_slots
         self.window_blocks = window_blocks
@@ -54,7 +64,8 @@ class TailEntries:
         self._is_in_use: Callable[[int], bool] | None = None
         self._slots = IdPool(num_slots, what="tail slot", lifo=True)  # a freed slot is reused first
         self._slot: dict[int, int] = {}                       # block id -> 16-bit slot
-        self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its window copy, LRU first
+        self._window: OrderedDict[int, Hashable] = OrderedDict()  # block -> owner of its 16-bit window copy, LRU first
+        self._wcopy: OrderedDict[int, tuple[Hashable, int]] = OrderedDict()  # block -> (owner, 8-bit slot), LRU first
         self._sink_slots = IdPool(num_sink_slots, what="sink slot", lifo=True)
         self._sink: OrderedDict[int, int] = OrderedDict()     # block id -> sink slot, LRU first
         self._part_free: set[int] = set()                     # side groups: free sink slots of groups a copy holds
@@ -81,6 +92,22 @@ class TailEntries:
         """Sink slot of ``block_id``, or ``None``."""
         return self._sink.get(block_id)
 
+    def window_copy_of(self, block_id: int) -> int | None:
+        """8-bit slot of ``block_id``'s window copy (``window_bits`` 8), or ``None``."""
+        entry = self._wcopy.get(block_id)
+        return None if entry is None else entry[1]
+
+    @property
+    def num_window_copies(self) -> int:
+        """8-bit window copies held (``window_bits`` 8)."""
+        return len(self._wcopy)
+
+    @property
+    def num_free_copy_parts(self) -> int:
+        """8-bit slots free inside side groups that other copies hold (taking one claims no block); 0 over fixed
+        pools."""
+        return len(self._part_free)
+
     @property
     def num_used(self) -> int:
         """16-bit slots in use."""
@@ -93,8 +120,8 @@ class TailEntries:
 
     @property
     def num_sink_groups(self) -> int:
-        """Side groups the first-block copies hold (:attr:`sinks_per_group` copies share a group); 0 over fixed
-        pools."""
+        """Side groups the 8-bit copies (first-block and window copies) hold (:attr:`sinks_per_group` copies share
+        a group); 0 over fixed pools."""
         return len(self._group_copies)
 
     @property
@@ -122,8 +149,20 @@ class TailEntries:
         """
         bs, w = self.block_size, self.window_blocks
         hi = min(max(0, read_from), first // bs, len(table))
-        return [b for b in (int(table[j]) for j in range(max(0, first // bs - w - 1), hi))
-                if b in self._window and self._window[b] == owner]
+        return [b for b in (int(table[j]) for j in range(max(0, first // bs - w - 1), hi)) if self._owns_copy(b, owner)]
+
+    def _owns_copy(self, b: int, owner: Hashable) -> bool:
+        """Whether ``b`` holds a window copy (16- or 8-bit) that ``owner`` made."""
+        if b in self._window:
+            return self._window[b] == owner
+        entry = self._wcopy.get(b)
+        return entry is not None and entry[0] == owner
+
+    def _drop_window(self, b: int) -> None:
+        """Drop ``b``'s window copy: its 16-bit slot (a 16-bit copy) and its 8-bit copy."""
+        if b in self._window:
+            self._drop_fp(b)
+        self._drop_wcopy(b)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -132,6 +171,7 @@ class TailEntries:
         for b in block_ids:
             self._drop_fp(b)
             self._drop_sink(b)
+            self._drop_wcopy(b)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop every entry of ``block_ids``: their content died (freed to the pool's free list, not cached).
@@ -143,7 +183,7 @@ class TailEntries:
 
     def reset(self) -> None:
         """Drop every entry (the pool was re-allocated)."""
-        self.invalidate(list(self._slot) + list(self._sink))
+        self.invalidate(list(self._slot) + list(self._sink) + list(self._wcopy))
 
     def drop_idle_sinks(self, is_in_use: Callable[[int], bool], keep: Sequence[int] = ()) -> int:
         """Drop the 8-bit copies of first blocks no request uses (but those in ``keep``); returns how many.
@@ -176,8 +216,16 @@ class TailEntries:
 
     def _drop_sink(self, b: int) -> None:
         slot = self._sink.pop(b, None)
-        if slot is None:
-            return
+        if slot is not None:
+            self._put_copy_slot(slot)
+
+    def _drop_wcopy(self, b: int) -> None:
+        entry = self._wcopy.pop(b, None)
+        if entry is not None:
+            self._put_copy_slot(entry[1])
+
+    def _put_copy_slot(self, slot: int) -> None:
+        """Free an 8-bit slot (a first-block or window copy's); over side groups the group goes with its last copy."""
         if self.side is None:
             self._sink_slots.put([slot])
             return
@@ -259,8 +307,50 @@ class TailEntries:
             in_use = self._is_in_use
             victim = next((x for x in self._sink if x not in protected and not in_use(x)), None)
         if victim is None:
-            return None
+            return self._sink_from_window_copy(b, protected)
         self._sink[b] = slot = self._sink.pop(victim)
+        return slot
+
+    def _sink_from_window_copy(self, b: int, protected: set[int]) -> int | None:
+        """The 8-bit slot of the oldest window copy of a block the plan does not touch, for ``b``'s first-block
+        copy (a prefix depends on it; a window copy is optional); ``None`` when there is none."""
+        victim = next((x for x in self._wcopy if x not in protected), None)
+        if victim is None:
+            return None
+        self._sink[b] = slot = self._wcopy.pop(victim)[1]
+        return slot
+
+    def _take_window_copy(self, b: int, owner: Hashable, protected: set[int]) -> int | None:
+        """An 8-bit slot for ``b``'s window copy (``window_bits`` 8), booked for ``owner``; ``None`` when there is
+        none: a free slot (over side groups a free part of a held group, else a reserved or free group), else the
+        oldest window copy of a block the plan does not touch. Optional, as a 16-bit window copy is: without one
+        the block is read as sealed."""
+        slot: int | None = None
+        if self.side is None:
+            if self._sink_slots.num_free:
+                (slot,) = self._sink_slots.take(1)
+        elif self._part_free:
+            # a free part beside a first-block copy first: window copies come and go, so a group that holds only
+            # them is given back soon, while one beside a first-block copy stays (int2: a request's first-block and
+            # window copies then share one group every other block instead of never)
+            c = self.sinks_per_group
+            lasting = {x // c for x in self._sink.values()}
+            slot = min(self._part_free, key=lambda x: (x // c not in lasting, x))
+            self._part_free.discard(slot)
+            self._group_copies[slot // c] += 1
+        else:
+            g = self.side.take()
+            if g is not None:
+                c = self.sinks_per_group
+                slot = c * g
+                self._group_copies[g] = 1
+                self._part_free.update(range(c * g + 1, c * g + c))
+        if slot is None:
+            victim = next((x for x in self._wcopy if x not in protected), None)
+            if victim is None:
+                return None
+            slot = self._wcopy.pop(victim)[1]
+        self._wcopy[b] = (owner, slot)
         return slot
 
     def _take_sink(self, b: int, protected: set[int]) -> int | None:
@@ -271,6 +361,8 @@ class TailEntries:
             if victim is None and self._is_in_use is not None:
                 in_use = self._is_in_use
                 victim = next((x for x in self._sink if x not in protected and not in_use(x)), None)
+            if victim is None and any(x not in protected for x in self._wcopy):
+                return self._sink_from_window_copy(b, protected)
             if victim is None:
                 victim = next((x for x in self._sink if x not in protected), None)
             if victim is None:

@@ -28,7 +28,7 @@ def seal_plan_tensors(ops: SealOps, device: torch.device | str) -> SealPlan:
 
     reads = tuple(RequestRead(full_ids=long(r.full_ids), fp_blocks=r.fp_blocks, sink_slot=r.sink_slot,
                               open_slot=r.open_slot, open_len=r.open_len, sealed_now=r.sealed_now,
-                              window_blocks=r.window_blocks) for r in ops.reads)
+                              window_blocks=r.window_blocks, copy_blocks=r.copy_blocks) for r in ops.reads)
     return SealPlan(tail_dst=long(ops.tail_dst), tail_src=long(ops.tail_src), seal_ids=long(ops.seal_ids),
                     seal_from_new_dst=long(ops.seal_from_new_dst), seal_from_new_src=long(ops.seal_from_new_src),
                     seal_from_tail_dst=long(ops.seal_from_tail_dst), seal_from_tail_src=long(ops.seal_from_tail_src),

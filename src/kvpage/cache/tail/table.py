@@ -50,15 +50,33 @@ class TailTable(TailEntries):
             raise ValueError(f"num_draft must be in [0, {s}], got {num_draft}")
         w, verified = self.window_blocks, s - num_draft
         window_from = (verified - 1) // bs - w
+        w16 = w and self.window_bits == 16
         takes = 0
         for j in range(first // bs, math.ceil(s / bs)):
             fills = min(s, (j + 1) * bs) == (j + 1) * bs
             provisional = fills and (j + 1) * bs > verified
-            if fills and not provisional and (not w or j < window_from or (j + 1) * bs <= prompt_len):
-                continue  # sealed outside the window: no slot kept
+            if fills and not provisional and (not w16 or j < window_from or (j + 1) * bs <= prompt_len):
+                continue  # sealed outside the window (or its window copy is 8-bit): no slot kept
             if j >= len(block_ids) or int(block_ids[j]) not in self._slot:
                 takes += 1
-        return max(0, takes - len(self._pushed_out(block_ids, first, window_from, owner)))
+        pushed = [b for b in self._pushed_out(block_ids, first, window_from, owner) if b in self._window]
+        return max(0, takes - len(pushed))
+
+    def copies_to_take(
+        self, block_ids: Sequence[int], num_computed: int, num_new: int, prompt_len: int = 0,
+        owner: Hashable | None = None, *, num_draft: int = 0,
+    ) -> int:
+        """Net 8-bit window copies a plan of this one chunk makes (``window_bits`` 8; else 0): blocks it fills
+        inside the window after block 0 (holding generated tokens), less the request's 8-bit copies it pushes out
+        of the window first. Arguments as :meth:`slots_to_take`; no side effects. Never negative."""
+        if self.window_bits != 8 or not self.window_blocks:
+            return 0
+        bs, first, s = self.block_size, num_computed, num_computed + num_new
+        window_from = (s - num_draft - 1) // bs - self.window_blocks
+        makes = sum(1 for j in range(max(1, first // bs, window_from), s // bs)
+                    if (j + 1) * bs > max(first, prompt_len))
+        pushed = [b for b in self._pushed_out(block_ids, first, window_from, owner) if b in self._wcopy]
+        return max(0, makes - len(pushed))
 
     # -- one forward pass ------------------------------------------------------------------------
 
@@ -137,6 +155,7 @@ class TailTable(TailEntries):
         drafts: Sequence[int],
     ) -> SealOps:
         bs, w = self.block_size, self.window_blocks
+        w8 = self.window_bits == 8
         tail_dst: list[int] = []
         tail_src: list[int] = []
         seal_ids: list[int] = []
@@ -164,7 +183,7 @@ class TailTable(TailEntries):
             # Window copies this step pushes out of the request's window go first: nothing reads them this
             # step, and freeing them before the request's new blocks take slots bounds its peak by 1 + w + 1.
             for b in self._pushed_out(table, first, window_from, owner):
-                self._drop_fp(b)
+                self._drop_window(b)
             if w and verified % bs == 0 and 0 <= window_from < len(table):  # the next window starts one later
                 self._read_last.append((int(table[window_from]), owner))
             for j in range(first // bs, math.ceil(s / bs)):
@@ -174,6 +193,7 @@ class TailTable(TailEntries):
                 if lo == j * bs:  # the block's first token: new content
                     self._drop_fp(b)
                     self._drop_sink(b)
+                    self._drop_wcopy(b)
                     slot = None
                 elif slot is None:
                     raise KVPageError(
@@ -197,14 +217,22 @@ class TailTable(TailEntries):
                         if sink is not None:
                             sink_pos.append(len(seal_ids) - 1)
                             sink_slots.append(sink)
+                    in_window = bool(w) and j >= window_from and (j + 1) * bs > plen
+                    if in_window and w8:  # the window copy: int8 rows of the block in an 8-bit slot
+                        self._drop_wcopy(b)  # (a re-run of a failed step, or a drafter's earlier pass, made one)
+                        if not (j == 0 and self.num_sink_slots):  # (block 0 is read through its whole-block copy)
+                            copy = self._take_window_copy(b, owner, protected)
+                            if copy is not None:
+                                sink_pos.append(len(seal_ids) - 1)
+                                sink_slots.append(copy)
                     if (j + 1) * bs > verified:  # provisional: the slot keeps its rows until rollback()
                         self._provisional[b] = owner
-                        if w and j >= window_from and (j + 1) * bs > plen:
+                        if in_window and not w8:
                             self._window[b] = owner
                             self._window.move_to_end(b)
                         else:
                             self._window.pop(b, None)
-                    elif not w or j < window_from or (j + 1) * bs <= plen:  # outside the window, or a prompt block
+                    elif not in_window or w8:  # outside the window, a prompt block, or an 8-bit window copy
                         self._provisional.pop(b, None)  # (a drafter's earlier pass of this step sealed it)
                         if slot is not None:
                             self._window.pop(b, None)  # (a stale entry of a failed step's plan)
@@ -232,11 +260,13 @@ class TailTable(TailEntries):
             # Each query reads the copies of its own window (the w blocks before its block), as decoding at its
             # position does: the copies of every query's window, from the first query's on (a verification
             # pass's first query is its last verified one, whose window the pushed-out copies above kept).
-            fp_blocks = tuple(
-                (j, self._slot[int(table[j])])
-                for j in range(max(0, (s - max(n, 1)) // bs - w), min(nfull, (s - 1) // bs))
-                if int(table[j]) in self._window and self._window[int(table[j])] == owner
-            )
+            window = range(max(0, (s - max(n, 1)) // bs - w), min(nfull, (s - 1) // bs))
+            fp_blocks = tuple((j, self._slot[int(table[j])]) for j in window
+                              if int(table[j]) in self._window and self._window[int(table[j])] == owner)
+            copy_blocks = tuple((j, self._wcopy[int(table[j])][1]) for j in window
+                                if int(table[j]) in self._wcopy and self._wcopy[int(table[j])][0] == owner)
+            for j, _ in copy_blocks:
+                self._wcopy.move_to_end(int(table[j]))
             open_slot = None
             if s % bs:
                 open_slot = self._slot.get(int(table[nfull]))
@@ -254,6 +284,7 @@ class TailTable(TailEntries):
                     open_len=s % bs,
                     sealed_now=tuple(mine),
                     window_blocks=w,
+                    copy_blocks=copy_blocks,
                 )
             )
         return SealOps(
@@ -288,8 +319,8 @@ class TailTable(TailEntries):
                 if b not in self._window and b not in self._provisional:
                     self._drop_fp(b)
             for b, owner in self._read_last:  # outside every later query's window
-                if b in self._window and self._window[b] == owner:
-                    self._drop_fp(b)
+                if self._owns_copy(b, owner):
+                    self._drop_window(b)
         self._sealed_after = []
         self._read_last = []
         if release_spare and self.side is not None:
@@ -330,15 +361,18 @@ class TailTable(TailEntries):
             del prov[b]
             if (j + 1) * bs <= num_tokens:  # verified
                 if b not in self._window or j < window_from:
-                    self._drop_fp(b)
+                    self._drop_fp(b)  # (an 8-bit window copy stays: its block is sealed for good)
+                if j < window_from:
+                    self._drop_wcopy(b)
             else:  # reopened: the partial block (the table ends at num_tokens)
                 self._window.pop(b, None)
+                self._drop_wcopy(b)
                 if j == 0:
                     self._drop_sink(b)
         for j in range(max(0, low - 1 - w), min(low, window_from)):  # copies the verified-length window kept
             b = int(block_ids[j])
-            if b in self._window and self._window[b] == owner:
-                self._drop_fp(b)
+            if self._owns_copy(b, owner):
+                self._drop_window(b)
 
     def abort(self) -> None:
         """After a forward pass that raised (some layers may not have run the last plan): keep what a re-run needs.

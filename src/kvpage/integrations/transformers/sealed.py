@@ -7,7 +7,10 @@ row and in the 16-bit :func:`tail dtype <kvpage.spec.tail_dtype>`:
 
 * the **open block**: the rows of its last, partial block (its pool block is reserved, as the engine's is);
 * the **window**: 16-bit copies of the ``ceil(residual_tokens / block_size)`` sealed blocks before the next
-  token's block (KIVI's full-precision residual; ``int2``'s default is one block, ``int4``'s none);
+  token's block (KIVI's full-precision residual; ``int2``'s default is one block, ``int4``'s none). Here always 16
+  bits, where the engine keeps ``int2``'s as ``int8`` copies (:meth:`~kvpage.formats.BlockFormat.window_copy_bits`):
+  :meth:`~SealedKVPageLayer.crop` reopens sealed blocks from these rows, which an 8-bit copy cannot give back, so
+  ``int2`` answers a little differently here and costs 0.24 more bits at 1,024 tokens;
 * the **sink**: an 8-bit (``int8`` per token and head) copy of the first block's first rows
   (:func:`~kvpage.spec.sink_rows`: token 0), read instead of their low-bit codes.
 
@@ -326,7 +329,8 @@ class SealedKVPageLayer(KVPageLayer):
     # -- accounting ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:
         """Bytes this layer holds for its tokens, counted as kvpage's engine counts them
-        (:meth:`SealedFormat.effective_bits_per_value <kvpage.formats.SealedFormat.effective_bits_per_value>`):
+        (:meth:`SealedFormat.effective_bits_per_value <kvpage.formats.SealedFormat.effective_bits_per_value>`; but
+        the window copies are 16-bit here, see the module docstring):
         pool blocks in use (the open block's reserved one included; shared blocks once), the 16-bit rows of
         each row's open block when it holds any, the 16-bit copies (the window's, plus while recording those
         kept for a rollback) and the 8-bit first-block copies."""

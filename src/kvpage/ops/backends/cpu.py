@@ -137,7 +137,7 @@ _SEGMENT_ROWS = 128
 def _own_block_split(read: RequestRead, seq_len: int, n: int, block_size: int, params: LayerAttention) -> bool:
     """Whether :func:`_block_split_attention` serves a request's ``n`` queries: a plain layer, a pass starting at
     a block boundary (a prefill chunk or a prefix hit) and no window copies (each query would read its own)."""
-    return (_FLASH_WITH_LSE is not None and params.is_plain and not read.fp_blocks and n > 0
+    return (_FLASH_WITH_LSE is not None and params.is_plain and not read.window_copies and n > 0
             and (seq_len - n) % block_size == 0)
 
 

@@ -1,7 +1,8 @@
 """Per-step source tables of the quantize-on-seal formats for kernels that read them block by block.
 
 For each request and logical block of its context: where its rows live after this step's writes (a sealed pool
-block, a 16-bit tail slot, a sealed first block whose first rows an 8-bit copy holds) and at which index; and
+block, a 16-bit tail slot, a sealed first block whose first rows an 8-bit copy holds, a window block read from its
+8-bit copy) and at which index; and
 which requests a fused kernel can serve (one source per block for all of a request's queries) and which must
 attend through the reference path.
 Torch only; shared by the ``cpu`` and ``triton`` backends, so both kernels serve exactly the same requests.
@@ -18,8 +19,9 @@ from kvpage.ops.sealed_attention import SealContext
 #: Source kinds of a logical block: its sealed pool block, a 16-bit tail slot (a window copy, the block sealed
 #: this step while its slot still holds the rows, or the open block), a sealed first block whose first
 #: :func:`~kvpage.spec.sink_rows` rows are read from its int8 (sink) copy instead (index: the pool block; the copy's
-#: slot in :attr:`SealedSources.sink`).
-SRC_POOL, SRC_TAIL, SRC_SINK = 0, 1, 2
+#: slot in :attr:`SealedSources.sink`), a window block whose 8-bit copy holds all its rows (index: the copy's 8-bit
+#: slot, rows ``slot * sink_rows ..``; formats whose copies hold whole blocks).
+SRC_POOL, SRC_TAIL, SRC_SINK, SRC_COPY = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,8 @@ class SealedSources:
     Attributes:
         kind: ``[B, W]`` uint8 source kind of each request's logical block (``W`` = most blocks of any context;
             padding entries are :data:`SRC_POOL` 0 and never read).
-        index: ``[B, W]`` int64 pool block id (:data:`SRC_POOL`, :data:`SRC_SINK`) or tail slot of each.
+        index: ``[B, W]`` int64 pool block id (:data:`SRC_POOL`, :data:`SRC_SINK`), tail slot (:data:`SRC_TAIL`) or
+            8-bit slot (:data:`SRC_COPY`) of each.
         sink: ``[B]`` int64 each request's sink slot (-1: none), read where its first block is :data:`SRC_SINK`.
         kernel_rows: requests the kernel serves (ascending).
         sdpa_rows: the others (ascending): query runs longer than ``max_query``, runs whose queries lie in
@@ -63,6 +66,8 @@ def sealed_sources(ctx: SealContext, meta: AttentionMetadata, max_query: int) ->
         kind = [SRC_POOL] * len(ids)
         for j, slot in read.fp_blocks:
             kind[j], ids[j] = SRC_TAIL, slot
+        for j, slot in read.copy_blocks:
+            kind[j], ids[j] = SRC_COPY, slot
         sinks.append(-1 if read.sink_slot is None or not ids else read.sink_slot)
         if sinks[-1] >= 0:
             kind[0], ids[0] = SRC_SINK, int(read.full_ids[0])
@@ -96,4 +101,4 @@ def sealed_sources(ctx: SealContext, meta: AttentionMetadata, max_query: int) ->
     )
 
 
-__all__ = ["SRC_POOL", "SRC_SINK", "SRC_TAIL", "SealedSources", "sealed_sources"]
+__all__ = ["SRC_COPY", "SRC_POOL", "SRC_SINK", "SRC_TAIL", "SealedSources", "sealed_sources"]

@@ -433,8 +433,9 @@ struct PackedRows {
 #endif  // KVPAGE_SIMD
 
 // Quantize-on-seal formats (KIVI int4/int3/int2): sealed pool blocks, 16-bit tail rows (window copies and the
-// open block) and sealed first blocks whose first sink_n rows come from their int8 (sink) copy, chosen per logical
-// block by src_kind / src_idx (the copy's slot: src_sink).
+// open block), sealed first blocks whose first sink_n rows come from their int8 (sink) copy (the copy's slot: src_sink)
+// and window blocks read from their int8 copy (formats whose copies hold whole blocks: sink_n == bs), chosen per
+// logical block by src_kind / src_idx.
 template <int BITS, int TAIL>
 struct SealedSource {
   const uint8_t* key;          // [NB, bs, Hkv, P]
@@ -449,8 +450,9 @@ struct SealedSource {
   const c10::Half* sink_key_scale;  // [K*sink_n, Hkv]
   const uint8_t* sink_value;
   const c10::Half* sink_value_scale;
-  const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 pool block with its first sink_n rows from the copy
-  const int64_t* src_idx;      // [B, W] pool block id (0, 2) or tail slot (1)
+  const uint8_t* src_kind;     // [B, W]: 0 pool, 1 tail slot, 2 pool block with its first sink_n rows from the copy,
+                               // 3 all rows from an int8 copy (a window copy)
+  const int64_t* src_idx;      // [B, W] pool block id (0, 2), tail slot (1) or int8 copy slot (3)
   const int64_t* src_sink;     // [B] sink slot of the request's first block (read where its kind is 2)
   int64_t W, bs, Hkv, D, P, Gv, sink_n;  // sink_n: rows per sink copy (slot s: rows s*sink_n ..)
   bool int_dots;               // pool blocks' dot products on int16-coded q' and weights where the build has them
@@ -530,14 +532,15 @@ struct SealedSource {
       }
       return false;
     }
-    // the first block (kind 2): its first sink_n rows from the int8 copy, only the rows after them from the pool
-    const int64_t copied = kind == 2 ? std::clamp<int64_t>(sink_n - off, 0, nt) : 0;
+    // a window copy (kind 3): every row from the int8 copy in slot idx; the first block (kind 2): its first sink_n
+    // rows from the request's int8 copy, only the rows after them from the pool
+    const int64_t copied = kind == 3 ? nt : kind == 2 ? std::clamp<int64_t>(sink_n - off, 0, nt) : 0;
     if (copied < nt) {
       float* vrest = has_value ? vb + copied * Hkv * D : vb;
       load_pool<DC>(idx, first + copied * Hkv, nt - copied, kb + copied * Hkv * D, vrest, has_value);
     }
     if (copied) {
-      const int64_t base = src_sink[r] * sink_n;
+      const int64_t base = (kind == 3 ? idx : src_sink[r]) * sink_n;
       for (int64_t t = off; t < off + copied; ++t) {
         for (int64_t h = 0; h < Hkv; ++h) {
           const int64_t row = (base + t) * Hkv + h, i = (t - off) * Hkv + h;

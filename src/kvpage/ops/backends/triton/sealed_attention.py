@@ -57,11 +57,12 @@ def _load_sealed(codes_ptr, scale_ptr, zero_ptr, tail_ptr, sink_ptr, sink_scale_
                  GROUP_SIZE: tl.constexpr, TAIL_ENC: tl.constexpr):
     """Dequantized ``[BLOCK_N, BLOCK_D]`` float32 rows of kv head ``kvh``: position ``i`` is offset ``off[i]`` of
     logical block source ``(kind[i], idx[i])`` (0 pool block, 1 tail slot, 2 pool block whose offsets below
-    ``sink_rows`` read the request's sink slot ``sink_slot``); 0 where ``mask`` is off."""
+    ``sink_rows`` read the request's sink slot ``sink_slot``, 3 the int8 copy in 8-bit slot ``idx[i]``, which holds
+    the whole block); 0 where ``mask`` is off."""
     dm = d < head_dim
     m2 = mask[:, None] & dm[None, :]
     row = (idx * block_size + off) * kv_heads + kvh                                  # [BLOCK_N] int64 (token, head)
-    in_sink = (kind == 2) & (off < sink_rows)
+    in_sink = ((kind == 2) & (off < sink_rows)) | (kind == 3)
     # sealed pool block
     pm = m2 & (((kind == 0) | (kind == 2)) & ~in_sink)[:, None]
     code = _unpack(codes_ptr, row, d, pm, BITS, PACKED)
@@ -78,7 +79,7 @@ def _load_sealed(codes_ptr, scale_ptr, zero_ptr, tail_ptr, sink_ptr, sink_scale_
     x = tl.where(tm, dequantize(t, 1.0, TAIL_ENC), x)
     # int8 first-block copy of the first rows, one float16 scale per (token, kv head)
     sm = m2 & in_sink[:, None]
-    srow = (sink_slot * sink_rows + off) * kv_heads + kvh
+    srow = (tl.where(kind == 3, idx, sink_slot) * sink_rows + off) * kv_heads + kvh
     sc = tl.load(sink_ptr + srow[:, None] * head_dim + d[None, :], mask=sm, other=0)
     ss = tl.load(sink_scale_ptr + srow, mask=mask & in_sink, other=0.0).to(tl.float32)
     x = tl.where(sm, decode_int8(sc) * ss[:, None], x)
