@@ -443,7 +443,7 @@ def test_randomized_carved_schedule_under_side_pressure_answers_like_ample_space
     assert st.num_free + st.num_evictable + st.num_in_use + st.num_side == tight_blocks and st.num_in_use == 0
     (t,) = tail_tables(tight)
     side = t.side
-    assert t.num_used == 0 and side.num_spare == 0
+    assert t.num_used == 0 and side.num_spare == 0 and t.num_window_copies == 0  # (int2's window: 8-bit copies)
     assert side.num_held == t.num_used + t.num_sink_groups
     assert kv.stats().num_side == side.num_held * side.r
     kv.pool.validate()

@@ -94,13 +94,19 @@ class TailTable(TailEntries):
     ) -> SealOps:
         """Book this step's writes (open slots, seals, window and sink copies) and describe its reads.
 
+        **Window copies** (``window_blocks`` > 0): a block sealed inside the window of the last verified query,
+        holding generated tokens, keeps its 16-bit slot as its copy, or at ``window_bits`` 8 gets an ``int8`` copy in
+        an 8-bit slot (written by the seal: a ``sink_pos`` entry of all its rows) while its 16-bit slot goes as
+        outside the window; block 0 then takes none (its first-block copy holds the whole block).
+
         **Drafts** (speculative verification, issue 14): the last ``draft_lens[i]`` positions of request ``i``'s
         context are unverified. A block that fills and holds one is sealed as usual -- each query of this step
         reads what decoding reads at its position: its own block at full precision, the blocks of its own
-        window from their 16-bit copies (the reads' ``fp_blocks`` cover every query's window, issue 29), the
-        others as stored -- but is *provisional*: its 16-bit slot keeps all its rows (taken if it had none)
-        and is not freed by :meth:`finish`, until :meth:`rollback` verifies it (the slot goes, or stays as a
-        window copy) or reopens it (the slot is its open slot again; the next plan seals it anew). The window
+        window from their copies (the reads' ``fp_blocks`` and ``copy_blocks`` cover every query's window, issue
+        29), the others as stored -- but is *provisional*: its 16-bit slot keeps all its rows (taken if it had
+        none) and is not freed by :meth:`finish`, until :meth:`rollback` verifies it (the slot goes, or stays as a
+        16-bit window copy) or reopens it (the slot is its open slot again; the next plan seals it anew; an 8-bit
+        window copy made of it goes). The window
         (which sealed blocks keep a copy, which copies are pushed out) follows the verified length
         ``seq_lens[i] - draft_lens[i]`` instead of ``seq_lens[i]``, so a rollback to any length in between
         finds every copy its next query reads. No unverified token thus ends up only in low-bit codes.
