@@ -485,7 +485,7 @@ outlier channels stretch block 0's key steps over its other 31 rows; sealing blo
 fifth of that, not worth rows that stop being readable on their own) and keeps its whole block. At 2 bits block 0's
 other rows matter themselves (row 0 sealed apart gains nothing, 16 rows recover half): `int2` and `int2_rotated`
 keep the whole block, 3.133 bits at 1,024 tokens, over the 3.0 floor; 16 rows (3.004 bits) would not be under it
-either. The engine: sink slots of `sink_rows` rows (a carved group of `16 / bits` pool blocks holds
+either (since 2026-12-06 their window copies are int8: 2.891 bits, below). The engine: sink slots of `sink_rows` rows (a carved group of `16 / bits` pool blocks holds
 `2 * block_size / sink_rows` copies), block 0's source in the kernels is its pool block with its first rows from
 the copy (`SRC_SINK`); no fingerprint change (the sealed bytes are the same).
 
