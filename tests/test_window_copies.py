@@ -24,6 +24,9 @@ from kvpage.spec import CacheSpec, TailLayout
 def test_int2_formats_keep_int8_window_copies_where_the_copy_slot_holds_a_whole_block() -> None:
     for name in ("int2", "int2_rotated"):
         assert get_format(name).window_copy_bits(32) == 8
+        # only the open block's 6 tokens are held in 16 bits (the window's 32: int8 copies)
+        assert get_format(name).full_precision_tokens(num_tokens=1030, block_size=32, residual_tokens=32) == 6
+    assert get_format("int4").full_precision_tokens(num_tokens=1030, block_size=32, residual_tokens=32) == 38
     # formats whose 8-bit copy holds row 0 alone, or that keep no window, keep 16-bit copies when given a window
     for name in ("int4", "int4_rotated", "int3", "int3_rotated"):
         assert get_format(name).window_copy_bits(32) == 16

@@ -82,7 +82,7 @@ def side_parts_note(results: Sequence[PerplexityResult]) -> list[str]:
     if not rows:
         return []
     out = [f"bits/value counts all that the text's tokens hold; quantize-on-seal formats add side parts (open "
-           f"block and window in 16 bits, first block in 8 bits) whose share shrinks as the text grows:"]
+           f"block in 16 bits, window in 16 or 8, first block in 8) whose share shrinks as the text grows:"]
     for r in rows:
         out.append(f"  {r.name}: {r.full_precision_tokens:,} of {r.num_tokens:,} tokens also held in 16 bits; "
                    f"{r.steady_bits_per_value:.3f} bits/value for codes and scales alone (long texts)")

@@ -411,7 +411,8 @@ class SealedFormat(BlockFormat):
     def full_precision_tokens(self, *, num_tokens: int, block_size: int, residual_tokens: int = 0) -> int:
         """Tokens of a ``num_tokens``-token sequence held in 16 bits too: those of the open (partial) block, in
         its tail slot, and those of the sealed blocks in the window (the ``ceil(residual_tokens / block_size)``
-        blocks before the open one), as :meth:`effective_bits_per_value` counts them.
+        blocks before the open one) unless their copies are 8-bit (:meth:`window_copy_bits`), as
+        :meth:`effective_bits_per_value` counts them.
 
         Raises:
             ValueError: ``num_tokens <= 0``.
@@ -419,6 +420,8 @@ class SealedFormat(BlockFormat):
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
         sealed, partial = divmod(num_tokens, block_size)
+        if self.window_copy_bits(block_size) == 8:
+            return partial
         return partial + min(math.ceil(residual_tokens / block_size), sealed) * block_size
 
 
