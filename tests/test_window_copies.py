@@ -213,3 +213,165 @@ def test_engine_logits_close_to_16_bit_window_copies(fmt: str, monkeypatch: pyte
     assert not torch.equal(eight, sixteen)
     d8, dnone = (eight - sixteen).abs().max().item(), (none - sixteen).abs().max().item()
     assert d8 < 0.05 * sixteen.abs().max().item() and d8 < dnone, (d8, dnone)
+
+
+def test_a_failed_passs_window_copy_is_never_read_after_a_later_seal_outside_the_window() -> None:
+    """Regression (found in review): a copy booked by a plan whose pass raised survived when a rescheduled run
+    sealed the block outside the window, and the next read named its slot, whose rows were never written."""
+    t = TailTable(block_size=4, num_slots=8, num_sink_slots=8, window_blocks=1, window_bits=8)
+    ids = [10, 11, 12, 13]
+    t.plan([ids[:2]], [6], [6])
+    t.finish()
+    plan = t.plan([ids[:2]], [8], [2])                # block 11 fills inside the window: a copy is booked ...
+    assert plan.seal_ids == (11,) and plan.sink_pos == (0,) and t.window_copy_of(11) is not None
+    t.abort()                                         # ... but the pass raised
+    t.plan([ids[:2]], [7], [1])                       # rescheduled shorter: 11 stays open
+    t.finish()
+    plan = t.plan([ids], [16], [9])                   # 11 sealed again, now outside the last query's window
+    written = {plan.seal_ids[p]: slot for p, slot in zip(plan.sink_pos, plan.sink_slots)}
+    assert t.window_copy_of(11) is None
+    assert all(written.get(ids[j]) == slot for j, slot in plan.reads[0].copy_blocks), (plan.reads[0], written)
+
+
+def test_the_scheduler_promises_a_group_per_window_copy_whatever_the_free_parts() -> None:
+    """Regression (found in review): each chunk subtracted the same free parts of held groups, so two requests
+    making a window copy in one step counted one free part twice; a copy then took the group promised to a third
+    request's open slot and the plan raised OutOfBlocksError. Now every copy is promised a group (unused promises
+    go back after the step), and a step the pool cannot promise is refused before it runs instead."""
+    from types import SimpleNamespace
+
+    from kvpage.cache.groups.sealed import SealedGroupManager
+
+    for blocks in (32, 64):
+        pool = PrefixBlockPool(blocks)
+        side = SideGroups(pool, 4)
+        t = TailTable(4, side.num_groups, 2 * side.num_groups, 1, side, window_bits=8)
+        mgr = SimpleNamespace(table=t)                # slots_needed reads the table alone
+
+        def need(rid: str, ids: list[int], start: int, n: int) -> int:
+            req = SimpleNamespace(request_id=rid, num_prompt_tokens=8)
+            return SealedGroupManager.slots_needed(mgr, req, ids, start, n)[0]
+
+        a, b, c = pool.allocate(3), pool.allocate(3), pool.allocate(2)
+        assert side.reserve(need("a", [], 0, 11) + need("b", [], 0, 11) + need("c", [], 0, 8))
+        t.plan([a, b, c], [11, 11, 8], [11, 11, 8], owners="abc", prompt_lens=[8, 8, 8])
+        t.finish()
+        assert t.num_free_copy_parts == 1
+        c += pool.allocate(1)
+        needs = [need("a", a, 11, 1), need("b", b, 11, 1), need("c", c, 8, 1)]
+        assert needs == [1, 1, 1]                     # a and b: a copy each; c: its new open slot
+        if not side.reserve(sum(needs)):              # 32 blocks: the step waits (no plan runs)
+            assert blocks == 32
+            continue
+        plan = t.plan([a, b, c], [12, 12, 9], [1, 1, 1], owners="abc", prompt_lens=[8, 8, 8])
+        t.finish()
+        assert len(plan.sink_pos) == 2 and t.window_copy_of(a[2]) is not None and t.window_copy_of(b[2]) is not None
+
+
+@pytest.mark.parametrize("carved", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_randomized_schedules_read_only_the_latest_seal_of_a_block(seed: int, carved: bool) -> None:
+    """Random steps of up to four requests (prompts, decode, verification passes with drafts, a drafter's pass
+    before them, passes that raise and are re-run shorter, rollbacks, finished requests) on fixed pools or carved
+    groups: every 8-bit slot a read names holds the latest seal of that block (a failed pass's writes count as
+    garbage), no slot is booked twice, the carved groups' parts add up, and releasing everything frees everything."""
+    import random
+    from collections import Counter
+
+    rng = random.Random(seed)
+    bs, w = 4, rng.choice([1, 2])
+    pool = PrefixBlockPool(400) if carved else None
+    side = SideGroups(pool, 4) if pool is not None else None
+    t = (TailTable(bs, side.num_groups, 2 * side.num_groups, w, side, window_bits=8) if side is not None
+         else TailTable(bs, 40, rng.choice([2, 3, 5, 8]), w, window_bits=8))
+    fresh = iter(range(10**6))
+
+    def alloc(n: int) -> list[int]:
+        return pool.allocate(n) if pool is not None else [next(fresh) for _ in range(n)]
+
+    def free(ids: list[int]) -> None:
+        t.release(ids)
+        if pool is not None and ids:
+            pool.release(ids)
+
+    content: dict[int, tuple] = {}                    # 8-bit slot -> (block, its seal count) written last
+    seals: Counter = Counter()
+
+    def consistent() -> None:
+        slots = list(t._sink.values()) + [s for _, s in t._wcopy.values()]
+        assert len(slots) == len(set(slots))
+        if side is not None:
+            c = t.sinks_per_group
+            per = Counter(s // c for s in slots)
+            assert dict(per) == t._group_copies
+            assert t._part_free == {x for g in per for x in range(c * g, c * g + c)} - set(slots)
+            assert side.num_held == t.num_used + t.num_sink_groups + side.num_spare
+
+    def run(batch: list[str], drafts: list[int], final: bool = True, fail: bool = False) -> None:
+        tables = [reqs[r]["ids"] for r in batch]
+        ops = t.plan(tables, [reqs[r]["s"] for r in batch], [reqs[r]["n"] for r in batch], owners=batch,
+                     prompt_lens=[reqs[r]["plen"] for r in batch], draft_lens=drafts)
+        seals.update(ops.seal_ids)
+        for p, slot in zip(ops.sink_pos, ops.sink_slots):
+            content[slot] = (ops.seal_ids[p], seals[ops.seal_ids[p]])
+        for read, table in zip(ops.reads, tables):
+            for j, slot in read.copy_blocks:
+                assert content.get(slot) == (table[j], seals[table[j]])
+        if fail:
+            t.abort()
+            for slot in ops.sink_slots:
+                content[slot] = ("garbage",)
+        else:
+            t.finish(release_spare=final)
+        consistent()
+
+    reqs: dict[str, dict] = {}
+    for step in range(150):
+        if len(reqs) < 4 and rng.random() < 0.3:
+            reqs[f"r{step}"] = dict(ids=[], s=0, n=0, d=0, plen=rng.randint(1, 12), verified=0)
+        if not reqs:
+            continue
+        batch = rng.sample(sorted(reqs), rng.randint(1, len(reqs)))
+        speculate = rng.random() < 0.3
+        drafts = []
+        for r in batch:
+            q = reqs[r]
+            if q["verified"] < q["plen"]:
+                n, d = rng.randint(1, q["plen"] - q["verified"]), 0
+            else:
+                d = rng.randint(1, 4) if speculate else 0
+                n = (rng.randint(1, 6) if rng.random() < 0.3 else 1) + d
+            q.update(s=q["verified"] + n, n=n, d=d)
+            q["ids"] += alloc(max(0, -(-q["s"] // bs) - len(q["ids"])))
+            drafts.append(d)
+        if speculate and rng.random() < 0.5:
+            run(batch, drafts, final=False)           # a drafter's pass over the same positions
+        if rng.random() < 0.15:
+            run(batch, drafts, fail=True)             # a pass that raised; the re-run is shorter, without drafts
+            if rng.random() < 0.5:
+                batch = rng.sample(batch, rng.randint(1, len(batch)))
+                drafts = []
+                for r in batch:
+                    q = reqs[r]
+                    n = rng.randint(1, max(1, q["n"] - q["d"]))
+                    q.update(n=n, s=q["verified"] + n, d=0)
+                    drafts.append(0)
+        run(batch, drafts)
+        for r, d in zip(batch, drafts):
+            q = reqs[r]
+            keep = q["s"] - (rng.randint(0, d) if d else 0)
+            if d:
+                nb = -(-keep // bs)
+                dropped, q["ids"] = q["ids"][nb:], q["ids"][:nb]
+                t.rollback(q["ids"], keep)
+                free(dropped)
+                consistent()
+            q.update(verified=keep, s=keep)
+            if keep > 60 or rng.random() < 0.03:
+                free(q["ids"])
+                del reqs[r]
+    for q in reqs.values():
+        free(q["ids"])
+    consistent()
+    assert not t._slot and not t._sink and not t._wcopy
+    assert (side.num_held if side is not None else t.num_sink_slots - t._sink_slots.num_free) == 0

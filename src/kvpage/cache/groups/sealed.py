@@ -178,8 +178,10 @@ class SealedGroupManager(GroupManager):
         """``(tail slots)`` the chunk's plan takes (:meth:`TailTable.slots_to_take`, owner = the request id, as the plans;
         its last ``num_draft`` tokens unverified, as the plan's drafts); over side groups also the group of the
         first block's 8-bit copy when the chunk seals that block (provisionally or not), and the groups its 8-bit
-        window copies need beyond the free parts of held groups (:meth:`TailTable.copies_to_take`). (A block-wise
-        group is never copied on write: forks share whole blocks.)"""
+        window copies would fill (:meth:`TailTable.copies_to_take`, ``sinks_per_group`` a group), counted as if no
+        held group had a free part: the free parts are shared by every chunk of the step, and a copy that found none
+        took a group promised to another request's open slot (the plan then raised). Unused promises go back after
+        the step. (A block-wise group is never copied on write: forks share whole blocks.)"""
         given = getattr(request, "num_prompt_tokens", None)
         prompt = 0 if given is None else int(given)
         table = self.table
@@ -190,7 +192,7 @@ class SealedGroupManager(GroupManager):
         if table.side is not None:
             copies = table.copies_to_take(block_ids, num_computed, num_new, prompt, request.request_id,
                                           num_draft=num_draft)
-            need += -(-max(0, copies - table.num_free_copy_parts) // max(1, table.sinks_per_group))
+            need += -(-copies // max(1, table.sinks_per_group))
         return (need,)
 
     def seal_ops(self, requests: Sequence[PassRequest], final: bool) -> SealOps:

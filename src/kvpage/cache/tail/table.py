@@ -66,15 +66,16 @@ class TailTable(TailEntries):
         self, block_ids: Sequence[int], num_computed: int, num_new: int, prompt_len: int = 0,
         owner: Hashable | None = None, *, num_draft: int = 0,
     ) -> int:
-        """Net 8-bit window copies a plan of this one chunk makes (``window_bits`` 8; else 0): blocks it fills
-        inside the window after block 0 (holding generated tokens), less the request's 8-bit copies it pushes out
-        of the window first. Arguments as :meth:`slots_to_take`; no side effects. Never negative."""
+        """Net 8-bit window copies a plan of this one chunk may make (``window_bits`` 8; else 0): blocks it fills
+        inside the window (holding generated tokens; block 0 too, which takes one only when its first-block copy
+        could not be made), less the request's 8-bit copies it pushes out of the window first. Arguments as
+        :meth:`slots_to_take`; no side effects. Never negative."""
         if self.window_bits != 8 or not self.window_blocks:
             return 0
         bs, first, s = self.block_size, num_computed, num_computed + num_new
         window_from = (s - num_draft - 1) // bs - self.window_blocks
-        makes = sum(1 for j in range(max(1, first // bs, window_from), s // bs)
-                    if (j + 1) * bs > max(first, prompt_len))
+        makes = sum(1 for j in range(max(0, first // bs, window_from), s // bs)
+                    if (j + 1) * bs > max(first, prompt_len))  # (block 0 counted: its first-block copy may fail)
         pushed = [b for b in self._pushed_out(block_ids, first, window_from, owner) if b in self._wcopy]
         return max(0, makes - len(pushed))
 
@@ -224,13 +225,14 @@ class TailTable(TailEntries):
                             sink_pos.append(len(seal_ids) - 1)
                             sink_slots.append(sink)
                     in_window = bool(w) and j >= window_from and (j + 1) * bs > plen
-                    if in_window and w8:  # the window copy: int8 rows of the block in an 8-bit slot
-                        self._drop_wcopy(b)  # (a re-run of a failed step, or a drafter's earlier pass, made one)
-                        if not (j == 0 and self.num_sink_slots):  # (block 0 is read through its whole-block copy)
-                            copy = self._take_window_copy(b, owner, protected)
-                            if copy is not None:
-                                sink_pos.append(len(seal_ids) - 1)
-                                sink_slots.append(copy)
+                    # a copy of an earlier seal of these rows goes, in the window or not (a failed step's plan, or
+                    # a drafter's earlier pass, may have booked one: its rows may be unwritten or other tokens')
+                    self._drop_wcopy(b)
+                    if in_window and w8 and not (j == 0 and b in self._sink):  # (block 0: its whole-block copy)
+                        copy = self._take_window_copy(b, owner, protected)  # int8 rows of the block, 8-bit slot
+                        if copy is not None:
+                            sink_pos.append(len(seal_ids) - 1)
+                            sink_slots.append(copy)
                     if (j + 1) * bs > verified:  # provisional: the slot keeps its rows until rollback()
                         self._provisional[b] = owner
                         if in_window and not w8:
