@@ -157,7 +157,7 @@ def test_two_8_bit_copies_share_a_carved_group_and_the_scheduler_counts_the_grou
     t.finish()
     # during that step 1's copy was read while 2's was written: 2's took a second group, 1's then went
     assert (t.window_copy_of(ids[1]), t.num_window_copies, t.num_sink_groups, t.num_used) == (None, 1, 2, 0)
-    assert side.num_held == 2 and t.num_free_copy_parts == 2
+    assert side.num_held == 2 and len(t._part_free) == 2
     assert t.copies_to_take(ids, 12, 4) == 1      # block 3 fills: its copy takes the first-block copy's free half
     plan = t.plan([ids], [16], [4])
     t.finish()
@@ -256,7 +256,7 @@ def test_the_scheduler_promises_a_group_per_window_copy_whatever_the_free_parts(
         assert side.reserve(need("a", [], 0, 11) + need("b", [], 0, 11) + need("c", [], 0, 8))
         t.plan([a, b, c], [11, 11, 8], [11, 11, 8], owners="abc", prompt_lens=[8, 8, 8])
         t.finish()
-        assert t.num_free_copy_parts == 1
+        assert len(t._part_free) == 1
         c += pool.allocate(1)
         needs = [need("a", a, 11, 1), need("b", b, 11, 1), need("c", c, 8, 1)]
         assert needs == [1, 1, 1]                     # a and b: a copy each; c: its new open slot

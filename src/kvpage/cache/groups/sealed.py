@@ -187,9 +187,9 @@ class SealedGroupManager(GroupManager):
         table = self.table
         need = table.slots_to_take(block_ids, num_computed, num_new, prompt, request.request_id, num_draft=num_draft)
         bs = table.block_size
-        if table.side is not None and table.num_sink_slots and num_computed < bs <= num_computed + num_new:
-            need += 1
         if table.side is not None:
+            if table.num_sink_slots and num_computed < bs <= num_computed + num_new:
+                need += 1
             copies = table.copies_to_take(block_ids, num_computed, num_new, prompt, request.request_id,
                                           num_draft=num_draft)
             need += -(-copies // max(1, table.sinks_per_group))

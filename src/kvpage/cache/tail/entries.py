@@ -103,12 +103,6 @@ class TailEntries:
         return len(self._wcopy)
 
     @property
-    def num_free_copy_parts(self) -> int:
-        """8-bit slots free inside side groups that other copies hold (taking one claims no block); 0 over fixed
-        pools."""
-        return len(self._part_free)
-
-    @property
     def num_used(self) -> int:
         """16-bit slots in use."""
         return len(self._slot)
@@ -289,19 +283,10 @@ class TailEntries:
         ``1 / sinks_per_group`` of a group's bytes), else a reserved group (the scheduler counts a chunk that seals
         a first block), else a free one, else an idle copy's."""
         assert self.side is not None
-        c = self.sinks_per_group
-        if self._part_free:
-            slot = min(self._part_free)
-            self._part_free.discard(slot)
-            self._group_copies[slot // c] += 1
+        slot = self._free_copy_slot()
+        if slot is not None:
             self._sink[b] = slot
             return slot
-        g = self.side.take()
-        if g is not None:
-            self._sink[b] = c * g
-            self._group_copies[g] = 1
-            self._part_free.update(range(c * g + 1, c * g + c))
-            return c * g
         victim = next((x for x in self._sink if x not in protected and not self._live(x)), None)
         if victim is None and self._is_in_use is not None:
             in_use = self._is_in_use
@@ -320,31 +305,41 @@ class TailEntries:
         self._sink[b] = slot = self._wcopy.pop(victim)[1]
         return slot
 
+    def _free_copy_slot(self, *, beside_sinks: bool = False) -> int | None:
+        """An 8-bit slot no copy holds, counted as held from now on; ``None`` when none is free. Over fixed pools a
+        free slot; over side groups a free part of a held group (the lowest; ``beside_sinks``: one in a group a
+        first-block copy holds first), else a reserved or free group, whose other parts become free parts."""
+        if self.side is None:
+            if not self._sink_slots.num_free:
+                return None
+            (slot,) = self._sink_slots.take(1)
+            return slot
+        c = self.sinks_per_group
+        if self._part_free:
+            if beside_sinks:
+                # window copies come and go, so a group that holds only them is given back soon, while one beside a
+                # first-block copy stays (int2: a request's first-block and window copies then share one group every
+                # other block instead of never)
+                lasting = {x // c for x in self._sink.values()}
+                slot = min(self._part_free, key=lambda x: (x // c not in lasting, x))
+            else:
+                slot = min(self._part_free)
+            self._part_free.discard(slot)
+            self._group_copies[slot // c] += 1
+            return slot
+        g = self.side.take()
+        if g is None:
+            return None
+        self._group_copies[g] = 1
+        self._part_free.update(range(c * g + 1, c * g + c))
+        return c * g
+
     def _take_window_copy(self, b: int, owner: Hashable, protected: set[int]) -> int | None:
         """An 8-bit slot for ``b``'s window copy (``window_bits`` 8), booked for ``owner``; ``None`` when there is
         none: a free slot (over side groups a free part of a held group, else a reserved or free group), else the
         oldest window copy of a block the plan does not touch. Optional, as a 16-bit window copy is: without one
         the block is read as sealed."""
-        slot: int | None = None
-        if self.side is None:
-            if self._sink_slots.num_free:
-                (slot,) = self._sink_slots.take(1)
-        elif self._part_free:
-            # a free part beside a first-block copy first: window copies come and go, so a group that holds only
-            # them is given back soon, while one beside a first-block copy stays (int2: a request's first-block and
-            # window copies then share one group every other block instead of never)
-            c = self.sinks_per_group
-            lasting = {x // c for x in self._sink.values()}
-            slot = min(self._part_free, key=lambda x: (x // c not in lasting, x))
-            self._part_free.discard(slot)
-            self._group_copies[slot // c] += 1
-        else:
-            g = self.side.take()
-            if g is not None:
-                c = self.sinks_per_group
-                slot = c * g
-                self._group_copies[g] = 1
-                self._part_free.update(range(c * g + 1, c * g + c))
+        slot = self._free_copy_slot(beside_sinks=True)
         if slot is None:
             victim = next((x for x in self._wcopy if x not in protected), None)
             if victim is None:
