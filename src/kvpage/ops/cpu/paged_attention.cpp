@@ -953,7 +953,14 @@ inline __m256i VecI16x32::hsum8(const __m512i* a) { return hsum8_i32x16(a); }
 // with scales qs[g]: sc[g*ldsc + t] = qs[g] * ks[t*sstride] * sm_scale * (qi_g . k_t). The eight tokens' sums are
 // reduced by V::hsum8 (with AVX-512 the 16-lane registers transposed directly: the op 2-4% faster at batch 32,
 // depth 1,024 and 4,096 than folding each to eight lanes first; tried and dropped: the int8 values summed with
-// int16-coded weights as the sealed blocks' are, 3-7% slower at that shape).
+// int16-coded weights as the sealed blocks' are, 3-7% slower at that shape; and (2026-12-06, AMD EPYC Zen 4) summed
+// with VNNI byte dot products, the weights times the value scales coded as 16 bits split into two byte planes,
+// four tokens' codes interleaved per channel, one vpdpbusd per 16 channels, plane and query head: outputs within
+// 4e-6 of the float path's, but 1.03-1.27x slower in the same process (batch 32, depth 1,024: 1,690 against
+// 1,642 µs with the codes interleaved once into L1 for every query head, 1,635 against 1,492 with 24 accumulators
+// in registers, which spilled; batch 8, depth 4,096: 1,922 against 1,516). An ablation of the op there (hot, batch
+// 8, depth 1,024: 15.5 ns per token and kv head) put 4.8 ns in the value loop, 4.3 in these scores, 1.8 in the
+// prefetches and 4.1 in the rest (softmax, scale conversion, the call).
 template <int DC, int GB>
 inline void scores_i8(const int16_t* qi, const float* qs, const int8_t* kbase, int64_t stride, int64_t lim,
                       float sm_scale, const float* ks, int64_t sstride, float* sc, int64_t ldsc, float* mx) {
@@ -1489,7 +1496,10 @@ void attend_range(const Src& src, const Batch& b, const float* qf, const int16_t
           int8_t* vc = reinterpret_cast<int8_t*>(vb);
           each_block([&](int64_t k, int64_t off, int64_t nt, int64_t at) {
             const auto [kr, vr] = src.int8_rows(r, k, off, nt, ksb + at * Hkv, vsb + at * Hkv);
-            // copied front to back (the prefetchers stream them), then read by every query head from L1
+            // copied front to back (the prefetchers stream them), then read by every query head from L1. Tried
+            // and dropped (2026-12-06, AMD EPYC Zen 4, one thread): reading each block's rows in place instead
+            // (segments, as packed_update does): hot at batch 32, depth 1,024 no faster (1,492-1,546 µs against
+            // 1,467-1,613), cold at depth 4,096 slower (7,705-8,264 µs against 6,278-8,273, attention.py).
             std::memcpy(kc + at * stride, kr, nt * stride);
             std::memcpy(vc + at * stride, vr, nt * stride);
           });
