@@ -65,7 +65,12 @@ INT8_KEYED = ("int8", "int8_rotated")
 def int16_coded_q(q: torch.Tensor, fmt: str, head_dim: int) -> torch.Tensor:
     """``q`` [T, H, D] as the kernel sees it for ``fmt``'s int8 keys: each (token, head) row of q (rotated
     first for a rotated format) coded to int16 with the scale ``max|q| / 32767``, rounded to nearest, then
-    rotated back; any other format's q, or a head_dim the kernel reads otherwise, unchanged."""
+    rotated back, in float32 (the kernel attends in float32; :meth:`Pair.step` casts the reference's output to the
+    model dtype); any other format's q, or a head_dim the kernel reads otherwise, unchanged.
+
+    Regression: this was rounded back to a 16-bit model's dtype, so for a rotated format the reference's q was
+    one bfloat16 step (2^-9 relative) off the kernel's in every rotated channel, and the comparison failed by up to
+    ~1e-2 of the output's scale (``int8_rotated``, bfloat16, head_dim 128) with both backends right."""
     if fmt not in INT8_KEYED or not cpu_module.cpu_backend().kernels.int8_keys_as_codes(head_dim):
         return q
     rot = get_format(fmt).rotation(head_dim, torch.float32, q.device)
@@ -73,7 +78,7 @@ def int16_coded_q(q: torch.Tensor, fmt: str, head_dim: int) -> torch.Tensor:
     mx = x.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
     coded = torch.round((x * inv).clamp(-32767, 32767)) * (mx / 32767.0)
-    return (coded if rot is None else coded @ rot.T).to(q.dtype)
+    return coded if rot is None else coded @ rot.T
 
 
 class Pair:
@@ -102,7 +107,8 @@ class Pair:
     def step(self, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
              q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: LayerAttention = PLAIN,
              q_ref: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """One step through both backends (``q_ref``, when given, is the reference backend's q)."""
+        """One step through both backends (``q_ref``, when given, is the reference backend's q, whose output is cast
+        to ``q``'s dtype: a float32 ``q_ref`` serves a 16-bit model)."""
         bs = self.spec.block_size
         slots = [tables[i][p // bs] * bs + p % bs for i in range(len(tables))
                  for p in range(seq_lens[i] - query_lens[i], seq_lens[i])]
@@ -119,6 +125,7 @@ class Pair:
             else:
                 outs.append(backend.forward(q_in, k, v, self.caches[i], self.layer, meta, layer_index=0,
                                             params=params))
+            outs[-1] = outs[-1].to(q.dtype)
         return outs
 
     def assert_same_bytes(self) -> None:
@@ -262,6 +269,19 @@ def test_sealed_integer_dots_match_the_reference(fmt: str, heads: int, kv_heads:
     if dtype == torch.float32:
         acts = cpu_module.cpu_backend().kernels.sealed_int_dots(head_dim)
         assert (coded > plain) == acts, (coded, plain)
+
+
+@pytest.mark.parametrize("fmt", INT8_KEYED)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (7, 1, 64, 8)])
+def test_int8_keys_as_codes_with_a_bfloat16_model(fmt: str, heads: int, kv_heads: int, head_dim: int,
+                                                  block_size: int) -> None:
+    """A bfloat16 model over int8 keys read as codes (q coded as int16 in float32, rotated first for
+    ``int8_rotated``): both backends round the same float32 result to bfloat16, at most one rounding step apart,
+    and both within the int8 bound of float64 attention. Regression for :func:`int16_coded_q`, which handed the
+    reference a q rounded back to bfloat16 (fails on ``int8_rotated`` at head_dim 128 without its fix)."""
+    bs = block_size
+    run_batch(fmt, lens=[5 * 32 + 1, 4 * bs + 3, 300, 97, 64 + 7], query_lens=[1, 1, 1, 1, 2], heads=heads,
+              kv_heads=kv_heads, head_dim=head_dim, block_size=bs, seed=head_dim + bs, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", TOKEN_FORMATS + SEALED_FORMATS)
