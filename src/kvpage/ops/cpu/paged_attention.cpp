@@ -958,9 +958,10 @@ inline __m256i VecI16x32::hsum8(const __m512i* a) { return hsum8_i32x16(a); }
 // four tokens' codes interleaved per channel, one vpdpbusd per 16 channels, plane and query head: outputs within
 // 4e-6 of the float path's, but 1.03-1.27x slower in the same process (batch 32, depth 1,024: 1,690 against
 // 1,642 µs with the codes interleaved once into L1 for every query head, 1,635 against 1,492 with 24 accumulators
-// in registers, which spilled; batch 8, depth 4,096: 1,922 against 1,516). An ablation of the op there (hot, batch
-// 8, depth 1,024: 15.5 ns per token and kv head) put 4.8 ns in the value loop, 4.3 in these scores, 1.8 in the
-// prefetches and 4.1 in the rest (softmax, scale conversion, the call).
+// in registers, which spilled; batch 8, depth 4,096: 1,922 against 1,516). An ablation of the op there (a build
+// skipping one part at a time; the in-place reads of attend_range's note, as fast hot; batch 8, depth 1,024: 15.5 ns
+// per token and kv head) put 4.8 ns in the value loop, 4.3 in these scores, 1.7 in the prefetches and 4.1 in the
+// rest (softmax, chunk set-up, the call; converting the scales 16 at a time gained nothing measurable).
 template <int DC, int GB>
 inline void scores_i8(const int16_t* qi, const float* qs, const int8_t* kbase, int64_t stride, int64_t lim,
                       float sm_scale, const float* ks, int64_t sstride, float* sc, int64_t ldsc, float* mx) {
