@@ -125,7 +125,8 @@ class Pair:
             else:
                 outs.append(backend.forward(q_in, k, v, self.caches[i], self.layer, meta, layer_index=0,
                                             params=params))
-            outs[-1] = outs[-1].to(q.dtype)
+            if i == 0 and q_ref is not None:  # the reference's output in the model dtype; the kernel's dtype stays checked
+                outs[-1] = outs[-1].to(q.dtype)
         return outs
 
     def assert_same_bytes(self) -> None:
