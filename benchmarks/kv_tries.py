@@ -40,10 +40,13 @@ Usage (one thread; the machine is shared)::
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py sensitivity --out benchmarks/accuracy/tries
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py screen --out benchmarks/accuracy/tries
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py positions --formats bfloat16,int8,int4_rotated
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/kv_tries.py qcoding --formats int8,int8_rotated
 
 ``positions`` says where a format's KLD comes from per member (its top positions' share, the mean without them,
 the median, how far the top positions' residual stream peaks above its layer's median: massive activations);
-``bfloat16`` there is a 16-bit cache (the rounding floor any format sits on). Each command writes
+``bfloat16`` there is a 16-bit cache (the rounding floor any format sits on). ``qcoding`` scores token formats
+with their queries coded for integer dot products (:data:`QUERY_CODES`: int16 per head as the CPU kernels' int8
+path reads them, int8 per head or per 32 channels as llama.cpp's q8_0 x q8_0 path would). Each command writes
 ``<out>/<command>.json`` (rows: variant, member, bits, KLD, Δppl, top-1).
 """
 from __future__ import annotations
@@ -82,6 +85,9 @@ TAIL_DTYPE = torch.float16
 SINK = Int8Format()
 #: Tuning members of the suite (never the held-back one here unless asked by name).
 TUNING = ("gpl3", "argparse", "matplotlibrc", "torch_readme")
+#: ``qcoding``'s query codings (:func:`code_queries`: ``(qmax, group)``; ``None``: float32 queries).
+QUERY_CODES: dict[str, tuple[int, int] | None] = {
+    "float32": None, "int16 per head": (32767, 0), "int8 per head": (127, 0), "int8 per 32 channels": (127, 32)}
 #: Query rows per attention call (memory bound: scores are ``[H, rows, keys]`` float32).
 QUERY_CHUNK = 256
 
@@ -221,6 +227,9 @@ class LayerPlan:
             range) and its other rows are read sealed.
         sink_rows_sealed: with ``sink_copy_tokens`` below the block's, block 0 is sealed as it is (the copied rows
             in its groups, so the sealed block stays readable on its own) instead of without them.
+        query_code: a token format's query rows rounded as a kernel with integer dot products would code them
+            (:func:`code_queries`): ``(qmax, group)``, ``qmax`` 32767 (int16, what the CPU kernels' int8 path does)
+            or 127 (int8, llama.cpp's q8_0 x q8_0), one scale per ``group`` channels (0: per head); ``None``: float.
     """
 
     fmt: str = "auto"
@@ -234,6 +243,7 @@ class LayerPlan:
     sink_copy_values: bool = True
     sink_copy_tokens: int | None = None
     sink_rows_sealed: bool = False
+    query_code: tuple[int, int] | None = None
 
 
 def fp_start_block(b: int, window: int, sink: bool) -> int:
@@ -325,10 +335,28 @@ def is_sealed(fmt: str) -> bool:
     return fmt != "auto" and isinstance(get_format(fmt), SealedFormat)
 
 
+def code_queries(q: torch.Tensor, qmax: int, group: int, fmt: str) -> torch.Tensor:
+    """Query rows ``q`` ``[T, H, D]`` float32 as an integer-dot kernel reads them: in ``fmt``'s stored basis (the
+    Hadamard basis for a rotated format), each run of ``group`` channels (0: the whole head) scaled so its largest
+    magnitude is ``qmax``, rounded to integers and scaled back, then returned to the original basis (the rotation is
+    orthonormal, so scores against keys in either basis are those of the coded query)."""
+    f = get_format(fmt)
+    T, H, D = q.shape
+    rot = f.rotation(D, torch.float32, "cpu")
+    x = q @ rot if rot is not None else q
+    g = group or D
+    y = x.reshape(T, H, D // g, g)
+    step = y.abs().amax(-1, keepdim=True) / qmax
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    x = (torch.round(y / step) * step).reshape(T, H, D)
+    return x @ rot.T if rot is not None else x
+
+
 def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
-                          scale: float | None) -> torch.Tensor:
+                          scale: float | None, query_code: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal attention with every token's K/V as ``fmt`` stores it (``auto``: float32 as given; a token-wise format:
-    ``int8``, ``bfloat16``, ...)."""
+    ``int8``, ``bfloat16``, ...), the queries coded as :func:`code_queries` codes them when ``query_code`` is
+    ``(qmax, group)``."""
     import torch.nn.functional as F
 
     if fmt != "auto":
@@ -336,6 +364,8 @@ def token_layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt
         qk, qv = f.quantize(k, kind=KEY), f.quantize(v, kind=VALUE)
         k = f.dequantize(qk.codes, qk.scale, torch.float32, kind=KEY)
         v = f.dequantize(qv.codes, qv.scale, torch.float32, kind=VALUE)
+        if query_code is not None:
+            q = code_queries(q.float(), *query_code, fmt)
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
@@ -423,7 +453,7 @@ class Runner:
             scale = self.model.attention_params(layer).scale
             plan = LayerPlan() if plans is None else plans[layer]
             if not is_sealed(plan.fmt):
-                return token_layer_attention(q, k, v, plan.fmt, scale)
+                return token_layer_attention(q, k, v, plan.fmt, scale, plan.query_code)
             return sealed_layer_attention(q, k, v, pos, plan, scale, rope)
 
         with torch.inference_mode():
@@ -593,9 +623,10 @@ def _save(out: Path, name: str, payload: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``validate``, ``sensitivity``, ``fit``, ``screen``, ``positions`` (module docstring)."""
+    """Command line: ``validate``, ``sensitivity``, ``fit``, ``screen``, ``positions``, ``qcoding`` (module
+    docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=["validate", "sensitivity", "fit", "screen", "positions"])
+    p.add_argument("command", choices=["validate", "sensitivity", "fit", "screen", "positions", "qcoding"])
     p.add_argument("--members", default=",".join(TUNING))
     p.add_argument("--tokens", default="argparse=2048", help="member=N,... (first N tokens of those members)")
     p.add_argument("--formats", default="int4,int3,int2,int4_rotated", help="validate/screen: base formats")
@@ -660,6 +691,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"median): {[(t['position'], round(t['kld'], 2), t['residual_x_median']) for t in r['top']]}",
                       flush=True)
                 _save(out, "positions", payload)
+        return 0
+    if args.command == "qcoding":
+        for f in args.formats.split(","):
+            for label, code in QUERY_CODES.items():
+                v = uniform(f"{f}, q {label}", f, L, query_code=code)
+                for m in members:
+                    r = runner.score(v, m)
+                    rows.append(r)
+                    _print_row(r)
+                    _save(out, "qcoding", payload)
         return 0
     variants = build_variants(out, L, args.formats.split(","))
     wanted = None if args.variants is None else set(args.variants.split(","))

@@ -235,3 +235,26 @@ def test_one_angle_per_block_is_pre_rope_with_positions_taken_within_the_block()
     torch.testing.assert_close(run["block_rope"][:64], run["pre_rope"][:64], rtol=0, atol=0)  # read block 0 at most
     assert not torch.allclose(run["block_rope"][64:], run["pre_rope"][64:], atol=1e-4)      # read block 1 too
     assert not torch.allclose(run["pre_rope"][32:], plain[32:], atol=1e-4)                   # the seal saw other keys
+
+
+@pytest.mark.parametrize("name", ["int8", "int8_rotated"])
+@pytest.mark.parametrize("qmax, group", [(127, 0), (127, 32), (32767, 0)])
+def test_coded_queries_are_integer_multiples_of_their_step_in_the_stored_basis(name: str, qmax: int,
+                                                                               group: int) -> None:
+    """``qcoding``'s queries: in the format's stored basis every run of ``group`` channels (a head for 0) is an
+    integer multiple of its step (largest magnitude / ``qmax``), its largest element kept, each within half a step."""
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 3, 64, generator=g) * torch.rand(1, 3, 64, generator=g) * 6
+    coded = kv_tries.code_queries(q, qmax, group, name)
+    rot = fmt.rotation(64, torch.float32, "cpu")
+    assert (rot is not None) == name.endswith("_rotated")
+    basis = (lambda x: x @ rot) if rot is not None else (lambda x: x)
+    n = group or 64
+    x, y = basis(q).reshape(5, 3, 64 // n, n), basis(coded).reshape(5, 3, 64 // n, n)
+    step = x.abs().amax(-1, keepdim=True).double() / qmax
+    k = y.double() / step
+    torch.testing.assert_close(k, k.round(), rtol=0, atol=1e-3 + qmax * 2e-6)  # float32 rows: ~1e-6 relative
+    assert k.abs().round().amax() == qmax
+    assert ((y - x).abs().double() <= step / 2 + 2e-6 * x.abs().amax().item()).all()
+    assert not torch.equal(coded, q)

@@ -961,7 +961,9 @@ inline __m256i VecI16x32::hsum8(const __m512i* a) { return hsum8_i32x16(a); }
 // in registers, which spilled; batch 8, depth 4,096: 1,922 against 1,516). An ablation of the op there (a build
 // skipping one part at a time; the in-place reads of attend_range's note, as fast hot; batch 8, depth 1,024: 15.5 ns
 // per token and kv head) put 4.8 ns in the value loop, 4.3 in these scores, 1.7 in the prefetches and 4.1 in the
-// rest (softmax, chunk set-up, the call; converting the scales 16 at a time gained nothing measurable).
+// rest (softmax, chunk set-up, the call; converting the scales 16 at a time gained nothing measurable). Not built:
+// the query coded as int8 for vpdpbusd (llama.cpp's q8_0 x q8_0; at most half these instructions): +26-56% KLD
+// for int8 and +40-46% for int8_rotated in benchmarks/ACCURACY.md's screen, where the int16 query costs nothing.
 template <int DC, int GB>
 inline void scores_i8(const int16_t* qi, const float* qs, const int8_t* kbase, int64_t stride, int64_t lim,
                       float sm_scale, const float* ks, int64_t sstride, float* sc, int64_t ldsc, float* mx) {
