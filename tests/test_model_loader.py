@@ -69,6 +69,59 @@ def test_unsupported_file_type(tmp_path):
         load_model(weights, progress=False)
 
 
+@pytest.fixture
+def tiny_folder(tmp_path, smollm2):
+    """A one-layer random Llama saved as a Hugging Face folder with the bundled tokenizer."""
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    HFLlama(config).save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    assert load_model(tmp_path, progress=False).config.num_layers == 1  # readable as saved
+    return tmp_path
+
+
+def test_unreadable_config_json_is_one_error_naming_it(tiny_folder):
+    """A ``config.json`` that is not JSON: a ``ValueError`` naming the file from the load and the config read (it
+    was transformers' ``OSError``, which the CLI printed as a traceback)."""
+    (tiny_folder / "config.json").write_text("{bad")
+    for read in (lambda: load_model(tiny_folder, progress=False), lambda: loader.read_model_config(tiny_folder)):
+        with pytest.raises(ValueError, match=r"config\.json is not a readable model config"):
+            read()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "half"])
+def test_unreadable_safetensors_is_one_error_naming_the_file(tiny_folder, damage):
+    """Weights that safetensors cannot read (not safetensors, empty, cut in half): a ``ValueError`` naming the file
+    and its size (it was safetensors' ``SafetensorError``)."""
+    weights = tiny_folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"garbage": b"garbage\n", "empty": b"", "half": data[: len(data) // 2]}[damage])
+    size = weights.stat().st_size
+    with pytest.raises(ValueError, match=rf"model\.safetensors is not a readable safetensors file \({size:,} bytes"):
+        load_model(tiny_folder, progress=False)
+
+
+def test_unreadable_safetensors_index_is_one_error_naming_it(tiny_folder):
+    index = tiny_folder / "model.safetensors.index.json"
+    for text in ("{bad", '{"metadata": {}}', '{"weight_map": ["model.safetensors"]}'):
+        index.write_text(text)
+        with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not a readable safetensors index"):
+            load_model(tiny_folder, progress=False)
+
+
+def test_cli_reports_an_unreadable_model_folder_in_one_line(tiny_folder, capsys):
+    from kvpage import cli
+
+    (tiny_folder / "model.safetensors").write_bytes(b"garbage\n")
+    assert cli.main(["generate", "hi", "--model", str(tiny_folder), "--no-chat"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors is not a readable safetensors file (8 bytes" in err and "Traceback" not in err
+    (tiny_folder / "config.json").write_text("{bad")
+    assert cli.main(["generate", "hi", "--model", str(tiny_folder), "--no-chat"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json is not a readable model config" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("overrides", "pattern"),
     [

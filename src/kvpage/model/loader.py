@@ -159,7 +159,9 @@ def load_model(
         ModelNotFoundError: ``path`` does not exist, or a folder lacks
             ``config.json``, ``*.safetensors`` or tokenizer files (message says what to provide).
         ValueError: unsupported architecture (named), file type, or tensors that
-            do not fit the config; ``weights_dtype`` not one of :data:`WEIGHTS_DTYPES` (named).
+            do not fit the config; a file that cannot be read (a GGUF, ``config.json``, a safetensors file or
+            its index: empty, truncated or corrupt; named); ``weights_dtype`` not one of :data:`WEIGHTS_DTYPES`
+            (named).
         TypeError: ``path`` (``LLM(model=...)``) is neither a str, an ``os.PathLike`` nor ``None``
             (bytes too: give the path as a str).
 
@@ -683,20 +685,53 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, weights_dtype: st
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files: those its ``model.safetensors.index.json`` maps to, else every ``*.safetensors``.
+
+    Raises:
+        ValueError: the index is not JSON with a ``weight_map`` object of file names (names the index).
+    """
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [folder / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a readable safetensors index (JSON with a 'weight_map' object of "
+                             f"tensor -> file names): {type(e).__name__}: {e}") from e
     return sorted(folder.glob("*.safetensors"))
 
 
+def _unreadable_weights(file: Path, err: Exception) -> ValueError:
+    """The error for a weight file safetensors cannot read (empty, truncated, corrupt or missing): names the file
+    and its size."""
+    size = file.stat().st_size if file.exists() else 0
+    return ValueError(f"{file} is not a readable safetensors file ({size:,} bytes: empty, truncated or corrupt): "
+                      f"{err}")
+
+
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    """Every ``(name, tensor)`` of ``files`` in order; a file safetensors cannot read raises ``ValueError`` naming
+    it (:func:`_unreadable_weights`)."""
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise _unreadable_weights(file, e) from e
+
+
+def _hf_config(folder: Path) -> Any:
+    """``AutoConfig.from_pretrained`` of ``folder`` (local files only), what a bad ``config.json`` makes it raise
+    (not JSON, no ``model_type``, an unknown one) turned into one ``ValueError`` naming the file."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder / 'config.json'} is not a readable model config: {e}") from e
 
 
 def read_model_config(path: str | Path | None = None) -> ModelConfig:
@@ -712,7 +747,7 @@ def read_model_config(path: str | Path | None = None) -> ModelConfig:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelNotFoundError(f"{p} has no config.json: pass a Hugging Face model folder or a .gguf file")
-        return ModelConfig.from_hf(AutoConfig.from_pretrained(str(p), local_files_only=True))
+        return ModelConfig.from_hf(_hf_config(p))
     if p.suffix.lower() == ".gguf" and p.is_file():
         config_dict, _ = read_gguf(p)  # raises on an unsupported architecture
         return ModelConfig.from_hf(AutoConfig.for_model(**config_dict), torch_dtype=torch.float32)
@@ -720,7 +755,7 @@ def read_model_config(path: str | Path | None = None) -> ModelConfig:
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(
@@ -733,21 +768,23 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, progress: bool) -> LoadedM
             f"{folder} has no *.safetensors weights (pytorch_model.bin is not supported): "
             "re-save the model with save_pretrained(..., safe_serialization=True)"
         )
-    hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    config = ModelConfig.from_hf(hf_config)
+    config = ModelConfig.from_hf(_hf_config(folder))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelNotFoundError(
             f"{folder} has no usable tokenizer files ({err}); save one there with tokenizer.save_pretrained"
         ) from err
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     model = families.load_attr(families.family_for(config.model_type).model_class)(config, dtype=dtype)
     count = 0
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            count += len(f.keys())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                count += len(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise _unreadable_weights(file, e) from e
     sd = dict(tqdm(_iter_safetensors(files), total=count, desc="Reading safetensors", unit="tensor",
                    disable=not progress, leave=False))
     model.load_hf_state_dict(sd)
