@@ -145,6 +145,12 @@ def test_token_ids_of_numpy_and_tuples_are_accepted(llm: LLM) -> None:
         (["fine", "\ud83d"], ValueError, "surrogate"),
         (["fine", None], TypeError, "prompt"),
         (["fine", {"prompt_token_ids": [1, 10**8]}], ValueError, "outside the vocabulary"),
+        # a list's bad prompt is named by its index; an empty text as a text, not as token ids
+        (["ok", ""], ValueError, r"^prompts\[1\]: empty prompt: the text '' encodes to no tokens"),
+        ("", ValueError, r"^empty prompt: the text '' encodes to no tokens"),
+        (["fine", "fine", {"prompt_token_ids": [1, 10**8]}], ValueError,
+         r"^prompts\[2\]: prompt_token_ids \[100000000\]"),
+        (["fine", None], TypeError, r"^prompts\[1\]: a prompt is a str or a dict"),
     ],
 )
 def test_generate_rejects_bad_prompts_and_queues_nothing(llm: LLM, prompts, exc, field) -> None:

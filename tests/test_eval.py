@@ -214,6 +214,7 @@ def test_cli_unknown_format_exits_2_before_loading(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert rc == 2
     assert "int7" in err and "valid names" in err and "int8" in err and "fp8" in err
+    assert err.startswith("kvpage: error: --formats 'int7': unknown kv_cache_dtype 'int7'"), err  # the flag typed
     assert main(["eval", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
     assert "no such file" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()

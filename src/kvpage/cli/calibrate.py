@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvpage.engine.args import DTYPE_HELP, check_output_file, positive_int, read_text_file, threads_help
+from kvpage.engine.args import DTYPE_HELP, check_output_file, model_dtype, positive_int, read_text_file, threads_help
 
 
 def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
@@ -21,7 +21,7 @@ def add_calibrate_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     c.add_argument("--tokens", type=positive_int, default=2048, help="calibrate on the text's first N tokens (default 2048)")
     c.add_argument("--chunk-size", type=positive_int, default=512, help="tokens per forward pass (default 512)")
-    c.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    c.add_argument("--dtype", default="auto", type=model_dtype, help=DTYPE_HELP)
     c.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     c.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
                    help="--bos: put the tokenizer's BOS first; --no-bos: no special tokens (default: as the "

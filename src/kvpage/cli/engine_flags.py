@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvpage.cache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
 from kvpage.errors import KVPageError
-from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, json_object_arg, nonnegative_int, positive_int,
-                               threads_help)
+from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, json_object_arg, model_dtype, nonnegative_int,
+                               positive_int, threads_help)
 
 if TYPE_CHECKING:
     from kvpage.engine.llm import LLM
@@ -89,7 +89,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "gpu_memory_utilization, a fraction of total memory); excludes --kv-cache-memory-bytes "
                         "and --num-blocks")
     p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
-    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--dtype", default="auto", type=model_dtype, help=DTYPE_HELP)
     p.add_argument("--weights-dtype", default="auto", help=WEIGHTS_DTYPE_HELP)
     p.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference", "triton"],

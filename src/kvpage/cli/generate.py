@@ -10,6 +10,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from kvpage.cli.engine_flags import ENGINE_FLAGS, add_engine_args, build_llm, name_flags
+from kvpage.engine.args import seed
 from kvpage.errors import KVPageError
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=seed, default=None,
+                   help="sampling seed, an integer in [-2**63, 2**64 - 1] (default: random)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.set_defaults(func=run_generate)
     return g
@@ -121,6 +123,18 @@ def capacity_lines(llm: LLM) -> list[str]:
     slots = (f" + {cap.window_bytes / 2**20:.1f} MiB of {cap.window_slots:,} window slots for the "
              f"{windowed.num_layers} sliding-window layers ({window}-token window: "
              f"{group_formula(windowed)} per token in a slot)" if windowed is not None else "")
+    if not window and cap.bytes_per_token == cap.reference_bytes_per_token:  # the model-dtype cache: no saving to say
+        compared = (f"[kvpage] the cache is in the model's dtype ({cap.model_dtype}): {cap.tokens:,} tokens in "
+                    f"{cap.budget_bytes / 2**20:,.1f} MiB; a quantized --kv-cache-dtype (int8, int4_rotated, ...) "
+                    f"holds more in the same budget (`kvpage formats` lists them with their tokens)")
+    else:
+        used = cap.reference_tokens / cap.tokens if window else cap.bytes_per_token / cap.reference_bytes_per_token
+        compared = (
+            f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token"
+            f"{' in every layer; the same layout, window slots too' if window else ''}): "
+            f"{1 - used:.1%} less KV memory per cached token; "
+            f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "
+            f"({cap.ratio:.2f}x more tokens per byte, side space included)")
     return [
         f"[kvpage] KV cache: {spec.format_label} ({_mean_bits(spec):g} bits/value"
         f"{', mean over layers' if spec.format_groups else ''}), "
@@ -128,12 +142,7 @@ def capacity_lines(llm: LLM) -> list[str]:
         + (" + ".join(group_formula(g) for g in per_token) if per_token else "0 (every layer is windowed)")
         + f"; {cap.num_blocks:,} blocks x {cap.block_size} tokens "
         f"= {cap.pool_bytes / 2**20:.1f} MiB{slots}{side}",
-        f"[kvpage] vs a {cap.model_dtype} cache ({cap.reference_bytes_per_token:,.0f} bytes/token"
-        f"{' in every layer; the same layout, window slots too' if window else ''}): "
-        f"{1 - (cap.reference_tokens / cap.tokens if window else cap.bytes_per_token / cap.reference_bytes_per_token):.1%}"
-        f" less KV memory per cached token; "
-        f"{cap.tokens:,} vs {cap.reference_tokens:,} tokens in the same {cap.budget_bytes / 2**20:,.1f} MiB "
-        f"({cap.ratio:.2f}x more tokens per byte, side space included)",
+        compared,
     ]
 
 

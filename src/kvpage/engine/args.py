@@ -39,6 +39,29 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def model_dtype(text: str) -> str:
+    """argparse type: a compute dtype name :func:`kvpage.engine.config.resolve_dtype` takes (``auto``, ``float32``,
+    ``bfloat16``, ``float16`` or an alias such as ``bf16``); returned as given."""
+    from kvpage.engine.config import resolve_dtype
+
+    try:
+        resolve_dtype(text)
+    except ValueError as e:  # "dtype must be one of ...": argparse prefixes "argument --dtype: "
+        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype ")) from None
+    return text
+
+
+def seed(text: str) -> int:
+    """argparse type: a sampling seed, an integer in ``[-2**63, 2**64 - 1]`` (what
+    :class:`~kvpage.engine.sampling.SamplingParams` takes)."""
+    from kvpage.engine.sampling import SEED_MAX, SEED_MIN
+
+    value = _int(text, "an integer")
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**63, 2**64 - 1], got {value}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type: a TCP port, 0 (any free port) to 65535."""
     value = _int(text, "a TCP port (0-65535)")

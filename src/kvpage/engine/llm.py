@@ -31,6 +31,7 @@ from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.sizing import startup_line
 from kvpage.engine.threads import apply_num_threads
 from kvpage.engine.validate import check_messages, check_prompt
+from kvpage.errors import KVPageError
 from kvpage.model.encode import encode_text
 from kvpage.spec import CacheSpec
 
@@ -262,7 +263,8 @@ class LLM:
 
     def _add(self, prompts: PromptType | Sequence[PromptType],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
-        """Check and queue every prompt, or none: any bad prompt or params raises before the first is queued."""
+        """Check and queue every prompt, or none: any bad prompt or params raises before the first is queued; an
+        error of one prompt of a list of several is prefixed ``prompts[i]: `` (the caller's index)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -284,12 +286,31 @@ class LLM:
         else:
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
                             f"{type(sampling_params).__name__}; build one with SamplingParams(**fields)")
-        encoded = [self.encode(p) for p in prompts]
+
+        def at(i: int, e: Exception) -> None:
+            """Prefix ``e``'s message (in place) with the prompt's index when there are several."""
+            if len(prompts) > 1 and len(e.args) == 1 and isinstance(e.args[0], str):
+                e.args = (f"prompts[{i}]: {e.args[0]}",)
+
+        encoded: list[tuple[str | None, list[int]]] = []
+        for i, p in enumerate(prompts):
+            try:
+                text, ids = self.encode(p)
+                if not ids:  # "" (a tokenizer that adds no BOS): said as the text it is, not as token ids
+                    raise ValueError(f"empty prompt: the text {text!r} encodes to no tokens; give at least one")
+            except (TypeError, ValueError) as e:
+                at(i, e)
+                raise
+            encoded.append((text, ids))
         ids_out: list[str] = []
         try:
-            for (text, ids), sp in zip(encoded, params_list):
+            for i, ((text, ids), sp) in enumerate(zip(encoded, params_list)):
                 rid = uuid.uuid4().hex  # the caller's id (with n > 1 the engine's requests are its completions)
-                self.engine.add_request(text, ids, sp, request_id=rid)
+                try:
+                    self.engine.add_request(text, ids, sp, request_id=rid)
+                except (TypeError, ValueError, KVPageError) as e:
+                    at(i, e)
+                    raise
                 ids_out.append(rid)
         except Exception:
             for rid in ids_out:

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, check_output_dir, nonnegative_int, positive_int,
-                               read_text_file, threads_help)
+from kvpage.engine.args import (DTYPE_HELP, WEIGHTS_DTYPE_HELP, check_output_dir, model_dtype, nonnegative_int,
+                               positive_int, read_text_file, threads_help)
 
 #: Tokens scored by ``--text`` unless ``--tokens`` says otherwise (suite members carry their own).
 DEFAULT_TEXT_TOKENS = 1024
@@ -55,7 +55,7 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     e.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV block (default: each format's, 16; 32 for int4/int3/int2)")
-    e.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    e.add_argument("--dtype", default="auto", type=model_dtype, help=DTYPE_HELP)
     e.add_argument("--weights-dtype", default="auto", help=WEIGHTS_DTYPE_HELP)
     e.add_argument("--threads", type=positive_int, default=None, help=threads_help())
     e.add_argument("--out", default="kvpage-eval",
@@ -80,9 +80,11 @@ def _format_list(spec: str, dtype: Any) -> list[str]:
 
     Raises:
         ValueError: the list is empty; a bad layer map (unbalanced bracket, bad layer, a layer named twice).
-        UnknownKVFormatError: a name no format answers to (the message lists the valid ones).
+        UnknownKVFormatError: a name no format answers to (the message, prefixed ``--formats 'ROW'``, lists the
+            valid ones).
     """
     from kvpage.engine.config import parse_layer_dtypes
+    from kvpage.errors import KVPageError
     from kvpage.eval.perplexity import split_format_list, split_format_row
     from kvpage.formats import canonical_format_name
 
@@ -92,7 +94,12 @@ def _format_list(spec: str, dtype: Any) -> list[str]:
     formats, seen = ["auto"], {canonical_format_name("auto", dtype)}  # the unquantized cache first: the Δ baseline
     for n in names:
         base, layer_map = split_format_row(n)
-        c = canonical_format_name(base, dtype)
+        try:
+            c = canonical_format_name(base, dtype)
+        except (ValueError, KVPageError) as e:  # "unknown kv_cache_dtype 'int9'": name the flag the user typed
+            if len(e.args) == 1 and isinstance(e.args[0], str):
+                e.args = (f"--formats {n!r}: {e.args[0]}",)
+            raise
         if layer_map:
             mapping = parse_layer_dtypes(layer_map, f"--formats {n!r}")
             c += "[" + ";".join(f"{i}:{canonical_format_name(f, dtype)}" for i, f in sorted(mapping.items())) + "]"

@@ -110,10 +110,9 @@ def missing_scales_error(format_name: str, layer_index: int = 0, group: str = "m
     """The error of a static-scale format given no calibrated scales (names the layer, the tensor and the fixes)."""
     return StaticScalesError(
         f"layer {layer_index} ({group} group): format {format_name} needs calibrated static scales "
-        f"(tensor 'layers.{layer_index}.k_absmax'), but none were given. Pass kv_cache_scales=FILE "
-        f"(--kv-cache-scales FILE; make one with `kvpage calibrate --text FILE --out FILE`) or "
-        f"kv_cache_scales=StaticScales(...) (CacheSpec.build(static_scales=...)); kvpage never uses a "
-        f"default scale of 1.0"
+        f"(tensor 'layers.{layer_index}.k_absmax'), but none were given. Pass kv_cache_scales=FILE, a "
+        f"safetensors file made by `kvpage calibrate --text FILE --out FILE` (from Python a StaticScales object "
+        f"too, CacheSpec.build's static_scales); kvpage never uses a default scale of 1.0"
     )
 
 
