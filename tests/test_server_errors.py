@@ -334,8 +334,13 @@ def test_prompt_longer_than_the_context_is_400(server, path, body, param) -> Non
      "Content-Type: application/json"),
     ("POST", "/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', {"content-type": "application/json"}, 404,
      "`gpt-4` does not exist"),
+    # FastAPI's own "There was an error parsing the body" for these, said with the reason
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', {"content-type": "application/json"},
+     400, "malformed request body (POST /v1/completions): the body is not UTF-8 text (invalid start byte at byte 29)"),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, {"content-type": "application/json"}, 400,
+     "malformed request body (POST /v1/completions): the JSON is nested too deeply to parse"),
 ], ids=["404-post", "404-get", "405-get", "405-delete", "json-cut", "json-garbage", "json-array", "empty-body",
-        "text-plain", "form", "unknown-model"])
+        "text-plain", "form", "unknown-model", "not-utf8", "nested-too-deep"])
 def test_router_and_body_errors_are_openai_style(server, method, path, content, headers, status, words) -> None:
     r = server.http.request(method, path, content=content, headers=headers)
     assert r.status_code == status, r.text

@@ -214,6 +214,17 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, "; ".join(parts) or "invalid request", param=params[0] if params else None)
 
 
+def _body_error(err: BaseException) -> str:
+    """Why a request body could not be read as JSON, from what FastAPI's body parser raised (it answers only "There
+    was an error parsing the body" for anything but a JSON syntax error): bytes that are not UTF-8, or nesting past
+    the parser's recursion limit."""
+    if isinstance(err, UnicodeDecodeError):
+        return f"the body is not UTF-8 text ({err.reason} at byte {err.start}); send JSON encoded as UTF-8"
+    if isinstance(err, RecursionError):
+        return "the JSON is nested too deeply to parse"
+    return f"{type(err).__name__}: {err}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer :class:`APIError`, validation errors, the router's 404/405 and unexpected exceptions OpenAI-style."""
 
@@ -238,6 +249,8 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = (exc.headers or {}).get("Allow", "")
             message = f"Method not allowed ({where}){f'; this route accepts {allowed}' if allowed else ''}"
             code = "method_not_allowed"
+        elif exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "There was an error parsing the body"
+            message, code = f"malformed request body ({where}): {_body_error(exc.__cause__)}", None
         else:
             message, code = f"{exc.detail} ({where})", None
         return APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
