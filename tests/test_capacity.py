@@ -154,6 +154,27 @@ def test_c26_smollm2_figures_of_the_issue() -> None:
             f"| {c.ratio:.2f}x |") in table
 
 
+def test_cli_says_a_model_dtype_cache_saves_nothing(tiny, capsys, monkeypatch) -> None:
+    """With the default cache (the model's dtype) the comparison line says so and the tokens it holds, instead of
+    "0.0% less KV memory ... (1.00x more tokens per byte)"; a quantized cache keeps its comparison."""
+    from kvpage import cli
+    from kvpage.engine.llm import LLM
+    from kvpage.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny)
+    argv = ["generate", "hello there", "--no-chat", "--max-tokens", "2", "--kv-cache-memory-bytes", str(6 * MiB),
+            "--threads", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    tokens = LLM(tiny, kv_cache_memory_bytes=6 * MiB, num_threads=1, progress=False).capacity.tokens
+    assert f"[kvpage] the cache is in the model's dtype (float32): {tokens:,} tokens in 6.0 MiB; " in out
+    assert "less KV memory" not in out and "more tokens per byte" not in out
+    assert cli.main([*argv, "--kv-cache-dtype", "int8"]) == 0
+    c = LLM(tiny, kv_cache_dtype="int8", kv_cache_memory_bytes=6 * MiB, num_threads=1, progress=False).capacity
+    assert f"{1 - c.bytes_per_token / c.reference_bytes_per_token:.1%} less KV memory per cached token" in (
+        capsys.readouterr().out)
+
+
 def test_rotated_sealed_formats_hold_what_their_base_formats_hold() -> None:
     """Same bytes per block and side pools as int4/int3/int2 (only the rows' basis differs): the same capacity."""
     rows = {r.name: r.report for r in format_rows(SMOLLM2_SHAPE, 256 * MiB)}

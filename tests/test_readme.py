@@ -63,6 +63,16 @@ def test_format_table_lists_every_format_with_all_its_aliases() -> None:
         assert rows[name] == expected[name], f"README row of {name}: aliases {sorted(rows[name])}, code {sorted(expected[name])}"
 
 
+def test_capacity_table_is_the_format_tables_output() -> None:
+    """The README's capacity table is ``python -m kvpage.engine.format_table``'s, row for row (it had lost the
+    ``int3`` and ``_rotated`` rows that the command prints)."""
+    from kvpage.engine.format_table import format_rows, markdown_table
+
+    text = README.read_text(encoding="utf-8")
+    start = text.index("| format | block | bytes/token (pool) | side pools (MiB) | tokens in 512 MiB |")
+    assert text[start:].split("\n\n")[0].strip() == markdown_table(format_rows()).strip()
+
+
 def _flags(parser: argparse.ArgumentParser) -> set[str]:
     out: set[str] = set()
     for action in parser._actions:

@@ -233,7 +233,7 @@ def load_kernels() -> ModuleType | None:
 
     Thread-safe; the result (module or failure) is remembered for the process, and later calls (the
     decoder's fused ops ask on every call) return it without taking the lock. Side effects: the first
-    call may compile for ~1-3 min, saying so on stderr before and after (a built copy loads silently),
+    call may compile for ~3-5 min, saying so on stderr before and after (a built copy loads silently),
     writes the build folder (:func:`build_dir`), and sets ``PATH``/``CXX`` while torch builds
     (:func:`_pinned_env`).
     """
@@ -256,7 +256,7 @@ def load_kernels() -> ModuleType | None:
             with _build_lock(folder), _pinned_env(tools):
                 compiling = _needs_compile(folder, tools.ninja)
                 if compiling:
-                    _say(f"compiling the CPU kernels (once per machine; ~1-3 min, longer on a busy machine) "
+                    _say(f"compiling the CPU kernels (once per machine; ~3-5 min, longer on a busy machine) "
                          f"in {folder} ...")
                 start = time.monotonic()
                 mod = load(
