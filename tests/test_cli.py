@@ -219,6 +219,11 @@ def test_tier_line_reports_the_tier_counters_of_a_disk_store(tiny, monkeypatch, 
     (["serve", "--port", "70000"], "argument --port: a TCP port is 0-65535, got 70000"),
     (["generate"], "the following arguments are required: prompt"),
     (["bogus"], "invalid choice: 'bogus'"),
+    # a flag no parser knows, said by the sub-command's parser (it was the top-level one, hinting 'kvpage --help')
+    (["generate", "x", "--kv-cache-dtpye", "int8"], "unrecognized arguments: --kv-cache-dtpye int8"),
+    (["formats", "--budget", "1", "extra"], "unrecognized arguments: extra"),
+    (["generate", "x", "--dtype", "float8"], "argument --dtype: must be one of auto, float32, bfloat16, float16; got"),
+    (["generate", "x", "--seed", str(2**64)], "argument --seed: must be an integer in [-2**63, 2**64 - 1], got"),
 ])
 def test_argparse_errors_are_one_line_and_a_help_hint(argv, words, capsys) -> None:
     """A flag argparse rejects prints ``kvpage <cmd>: error: ...`` and a --help hint (not the 20-line usage), exit 2."""

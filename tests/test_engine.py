@@ -120,6 +120,10 @@ def test_prompt_longer_than_cache_is_a_clear_error(smollm2):
         LLM(smollm2, num_blocks=4, max_model_len=32, progress=False).generate(
             {"prompt_token_ids": list(range(100, 140))}
         )
+    one = LLM(smollm2, kv_cache_dtype="int8", num_blocks=1, block_size=16, progress=False)
+    with pytest.raises(PromptTooLongError, match=r"needs 2 blocks of 16 tokens, but the KV cache holds only 1 "
+                                                 r"block \(16 tokens\)"):
+        one.generate({"prompt_token_ids": list(range(100, 120))}, SamplingParams(max_tokens=4))
 
 
 def test_unknown_format_fails_before_loading_the_model():

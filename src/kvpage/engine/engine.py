@@ -174,7 +174,8 @@ class LLMEngine:
         if need > self.num_blocks:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens + max_tokens {max_tokens} needs {need} blocks of "
-                f"{self.block_size} tokens, but the KV cache holds only {self.num_blocks} blocks "
+                f"{self.block_size} tokens, but the KV cache holds only {self.num_blocks} "
+                f"block{'s' if self.num_blocks != 1 else ''} "
                 f"({self.num_blocks * self.block_size} tokens). Raise kv_cache_memory_bytes/num_blocks, pick a "
                 f"smaller kv_cache_dtype, or lower max_tokens."
             )
