@@ -30,12 +30,26 @@ class _Parser(argparse.ArgumentParser):
     (argparse's). Sub-command parsers are of this class too (``add_subparsers`` uses the parent's).
     """
 
+    #: The sub-commands' parsers by name (set by :func:`build_parser`), for :meth:`parse_command_line`.
+    commands: dict[str, argparse.ArgumentParser]
+
     def error(self, message: str) -> NoReturn:
         """Print ``<prog>: error: <message>`` and a ``--help`` hint on stderr; exit with status 2."""
         self.exit(2, f"{self.prog}: error: {message}\nrun '{self.prog} --help' for the options\n")
 
+    def parse_command_line(self, argv: Sequence[str] | None) -> argparse.Namespace:
+        """``parse_args(argv)``, except that flags no parser knows are reported by the sub-command's parser
+        (``kvpage generate: error: unrecognized arguments: --kv-cache-dtpye`` and its ``kvpage generate --help``
+        hint): argparse leaves them to the top-level parser, whose hint lists only the sub-commands. Exits with
+        status 2 on a bad command line, as ``parse_args`` does."""
+        ns, extra = self.parse_known_args(argv)
+        if extra:
+            parser = getattr(self, "commands", {}).get(getattr(ns, "command", None), self)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser() -> _Parser:
     """The ``kvpage`` argument parser (sub-commands ``generate``, ``serve``, ``eval``, ``calibrate``, ``formats``,
     ``build-kernels``).
 
@@ -51,20 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(sub)
     add_formats_parser(sub)
     add_build_kernels_parser(sub)
-    for command in sub.choices.values():  # which parser reports a flag none knows (parse_command_line)
-        command.set_defaults(command_parser=command)
+    parser.commands = dict(sub.choices)  # which parser reports a flag none knows (_Parser.parse_command_line)
     return parser
-
-
-def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``parser.parse_args(argv)``, except that flags no parser knows are reported by the sub-command's parser
-    (``kvpage generate: error: unrecognized arguments: --kv-cache-dtpye`` and its ``kvpage generate --help``
-    hint): argparse leaves them to the top-level parser, whose hint lists only the sub-commands. Exits with status 2
-    on a bad command line, as ``parse_args`` does."""
-    ns, extra = parser.parse_known_args(argv)
-    if extra:
-        (getattr(ns, "command_parser", None) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
-    return ns
 
 
 #: Exit status after Ctrl-C (SIGINT): 128 + 2, as shells report a process that SIGINT ended.
@@ -94,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
-        args = parse_command_line(build_parser(), argv)
+        args = build_parser().parse_command_line(argv)
         status = int(args.func(args))
         sys.stdout.flush()  # here, where a closed pipe is caught below, not in the interpreter's exit
         return status
