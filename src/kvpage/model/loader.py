@@ -32,6 +32,7 @@ Nothing here touches the network: every transformers call passes
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -701,26 +702,29 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def _unreadable_weights(file: Path, err: Exception) -> ValueError:
-    """The error for a weight file safetensors cannot read (empty, truncated, corrupt or missing): names the file
-    and its size."""
-    size = file.stat().st_size if file.exists() else 0
-    return ValueError(f"{file} is not a readable safetensors file ({size:,} bytes: empty, truncated or corrupt): "
-                      f"{err}")
+@contextlib.contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    """``safetensors.safe_open(file)`` (PyTorch tensors), with what safetensors raises for a file it cannot read
+    there or while the block reads it (empty, truncated, corrupt or missing) turned into one ``ValueError`` naming
+    the file and its size."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        size = file.stat().st_size if file.exists() else 0
+        raise ValueError(f"{file} is not a readable safetensors file ({size:,} bytes: empty, truncated or "
+                         f"corrupt): {e}") from e
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every ``(name, tensor)`` of ``files`` in order; a file safetensors cannot read raises ``ValueError`` naming
-    it (:func:`_unreadable_weights`)."""
-    from safetensors import SafetensorError, safe_open
-
+    it (:func:`_open_safetensors`)."""
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise _unreadable_weights(file, e) from e
+        with _open_safetensors(file) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def _hf_config(folder: Path) -> Any:
@@ -775,16 +779,11 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, progress: bool) -> LoadedM
         raise ModelNotFoundError(
             f"{folder} has no usable tokenizer files ({err}); save one there with tokenizer.save_pretrained"
         ) from err
-    from safetensors import SafetensorError, safe_open
-
     model = families.load_attr(families.family_for(config.model_type).model_class)(config, dtype=dtype)
     count = 0
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                count += len(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise _unreadable_weights(file, e) from e
+        with _open_safetensors(file) as f:
+            count += len(f.keys())
     sd = dict(tqdm(_iter_safetensors(files), total=count, desc="Reading safetensors", unit="tensor",
                    disable=not progress, leave=False))
     model.load_hf_state_dict(sd)
