@@ -6,6 +6,14 @@ raised from deep inside a kernel after data was touched.
 from __future__ import annotations
 
 
+def prefix_message(err: BaseException, prefix: str) -> None:
+    """Put ``prefix`` before ``err``'s message, in place (``"--formats 'int9': unknown kv_cache_dtype ..."``), so a
+    boundary can say which of its inputs the error is about; type and traceback are kept. A message that is not
+    ``err``'s single string argument is left alone."""
+    if len(err.args) == 1 and isinstance(err.args[0], str):
+        err.args = (prefix + err.args[0],)
+
+
 class KVPageError(Exception):
     """Base class of every kvpage-specific error."""
 

@@ -31,7 +31,7 @@ from kvpage.engine.sampling import SamplingParams
 from kvpage.engine.sizing import startup_line
 from kvpage.engine.threads import apply_num_threads
 from kvpage.engine.validate import check_messages, check_prompt
-from kvpage.errors import KVPageError
+from kvpage.errors import KVPageError, prefix_message
 from kvpage.model.encode import encode_text
 from kvpage.spec import CacheSpec
 
@@ -289,8 +289,8 @@ class LLM:
 
         def at(i: int, e: Exception) -> None:
             """Prefix ``e``'s message (in place) with the prompt's index when there are several."""
-            if len(prompts) > 1 and len(e.args) == 1 and isinstance(e.args[0], str):
-                e.args = (f"prompts[{i}]: {e.args[0]}",)
+            if len(prompts) > 1:
+                prefix_message(e, f"prompts[{i}]: ")
 
         encoded: list[tuple[str | None, list[int]]] = []
         for i, p in enumerate(prompts):

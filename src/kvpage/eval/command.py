@@ -84,7 +84,7 @@ def _format_list(spec: str, dtype: Any) -> list[str]:
             valid ones).
     """
     from kvpage.engine.config import parse_layer_dtypes
-    from kvpage.errors import KVPageError
+    from kvpage.errors import KVPageError, prefix_message
     from kvpage.eval.perplexity import split_format_list, split_format_row
     from kvpage.formats import canonical_format_name
 
@@ -97,8 +97,7 @@ def _format_list(spec: str, dtype: Any) -> list[str]:
         try:
             c = canonical_format_name(base, dtype)
         except (ValueError, KVPageError) as e:  # "unknown kv_cache_dtype 'int9'": name the flag the user typed
-            if len(e.args) == 1 and isinstance(e.args[0], str):
-                e.args = (f"--formats {n!r}: {e.args[0]}",)
+            prefix_message(e, f"--formats {n!r}: ")
             raise
         if layer_map:
             mapping = parse_layer_dtypes(layer_map, f"--formats {n!r}")
